@@ -1,0 +1,81 @@
+"""The canonical text of an event, reproducible ids, and the per-session hash chain (SPEC §2)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+NS = uuid.UUID("c103da3a-5624-571b-8699-c4e4db20453f")
+GENESIS = "0" * 64
+CANONICAL_KEYS = ("session_id", "seq", "event_id", "type", "at", "data", "schema")
+
+
+def event_id_for(session_id: str, seq: int) -> str:
+    """The reproducible id of the event at `seq` of a session: uuid5(NS, "<session_id>:<seq>")."""
+    return str(uuid.uuid5(NS, f"{session_id}:{seq}"))
+
+
+def session_id_for_seed(seed_data: Mapping[str, Any]) -> str:
+    """The session id replay gives a log whose events carry none: uuid5 of the seed data."""
+    text = json.dumps(seed_data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return str(uuid.uuid5(NS, text))
+
+
+def canonical_text(fields: Mapping[str, Any]) -> str:
+    """The canonical JSON text of an event's seven identity fields."""
+    return json.dumps(
+        {key: fields[key] for key in CANONICAL_KEYS},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    )
+
+
+def chain_hash(prev_hash: str, canonical: str) -> str:
+    """sha256 over the previous hash's hex digits followed by the canonical text (UTF-8)."""
+    digest = hashlib.sha256(prev_hash.encode("ascii"))
+    digest.update(canonical.encode("utf-8"))
+    return digest.hexdigest()
+
+
+def chain(canonicals: Iterable[str], prev_hash: str = GENESIS) -> list[str]:
+    """The hashes of consecutive canonical texts, starting from `prev_hash`."""
+    hashes = []
+    for text in canonicals:
+        prev_hash = chain_hash(prev_hash, text)
+        hashes.append(prev_hash)
+    return hashes
+
+
+def first_broken_link(
+    links: Iterable[tuple[int, str, str]], *, head_seq: int, head_hash: str
+) -> str | None:
+    """Check (seq, canonical, stored hash) rows of one session in order; describe the first fault.
+
+    Detects an altered event (hash mismatch), a removed, reordered or inserted one (seq
+    gap or hash mismatch) and a removed last one (head mismatch). Returns None when intact.
+    """
+    prev, expected_seq = GENESIS, 1
+    for seq, canonical, stored in links:
+        if seq != expected_seq:
+            return f"seq {seq}: expected seq {expected_seq} (an event was removed or inserted)"
+        try:
+            embedded_seq = json.loads(canonical)["seq"]
+        except (ValueError, KeyError, TypeError):
+            return f"seq {seq}: stored text is not a canonical event"
+        if embedded_seq != seq:
+            return f"seq {seq}: stored text says seq {embedded_seq} (events were reordered)"
+        prev = chain_hash(prev, canonical)
+        if prev != stored:
+            return f"seq {seq}: hash mismatch (the event was altered or moved)"
+        expected_seq += 1
+    if expected_seq - 1 != head_seq or prev != (head_hash if head_seq else GENESIS):
+        return (
+            f"head: the log ends at seq {expected_seq - 1} but the head says seq {head_seq}"
+            " (an event was removed or the head altered)"
+        )
+    return None

@@ -1,0 +1,471 @@
+"""Every event of a session (SPEC §2): one immutable pydantic model per type, one union.
+
+The JSONL form of an event is `{"type", "at", "data"}` plus the optional `session_id`,
+`seq`, `event_id` and `schema`. `data` of a Codex stream event is Codex's own object
+without its `type`, kept whole (unknown fields included); our own event types forbid
+unknown fields so a typo is an error, not silently dropped evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Annotated, Any, Literal, TypeAlias
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+)
+
+from core.errors import BadEvent
+from core.settings import Settings
+
+_RFC3339_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|\+00:00)")
+
+
+def _utc_timestamp(value: str) -> str:
+    if not _RFC3339_UTC.fullmatch(value):
+        raise ValueError(f"{value!r} is not an RFC 3339 UTC timestamp (like 2026-01-31T12:00:00Z)")
+    return value
+
+
+Timestamp = Annotated[str, AfterValidator(_utc_timestamp)]
+Count = Annotated[int, Field(ge=0)]
+FiniteNumber = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Data(BaseModel):
+    """Data of one of our own event types: immutable, no unknown fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class _CodexData(BaseModel):
+    """Data of a Codex stream event: Codex's object without `type`, every field kept."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+
+# --- values shared by several events ------------------------------------------------------
+
+
+class Usage(_Data):
+    """Token usage of a run (SPEC §4); cached ⊂ input, reasoning ⊂ output; None = unavailable."""
+
+    input_tokens: Count
+    cached_input_tokens: Count | None
+    output_tokens: Count
+    reasoning_output_tokens: Count | None
+    total_tokens: Count
+
+
+class TokenCounts(_Data):
+    """One native usage record from Codex's rollout (all five figures known)."""
+
+    input_tokens: Count
+    cached_input_tokens: Count
+    output_tokens: Count
+    reasoning_output_tokens: Count
+    total_tokens: Count
+
+
+class Cause(_Data):
+    """Why a run failed, as the decision classified it."""
+
+    kind: str
+    status_code: int | None
+    message: str | None
+
+
+class Decision(_Data):
+    """Data of `outcome.decided` (SPEC §2.4)."""
+
+    policy: str
+    rule: str
+    action: Literal["verify", "retry", "probe"]
+    status: Literal["completed", "incomplete", "failed"]
+    http_status: int | None
+    error: str | None
+    cause: Cause | None
+    incomplete_reason: Literal["max_output_tokens", "timeout"] | None
+    reward_valid: bool
+    usage: Usage | None
+
+
+class AgentInfo(_Data):
+    name: str
+    version: str
+
+
+class StoredGrant(_Data):
+    """A tool grant as stored: header values replaced by `[redacted]` and fingerprinted."""
+
+    name: str
+    kind: Literal["mcp", "direct_http"]
+    required: bool = False
+    url: str
+    headers: dict[str, str] = Field(default_factory=dict)
+    header_fingerprints: dict[str, str] = Field(default_factory=dict)
+
+
+# --- data of each event type ---------------------------------------------------------------
+
+
+class SessionSeededData(_Data):
+    trial_id: Annotated[str, Field(min_length=1)]
+    attempt: Annotated[int, Field(ge=1)]
+    retry_of: str | None = None
+    runner_id: str
+    task: str
+    instruction: str
+    agent: AgentInfo
+    model: str
+    settings: Settings = Field(default_factory=Settings)
+    grants: list[StoredGrant] = Field(default_factory=list)
+
+
+class AgentLaunchedData(_Data):
+    argv: list[str]
+    workdir: str
+    env_keys: list[str]
+    config_sha256: str
+    oom_score_adj: int | None = None
+    isolation: Literal["bwrap", "process-group"]
+    runner_id: str
+
+
+class AgentStderrData(_Data):
+    tail: str
+    truncated: bool
+
+
+class AgentExitedData(_Data):
+    return_code: int | None
+    timed_out: bool
+
+
+class CleanupReportedData(_Data):
+    confirmed: bool
+    error: str | None = None
+
+
+class SandboxLostData(_Data):
+    detail: str
+
+
+class SandboxProbedData(_Data):
+    alive: bool
+    detail: str | None = None
+
+
+class GapRecordedData(_Data):
+    code: Annotated[str, Field(min_length=1)]
+    detail: str | None = None
+
+
+class ArchiveCopiedData(_Data):
+    files: Count
+    bytes: Count
+
+
+class ArchiveSkippedData(_Data):
+    reason: Literal["timeout", "error", "no_source", "no_time"]
+    detail: str | None = None
+
+
+class VerificationRecordedData(_Data):
+    rewards: dict[str, FiniteNumber]
+    detail: str | None = None
+
+
+class VerificationFailedData(_Data):
+    reason: Literal["timeout", "no_reward", "bad_reward", "error"]
+    detail: str | None = None
+
+
+class SessionClosedData(_Data):
+    reason: Annotated[str, Field(min_length=1)]
+
+
+class UsageNativeData(_Data):
+    total: TokenCounts
+    last: TokenCounts | None = None
+
+
+class ThreadStartedData(_CodexData):
+    thread_id: str | None = None
+
+
+class TurnCompletedData(_CodexData):
+    usage: dict[str, Any] = Field(default_factory=dict)
+
+
+class TurnFailedData(_CodexData):
+    error: dict[str, Any] | None = None
+
+
+class ItemData(_CodexData):
+    item: dict[str, Any]
+
+
+class StreamErrorData(_CodexData):
+    message: str = ""
+
+
+class CodexUnknownData(_Data):
+    line: str
+
+
+# --- the envelope ---------------------------------------------------------------------------
+
+
+class _Envelope(BaseModel):
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        serialize_by_alias=True,
+        validate_by_alias=True,
+        validate_by_name=True,
+    )
+
+    type: str
+    at: Timestamp
+    session_id: str | None = None
+    seq: Annotated[int, Field(ge=1)] | None = None
+    event_id: str | None = None
+    schema_: Annotated[int, Field(ge=1, alias="schema")] = 1
+
+
+class SessionSeeded(_Envelope):
+    type: Literal["session.seeded"] = "session.seeded"
+    data: SessionSeededData
+
+
+class AgentLaunched(_Envelope):
+    type: Literal["agent.launched"] = "agent.launched"
+    data: AgentLaunchedData
+
+
+class AgentStderr(_Envelope):
+    type: Literal["agent.stderr"] = "agent.stderr"
+    data: AgentStderrData
+
+
+class AgentExited(_Envelope):
+    type: Literal["agent.exited"] = "agent.exited"
+    data: AgentExitedData
+
+
+class CleanupReported(_Envelope):
+    type: Literal["cleanup.reported"] = "cleanup.reported"
+    data: CleanupReportedData
+
+
+class SandboxLost(_Envelope):
+    type: Literal["sandbox.lost"] = "sandbox.lost"
+    data: SandboxLostData
+
+
+class SandboxProbed(_Envelope):
+    type: Literal["sandbox.probed"] = "sandbox.probed"
+    data: SandboxProbedData
+
+
+class GapRecorded(_Envelope):
+    type: Literal["gap.recorded"] = "gap.recorded"
+    data: GapRecordedData
+
+
+class ArchiveCopied(_Envelope):
+    type: Literal["archive.copied"] = "archive.copied"
+    data: ArchiveCopiedData
+
+
+class ArchiveSkipped(_Envelope):
+    type: Literal["archive.skipped"] = "archive.skipped"
+    data: ArchiveSkippedData
+
+
+class VerificationRecorded(_Envelope):
+    type: Literal["verification.recorded"] = "verification.recorded"
+    data: VerificationRecordedData
+
+
+class VerificationFailed(_Envelope):
+    type: Literal["verification.failed"] = "verification.failed"
+    data: VerificationFailedData
+
+
+class SessionClosed(_Envelope):
+    type: Literal["session.closed"] = "session.closed"
+    data: SessionClosedData
+
+
+class OutcomeDecided(_Envelope):
+    type: Literal["outcome.decided"] = "outcome.decided"
+    data: Decision
+
+
+class UsageNative(_Envelope):
+    type: Literal["usage.native"] = "usage.native"
+    data: UsageNativeData
+
+
+class ThreadStarted(_Envelope):
+    type: Literal["thread.started"] = "thread.started"
+    data: ThreadStartedData
+
+
+class TurnStarted(_Envelope):
+    type: Literal["turn.started"] = "turn.started"
+    data: _CodexData = Field(default_factory=_CodexData)
+
+
+class TurnCompleted(_Envelope):
+    type: Literal["turn.completed"] = "turn.completed"
+    data: TurnCompletedData
+
+
+class TurnFailed(_Envelope):
+    type: Literal["turn.failed"] = "turn.failed"
+    data: TurnFailedData
+
+
+class ItemStarted(_Envelope):
+    type: Literal["item.started"] = "item.started"
+    data: ItemData
+
+
+class ItemUpdated(_Envelope):
+    type: Literal["item.updated"] = "item.updated"
+    data: ItemData
+
+
+class ItemCompleted(_Envelope):
+    type: Literal["item.completed"] = "item.completed"
+    data: ItemData
+
+
+class StreamError(_Envelope):
+    type: Literal["stream.error"] = "stream.error"
+    data: StreamErrorData
+
+
+class CodexUnknown(_Envelope):
+    type: Literal["codex.unknown"] = "codex.unknown"
+    data: CodexUnknownData
+
+
+Event: TypeAlias = Annotated[
+    SessionSeeded
+    | AgentLaunched
+    | AgentStderr
+    | AgentExited
+    | CleanupReported
+    | SandboxLost
+    | SandboxProbed
+    | GapRecorded
+    | ArchiveCopied
+    | ArchiveSkipped
+    | VerificationRecorded
+    | VerificationFailed
+    | SessionClosed
+    | OutcomeDecided
+    | UsageNative
+    | ThreadStarted
+    | TurnStarted
+    | TurnCompleted
+    | TurnFailed
+    | ItemStarted
+    | ItemUpdated
+    | ItemCompleted
+    | StreamError
+    | CodexUnknown,
+    Field(discriminator="type"),
+]
+
+EVENT_TYPES: dict[str, type[_Envelope]] = {
+    cls.model_fields["type"].default: cls
+    for cls in _Envelope.__subclasses__()
+}
+CODEX_STREAM_TYPES = frozenset(
+    {
+        "thread.started",
+        "turn.started",
+        "turn.completed",
+        "turn.failed",
+        "item.started",
+        "item.updated",
+        "item.completed",
+        "stream.error",
+        "codex.unknown",
+    }
+)
+
+# Schema versions: every type is at version 1. When a type's data changes, bump it here and
+# register an upcaster from the old version, so old logs keep folding.
+SCHEMA_VERSION: dict[str, int] = dict.fromkeys(EVENT_TYPES, 1)
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+_EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    if first["type"] == "union_tag_invalid":
+        return f"unknown event type {first['input'].get('type')!r}"
+    if first["type"] == "union_tag_not_found":
+        return "field 'type' is required"
+    if loc and loc[0] in EVENT_TYPES:
+        loc = loc[1:]  # the discriminator's branch name repeats the type
+    field = ".".join(loc) or "event"
+    return f"field {field!r}: {first['msg']}"
+
+
+def _upcast(obj: dict[str, Any]) -> dict[str, Any]:
+    kind, version = obj.get("type"), obj.get("schema", 1)
+    if not isinstance(kind, str) or not isinstance(version, int):
+        return obj
+    while (kind, version) in UPCASTERS:
+        obj = {**obj, "data": UPCASTERS[(kind, version)](obj.get("data", {})),
+               "schema": version + 1}
+        version += 1
+    return obj
+
+
+def parse_event(obj: Mapping[str, Any] | _Envelope) -> Event:
+    """Validate one JSONL event dict into its model; raise `BadEvent` naming the field."""
+    if isinstance(obj, _Envelope):
+        return obj  # type: ignore[return-value]
+    if not isinstance(obj, Mapping):
+        raise BadEvent(f"an event is a JSON object, not {type(obj).__name__}")
+    try:
+        return _EVENT_ADAPTER.validate_python(_upcast(dict(obj)))
+    except ValidationError as error:
+        raise BadEvent(_describe(error)) from None
+
+
+def event_dict(event: _Envelope) -> dict[str, Any]:
+    """The JSONL form of an event, with every field."""
+    return event.model_dump(mode="json")
+
+
+def parse_jsonl(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, object) per non-blank line; raise `BadEvent` with the line number."""
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except ValueError as error:
+            raise BadEvent(f"not JSON ({error})", line=number) from None
+        if not isinstance(obj, dict):
+            raise BadEvent(f"an event is a JSON object, not {type(obj).__name__}", line=number)
+        yield number, obj

@@ -1,0 +1,182 @@
+"""The session state machine (SPEC §1): the transition table as data, and the fold.
+
+`Session.apply(event)` checks an event against the table, appends it (numbering it and
+giving it its reproducible id) and, when the run's evidence is complete or a probe has
+answered, appends the `outcome.decided` the policy derives. It returns every event it
+appended; on an illegal event it raises `IllegalTransition` and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+from core.canonical import event_id_for
+from core.errors import IllegalTransition
+from core.events import CODEX_STREAM_TYPES, Decision, Event, OutcomeDecided, SessionSeeded
+from core.policy import Policy, get_policy
+
+State = Literal["seeded", "starting", "running", "failed-live", "graded", "lost", "closed"]
+STATES: tuple[State, ...] = (
+    "seeded", "starting", "running", "failed-live", "graded", "lost", "closed"
+)
+SAME = "same"  # the event leaves the state as it is
+BY_ACTION = "by-action"  # `outcome.decided`: the target follows the decision's action
+
+EVIDENCE = (CODEX_STREAM_TYPES - {"turn.started"}) | {
+    "usage.native", "agent.stderr", "agent.exited", "cleanup.reported", "gap.recorded"
+}
+LATE = EVIDENCE | {"turn.started", "archive.copied", "archive.skipped"}
+
+
+def _rows(types: Iterable[str], target: str) -> dict[str, str]:
+    return dict.fromkeys(types, target)
+
+
+_LIVE = {"sandbox.lost": SAME, "outcome.decided": BY_ACTION, "session.closed": "closed"}
+
+TRANSITIONS: Mapping[State | None, Mapping[str, str]] = {
+    None: {"session.seeded": "seeded"},
+    "seeded": {"agent.launched": "starting", "gap.recorded": SAME, **_LIVE},
+    "starting": {**_rows(EVIDENCE, SAME), "turn.started": "running", **_LIVE},
+    "running": {**_rows(EVIDENCE, SAME), "turn.started": "running", **_LIVE},
+    "failed-live": {**_rows(LATE, SAME), "sandbox.probed": SAME, **_LIVE},
+    "graded": {
+        **_rows(LATE, SAME),
+        "verification.recorded": SAME,
+        "verification.failed": SAME,
+        "session.closed": "closed",
+    },
+    "lost": {**_rows(LATE, SAME), "session.closed": "closed"},
+    "closed": {},
+}
+DECISION_TARGETS: Mapping[State | None, Mapping[str, State]] = {
+    "seeded": {"retry": "lost"},
+    "starting": {"verify": "graded", "retry": "lost"},
+    "running": {"verify": "graded", "retry": "lost", "probe": "failed-live"},
+    "failed-live": {"verify": "graded", "retry": "lost"},
+}
+# Each group may appear at most once in a log (one event of the group, once).
+ONCE: tuple[frozenset[str], ...] = (
+    frozenset({"agent.exited"}),
+    frozenset({"cleanup.reported"}),
+    frozenset({"sandbox.probed"}),
+    frozenset({"sandbox.lost"}),
+    frozenset({"verification.recorded", "verification.failed"}),
+)
+MACHINE_ONLY = frozenset({"outcome.decided"})
+
+
+class Session:
+    """The folded state of one session: its log, its state and its decisions."""
+
+    __slots__ = ("_seen", "decisions", "events", "policy", "session_id", "state")
+
+    def __init__(self, session_id: str, policy: str | Policy = "v1") -> None:
+        self.session_id = session_id
+        self.policy = get_policy(policy)
+        self.state: State | None = None
+        self.events: list[Event] = []
+        self.decisions: list[Decision] = []
+        self._seen: set[str] = set()
+
+    @property
+    def head_seq(self) -> int:
+        """The seq of the last event (0 for an empty log)."""
+        return len(self.events)
+
+    @property
+    def seed(self) -> SessionSeeded | None:
+        """The session's seed event, once there is one."""
+        first = self.events[0] if self.events else None
+        return first if isinstance(first, SessionSeeded) else None
+
+    def allowed(self) -> list[str]:
+        """The event types the current state accepts now (machine-only ones excluded)."""
+        return sorted(
+            kind for kind in TRANSITIONS[self.state]
+            if kind not in MACHINE_ONLY and not self._exhausted(kind)
+        )
+
+    def _exhausted(self, kind: str) -> bool:
+        return any(kind in group and group & self._seen for group in ONCE)
+
+    def check(self, event: Event) -> None:
+        """Raise `IllegalTransition` unless the current state accepts this event from a harness."""
+        kind = event.type
+        if kind in MACHINE_ONLY:
+            raise IllegalTransition(
+                self.state, kind, self.allowed(), "it is written by the machine, never a harness"
+            )
+        self._check(kind)
+
+    def _check(self, kind: str) -> None:
+        if kind not in TRANSITIONS[self.state]:
+            raise IllegalTransition(self.state, kind, self.allowed())
+        if self._exhausted(kind):
+            raise IllegalTransition(self.state, kind, self.allowed(), "it may appear only once")
+
+    def apply(self, event: Event) -> list[Event]:
+        """Append a harness event; return it (numbered) and any decision it triggered."""
+        self.check(event)
+        state, seen = self.state, set(self._seen)
+        appended = [self._append(event)]
+        try:
+            decision = self._triggered_decision(event.type)
+            if decision is not None:
+                appended.append(self._append(OutcomeDecided(at=event.at, data=decision)))
+        except BaseException:
+            # All or nothing: a decision that cannot apply takes its trigger back out.
+            del self.events[len(self.events) - len(appended):]
+            del self.decisions[len(self.decisions) - (len(appended) - 1):]
+            self.state, self._seen = state, seen
+            raise
+        return appended
+
+    def _triggered_decision(self, kind: str) -> Decision | None:
+        if kind == "sandbox.probed":
+            return self.policy.decide(self.events, after_probe=True)
+        if kind == "sandbox.lost" or (
+            kind in ("agent.exited", "cleanup.reported")
+            and {"agent.exited", "cleanup.reported"} <= self._seen
+        ):
+            return self.policy.decide(self.events)
+        return None
+
+    def _append(self, event: Event) -> Event:
+        self._check(event.type)
+        target = TRANSITIONS[self.state][event.type]
+        if isinstance(event, OutcomeDecided):
+            target = DECISION_TARGETS.get(self.state, {}).get(event.data.action, "")
+            if not target:
+                raise IllegalTransition(
+                    self.state, event.type, (), f"action {event.data.action!r} cannot apply here"
+                )
+        seq = len(self.events) + 1
+        numbered = event.model_copy(
+            update={
+                "session_id": self.session_id,
+                "seq": seq,
+                "event_id": event.event_id or event_id_for(self.session_id, seq),
+            }
+        )
+        if isinstance(numbered, OutcomeDecided):
+            self.decisions.append(numbered.data)
+        if target != SAME:
+            self.state = _state(target)
+        self.events.append(numbered)
+        self._seen.add(event.type)
+        return numbered
+
+
+def _state(name: str) -> State:
+    assert name in STATES, name
+    return name  # type: ignore[return-value]
+
+
+def fold(session_id: str, events: Iterable[Event], policy: str | Policy = "v1") -> Session:
+    """Fold harness events (no recorded decisions) into a fresh session."""
+    session = Session(session_id, policy)
+    for event in events:
+        session.apply(event)
+    return session

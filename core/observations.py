@@ -1,0 +1,188 @@
+"""The observation snapshot (SPEC §9), computed from the log at any moment."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from core.events import Decision, Event, GapRecorded, GapRecordedData, SessionSeeded
+from core.policy import Policy
+from core.usage import recover_usage
+
+Gap = GapRecordedData
+ITEM_EVENTS = ("item.started", "item.updated", "item.completed")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class Message(_Frozen):
+    role: Literal["user", "assistant", "reasoning"]
+    text: str
+
+
+class Invocation(_Frozen):
+    status: Literal["completed", "incomplete", "failed"]
+    conversation: list[Message]
+
+
+class ToolCall(_Frozen):
+    id: str
+    name: str
+    kind: str
+    arguments: Any
+    output: Any
+    exit_code: int | None
+    status: Literal["completed", "failed", "incomplete"]
+    started_at: str | None
+    completed_at: str | None
+
+
+class Observations(_Frozen):
+    source: Literal["codex"] = "codex"
+    invocation: Invocation
+    tool_calls: list[ToolCall]
+    gaps: list[Gap]
+
+
+def _mcp_output(item: dict[str, Any]) -> Any:
+    result, error = item.get("result"), item.get("error")
+    if isinstance(result, dict):
+        texts = [
+            block.get("text", "")
+            for block in result.get("content") or []
+            if isinstance(block, dict) and block.get("type") == "text"
+        ]
+        return "\n".join(texts)
+    if isinstance(error, dict):
+        return error.get("message")
+    return None
+
+
+# item type → (tool name, arguments, output); the name may come from the item itself.
+TOOL_ITEMS: dict[str, tuple[Callable[[dict[str, Any]], str], Callable[[dict[str, Any]], Any],
+                            Callable[[dict[str, Any]], Any]]] = {
+    "command_execution": (
+        lambda i: "exec_command",
+        lambda i: {"cmd": i.get("command")},
+        lambda i: i.get("aggregated_output"),
+    ),
+    "mcp_tool_call": (
+        lambda i: str(i.get("tool") or "mcp_tool_call"),
+        lambda i: i.get("arguments"),
+        _mcp_output,
+    ),
+    "file_change": (lambda i: "apply_patch", lambda i: {"changes": i.get("changes")},
+                    lambda i: None),
+    "web_search": (lambda i: "web_search", lambda i: {"query": i.get("query")}, lambda i: None),
+    "todo_list": (lambda i: "update_plan", lambda i: {"items": i.get("items")}, lambda i: None),
+}
+CONVERSATION_ITEMS = {"agent_message": "assistant", "reasoning": "reasoning"}
+FAILED_ITEM_STATUSES = frozenset({"failed", "declined"})
+
+
+class _ToolTrace:
+    __slots__ = ("completed_at", "item", "started_at")
+
+    def __init__(self) -> None:
+        self.item: dict[str, Any] = {}
+        self.started_at: str | None = None
+        self.completed_at: str | None = None
+
+    def call(self, item_id: str) -> ToolCall:
+        item = self.item
+        name, arguments, output = TOOL_ITEMS[str(item.get("type"))]
+        if self.completed_at is None:
+            status: Literal["completed", "failed", "incomplete"] = "incomplete"
+        elif item.get("status") in FAILED_ITEM_STATUSES:
+            status = "failed"
+        else:
+            status = "completed"
+        code = item.get("exit_code")
+        return ToolCall(
+            id=item_id,
+            name=name(item),
+            kind=str(item.get("type")),
+            arguments=arguments(item),
+            output=output(item),
+            exit_code=code if isinstance(code, int) else None,
+            status=status,
+            started_at=self.started_at,
+            completed_at=self.completed_at,
+        )
+
+
+def observe(
+    events: Sequence[Event],
+    decisions: Sequence[Decision],
+    *,
+    closed: bool,
+    policy: Policy,
+) -> Observations:
+    """The snapshot of what a log captured: conversation, tool calls and gaps."""
+    conversation: dict[object, Message] = {}
+    tools: dict[str, _ToolTrace] = {}
+    recorded: list[Gap] = []
+    for event in events:
+        if isinstance(event, SessionSeeded):
+            conversation["instruction"] = Message(role="user", text=event.data.instruction)
+        elif isinstance(event, GapRecorded):
+            recorded.append(event.data)
+        elif event.type in ITEM_EVENTS:
+            item: dict[str, Any] = event.data.item  # type: ignore[union-attr]
+            kind, item_id = item.get("type"), str(item.get("id"))
+            if kind in TOOL_ITEMS:
+                trace = tools.setdefault(item_id, _ToolTrace())
+                if trace.completed_at is None:  # a completed item keeps its final content
+                    trace.item = item
+                if event.type == "item.started" and trace.started_at is None:
+                    trace.started_at = event.at
+                elif event.type == "item.completed" and trace.completed_at is None:
+                    trace.completed_at = event.at
+            elif kind in CONVERSATION_ITEMS and event.type == "item.completed":
+                text = item.get("text")
+                if isinstance(text, str):
+                    role = CONVERSATION_ITEMS[kind]
+                    conversation[(kind, item_id)] = Message(role=role, text=text)  # type: ignore[arg-type]
+    decision = decisions[-1] if decisions else None
+    gaps = recorded + _derived_gaps(events, decisions, tools, closed=closed, policy=policy)
+    return Observations(
+        invocation=Invocation(
+            status=decision.status if decision else "incomplete",
+            conversation=list(conversation.values()),
+        ),
+        tool_calls=[trace.call(item_id) for item_id, trace in tools.items()],
+        gaps=gaps,
+    )
+
+
+def _derived_gaps(
+    events: Sequence[Event],
+    decisions: Sequence[Decision],
+    tools: dict[str, _ToolTrace],
+    *,
+    closed: bool,
+    policy: Policy,
+) -> list[Gap]:
+    gaps: list[Gap] = []
+    facts = policy.facts(events)
+    for decision in decisions:
+        if decision.rule == "startup_failed":
+            detail = facts.stderr_tail if facts.stderr_tail is not None else decision.error
+            gaps.append(Gap(code="agent_startup_failed", detail=detail))
+            break
+    final = decisions and decisions[-1].action != "probe"
+    if closed and not final:
+        gaps.append(Gap(code="agent_activation_interrupted",
+                        detail="the session closed before a final decision"))
+    gaps += recover_usage(events)[1]
+    gaps += policy.warning_gaps(facts)
+    gaps += [
+        Gap(code="tool_start_unavailable", detail=f"item {item_id} completed with no item.started")
+        for item_id, trace in tools.items()
+        if trace.completed_at is not None and trace.started_at is None
+    ]
+    return gaps

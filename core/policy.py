@@ -1,0 +1,376 @@
+"""The decision policy (SPEC §3) as data: markers, classification, rules and outcome table.
+
+A policy reads the log into `Facts` once, then walks its rule table; the first row whose
+`when` holds decides. A new version is a new `Policy` (other markers, rows or outcome
+table) registered under a new name; the machine never changes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from core.errors import UnknownPolicy
+from core.events import (
+    AgentExited,
+    AgentStderr,
+    Cause,
+    CleanupReported,
+    Decision,
+    Event,
+    GapRecordedData,
+    ItemCompleted,
+    ItemStarted,
+    ItemUpdated,
+    SandboxLost,
+    SandboxProbed,
+    SessionSeeded,
+    StreamError,
+    TurnFailed,
+)
+from core.redact import redact
+from core.usage import recover_usage
+
+Action = Literal["verify", "retry", "probe"]
+Status = Literal["completed", "incomplete", "failed"]
+Gap = GapRecordedData
+
+# Markers of a row: a token (not a value) says "take it from the facts or the outcome table".
+COMPUTED: Literal["computed"] = "computed"  # status: as computed from the run
+TIMED_OUT_OR_FAILED: Literal["timed_out_or_failed"] = "timed_out_or_failed"
+CLASSIFIED: Literal["classified"] = "classified"  # cause: the classified ending error
+BY_TABLE: Literal["by_table"] = "by_table"  # action / reward_valid: the outcome table
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the policy reads from a log, computed once per decision (SPEC §3 "Inputs")."""
+
+    verify_after_agent_error: bool
+    fatal_errors: tuple[str, ...]
+    warnings: tuple[str, ...]
+    rerouted: str | None
+    turn_started: bool
+    last_turn: str | None
+    timed_out: bool
+    return_code: int | None
+    output_limited: bool
+    error: str | None
+    status: Status
+    ending_error: str | None
+    ending_kind: str
+    lost: str | None
+    cleanup: CleanupReported | None
+    probe: SandboxProbed | None
+    stderr_tail: str | None
+
+
+def _matcher(*patterns: str) -> re.Pattern[str]:
+    return re.compile("|".join(patterns), re.IGNORECASE)
+
+
+def contains(*texts: str) -> re.Pattern[str]:
+    """A classification marker: any of these texts, anywhere, any case."""
+    return _matcher(*(re.escape(t) for t in texts))
+
+
+def starts_with(text: str) -> re.Pattern[str]:
+    """A classification marker: the message starts with this text, any case."""
+    return _matcher("^" + re.escape(text))
+
+
+STATUS_CODE = re.compile(r"(?:last status:|unexpected status)\s*(\d{3})", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the rule table (SPEC §3 "Rules")."""
+
+    name: str
+    when: Callable[[Facts], bool]
+    action: Action | Literal["by_table"]
+    http_status: int | None
+    status: Status | Literal["computed", "timed_out_or_failed"]
+    cause: str | None  # a fixed kind, CLASSIFIED, or None
+    reward_valid: bool | Literal["by_table"]
+    error: Callable[[Facts], str | None] = lambda facts: facts.error
+
+
+def _cleanup_error(facts: Facts) -> str:
+    report = facts.cleanup
+    detail = report.data.error if report is not None else None
+    return "cleanup unconfirmed" + (f": {detail}" if detail else "")
+
+
+def _startup_error(facts: Facts) -> str:
+    base = facts.error or "Codex started no turn"
+    return f"{base}: {facts.stderr_tail}" if facts.stderr_tail is not None else base
+
+
+SANDBOX_LOST = Rule(
+    "sandbox_lost", lambda f: f.lost is not None, "retry", 502, "failed", "sandbox_lost", False,
+    error=lambda f: f"sandbox lost: {f.lost}",
+)
+CLEANUP_UNCONFIRMED = Rule(
+    "cleanup_unconfirmed", lambda f: f.cleanup is not None and not f.cleanup.data.confirmed,
+    "retry", 502, "failed", "cleanup_unconfirmed", False, error=_cleanup_error,
+)
+ENDPOINT_KINDS = frozenset({"model_endpoint", "quota", "model_rerouted"})
+
+V1_RULES: tuple[Rule, ...] = (
+    SANDBOX_LOST,
+    CLEANUP_UNCONFIRMED,
+    Rule("rerouted", lambda f: f.rerouted is not None, "retry", 502, COMPUTED, "model_rerouted",
+         False, error=lambda f: f.rerouted),
+    Rule("startup_failed", lambda f: not f.turn_started, "retry", 502, COMPUTED, "startup_failed",
+         False, error=_startup_error),
+    Rule("completed", lambda f: f.status == "completed", "verify", 200, COMPUTED, None, True),
+    Rule("incomplete", lambda f: f.status == "incomplete", "verify", 200, COMPUTED, None, True),
+    Rule("reported",
+         lambda f: f.return_code == 1 and not f.timed_out and f.last_turn == "turn.failed",
+         BY_TABLE, 200, "failed", CLASSIFIED, BY_TABLE),
+    Rule("endpoint_killed", lambda f: f.ending_kind in ENDPOINT_KINDS, "retry", 502, "failed",
+         CLASSIFIED, False),
+    Rule("probe", lambda f: f.verify_after_agent_error, "probe", None, "failed", None, True),
+    Rule("execution_error", lambda f: True, "retry", 502, "failed", CLASSIFIED, False),
+)
+V1_AFTER_PROBE: tuple[Rule, ...] = (
+    SANDBOX_LOST,
+    CLEANUP_UNCONFIRMED,
+    Rule("probed", lambda f: f.probe is not None and f.probe.data.alive, "verify", 200,
+         TIMED_OUT_OR_FAILED, None, True),
+    Rule("probed", lambda f: True, "retry", 502, "failed", "sandbox_unresponsive", False),
+)
+V1_CLASSIFICATION: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("model_rerouted", starts_with("model rerouted:")),
+    ("context_window", contains("ran out of room in the model's context window")),
+    ("quota", contains("quota exceeded", "usage limit")),
+    ("model_request", _matcher(r"unexpected status 4(?!08|29)\d\d")),
+    ("model_endpoint", contains(
+        "exceeded retry limit", "429", "too many requests", "rate limit",
+        "unexpected status 408", "unexpected status 5", "internal server error",
+        "bad gateway", "service unavailable", "gateway timeout",
+        "currently experiencing high demand", "selected model is at capacity",
+        "request timed out", "connection timed out", "timeout waiting for child process to exit",
+        "stream disconnected before completion", "idle timeout waiting for sse",
+        "connection failed", "error while reading the server response",
+    )),
+)
+V1_OUTCOME_TABLE: Mapping[str, tuple[Action, bool]] = {
+    "context_window": ("verify", True),
+    "model_request": ("verify", False),
+}
+V1_WARNING_GAPS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("model_metadata_fallback", re.compile(
+        r"Model metadata for `.*` not found\. Defaulting to fallback metadata; "
+        r"this can degrade performance and cause issues\.", re.DOTALL)),
+    ("compaction_accuracy_advisory", re.compile(re.escape(
+        "Heads up: Long threads and multiple compactions can cause the model to be less "
+        "accurate. Start a new thread when possible to keep threads small and targeted."))),
+)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A named, versioned decision policy."""
+
+    name: str
+    rules: tuple[Rule, ...] = V1_RULES
+    rules_after_probe: tuple[Rule, ...] = V1_AFTER_PROBE
+    classification: tuple[tuple[str, re.Pattern[str]], ...] = V1_CLASSIFICATION
+    outcome_table: Mapping[str, tuple[Action, bool]] = field(
+        default_factory=lambda: dict(V1_OUTCOME_TABLE)
+    )
+    outcome_default: tuple[Action, bool] = ("retry", False)
+    warning_markers: tuple[tuple[str, re.Pattern[str]], ...] = V1_WARNING_GAPS
+    fallback_warning_gap: str = "agent_warning"
+    reconnect_prefix: str = "Reconnecting..."
+    rerouted_prefix: str = "model rerouted:"
+    output_limit_error: str = (
+        "stream disconnected before completion: Incomplete response returned, "
+        "reason: max_output_tokens"
+    )
+
+    # --- inputs ----------------------------------------------------------------------------
+
+    def classify(self, message: str | None) -> str:
+        """The kind of an error message: the first classification row that matches."""
+        for kind, marker in self.classification:
+            if message and marker.search(message):
+                return kind
+        return "agent_error"
+
+    def is_rerouted(self, warning: str) -> bool:
+        """Whether an item-level warning says the output came from another model."""
+        return warning.lower().startswith(self.rerouted_prefix.lower())
+
+    def facts(self, events: Sequence[Event]) -> Facts:
+        """Read the policy's inputs from a log."""
+        fatal: list[str] = []
+        last_turn_failed = last_fatal_stream = None
+        warnings: dict[object, str] = {}
+        turn_started = False
+        last_turn = None
+        exited = cleanup = lost = probe = stderr = None
+        verify_after_error = False
+        for event in events:
+            if isinstance(event, TurnFailed):
+                message = str((event.data.error or {}).get("message") or "turn failed")
+                last_turn_failed = message
+                if not fatal or fatal[-1] != message:
+                    fatal.append(message)
+            elif isinstance(event, StreamError):
+                message = event.data.message
+                if not message.startswith(self.reconnect_prefix):
+                    last_fatal_stream = message
+                    if not fatal or fatal[-1] != message:
+                        fatal.append(message)
+            elif isinstance(event, ItemStarted | ItemUpdated | ItemCompleted):
+                item = event.data.item
+                if item.get("type") == "error":
+                    warnings[item.get("id", len(warnings))] = str(item.get("message", ""))
+            elif isinstance(event, AgentExited):
+                exited = event
+            elif isinstance(event, CleanupReported):
+                cleanup = event
+            elif isinstance(event, SandboxLost):
+                lost = event
+            elif isinstance(event, SandboxProbed):
+                probe = event
+            elif isinstance(event, AgentStderr):
+                stderr = event
+            elif isinstance(event, SessionSeeded):
+                verify_after_error = event.data.settings.verify_after_agent_error
+            if event.type in ("turn.started", "turn.completed", "turn.failed"):
+                last_turn = event.type
+                turn_started = turn_started or event.type == "turn.started"
+        timed_out = exited.data.timed_out if exited else False
+        return_code = exited.data.return_code if exited else None
+        turn_completed = any(e.type == "turn.completed" for e in events)
+        output_limited = bool(fatal) and all(m == self.output_limit_error for m in fatal)
+        error: str | None
+        if output_limited:
+            error = None
+        elif fatal:
+            error = "; ".join(fatal)
+        elif timed_out:
+            error = None
+        elif return_code is None:
+            error = "Codex exit status unknown"
+        elif return_code != 0:
+            error = f"Codex exited with code {return_code}"
+        elif not turn_completed:
+            error = "Codex ended without turn.completed"
+        else:
+            error = None
+        status: Status = (
+            "failed" if error else "incomplete" if timed_out or output_limited else "completed"
+        )
+        ending_error = last_turn_failed or last_fatal_stream or error
+        warning_list = tuple(warnings.values())
+        return Facts(
+            verify_after_agent_error=verify_after_error,
+            fatal_errors=tuple(fatal),
+            warnings=warning_list,
+            rerouted=next((w for w in warning_list if self.is_rerouted(w)), None),
+            turn_started=turn_started,
+            last_turn=last_turn,
+            timed_out=timed_out,
+            return_code=return_code,
+            output_limited=output_limited,
+            error=error,
+            status=status,
+            ending_error=ending_error,
+            ending_kind=self.classify(ending_error),
+            lost=lost.data.detail if lost else None,
+            cleanup=cleanup,
+            probe=probe,
+            stderr_tail=stderr.data.tail if stderr else None,
+        )
+
+    # --- the decision ----------------------------------------------------------------------
+
+    def decide(self, events: Sequence[Event], *, after_probe: bool = False) -> Decision:
+        """The decision for a log whose evidence is complete (or just probed)."""
+        facts = self.facts(events)
+        table = self.rules_after_probe if after_probe else self.rules
+        rule = next(r for r in table if r.when(facts))
+        error = rule.error(facts)
+        error = redact(error, ()) if error is not None else None
+        kind = facts.ending_kind
+        action, reward_valid = rule.action, rule.reward_valid
+        if action == BY_TABLE or reward_valid == BY_TABLE:
+            table_action, table_valid = self.outcome_table.get(kind, self.outcome_default)
+            action = table_action if action == BY_TABLE else action
+            reward_valid = table_valid if reward_valid == BY_TABLE else reward_valid
+        status: Status
+        if rule.status == COMPUTED:
+            status = facts.status
+        elif rule.status == TIMED_OUT_OR_FAILED:
+            status = "incomplete" if facts.timed_out else "failed"
+        else:
+            status = rule.status
+        usage, _ = recover_usage(events)
+        return Decision(
+            policy=self.name,
+            rule=rule.name,
+            action=action,
+            status=status,
+            http_status=rule.http_status,
+            error=error,
+            cause=self._cause(rule, facts, error),
+            incomplete_reason=(
+                "max_output_tokens" if facts.output_limited
+                else "timeout" if facts.timed_out else None
+            ),
+            reward_valid=bool(reward_valid),
+            usage=usage,
+        )
+
+    def _cause(self, rule: Rule, facts: Facts, error: str | None) -> Cause | None:
+        if rule.cause is None:
+            return None
+        if rule.cause == CLASSIFIED:
+            message = redact(facts.ending_error, ()) if facts.ending_error is not None else None
+            found = STATUS_CODE.search(message or "")
+            return Cause(
+                kind=facts.ending_kind,
+                status_code=int(found.group(1)) if found else None,
+                message=message,
+            )
+        return Cause(kind=rule.cause, status_code=None, message=error)
+
+    def warning_gaps(self, facts: Facts) -> list[Gap]:
+        """The gaps item-level warnings give (rerouted warnings decide instead)."""
+        gaps = []
+        for message in facts.warnings:
+            if self.is_rerouted(message):
+                continue
+            code = next(
+                (c for c, marker in self.warning_markers if marker.fullmatch(message)),
+                self.fallback_warning_gap,
+            )
+            gaps.append(Gap(code=code, detail=message))
+        return gaps
+
+
+V1 = Policy(name="v1")
+POLICIES: dict[str, Policy] = {V1.name: V1}
+
+
+def register_policy(policy: Policy) -> Policy:
+    """Make a policy version available to `replay(..., policy=name)` and the CLI."""
+    POLICIES[policy.name] = policy
+    return policy
+
+
+def get_policy(policy: str | Policy) -> Policy:
+    """A registered policy by name (a `Policy` passes through)."""
+    if isinstance(policy, Policy):
+        return policy
+    try:
+        return POLICIES[policy]
+    except KeyError:
+        raise UnknownPolicy(policy, POLICIES) from None

@@ -1,0 +1,172 @@
+"""Replay (SPEC §3 last paragraph, §10): re-derive a session's outcome from its log.
+
+>>> view = replay([{"type": "session.seeded", "at": "2026-01-01T00:00:00Z", "data": {
+...     "trial_id": "t1", "attempt": 1, "runner_id": "r", "task": "demo",
+...     "instruction": "say hi", "agent": {"name": "codex", "version": "0.171.0"},
+...     "model": "m"}}])
+>>> view.state, view.outcome
+('seeded', 'pending')
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from core.canonical import session_id_for_seed
+from core.errors import BadEvent, IllegalTransition
+from core.events import Decision, Event, OutcomeDecided, SessionSeeded, Usage, parse_event
+from core.machine import Session, State
+from core.observations import Observations, observe
+from core.policy import Policy
+from core.usage import recover_usage
+
+Outcome = Literal["retry", "verify", "unverified", "interrupted", "pending"]
+
+
+class Divergence(BaseModel):
+    """The first recorded decision that re-derivation does not reproduce."""
+
+    model_config = ConfigDict(frozen=True)
+
+    seq: int
+    recorded: Decision
+    derived: Decision | None
+
+
+class SessionView(BaseModel):
+    """Everything derived from one session's log (SPEC §10)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    session_id: str
+    state: State | None
+    outcome: Outcome
+    decision: Decision | None
+    decisions: list[Decision]
+    usage: Usage | None
+    rewards: dict[str, float] | None
+    observations: Observations
+    unapplied: list[Event]
+    diverged_at: Divergence | None
+    events: list[Event]
+
+
+def outcome_of(session: Session) -> Outcome:
+    """The session's outcome: retry, verify, unverified, interrupted or pending."""
+    kinds = {e.type for e in session.events}
+    decided = bool(session.decisions) and session.decisions[-1].action != "probe"
+    if "verification.recorded" in kinds:
+        return "verify"
+    if session.decisions and session.decisions[-1].action == "retry":
+        return "retry"
+    if session.state == "closed":
+        return "unverified" if decided else "interrupted"
+    return "pending"
+
+
+def view_of(session: Session, *, unapplied: Iterable[Event] = (),
+            diverged_at: Divergence | None = None) -> SessionView:
+    """The view of a folded session."""
+    events = session.events
+    rewards = next(
+        (dict(e.data.rewards) for e in events if e.type == "verification.recorded"),  # type: ignore[union-attr]
+        None,
+    )
+    return SessionView(
+        session_id=session.session_id,
+        state=session.state,
+        outcome=outcome_of(session),
+        decision=session.decisions[-1] if session.decisions else None,
+        decisions=list(session.decisions),
+        usage=recover_usage(events)[0],
+        rewards=rewards,
+        observations=observe(
+            events, session.decisions, closed=session.state == "closed", policy=session.policy
+        ),
+        unapplied=list(unapplied),
+        diverged_at=diverged_at,
+        events=list(events),
+    )
+
+
+def _parsed(events: Iterable[Mapping[str, Any] | Event]) -> list[Event]:
+    parsed = []
+    for index, raw in enumerate(events):
+        try:
+            parsed.append(parse_event(raw))
+        except BadEvent as error:
+            raise error.at(index=index) from None
+    return parsed
+
+
+def _session_id(events: list[Event]) -> str:
+    seed = events[0] if events else None
+    if not isinstance(seed, SessionSeeded):
+        kind = seed.type if seed else "nothing"
+        raise IllegalTransition(None, kind, ["session.seeded"], "a log starts with its seed")
+    if seed.session_id:
+        return seed.session_id
+    return session_id_for_seed(seed.data.model_dump(mode="json"))
+
+
+class Replayer:
+    """Folds a recorded log, comparing its recorded decisions with re-derived ones."""
+
+    def __init__(self, session_id: str, policy: str | Policy = "v1") -> None:
+        self.session = Session(session_id, policy)
+        self.pending: deque[tuple[int, Decision]] = deque()  # derived, not yet compared
+        self.unapplied: list[Event] = []
+        self.diverged_at: Divergence | None = None
+
+    def feed(self, event: Event) -> None:
+        """Apply one recorded event (or compare it, when it is a recorded decision)."""
+        if isinstance(event, OutcomeDecided):
+            self._compare(event)
+            return
+        try:
+            appended = self.session.apply(event)
+        except IllegalTransition:
+            if self.diverged_at is None:
+                raise
+            self.unapplied.append(event)
+            return
+        self.pending.extend(
+            (e.seq or 0, e.data) for e in appended if isinstance(e, OutcomeDecided)
+        )
+
+    def _compare(self, recorded: OutcomeDecided) -> None:
+        seq, derived = self.pending.popleft() if self.pending else (self.session.head_seq, None)
+        same = derived is not None and (derived.action, derived.rule) == (
+            recorded.data.action, recorded.data.rule
+        )
+        if same:
+            return
+        if self.diverged_at is None:
+            self.diverged_at = Divergence(seq=seq, recorded=recorded.data, derived=derived)
+        else:
+            self.unapplied.append(recorded)
+
+    def view(self) -> SessionView:
+        """The view of everything fed so far."""
+        return view_of(self.session, unapplied=self.unapplied, diverged_at=self.diverged_at)
+
+
+def replay(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy = "v1") -> SessionView:
+    """Re-derive a session from its JSONL events (recorded decisions are compared, not trusted).
+
+    Raises `BadEvent` for an event that does not parse (with its index) and, before any
+    divergence, `IllegalTransition` for one the machine does not accept.
+    """
+    parsed = _parsed(events)
+    replayer = Replayer(_session_id(parsed), policy)
+    for index, event in enumerate(parsed):
+        try:
+            replayer.feed(event.model_copy(update={"seq": None, "session_id": None}))
+        except IllegalTransition as error:
+            error.index = index
+            raise
+    return replayer.view()

@@ -1,0 +1,49 @@
+"""Per-session settings (SPEC §5): every opt-in defaults off."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Retries = Annotated[int, Field(ge=0, le=100)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+class Settings(BaseModel):
+    """How one session runs; stored in `session.seeded`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    verify_after_agent_error: bool = False
+    timeout_s: PositiveSeconds = 3600.0
+    session_close_timeout_s: PositiveSeconds = 60.0
+    verifier_timeout_s: PositiveSeconds = 600.0
+    mcp_tool_timeout_s: PositiveSeconds | None = None
+    workdir: str = "/app"
+    inherit_sandbox_environment: bool = False
+    raise_oom_score_adj: bool = False
+    request_max_retries: Retries | None = None
+    stream_max_retries: Retries | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    model_server_forwards_reasoning_effort: bool = False
+    features: dict[str, bool] | None = None
+    sandbox_logs_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.mcp_tool_timeout_s is not None and self.mcp_tool_timeout_s > self.timeout_s:
+            raise ValueError(
+                f"mcp_tool_timeout_s ({self.mcp_tool_timeout_s:g}) must not exceed "
+                f"timeout_s ({self.timeout_s:g}): a tool call cannot outlive its run"
+            )
+        if self.reasoning_effort is not None and not self.model_server_forwards_reasoning_effort:
+            raise ValueError(
+                "reasoning_effort is set but model_server_forwards_reasoning_effort is false: "
+                "check that the model server forwards it, then set "
+                "model_server_forwards_reasoning_effort=true"
+            )
+        if not (self.workdir.startswith("/") and ".." not in self.workdir.split("/")):
+            raise ValueError(f"workdir {self.workdir!r} must be absolute and free of '..'")
+        return self

@@ -1,0 +1,91 @@
+"""Usage recovery (SPEC §4): native totals first; never a fabricated zero."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from core.events import Event, GapRecordedData, Usage
+
+Gap = GapRecordedData
+TURN_TYPES = frozenset({"turn.started", "turn.completed", "turn.failed"})
+ZERO = Usage(
+    input_tokens=0,
+    cached_input_tokens=0,
+    output_tokens=0,
+    reasoning_output_tokens=0,
+    total_tokens=0,
+)
+PARTIAL = Gap(
+    code="partial_model_usage_unavailable",
+    detail="work happened that no usage record covers",
+)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _positive(usage: dict[str, Any], key: str, gap_code: str) -> tuple[int | None, list[Gap]]:
+    value = _count(usage.get(key))
+    if value:
+        return value, []
+    return None, [Gap(code=gap_code, detail=f"turn.completed reported {key}={usage.get(key)!r}")]
+
+
+def _from_turn_completed(usage: dict[str, Any]) -> tuple[Usage, list[Gap]] | None:
+    input_tokens, output_tokens = _count(usage.get("input_tokens")), _count(usage.get("output_tokens"))
+    if input_tokens is None or output_tokens is None:
+        return None
+    cached, cached_gaps = _positive(usage, "cached_input_tokens", "cached_token_usage_unavailable")
+    reasoning, reasoning_gaps = _positive(
+        usage, "reasoning_output_tokens", "reasoning_token_usage_unavailable"
+    )
+    return (
+        Usage(
+            input_tokens=input_tokens,
+            cached_input_tokens=cached,
+            output_tokens=output_tokens,
+            reasoning_output_tokens=reasoning,
+            total_tokens=input_tokens + output_tokens,
+        ),
+        cached_gaps + reasoning_gaps,
+    )
+
+
+def recover_usage(events: Sequence[Event]) -> tuple[Usage | None, list[Gap]]:
+    """The run's usage and the gaps that explain what is unavailable, from the log alone."""
+    native = None
+    last_turn: Event | None = None
+    item_started_after_completion = False
+    work_happened = False
+    for event in events:
+        kind = event.type
+        if kind == "usage.native":
+            native = event
+        elif kind in TURN_TYPES:
+            last_turn = event
+            if kind == "turn.completed":
+                work_happened = True
+                item_started_after_completion = False
+        elif kind.startswith("item."):
+            item = getattr(event.data, "item", {})
+            if item.get("type") != "error":
+                work_happened = True
+            if kind == "item.started":
+                item_started_after_completion = True
+    if native is not None:
+        return Usage.model_validate(native.data.total.model_dump()), []  # type: ignore[union-attr]
+    if (
+        last_turn is not None
+        and last_turn.type == "turn.completed"
+        and not item_started_after_completion
+    ):
+        recovered = _from_turn_completed(last_turn.data.usage)  # type: ignore[union-attr]
+        if recovered is not None:
+            return recovered
+    if work_happened:
+        return None, [PARTIAL]
+    if last_turn is None or last_turn.type == "turn.failed":
+        return ZERO, []
+    return None, [PARTIAL]
