@@ -202,7 +202,7 @@ class ThreadStartedData(_CodexData):
 
 
 class TurnCompletedData(_CodexData):
-    usage: dict[str, Any] = Field(default_factory=dict)
+    usage: dict[str, Any] | None = None
 
 
 class TurnFailedData(_CodexData):

@@ -27,6 +27,9 @@ EVIDENCE = (CODEX_STREAM_TYPES - {"turn.started"}) | {
     "usage.native", "agent.stderr", "agent.exited", "cleanup.reported", "gap.recorded"
 }
 LATE = EVIDENCE | {"turn.started", "archive.copied", "archive.skipped"}
+# A session only leaves running for failed-live or graded once both of these are in the log,
+# so there they can never come late (only `lost`, after a lost sandbox, can still take them).
+LATE_AFTER_EXIT = LATE - {"agent.exited", "cleanup.reported"}
 
 
 def _rows(types: Iterable[str], target: str) -> dict[str, str]:
@@ -40,9 +43,9 @@ TRANSITIONS: Mapping[State | None, Mapping[str, str]] = {
     "seeded": {"agent.launched": "starting", "gap.recorded": SAME, **_LIVE},
     "starting": {**_rows(EVIDENCE, SAME), "turn.started": "running", **_LIVE},
     "running": {**_rows(EVIDENCE, SAME), "turn.started": "running", **_LIVE},
-    "failed-live": {**_rows(LATE, SAME), "sandbox.probed": SAME, **_LIVE},
+    "failed-live": {**_rows(LATE_AFTER_EXIT, SAME), "sandbox.probed": SAME, **_LIVE},
     "graded": {
-        **_rows(LATE, SAME),
+        **_rows(LATE_AFTER_EXIT, SAME),
         "verification.recorded": SAME,
         "verification.failed": SAME,
         "session.closed": "closed",
@@ -138,6 +141,7 @@ class Session:
             return self.policy.decide(self.events, after_probe=True)
         if kind == "sandbox.lost" or (
             kind in ("agent.exited", "cleanup.reported")
+            and not self.decisions  # late evidence never re-decides
             and {"agent.exited", "cleanup.reported"} <= self._seen
         ):
             return self.policy.decide(self.events)
@@ -171,7 +175,7 @@ class Session:
 
 def _state(name: str) -> State:
     assert name in STATES, name
-    return name  # type: ignore[return-value]
+    return name
 
 
 def fold(session_id: str, events: Iterable[Event], policy: str | Policy = "v1") -> Session:

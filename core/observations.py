@@ -146,7 +146,7 @@ def observe(
                 text = item.get("text")
                 if isinstance(text, str):
                     role = CONVERSATION_ITEMS[kind]
-                    conversation[(kind, item_id)] = Message(role=role, text=text)  # type: ignore[arg-type]
+                    conversation[(kind, item_id)] = Message(role=role, text=text)
     decision = decisions[-1] if decisions else None
     gaps = recorded + _derived_gaps(events, decisions, tools, closed=closed, policy=policy)
     return Observations(

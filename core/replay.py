@@ -73,7 +73,7 @@ def view_of(session: Session, *, unapplied: Iterable[Event] = (),
     """The view of a folded session."""
     events = session.events
     rewards = next(
-        (dict(e.data.rewards) for e in events if e.type == "verification.recorded"),  # type: ignore[union-attr]
+        (dict(e.data.rewards) for e in events if e.type == "verification.recorded"),
         None,
     )
     return SessionView(

@@ -33,8 +33,11 @@ def _positive(usage: dict[str, Any], key: str, gap_code: str) -> tuple[int | Non
     return None, [Gap(code=gap_code, detail=f"turn.completed reported {key}={usage.get(key)!r}")]
 
 
-def _from_turn_completed(usage: dict[str, Any]) -> tuple[Usage, list[Gap]] | None:
-    input_tokens, output_tokens = _count(usage.get("input_tokens")), _count(usage.get("output_tokens"))
+def _from_turn_completed(usage: dict[str, Any] | None) -> tuple[Usage, list[Gap]] | None:
+    if usage is None:
+        return None
+    input_tokens = _count(usage.get("input_tokens"))
+    output_tokens = _count(usage.get("output_tokens"))
     if input_tokens is None or output_tokens is None:
         return None
     cached, cached_gaps = _positive(usage, "cached_input_tokens", "cached_token_usage_unavailable")
@@ -81,7 +84,7 @@ def recover_usage(events: Sequence[Event]) -> tuple[Usage | None, list[Gap]]:
         and last_turn.type == "turn.completed"
         and not item_started_after_completion
     ):
-        recovered = _from_turn_completed(last_turn.data.usage)  # type: ignore[union-attr]
+        recovered = _from_turn_completed(last_turn.data.usage)
         if recovered is not None:
             return recovered
     if work_happened:

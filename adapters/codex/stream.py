@@ -1,0 +1,63 @@
+"""Codex's `exec --json` stdout lines → events (SPEC §2.2).
+
+Every line is kept: a known type becomes its event with Codex's object (minus `type`) as
+data, Codex's top-level `error` becomes `stream.error`, an unknown type becomes
+`codex.unknown` {line}, and a line that is not JSON becomes `codex.unknown` plus a
+`codex_unparsable_line` gap.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+KNOWN = frozenset(
+    {
+        "thread.started",
+        "turn.started",
+        "turn.completed",
+        "turn.failed",
+        "item.started",
+        "item.updated",
+        "item.completed",
+    }
+)
+RENAMED = {"error": "stream.error"}
+
+
+@dataclass(frozen=True)
+class StreamRecord:
+    """What one stdout line becomes: an event's type and data, and maybe a gap."""
+
+    type: str
+    data: dict[str, Any]
+    gap: dict[str, str] | None = None
+
+    def events(self, at: str) -> list[dict[str, Any]]:
+        """The JSONL events for this line, stamped `at`."""
+        out = [{"type": self.type, "at": at, "data": self.data}]
+        if self.gap is not None:
+            out.append({"type": "gap.recorded", "at": at, "data": self.gap})
+        return out
+
+
+def parse_stream_line(line: str) -> StreamRecord:
+    """Map one `codex exec --json` stdout line (without its newline) to a record."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return StreamRecord(
+            "codex.unknown",
+            {"line": line},
+            {"code": "codex_unparsable_line", "detail": line[:200]},
+        )
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    if not isinstance(kind, str) or (kind not in KNOWN and kind not in RENAMED):
+        return StreamRecord("codex.unknown", {"line": line})
+    data = {k: v for k, v in obj.items() if k != "type"}
+    if kind in ("item.started", "item.updated", "item.completed") and not isinstance(
+        data.get("item"), dict
+    ):
+        return StreamRecord("codex.unknown", {"line": line})
+    return StreamRecord(RENAMED.get(kind, kind), data)

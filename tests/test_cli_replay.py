@@ -1,0 +1,80 @@
+"""`trialledger replay --log`: the view as JSON; bad input → exit 2 with the line number."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.scenarios import SCENARIOS, write_examples
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def trialledger(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True,
+                          text=True, cwd=ROOT, check=False)
+
+
+def test_examples_are_the_scenarios_written_out(tmp_path: Path) -> None:
+    write_examples(tmp_path)
+    fresh = {p.name: p.read_text(encoding="utf-8") for p in tmp_path.iterdir()}
+    shipped = {p.name: p.read_text(encoding="utf-8") for p in EXAMPLES.glob("*.jsonl")}
+    assert shipped == fresh, "run: python -m tests.scenarios examples"
+
+
+@pytest.mark.parametrize("name", ["clean", "http_429_killed", "recovered_then_killed_probe",
+                                  "required_mcp_down"])
+def test_replay_prints_the_view(name: str) -> None:
+    done = trialledger("replay", "--log", str(EXAMPLES / f"{name}.jsonl"))
+    assert done.returncode == 0, done.stderr
+    view = json.loads(done.stdout)
+    assert view["decision"]["rule"] == SCENARIOS[name][1]["rule"]
+    assert set(view) == {"session_id", "state", "outcome", "decision", "decisions", "usage",
+                         "rewards", "observations", "unapplied", "diverged_at", "events"}
+    assert view["events"][0]["schema"] == 1
+
+
+def _write(tmp_path: Path, lines: list[str]) -> str:
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def test_malformed_line_gives_its_number(tmp_path: Path) -> None:
+    good = (EXAMPLES / "clean.jsonl").read_text(encoding="utf-8").splitlines()
+    done = trialledger("replay", "--log", _write(tmp_path, [good[0], "", "{not json"]))
+    assert done.returncode == 2
+    assert "line 3: not JSON" in done.stderr and done.stdout == ""
+
+
+def test_bad_field_names_line_and_field(tmp_path: Path) -> None:
+    good = (EXAMPLES / "clean.jsonl").read_text(encoding="utf-8").splitlines()
+    bad = json.loads(good[-1])
+    bad["data"]["confirmed"] = "maybe"
+    done = trialledger("replay", "--log", _write(tmp_path, [*good[:-1], json.dumps(bad)]))
+    assert done.returncode == 2
+    assert f"line {len(good)}: field 'data.confirmed'" in done.stderr
+
+
+def test_illegal_transition_names_the_line(tmp_path: Path) -> None:
+    good = (EXAMPLES / "clean.jsonl").read_text(encoding="utf-8").splitlines()
+    done = trialledger("replay", "--log", _write(tmp_path, [good[0], good[3]]))
+    assert done.returncode == 2
+    assert "line 2:" in done.stderr and "not allowed in state 'seeded'" in done.stderr
+
+
+def test_unknown_policy_is_refused(tmp_path: Path) -> None:
+    done = trialledger("replay", "--log", str(EXAMPLES / "clean.jsonl"), "--policy", "v9")
+    assert done.returncode == 2 and "unknown policy 'v9'" in done.stderr
+
+
+def test_unknown_event_type_is_named(tmp_path: Path) -> None:
+    good = (EXAMPLES / "clean.jsonl").read_text(encoding="utf-8").splitlines()
+    line = json.dumps({"type": "agent.danced", "at": "2026-11-29T08:00:01Z", "data": {}})
+    done = trialledger("replay", "--log", _write(tmp_path, [good[0], line]))
+    assert done.returncode == 2 and "line 2: unknown event type 'agent.danced'" in done.stderr

@@ -1,0 +1,90 @@
+"""Hypothesis properties of replay, close and the hash chain over random legal logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core import event_dict, replay
+from core.canonical import canonical_text, chain, first_broken_link
+from tests.logs import sample, session_logs
+
+Log = list[dict[str, Any]]
+CLOSE_AT = "2026-11-29T23:59:59Z"
+fast = settings(max_examples=80, deadline=None)
+
+
+@fast
+@given(log=session_logs())
+def test_replay_is_deterministic(log: Log) -> None:
+    assert replay(log).model_dump(mode="json") == replay(log).model_dump(mode="json")
+
+
+@fast
+@given(log=session_logs())
+def test_replaying_a_rederived_log_gives_the_same_view(log: Log) -> None:
+    view = replay(log)
+    again = replay([event_dict(e) for e in view.events])
+    assert again.model_dump(mode="json") == view.model_dump(mode="json")
+    evidence_only = [event_dict(e) for e in view.events if e.type != "outcome.decided"]
+    assert replay(evidence_only).model_dump(mode="json") == view.model_dump(mode="json")
+
+
+@fast
+@given(log=session_logs())
+def test_every_prefix_of_a_valid_log_folds(log: Log) -> None:
+    for end in range(1, len(log) + 1):
+        view = replay(log[:end])
+        assert view.events[-1].seq == len(view.events)
+
+
+@fast
+@given(log=session_logs(), data=st.data())
+def test_closing_after_any_prefix_keeps_every_observation(log: Log, data: st.DataObject) -> None:
+    end = data.draw(st.integers(1, len(log)))
+    before = replay(log[:end])
+    if before.state == "closed":
+        return
+    after = replay([*log[:end], sample("session.closed", CLOSE_AT)])
+    kept, now = before.observations, after.observations
+    assert now.invocation.conversation == kept.invocation.conversation
+    assert now.tool_calls == kept.tool_calls
+    gaps_now = [g.model_dump() for g in now.gaps]
+    assert all(g.model_dump() in gaps_now for g in kept.gaps)
+    assert [e.model_dump() for e in after.events[: len(before.events)]] == [
+        e.model_dump() for e in before.events
+    ]
+
+
+def _links(log: Log) -> tuple[list[tuple[int, str, str]], int, str]:
+    events = replay(log).events
+    texts = [canonical_text(event_dict(e)) for e in events]
+    hashes = chain(texts)
+    return [(e.seq or 0, t, h) for e, t, h in zip(events, texts, hashes, strict=True)], len(
+        events), hashes[-1]
+
+
+@fast
+@given(log=session_logs(), data=st.data())
+def test_chain_detects_any_single_tampering(log: Log, data: st.DataObject) -> None:
+    links, head_seq, head_hash = _links(log)
+    assert first_broken_link(links, head_seq=head_seq, head_hash=head_hash) is None
+    i = data.draw(st.integers(0, len(links) - 1))
+    how = data.draw(st.sampled_from(["alter", "remove", "insert", "swap"]))
+    tampered = list(links)
+    seq, text, digest = links[i]
+    if how == "alter":
+        tampered[i] = (seq, text.replace('"at":"2026', '"at":"2027', 1), digest)
+    elif how == "remove":
+        del tampered[i]
+    elif how == "insert":
+        tampered.insert(i, links[i])
+    else:
+        j = data.draw(st.integers(0, len(links) - 1).filter(lambda j: j != i)) if len(
+            links) > 1 else i
+        tampered[i], tampered[j] = tampered[j], tampered[i]
+        if i == j:
+            return
+    assert first_broken_link(tampered, head_seq=head_seq, head_hash=head_hash) is not None
