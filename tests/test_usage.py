@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 from core import replay
-from tests.scenarios import CLEAN, HTTP_429, KILLED, THREAD, TOOL_CALL, TURN, LogBuilder, run
+from tests.scenarios import (
+    CLEAN,
+    HTTP_429,
+    KILLED,
+    METADATA,
+    STREAM_CUT,
+    THREAD,
+    TOOL_CALL,
+    TURN,
+    LogBuilder,
+    run,
+)
 
 
 def _gaps(view) -> list[str]:  # type: ignore[no-untyped-def]
@@ -69,3 +80,15 @@ def test_item_started_after_turn_completed_discards_its_usage() -> None:
     lines = [*CLEAN, TOOL_CALL[3]]
     view = replay(run(lines, KILLED).events)
     assert view.usage is None
+
+
+def test_failed_turn_after_work_is_null_not_zero() -> None:
+    view = replay(run(STREAM_CUT, 1).events)  # two agent messages, then turn.failed
+    assert view.usage is None
+    assert view.decision is not None and view.decision.usage is None
+    assert "partial_model_usage_unavailable" in _gaps(view)
+
+
+def test_warning_items_are_not_work() -> None:
+    u = replay(run([THREAD, METADATA, TURN, *HTTP_429[3:]], 1).events).usage
+    assert u is not None and u.total_tokens == 0
