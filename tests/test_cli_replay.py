@@ -27,8 +27,7 @@ def test_examples_are_the_scenarios_written_out(tmp_path: Path) -> None:
     assert shipped == fresh, "run: python -m tests.scenarios examples"
 
 
-@pytest.mark.parametrize("name", ["clean", "http_429_killed", "recovered_then_killed_probe",
-                                  "required_mcp_down"])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_replay_prints_the_view(name: str) -> None:
     done = trialledger("replay", "--log", str(EXAMPLES / f"{name}.jsonl"))
     assert done.returncode == 0, done.stderr

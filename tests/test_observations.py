@@ -1,0 +1,66 @@
+"""SPEC §9: the observation snapshot from the 0.125-shaped example stream of codex-formats §1.6."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from core import replay
+from tests.scenarios import LogBuilder
+
+EXAMPLE = (Path(__file__).parent / "data" / "codex-0.125-example.jsonl").read_text(
+    encoding="utf-8"
+)
+
+
+def _view():  # type: ignore[no-untyped-def]
+    builder = LogBuilder(instruction="Fix the failing lexer test").launched()
+    return replay(builder.codex(EXAMPLE.splitlines()).finish(0).events)
+
+
+def test_conversation_is_instruction_then_reasoning_and_messages_in_order() -> None:
+    conversation = _view().observations.invocation.conversation
+    assert [(m.role, m.text[:12]) for m in conversation] == [
+        ("user", "Fix the fail"), ("reasoning", "**Locating t"), ("assistant", "Fixed the of")]
+
+
+def test_tool_calls_one_per_item_with_names_arguments_and_outputs() -> None:
+    calls = {c.id: c for c in _view().observations.tool_calls}
+    assert list(calls) == ["item_1", "item_2", "item_3", "item_4", "ws_08df", "ws_0a1b2c3d4e5f"]
+    shell = calls["item_1"]
+    assert (shell.name, shell.arguments, shell.exit_code, shell.status) == (
+        "exec_command", {"cmd": "/bin/bash -lc 'cargo test -p parser'"}, 101, "failed")
+    assert shell.output.startswith("running 12 tests")
+    assert shell.started_at is not None and shell.completed_at is not None
+    mcp = calls["item_3"]
+    assert (mcp.name, mcp.arguments, mcp.output, mcp.status) == (
+        "search", {"q": "utf8 boundary"}, "3 results", "completed")
+    assert (calls["item_2"].name, calls["item_2"].arguments["changes"][0]["kind"]) == (
+        "apply_patch", "update")
+    plan = calls["item_4"]
+    assert plan.name == "update_plan" and plan.arguments["items"][1]["completed"] is True
+    # the web_search line with two `id` keys: the last (ws_…) wins, as JSON parsers do
+    started_only = calls["ws_08df"]
+    assert (started_only.name, started_only.status, started_only.completed_at) == (
+        "web_search", "incomplete", None)
+    assert calls["ws_0a1b2c3d4e5f"].arguments == {"query": "rust char_indices boundary"}
+
+
+def test_a_tool_completed_without_start_is_a_gap() -> None:
+    gaps = [(g.code, g.detail) for g in _view().observations.gaps]
+    assert ("tool_start_unavailable", "item ws_0a1b2c3d4e5f completed with no item.started") in gaps
+    assert len([c for c, _ in gaps if c == "tool_start_unavailable"]) == 1
+
+
+def test_failed_mcp_call_reports_its_error_message() -> None:
+    line = ('{"type":"item.completed","item":{"id":"item_9","type":"mcp_tool_call","server":"d",'
+            '"tool":"fetch","arguments":{},"result":null,"error":{"message":"tool timed out"},'
+            '"status":"failed"}}')
+    builder = LogBuilder().launched().codex(['{"type":"turn.started"}', line])
+    (call,) = replay(builder.events).observations.tool_calls
+    assert (call.name, call.output, call.status) == ("fetch", "tool timed out", "failed")
+
+
+def test_status_is_incomplete_while_undecided() -> None:
+    builder = LogBuilder().launched().codex(EXAMPLE.splitlines()[:3])
+    assert replay(builder.events).observations.invocation.status == "incomplete"
+    assert _view().observations.invocation.status == "completed"
