@@ -440,14 +440,19 @@ def _upcast(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+# Fields the store adds to an exported line; a parsed event ignores them.
+STORE_FIELDS = frozenset({"position", "recorded_at", "hash"})
+
+
 def parse_event(obj: Mapping[str, Any] | _Envelope) -> Event:
     """Validate one JSONL event dict into its model; raise `BadEvent` naming the field."""
     if isinstance(obj, _Envelope):
         return obj  # type: ignore[return-value]
     if not isinstance(obj, Mapping):
         raise BadEvent(f"an event is a JSON object, not {type(obj).__name__}")
+    fields = {k: v for k, v in obj.items() if k not in STORE_FIELDS}
     try:
-        return _EVENT_ADAPTER.validate_python(_upcast(dict(obj)))
+        return _EVENT_ADAPTER.validate_python(_upcast(fields))
     except ValidationError as error:
         raise BadEvent(_describe(error)) from None
 

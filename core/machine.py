@@ -9,7 +9,7 @@ appended; on an illegal event it raises `IllegalTransition` and changes nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from core.canonical import event_id_for
 from core.errors import IllegalTransition
@@ -70,6 +70,15 @@ ONCE: tuple[frozenset[str], ...] = (
 MACHINE_ONLY = frozenset({"outcome.decided"})
 
 
+class Mark(NamedTuple):
+    """What `Session.rollback` restores."""
+
+    events: int
+    decisions: int
+    state: State | None
+    seen: frozenset[str]
+
+
 class Session:
     """The folded state of one session: its log, its state and its decisions."""
 
@@ -119,22 +128,40 @@ class Session:
         if self._exhausted(kind):
             raise IllegalTransition(self.state, kind, self.allowed(), "it may appear only once")
 
+    def mark(self) -> Mark:
+        """A point to roll back to (for all-or-nothing batches of appends)."""
+        return Mark(len(self.events), len(self.decisions), self.state, frozenset(self._seen))
+
+    def rollback(self, mark: Mark) -> None:
+        """Undo every append made since `mark`."""
+        del self.events[mark.events:]
+        del self.decisions[mark.decisions:]
+        self.state, self._seen = mark.state, set(mark.seen)
+
     def apply(self, event: Event) -> list[Event]:
         """Append a harness event; return it (numbered) and any decision it triggered."""
         self.check(event)
-        state, seen = self.state, set(self._seen)
+        mark = self.mark()
         appended = [self._append(event)]
         try:
             decision = self._triggered_decision(event.type)
             if decision is not None:
                 appended.append(self._append(OutcomeDecided(at=event.at, data=decision)))
         except BaseException:
-            # All or nothing: a decision that cannot apply takes its trigger back out.
-            del self.events[len(self.events) - len(appended):]
-            del self.decisions[len(self.decisions) - (len(appended) - 1):]
-            self.state, self._seen = state, seen
+            self.rollback(mark)  # a decision that cannot apply takes its trigger back out
             raise
         return appended
+
+    def load(self, event: Event) -> None:
+        """Fold one event of this session's own stored log, as recorded (decisions included).
+
+        The store reloads a session this way: its decisions were derived when appended,
+        so they are trusted here and a policy change never rewrites an open session's past.
+        """
+        if event.seq != len(self.events) + 1:
+            why = f"stored seq {event.seq} is out of order"
+            raise IllegalTransition(self.state, event.type, (), why)
+        self._append(event)
 
     def _triggered_decision(self, kind: str) -> Decision | None:
         if kind == "sandbox.probed":

@@ -1,0 +1,104 @@
+"""Database URLs and engines: the embedded SQLite default and PostgreSQL (asyncpg).
+
+SQLite runs in WAL mode with `synchronous=FULL` by default: an acknowledged append
+survives power loss. `synchronous=NORMAL` is faster (no fsync per commit, only at
+checkpoints) but the last commits before a power cut may be lost (never corrupted);
+choose it with `Ledger.open(..., sqlite_synchronous="NORMAL")`. Writers take the write
+lock at `BEGIN IMMEDIATE`, so a transaction never fails half-way for want of it.
+
+On PostgreSQL every write transaction first takes one advisory lock, so transactions
+commit in the order of the positions they were given: a reader tailing by position can
+never skip an event that commits later with a smaller position.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sqlalchemy import event, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+DEFAULT_DB = "trials.db"
+WRITER_LOCK_KEY = 7_402_145_391  # pg_advisory_xact_lock key shared by every writer
+BUSY_TIMEOUT_MS = 30_000
+Synchronous = Literal["FULL", "NORMAL", "EXTRA", "OFF"]
+
+
+def async_url(db: str) -> str:
+    """A SQLAlchemy async URL for `--db`: a URL as given (postgresql:// means asyncpg) or a path."""
+    if db.startswith(("postgresql://", "postgres://")):
+        return "postgresql+asyncpg://" + db.split("://", 1)[1]
+    if db.startswith("sqlite://"):
+        return "sqlite+aiosqlite://" + db.split("://", 1)[1]
+    if "://" in db:
+        return db
+    return "sqlite+aiosqlite:///" + os.path.abspath(db)
+
+
+def sqlite_path(url: str) -> str | None:
+    """The file behind a SQLite URL (None for another database)."""
+    if not url.startswith("sqlite"):
+        return None
+    return url.split(":///", 1)[1].split("?", 1)[0]
+
+
+@dataclass(frozen=True)
+class Engines:
+    """One engine for the single writer and one for readers."""
+
+    writer: AsyncEngine
+    reader: AsyncEngine
+    url: str
+
+    @property
+    def dialect(self) -> str:
+        """`sqlite` or `postgresql`."""
+        return self.writer.dialect.name
+
+    async def lock_writers(self, conn: AsyncConnection) -> None:
+        """Serialize write transactions across processes (SQLite did at BEGIN IMMEDIATE)."""
+        if self.dialect == "postgresql":
+            await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": WRITER_LOCK_KEY})
+
+    async def dispose(self) -> None:
+        """Close every pooled connection."""
+        await self.writer.dispose()
+        await self.reader.dispose()
+
+
+def _sqlite_engine(url: str, *, begin: str, synchronous: Synchronous) -> AsyncEngine:
+    engine = create_async_engine(url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # we emit BEGIN ourselves
+        cursor = dbapi_connection.cursor()
+        for pragma in (
+            "journal_mode=WAL",
+            f"synchronous={synchronous}",
+            f"busy_timeout={BUSY_TIMEOUT_MS}",
+            "foreign_keys=ON",
+        ):
+            cursor.execute(f"PRAGMA {pragma}")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _begin(conn: Any) -> None:
+        conn.exec_driver_sql(begin)
+
+    return engine
+
+
+def make_engines(db: str, *, sqlite_synchronous: Synchronous = "FULL") -> Engines:
+    """Engines for a `--db` value."""
+    url = async_url(db)
+    if url.startswith("sqlite"):
+        return Engines(
+            writer=_sqlite_engine(url, begin="BEGIN IMMEDIATE", synchronous=sqlite_synchronous),
+            reader=_sqlite_engine(url, begin="BEGIN", synchronous=sqlite_synchronous),
+            url=url,
+        )
+    writer = create_async_engine(url, pool_size=2)
+    return Engines(writer=writer, reader=create_async_engine(url, pool_size=4), url=url)

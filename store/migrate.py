@@ -1,0 +1,93 @@
+"""The migration runner: alembic revisions applied on the store's own connection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import inspect
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+import migrations
+from core.errors import TrialLedgerError
+
+SCRIPT_LOCATION = str(Path(migrations.__file__).resolve().parent)
+
+
+class SchemaOutOfDate(TrialLedgerError):
+    """A database built by older (or newer) code; never migrated silently."""
+
+
+def alembic_config() -> Config:
+    """The alembic configuration for trialledger's revisions."""
+    config = Config()
+    config.set_main_option("script_location", SCRIPT_LOCATION)
+    return config
+
+
+def head_revision() -> str:
+    """The newest revision the code knows."""
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def revisions() -> list[str]:
+    """Every revision, oldest first."""
+    script = ScriptDirectory.from_config(alembic_config())
+    return [rev.revision for rev in reversed(list(script.walk_revisions()))]
+
+
+def _current(connection: Connection) -> str | None:
+    return MigrationContext.configure(connection).get_current_revision()
+
+
+def _has_tables(connection: Connection) -> bool:
+    return bool(inspect(connection).get_table_names())
+
+
+async def current_revision(engine: AsyncEngine) -> str | None:
+    """The revision a database is at (None when it has none)."""
+    async with engine.connect() as conn:
+        return await conn.run_sync(_current)
+
+
+async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
+    """Build or migrate a database to `revision`."""
+    await _run(engine, lambda config: command.upgrade(config, revision))
+
+
+async def downgrade(engine: AsyncEngine, revision: str) -> None:
+    """Migrate a database down to `revision` (`base` removes everything)."""
+    await _run(engine, lambda config: command.downgrade(config, revision))
+
+
+async def _run(engine: AsyncEngine, step: object) -> None:
+    def in_sync(connection: Connection) -> None:
+        config = alembic_config()
+        config.attributes["connection"] = connection
+        step(config)  # type: ignore[operator]
+
+    async with engine.begin() as conn:
+        await conn.run_sync(in_sync)
+
+
+async def ensure_current(engine: AsyncEngine, *, db: str) -> None:
+    """Build an empty database; refuse one at another revision, naming the command to run."""
+    async with engine.connect() as conn:
+        current = await conn.run_sync(_current)
+        populated = await conn.run_sync(_has_tables)
+    head = head_revision()
+    if current == head:
+        return
+    if current is None and not populated:
+        await upgrade(engine)
+        return
+    raise SchemaOutOfDate(
+        f"database {db} is at schema revision {current or 'none'}, this trialledger needs "
+        f"{head}: run `trialledger db upgrade --db {db}` (back it up first)"
+    )
