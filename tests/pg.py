@@ -1,0 +1,76 @@
+"""A real PostgreSQL 15 for the tests: a throwaway cluster in a temporary folder.
+
+`initdb` refuses root, so as root the cluster belongs to an unprivileged user
+(`TRIALLEDGER_PG_USER`, default `postgres`; `.ci/run` creates it when missing). The
+server listens on a free loopback port with password (scram-sha-256) authentication.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+PASSWORD = "tl-" + uuid.uuid4().hex
+SUPERUSER = "trialledger"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class PostgresServer:
+    folder: Path
+    port: int
+    owner: str | None
+
+    def _run(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        prefix = ["runuser", "-u", self.owner, "--"] if self.owner else []
+        return subprocess.run([*prefix, *argv], capture_output=True, text=True, check=False)
+
+    @classmethod
+    def start(cls) -> PostgresServer:
+        if shutil.which("initdb") is None:
+            raise RuntimeError("PostgreSQL 15 is not installed (initdb is not on PATH)")
+        owner = os.environ.get("TRIALLEDGER_PG_USER", "postgres") if os.geteuid() == 0 else None
+        folder = Path(tempfile.mkdtemp(prefix="trialledger-pg-"))
+        server = cls(folder, _free_port(), owner)
+        (folder / "pw").write_text(PASSWORD + "\n")
+        if owner:
+            uid = pwd.getpwnam(owner).pw_uid
+            for path in (folder, folder / "pw"):
+                os.chown(path, uid, -1)
+        done = server._run("initdb", "-D", str(folder / "data"), "-U", SUPERUSER,
+                           "--auth=scram-sha-256", f"--pwfile={folder / 'pw'}", "-E", "UTF8")
+        if done.returncode:
+            raise RuntimeError(f"initdb failed: {done.stderr}")
+        options = f"-p {server.port} -k {folder} -c listen_addresses=127.0.0.1"
+        done = server._run("pg_ctl", "-D", str(folder / "data"), "-o", options,
+                           "-l", str(folder / "server.log"), "-w", "start")
+        if done.returncode:
+            raise RuntimeError(f"pg_ctl start failed: {done.stderr}")
+        return server
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://{SUPERUSER}:{PASSWORD}@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self) -> str:
+        name = "t_" + uuid.uuid4().hex[:12]
+        env = {**os.environ, "PGPASSWORD": PASSWORD}
+        subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", SUPERUSER,
+                        "-d", "postgres", "-qc", f"CREATE DATABASE {name}"],
+                       check=True, env=env, capture_output=True)
+        return self.url(name)
+
+    def stop(self) -> None:
+        self._run("pg_ctl", "-D", str(self.folder / "data"), "-m", "immediate", "stop")
+        shutil.rmtree(self.folder, ignore_errors=True)

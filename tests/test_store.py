@@ -1,0 +1,314 @@
+"""The store conformance suite: every case runs on a SQLite file and on a real PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+from sqlalchemy import text
+
+from core import (
+    BadEvent,
+    ConcurrencyConflict,
+    EventIdConflict,
+    IllegalTransition,
+    SeedRejected,
+    replay,
+)
+from store import Ledger, SchemaOutOfDate
+from store.engine import make_engines
+from tests.scenarios import SCENARIOS, LogBuilder
+
+pytestmark = pytest.mark.anyio
+
+
+def seed_data(**changes: Any) -> dict[str, Any]:
+    return {**LogBuilder().events[0]["data"], **changes}
+
+
+def seed_of(name: str) -> dict[str, Any]:
+    """The seed data of a required-case scenario."""
+    return dict(SCENARIOS[name][0].events[0]["data"])
+
+
+def run_of(name: str) -> list[dict[str, Any]]:
+    """The harness events after the seed of a required-case scenario."""
+    return SCENARIOS[name][0].events[1:]
+
+
+async def raw(ledger: Ledger, sql: str, **params: Any) -> list[tuple[Any, ...]]:
+    async with ledger._engines.writer.begin() as conn:
+        result = await conn.execute(text(sql), params)
+        return [tuple(r) for r in result.all()] if result.returns_rows else []
+
+
+async def test_a_run_is_stored_with_its_decision_in_the_same_append(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        seeded = await ledger.seed(seed_data())
+        stored = await ledger.append(seeded.session_id, run_of("clean"), expected_seq=1)
+        assert [s.event.seq for s in stored] == list(range(2, 11))
+        assert stored[-1].event.type == "outcome.decided"
+        positions = [s.position for s in stored]
+        assert positions == sorted(positions) and len(set(positions)) == len(positions)
+        view = await ledger.view(seeded.session_id)
+        assert (view.state, view.decision.rule if view.decision else None) == (
+            "graded", "completed")
+        assert view.model_dump() == replay([s.event for s in await ledger.events(
+            seeded.session_id)]).model_dump()
+
+
+async def test_stale_expected_seq_is_a_conflict_and_appends_nothing(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        await ledger.append(sid, run_of("clean")[:1], expected_seq=1)
+        with pytest.raises(ConcurrencyConflict) as caught:
+            await ledger.append(sid, run_of("clean")[1:2], expected_seq=1)
+        assert (caught.value.expected, caught.value.actual) == (1, 2)
+        assert len(await ledger.events(sid)) == 2
+
+
+async def test_event_id_is_idempotent_and_conflicts_on_other_content(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        launched = {**run_of("clean")[0], "event_id": "launch-1"}
+        (first,) = await ledger.append(sid, [launched])
+        (again,) = await ledger.append(sid, [launched], expected_seq=1)  # stale, yet a no-op
+        assert (again.position, again.hash) == (first.position, first.hash)
+        other = {**launched, "at": "2026-11-29T09:00:00Z"}
+        with pytest.raises(EventIdConflict):
+            await ledger.append(sid, [other])
+        second = (await ledger.seed(seed_data())).session_id
+        with pytest.raises(EventIdConflict):
+            await ledger.append(second, [launched])
+        assert len(await ledger.events(sid)) == 2
+        assert len(await ledger.events(second)) == 1
+
+
+async def test_an_append_is_all_or_nothing(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        events = run_of("clean")
+        with pytest.raises(IllegalTransition):
+            await ledger.append(sid, [events[0], events[0]])  # a second launch is illegal
+        with pytest.raises(BadEvent) as caught:
+            await ledger.append(sid, [events[0], {"type": "agent.exited", "at": "x"}])
+        assert caught.value.index == 1
+        assert len(await ledger.events(sid)) == 1
+        await ledger.append(sid, events, expected_seq=1)  # the session is still usable
+        assert (await ledger.view(sid)).state == "graded"
+
+
+async def test_a_rejected_seed_leaves_nothing(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        with pytest.raises(SeedRejected):
+            await ledger.seed(seed_data(settings={"timeout_s": -1}))
+        with pytest.raises(SeedRejected):
+            await ledger.seed(seed_data(attempt=0))
+        assert await ledger.sessions() == []
+        assert await ledger.tail() == []
+
+
+async def test_concurrent_appends_are_group_committed(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        sids = [(await ledger.seed(seed_data())).session_id for _ in range(20)]
+
+        async def drive(sid: str) -> None:
+            for event in run_of("clean"):
+                await ledger.append(sid, [event])
+
+        async with anyio.create_task_group() as tg:
+            for sid in sids:
+                tg.start_soon(drive, sid)
+        rows = await raw(ledger, "SELECT count(*), count(DISTINCT recorded_at) FROM events")
+        total, commits = rows[0]
+        assert total == 20 * 10
+        assert commits < total / 2  # many appends shared each transaction
+        assert {r["state"] for r in await ledger.sessions()} == {"graded"}
+        assert (await ledger.audit()).ok
+
+
+async def test_tail_reads_every_event_in_position_order(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        a = (await ledger.seed(seed_data())).session_id
+        b = (await ledger.seed(seed_data())).session_id
+        await ledger.append(a, run_of("clean")[:3])
+        await ledger.append(b, run_of("http_429"))
+        everything = await ledger.tail()
+        assert [e.position for e in everything] == sorted(e.position for e in everything)
+        assert len(everything) == 1 + 3 + 1 + len(run_of("http_429")) + 1
+        later = await ledger.tail(everything[3].position, limit=2)
+        assert [e.position for e in later] == [e.position for e in everything[4:6]]
+
+
+async def test_projections_fill_the_analyst_views(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        await ledger.append(sid, run_of("tool_call"))
+        await ledger.append(sid, [{"type": "verification.recorded", "at": "2026-11-29T09:00:00Z",
+                                   "data": {"rewards": {"reward": 1, "style": 0.5}}}])
+        await ledger.close(sid)
+        (session,) = await ledger.sessions()
+        assert (session["state"], session["outcome"], session["close_reason"]) == (
+            "closed", "verify", "normal")
+        assert session["head_seq"] == len(await ledger.events(sid))
+        outcome = await raw(ledger, "SELECT rule, action, outcome, total_tokens, reward_valid "
+                                    "FROM outcomes")
+        assert outcome == [("completed", "verify", "verify", 30, True)]
+        assert await raw(ledger, "SELECT name, kind, status FROM tool_calls") == [
+            ("exec_command", "command_execution", "completed")]
+        rewards = await raw(ledger, "SELECT name, value FROM rewards ORDER BY name")
+        assert rewards == [("reward", 1.0), ("style", 0.5)]
+        gaps = {code for (code,) in await raw(ledger, "SELECT code FROM gaps")}
+        assert "cached_token_usage_unavailable" in gaps
+        assert await raw(ledger, "SELECT count(*), max(seq) FROM decisions") == [(1, 12)]
+
+
+async def test_rebuild_projections_gives_identical_rows(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        for name in ("clean", "http_429", "recovered_then_killed_probe", "timeout"):
+            sid = (await ledger.seed(seed_of(name))).session_id
+            await ledger.append(sid, run_of(name))
+        tables = ("sessions", "decision_log", "tool_calls", "gaps", "rewards")
+
+        async def snapshot() -> dict[str, list[tuple[Any, ...]]]:
+            return {t: sorted(await raw(ledger, f"SELECT * FROM {t}"), key=repr) for t in tables}
+
+        before = await snapshot()
+        assert await ledger.rebuild_projections() == 4
+        assert await snapshot() == before
+
+
+async def test_audit_passes_then_names_the_first_tampered_event(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        await ledger.append(sid, run_of("clean"))
+        assert (await ledger.audit()).ok
+        await raw(ledger, "UPDATE events SET data = replace(data, 'hi there', 'bye') "
+                          "WHERE seq = 6")
+        report = await ledger.audit()
+        assert report.fault is not None and "seq 6" in report.fault and sid in report.fault
+
+
+@pytest.mark.parametrize("tamper, expected", [
+    ("DELETE FROM events WHERE seq = (SELECT max(seq) FROM events)", "head"),
+    ("DELETE FROM events WHERE seq = 4", "seq 5"),
+    ("UPDATE events SET seq = seq + 100 WHERE seq = 3", "expected seq 3"),
+    ("UPDATE events SET seq = 1003 WHERE seq = 3; UPDATE events SET seq = 3 WHERE seq = 4;"
+     " UPDATE events SET seq = 4 WHERE seq = 1003", "reordered"),
+    ("UPDATE events SET data = (SELECT data FROM events WHERE seq = 4) WHERE seq = 5",
+     "seq 5"),
+])
+async def test_audit_detects_removed_reordered_and_moved_events(
+        db: str, tamper: str, expected: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        await ledger.append(sid, run_of("clean"))
+        for statement in tamper.split(";"):
+            await raw(ledger, statement)
+        report = await ledger.audit()
+        assert report.fault is not None and expected in report.fault
+
+
+async def test_audit_detects_an_inserted_event(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        await ledger.append(sid, run_of("clean"))
+        await raw(ledger, "UPDATE events SET seq = seq + 1000 WHERE seq >= 5")
+        await raw(ledger, "UPDATE events SET seq = seq - 999 WHERE seq >= 1000")
+        await raw(ledger, "INSERT INTO events (session_id, seq, event_id, type, at, recorded_at,"
+                          " schema, data, hash) SELECT session_id, 5, 'forged', type, at,"
+                          " recorded_at, schema, data, hash FROM events WHERE seq = 4")
+        report = await ledger.audit()
+        assert report.fault is not None and "seq 5" in report.fault
+
+
+async def test_recover_closes_only_that_runners_open_sessions(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        mine = (await ledger.seed(seed_data(runner_id="a"))).session_id
+        await ledger.append(mine, run_of("clean")[:3])
+        graded = (await ledger.seed(seed_data(runner_id="a"))).session_id
+        await ledger.append(graded, run_of("clean"))
+        theirs = (await ledger.seed(seed_data(runner_id="b"))).session_id
+        assert sorted(await ledger.recover("a")) == sorted([mine, graded])
+        view = await ledger.view(mine)
+        assert (view.state, view.outcome) == ("closed", "retry")
+        assert view.decision is not None and view.decision.error == "sandbox lost: harness restarted"
+        assert view.observations.invocation.conversation[0].text == "say hi"
+        assert (await ledger.view(graded)).outcome == "unverified"
+        assert (await ledger.view(theirs)).state == "seeded"
+        assert await ledger.recover(None, all_runners=True) == [theirs]
+
+
+async def test_export_then_import_elsewhere_gives_the_same_view(db: str, tmp_path: Any) -> None:
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_of("recovered_then_killed_probe"))).session_id
+        await ledger.append(sid, run_of("recovered_then_killed_probe"))
+        exported = await ledger.export(sid)
+        assert {"position", "recorded_at", "hash", "event_id", "schema"} <= set(exported[0])
+    async with await Ledger.open(str(tmp_path / "other.db")) as other:
+        assert await other.import_log(exported) == sid
+        assert (await other.view(sid)).model_dump() == replay(exported).model_dump()
+        assert await other.import_log(exported) == sid  # the same log again: a no-op
+        assert len(await other.events(sid)) == len(exported)
+
+
+async def test_import_refuses_a_log_whose_decisions_diverge(db: str) -> None:
+    log = replay(SCENARIOS["bad_request_killed"][0].events).model_dump(mode="json")["events"]
+    log[0]["data"]["settings"]["verify_after_agent_error"] = False
+    async with await Ledger.open(db) as ledger:
+        with pytest.raises(IllegalTransition, match="is not what policy v1 derives"):
+            await ledger.import_log(log)
+        assert await ledger.sessions() == []
+
+
+async def test_another_writer_is_noticed_before_the_next_append(db: str) -> None:
+    async with await Ledger.open(db) as first, await Ledger.open(db) as second:
+        sid = (await first.seed(seed_data())).session_id
+        events = run_of("clean")
+        await first.append(sid, events[:2])
+        await second.append(sid, events[2:4], expected_seq=3)
+        with pytest.raises(ConcurrencyConflict):
+            await first.append(sid, events[4:], expected_seq=3)
+        await first.append(sid, events[4:], expected_seq=5)
+        assert (await first.view(sid)).state == "graded"
+        assert (await first.audit()).ok
+
+
+async def test_secrets_are_scrubbed_before_they_are_stored(db: str) -> None:
+    token = "tok-9f8e7d6c5b4a3210"
+    grants = [{"name": "docs", "kind": "mcp", "url": "http://127.0.0.1:1/mcp",
+               "headers": {"Authorization": f"Bearer {token}"}}]
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data(grants=grants))).session_id
+        await ledger.append(sid, [run_of("clean")[0], {
+            "type": "agent.stderr", "at": "2026-11-29T09:00:00Z",
+            "data": {"tail": f"auth {token[:10]}… then \"{token}\"", "truncated": False}}])
+        stored = await raw(ledger, "SELECT data FROM events")
+        assert stored and not any(token[:8] in data for (data,) in stored)
+        assert "[redacted]" in stored[-1][0]
+
+
+async def test_out_of_date_database_is_refused_naming_the_upgrade(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        await raw(ledger, "UPDATE alembic_version SET version_num = '0000'")
+    with pytest.raises(SchemaOutOfDate, match="trialledger db upgrade --db"):
+        await Ledger.open(db)
+
+
+async def test_migrations_go_down_and_up(db: str) -> None:
+    from store.migrate import current_revision, downgrade, head_revision, upgrade
+
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+    engines = make_engines(db)
+    try:
+        await downgrade(engines.writer, "base")
+        assert await current_revision(engines.writer) is None
+        await upgrade(engines.writer)
+        assert await current_revision(engines.writer) == head_revision()
+    finally:
+        await engines.dispose()
+    async with await Ledger.open(db) as ledger:
+        assert await ledger.sessions() == []
+        assert sid
