@@ -233,7 +233,8 @@ async def test_recover_closes_only_that_runners_open_sessions(db: str) -> None:
         assert sorted(await ledger.recover("a")) == sorted([mine, graded])
         view = await ledger.view(mine)
         assert (view.state, view.outcome) == ("closed", "retry")
-        assert view.decision is not None and view.decision.error == "sandbox lost: harness restarted"
+        assert view.decision is not None
+        assert view.decision.error == "sandbox lost: harness restarted"
         assert view.observations.invocation.conversation[0].text == "say hi"
         assert (await ledger.view(graded)).outcome == "unverified"
         assert (await ledger.view(theirs)).state == "seeded"
