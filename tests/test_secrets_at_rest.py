@@ -1,0 +1,70 @@
+"""No piece (8+ characters) of a session's token is found in the database files' bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from sqlalchemy import text
+
+from store import Ledger
+from tests.test_store import run_of, seed_data
+
+TOKEN = "zq7-SECRET-Xv93kLmN0pQrStUv"
+API_KEY = "sk-Hh4Jj5Kk6Ll7Mm8Nn9Pp0"
+
+
+def _pieces(secret: str) -> list[bytes]:
+    return [secret[i:i + 8].encode() for i in range(len(secret) - 7)]
+
+
+async def _record(db: str) -> None:
+    grants = [{"name": "docs", "kind": "mcp", "url": "http://127.0.0.1:1/mcp",
+               "headers": {"Authorization": f"Bearer {TOKEN}", "X-Other": API_KEY[:3]}}]
+    echoes = [TOKEN, TOKEN[:12] + "…", f'"Bearer {TOKEN}"', TOKEN[:9] + TOKEN,
+              f"key={API_KEY} and {API_KEY[:10]}"]
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data(grants=grants), api_key=API_KEY)).session_id
+        events = run_of("clean")
+        stderr = {"type": "agent.stderr", "at": "2026-11-29T09:00:00Z",
+                  "data": {"tail": "\n".join(echoes), "truncated": False}}
+        shell = {"type": "item.completed", "at": "2026-11-29T09:00:00Z", "data": {"item": {
+            "id": "item_9", "type": "command_execution", "command": "cat config.toml",
+            "aggregated_output": f'http_headers = {{ Authorization = "Bearer {TOKEN}" }}',
+            "exit_code": 0, "status": "completed"}}}
+        await ledger.append(sid, [*events[:4], shell, *events[4:6], stderr, *events[6:]])
+        view = await ledger.view(sid)
+        assert view.decision is not None and view.decision.rule == "completed"
+        if ledger.dialect == "postgresql":
+            async with ledger._engines.writer.connect() as conn:
+                await conn.execute(text("CHECKPOINT"))
+
+
+def _files_hold_no_piece(files: list[Path]) -> None:
+    assert files
+    blob = b"".join(p.read_bytes() for p in files if p.is_file())
+    assert b"[redacted]" in blob  # the echoes were stored, scrubbed
+    for secret in (TOKEN, API_KEY):
+        found = [piece for piece in _pieces(secret) if piece in blob]
+        assert not found, f"{found[0]!r} of a secret is on disk"
+
+
+def test_sqlite_file_and_wal_hold_no_secret(tmp_path: Path) -> None:
+    db = tmp_path / "trials.db"
+    anyio.run(_record, str(db))
+    _files_hold_no_piece(sorted(tmp_path.glob("trials.db*")))
+
+
+def test_postgresql_data_folder_holds_no_secret(postgres: Any) -> None:
+    anyio.run(_record, postgres.create_database())
+    _files_hold_no_piece(sorted(Path(postgres.folder, "data").rglob("*")))
+
+
+@pytest.mark.parametrize("secret", [TOKEN, API_KEY])
+def test_the_check_would_see_a_leak(tmp_path: Path, secret: str) -> None:
+    leak = tmp_path / "leak.bin"
+    leak.write_bytes(b"[redacted] ... " + secret[3:14].encode())
+    with pytest.raises(AssertionError, match="of a secret is on disk"):
+        _files_hold_no_piece([leak])
