@@ -1,49 +1,213 @@
 """`trialledger`: a thin command line over the library (SPEC §10).
 
-Exit codes: 0 success; 1 the command ran and found a difference or a fault; 2 bad input
-(a malformed line, an illegal transition, an unknown policy), with one line saying why.
+Exit codes: 0 success; 1 the command ran and found something (a broken chain, a
+diverging decision); 2 bad input or a refused operation (a malformed line, an illegal
+transition, an unknown policy, an out-of-date database), with one line saying why.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+import anyio
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.exc import SQLAlchemyError
 
 from core import BadEvent, IllegalTransition, TrialLedgerError, parse_jsonl, replay
+from store import Ledger
+from store.engine import DEFAULT_DB, make_engines
+from store.migrate import current_revision, upgrade
+from store.query import DEFAULT_TIMEOUT_S, run_query
 
 EXIT_OK, EXIT_FOUND, EXIT_BAD_INPUT = 0, 1, 2
+out = Console(highlight=False, soft_wrap=True)
 
 
-def _fail(message: str) -> int:
-    print(f"trialledger: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+class Refused(Exception):
+    """A one-line reason to stop with exit 2."""
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
-    """Print the re-derived view of one JSONL log as JSON."""
-    path = Path(args.log)
+def _read_log(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
     try:
         with path.open(encoding="utf-8") as lines:
             numbered = list(parse_jsonl(lines))
     except OSError as error:
-        return _fail(f"cannot read {path}: {error.strerror}")
+        raise Refused(f"cannot read {path}: {error.strerror}") from None
     except BadEvent as error:
-        return _fail(f"{path}: {error}")
-    line_of = [number for number, _ in numbered]
-    try:
-        view = replay([obj for _, obj in numbered], policy=args.policy)
-    except (BadEvent, IllegalTransition) as error:
-        index = error.index
-        where = f"line {line_of[index]}: " if index is not None else ""
-        reason = error.reason if isinstance(error, BadEvent) else str(error)
-        return _fail(f"{path}: {where}{reason}")
-    except TrialLedgerError as error:
-        return _fail(str(error))
-    print(json.dumps(view.model_dump(mode="json"), indent=2, ensure_ascii=False))
+        raise Refused(f"{path}: {error}") from None
+    return [obj for _, obj in numbered], [number for number, _ in numbered]
+
+
+def _located(path: Path, lines: list[int], error: BadEvent | IllegalTransition) -> Refused:
+    where = f"line {lines[error.index]}: " if error.index is not None else ""
+    reason = error.reason if isinstance(error, BadEvent) else str(error)
+    return Refused(f"{path}: {where}{reason}")
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Print the re-derived view of one JSONL log, or diff every stored session."""
+    if args.log:
+        path = Path(args.log)
+        events, lines = _read_log(path)
+        try:
+            view = replay(events, policy=args.policy)
+        except (BadEvent, IllegalTransition) as error:
+            raise _located(path, lines, error) from None
+        _print_json(view.model_dump(mode="json"))
+        return EXIT_OK
+    if not (args.all and args.diff):
+        raise Refused("replay needs --log FILE, or --db URL --all --diff")
+    return anyio.run(_replay_diff, args)
+
+
+async def _replay_diff(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    differing = []
+    async with await Ledger.open(args.db) as ledger:
+        sessions = await ledger.sessions()
+        with Progress(console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task("re-deriving", total=len(sessions))
+            for row in sessions:
+                view = await ledger.view(row["session_id"], policy=args.policy)
+                if view.diverged_at is not None:
+                    d = view.diverged_at
+                    differing.append({
+                        "session_id": row["session_id"], "seq": d.seq,
+                        "recorded": f"{d.recorded.rule}/{d.recorded.action}",
+                        "derived": f"{d.derived.rule}/{d.derived.action}" if d.derived else "none",
+                    })
+                progress.advance(task)
+    if args.json:
+        _print_json(differing)
+    else:
+        _table(["session_id", "seq", "recorded", "derived"],
+               [tuple(d.values()) for d in differing])
+        out.print(f"{len(differing)} of {len(sessions)} sessions differ under {args.policy}")
+    return EXIT_FOUND if differing else EXIT_OK
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    """Build or migrate a database to the newest schema."""
+
+    async def go() -> str | None:
+        engines = make_engines(args.db)
+        try:
+            await upgrade(engines.writer)
+            return await current_revision(engines.writer)
+        finally:
+            await engines.dispose()
+
+    out.print(f"{args.db}: schema at revision {anyio.run(go)}")
     return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Append one session's JSONL log through the machine, all or nothing."""
+    path = Path(args.file)
+    events, lines = _read_log(path)
+    secrets = []
+    for name in args.secret_env or []:
+        if name not in os.environ:
+            raise Refused(f"--secret-env {name}: no such environment variable")
+        secrets.append(os.environ[name])
+
+    async def go() -> str:
+        async with await Ledger.open(args.db) as ledger:
+            return await ledger.import_log(events, secrets=secrets)
+
+    try:
+        session_id = anyio.run(go)
+    except (BadEvent, IllegalTransition) as error:
+        raise _located(path, lines, error) from None
+    out.print(session_id)
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a session's log back as JSONL, with every field."""
+
+    async def go() -> list[dict[str, Any]]:
+        async with await Ledger.open(args.db) as ledger:
+            return await ledger.export(args.session)
+
+    lines = anyio.run(go)
+    if not lines:
+        raise Refused(f"no session {args.session} in {args.db}")
+    for line in lines:
+        sys.stdout.write(json.dumps(line, ensure_ascii=False) + "\n")
+    return EXIT_OK
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Verify every session's hash chain and head."""
+
+    async def go() -> Any:
+        async with await Ledger.open(args.db) as ledger:
+            return await ledger.audit()
+
+    report = anyio.run(go)
+    if report.ok:
+        out.print(f"ok: {report.sessions} sessions, {report.events} events verified")
+        return EXIT_OK
+    print(f"trialledger: audit failed: {report.fault}", file=sys.stderr)
+    return EXIT_FOUND
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    """Run one read-only, time-limited query."""
+    result = anyio.run(lambda: run_query(args.db, args.query, timeout_s=args.timeout))
+    if args.json:
+        _print_json(result.records())
+    else:
+        _table(result.columns, result.rows)
+    return EXIT_OK
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    """Close out the sessions a runner left open."""
+    if not (args.runner or args.all):
+        raise Refused("recover needs --runner ID, or --all for a single-machine store")
+
+    async def go() -> list[str]:
+        async with await Ledger.open(args.db) as ledger:
+            return await ledger.recover(args.runner, all_runners=args.all)
+
+    recovered = anyio.run(go)
+    for sid in recovered:
+        out.print(sid)
+    out.print(f"{len(recovered)} sessions recovered")
+    return EXIT_OK
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*("" if v is None else str(v) for v in row))
+    out.print(table)
+
+
+# --- the parser -------------------------------------------------------------------------------
+
+
+def _with_db(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", default=DEFAULT_DB,
+                        help="SQLAlchemy URL (postgresql:// uses asyncpg) or a SQLite file path "
+                             f"(default {DEFAULT_DB})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,17 +216,71 @@ def build_parser() -> argparse.ArgumentParser:
         prog="trialledger", description="Record and judge sandboxed coding-agent trials."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    p_replay = commands.add_parser("replay", help="re-derive a session's outcome from its log")
-    p_replay.add_argument("--log", required=True, help="a session's JSONL event log")
-    p_replay.add_argument("--policy", default="v1", help="decision policy version (default v1)")
-    p_replay.set_defaults(handler=cmd_replay)
+
+    p = commands.add_parser("replay", help="re-derive outcomes from a log or a whole store")
+    p.add_argument("--log", help="a session's JSONL event log")
+    _with_db(p)
+    p.add_argument("--all", action="store_true", help="every session in --db")
+    p.add_argument("--diff", action="store_true", help="list sessions whose decisions differ")
+    p.add_argument("--policy", default="v1", help="decision policy version (default v1)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=cmd_replay)
+
+    p = commands.add_parser("db", help="database maintenance")
+    db_commands = p.add_subparsers(dest="db_command", required=True)
+    up = db_commands.add_parser("upgrade", help="build or migrate a database")
+    _with_db(up)
+    up.set_defaults(handler=cmd_db_upgrade)
+
+    p = commands.add_parser("import", help="append one session's JSONL log")
+    _with_db(p)
+    p.add_argument("file", help="the session's JSONL log")
+    p.add_argument("--secret-env", action="append", metavar="NAME",
+                   help="scrub the value of this environment variable (repeatable)")
+    p.set_defaults(handler=cmd_import)
+
+    p = commands.add_parser("export", help="write a session's log as JSONL")
+    _with_db(p)
+    p.add_argument("--session", required=True, help="the session id")
+    p.set_defaults(handler=cmd_export)
+
+    p = commands.add_parser("audit", help="verify every hash chain and head")
+    _with_db(p)
+    p.set_defaults(handler=cmd_audit)
+
+    p = commands.add_parser("sql", help="run one read-only, time-limited query")
+    _with_db(p)
+    p.add_argument("query", help="one SQL statement (SELECT …)")
+    p.add_argument("--json", action="store_true", help="rows as JSON objects")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds before the query is stopped (default {DEFAULT_TIMEOUT_S:g})")
+    p.set_defaults(handler=cmd_sql)
+
+    p = commands.add_parser("recover", help="close out sessions a runner left open")
+    _with_db(p)
+    p.add_argument("--runner", help="the runner id whose sessions to recover")
+    p.add_argument("--all", action="store_true", help="every runner (a single-machine store)")
+    p.set_defaults(handler=cmd_recover)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `trialledger` console script."""
     args = build_parser().parse_args(argv)
-    code: int = args.handler(args)
+    handler: Callable[[argparse.Namespace], int | Awaitable[int]] = args.handler
+    try:
+        code = handler(args)
+    except Refused as error:
+        print(f"trialledger: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (TrialLedgerError, KeyError) as error:
+        print(f"trialledger: {str(error).strip(chr(39))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (OSError, SQLAlchemyError) as error:
+        reason = str(error).splitlines()[0]
+        print(f"trialledger: cannot use the database {args.db}: {reason}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    assert isinstance(code, int)
     return code
 
 

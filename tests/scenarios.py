@@ -256,6 +256,9 @@ SCENARIOS: dict[str, tuple[LogBuilder, dict[str, Any]]] = {
          "reward_valid": False}),
 }
 
+for _name, (_builder, _) in SCENARIOS.items():  # one trial per case, so session ids differ
+    _builder.events[0]["data"]["trial_id"] = _name
+
 
 def write_examples(folder: Path) -> None:
     """Write every scenario's log as `<name>.jsonl` into `folder`."""

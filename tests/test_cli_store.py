@@ -1,0 +1,156 @@
+"""The store's CLI end to end on real SQLite files (and `sql` on PostgreSQL too)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cli import main
+from core import Policy, register_policy
+from core.policy import V1_OUTCOME_TABLE
+from tests.scenarios import SCENARIOS, write_examples
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def examples(tmp_path: Path) -> Path:
+    folder = tmp_path / "examples"
+    write_examples(folder)
+    return folder
+
+
+def imported(capsys: pytest.CaptureFixture[str], db: str, examples: Path, *names: str
+             ) -> list[str]:
+    ids = []
+    for name in names:
+        code, out, err = run(capsys, "import", "--db", db, str(examples / f"{name}.jsonl"))
+        assert code == 0, err
+        ids.append(out.strip())
+    return ids
+
+
+def test_db_upgrade_builds_a_database(capsys: Any, tmp_path: Path) -> None:
+    db = str(tmp_path / "t.db")
+    code, out, _ = run(capsys, "db", "upgrade", "--db", db)
+    assert code == 0 and "schema at revision 0001" in out and Path(db).exists()
+
+
+def test_import_export_round_trip(capsys: Any, tmp_path: Path, examples: Path) -> None:
+    db = str(tmp_path / "t.db")
+    (sid,) = imported(capsys, db, examples, "recovered_then_killed_probe")
+    code, out, _ = run(capsys, "export", "--db", db, "--session", sid)
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and lines[-1]["type"] == "outcome.decided"
+    assert {"position", "recorded_at", "hash", "event_id", "seq", "schema"} <= set(lines[0])
+    again = tmp_path / "again.jsonl"
+    again.write_text(out, encoding="utf-8")
+    code, out2, _ = run(capsys, "import", "--db", str(tmp_path / "other.db"), str(again))
+    assert (code, out2.strip()) == (0, sid)
+
+
+def test_import_scrubs_secret_env_and_reports_bad_lines(
+        capsys: Any, tmp_path: Path, examples: Path, monkeypatch: Any) -> None:
+    db = str(tmp_path / "t.db")
+    monkeypatch.setenv("LEAKED", "hi there")  # the clean run's agent message
+    code, out, _ = run(capsys, "import", "--db", db, str(examples / "clean.jsonl"),
+                       "--secret-env", "LEAKED")
+    assert code == 0
+    code, out, _ = run(capsys, "sql", "--db", db, "--json",
+                       "SELECT count(*) AS n FROM events WHERE data LIKE '%hi there%'")
+    assert json.loads(out) == [{"n": 0}]
+    bad = tmp_path / "bad.jsonl"
+    lines = (examples / "clean.jsonl").read_text().splitlines()
+    bad.write_text("\n".join([lines[0], lines[0]]) + "\n")
+    code, _, err = run(capsys, "import", "--db", str(tmp_path / "x.db"), str(bad))
+    assert code == 2 and "line 2:" in err and "session.seeded" in err
+    code, _, err = run(capsys, "sql", "--db", str(tmp_path / "x.db"), "SELECT * FROM sessions")
+    assert code == 0  # nothing half-written: the failed import left no session
+
+
+def test_audit_ok_then_names_a_tampered_event(capsys: Any, tmp_path: Path, examples: Path) -> None:
+    db = str(tmp_path / "t.db")
+    imported(capsys, db, examples, "clean", "http_429")
+    code, out, _ = run(capsys, "audit", "--db", db)
+    assert code == 0 and "2 sessions" in out
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE events SET data = replace(data, 'say hi', 'say bye') WHERE seq = 1")
+    code, _, err = run(capsys, "audit", "--db", db)
+    assert code == 1 and "seq 1: hash mismatch" in err
+
+
+def test_sql_reads_views_as_table_or_json_and_refuses_writes(
+        capsys: Any, tmp_path: Path, examples: Path) -> None:
+    db = str(tmp_path / "t.db")
+    imported(capsys, db, examples, "clean", "http_429", "capacity_killed")
+    code, out, _ = run(capsys, "sql", "--db", db, "--json",
+                       "SELECT rule, action FROM outcomes ORDER BY rule")
+    assert json.loads(out) == [{"rule": "completed", "action": "verify"},
+                               {"rule": "endpoint_killed", "action": "retry"},
+                               {"rule": "reported", "action": "retry"}]
+    code, out, _ = run(capsys, "sql", "--db", db, "SELECT state, count(*) FROM sessions "
+                                                  "GROUP BY state ORDER BY state")
+    assert code == 0 and "graded" in out and "lost" in out
+    code, _, err = run(capsys, "sql", "--db", db, "DELETE FROM events")
+    assert code == 2 and "readonly" in err.replace("-", "")
+    code, _, err = run(capsys, "sql", "--db", db, "--timeout", "0.2",
+                       "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
+                       "SELECT count(*) FROM n")
+    assert code == 2 and "past its 0.2 s limit" in err
+
+
+def test_sql_on_postgresql_is_read_only_and_time_limited(capsys: Any, postgres: Any) -> None:
+    db = postgres.create_database()
+    assert run(capsys, "db", "upgrade", "--db", db)[0] == 0
+    code, out, _ = run(capsys, "sql", "--db", db, "--json", "SELECT count(*) AS n FROM outcomes")
+    assert (code, json.loads(out)) == (0, [{"n": 0}])
+    code, _, err = run(capsys, "sql", "--db", db, "DELETE FROM events")
+    assert code == 2 and "read-only" in err
+    code, _, err = run(capsys, "sql", "--db", db, "--timeout", "0.2", "SELECT pg_sleep(5)")
+    assert code == 2 and "past its 0.2 s limit" in err
+
+
+def test_replay_diff_lists_sessions_a_new_policy_decides_otherwise(
+        capsys: Any, tmp_path: Path, examples: Path) -> None:
+    db = str(tmp_path / "t.db")
+    imported(capsys, db, examples, "clean", "context_window_reported")
+    code, out, _ = run(capsys, "replay", "--db", db, "--all", "--diff")
+    assert code == 0 and "0 of 2 sessions differ under v1" in out
+    register_policy(Policy(name="test-strict", outcome_table={
+        **V1_OUTCOME_TABLE, "context_window": ("retry", False)}))
+    code, out, _ = run(capsys, "replay", "--db", db, "--all", "--diff",
+                       "--policy", "test-strict", "--json")
+    (differs,) = json.loads(out)
+    assert code == 1 and (differs["recorded"], differs["derived"]) == (
+        "reported/verify", "reported/retry")
+
+
+def test_recover_needs_a_runner_or_all(capsys: Any, tmp_path: Path, examples: Path) -> None:
+    db = str(tmp_path / "t.db")
+    run(capsys, "db", "upgrade", "--db", db)
+    code, _, err = run(capsys, "recover", "--db", db)
+    assert code == 2 and "--runner" in err
+    assert SCENARIOS["clean"][0].events[0]["data"]["runner_id"] == "runner-a"
+    imported(capsys, db, examples, "timeout")  # graded, not closed
+    code, out, _ = run(capsys, "recover", "--db", db, "--runner", "runner-a")
+    assert code == 0 and "1 sessions recovered" in out
+
+
+def test_out_of_date_database_names_the_upgrade(capsys: Any, tmp_path: Path) -> None:
+    import sqlite3
+
+    db = str(tmp_path / "t.db")
+    run(capsys, "db", "upgrade", "--db", db)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0000'")
+    code, _, err = run(capsys, "audit", "--db", db)
+    assert code == 2 and f"trialledger db upgrade --db {db}" in err
