@@ -73,6 +73,9 @@ EVENTS = Table(
 )
 SESSIONS = table("sessions", column("session_id"), column("head_seq"), column("head_hash"),
                  column("state"), column("runner_id"))
+SESSION_COLUMNS = ("session_id", "trial_id", "attempt", "retry_of", "task", "agent_name",
+                   "agent_version", "model", "runner_id", "state", "outcome", "close_reason",
+                   "created_at", "closed_at", "head_seq", "head_hash")
 PROJECTIONS = {name: table(name, column("session_id")) for name in PROJECTION_TABLES}
 MAX_BATCH = 2000  # events per group commit
 LIVE_STATES = ("seeded", "starting", "running", "failed-live")
@@ -520,6 +523,9 @@ class Ledger:
 
     async def sessions(self, **where: Any) -> list[dict[str, Any]]:
         """Rows of the `sessions` view, filtered by equal columns (e.g. `state="running"`)."""
+        unknown = set(where) - set(SESSION_COLUMNS)
+        if unknown:
+            raise ValueError(f"sessions has no column {', '.join(sorted(unknown))}")
         clauses = " AND ".join(f"{name} = :{name}" for name in where) or "1 = 1"
         async with self._engines.reader.begin() as conn:
             result = await conn.execute(
