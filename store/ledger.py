@@ -49,6 +49,7 @@ from core import (
     Session,
     SessionView,
     TrialLedgerError,
+    ValidSeed,
     event_dict,
     get_policy,
     parse_event,
@@ -110,6 +111,7 @@ class Seeded:
 
     session_id: str
     events: list[StoredEvent]
+    secrets: tuple[str, ...] = ()  # in memory only: for the harness's own redaction
 
     @property
     def head_seq(self) -> int:
@@ -224,6 +226,11 @@ class Ledger:
         """
         valid = validate_seed(seed, private_roots=private_roots,
                               configured_grants=configured_grants, api_key=api_key)
+        return await self.start(valid, session_id=session_id, secrets=secrets, at=at)
+
+    async def start(self, valid: ValidSeed, *, session_id: str | None = None,
+                    secrets: Iterable[str] = (), at: str | None = None) -> Seeded:
+        """Start a session from an already validated seed (see `seed`)."""
         all_secrets = tuple(dict.fromkeys([*valid.secrets, *(s for s in secrets if s)]))
         at = at or now()
         raw = [{"type": "session.seeded", "at": at, "data": valid.data.model_dump(mode="json")}]
@@ -231,7 +238,7 @@ class Ledger:
         sid = session_id or str(uuid.uuid4())
         events = self._prepare(raw, all_secrets)
         stored = await self._submit(_Request(sid, events, 0, secrets=all_secrets))
-        return Seeded(sid, stored)
+        return Seeded(sid, stored, all_secrets)
 
     async def append(
         self,

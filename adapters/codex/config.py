@@ -1,0 +1,78 @@
+"""Codex's `config.toml` for one session (SPEC §5–6), written with tomli-w.
+
+The model endpoint is a custom provider (`wire_api = "responses"`); each MCP grant becomes
+`[mcp_servers.<name>]` with its URL, its session token as `http_headers`, `required` and
+`tool_timeout_sec`. Approvals are off and Codex's own sandbox is bypassed (the local
+sandbox isolates it); update checks, analytics and history are off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import tomli_w
+
+from core.seed import Grant
+from core.settings import Settings
+
+PROVIDER = "trialledger"
+API_KEY_ENV = "TRIALLEDGER_MODEL_API_KEY"
+STREAM_IDLE_TIMEOUT_MS = 300_000
+
+
+def codex_config(
+    *,
+    model: str,
+    base_url: str,
+    settings: Settings,
+    grants: Sequence[Grant],
+) -> dict[str, Any]:
+    """The config as a TOML-ready dict."""
+    provider: dict[str, Any] = {
+        "name": "trialledger model endpoint",
+        "base_url": base_url,
+        "env_key": API_KEY_ENV,
+        "wire_api": "responses",
+        "stream_idle_timeout_ms": min(STREAM_IDLE_TIMEOUT_MS, int(settings.timeout_s * 1000)),
+    }
+    for key in ("request_max_retries", "stream_max_retries"):
+        value = getattr(settings, key)
+        if value is not None:
+            provider[key] = value
+    config: dict[str, Any] = {
+        "model": model,
+        "model_provider": PROVIDER,
+        "approval_policy": "never",
+        "sandbox_mode": "danger-full-access",
+        "check_for_update_on_startup": False,
+    }
+    if settings.reasoning_effort is not None:  # the seed checked the server forwards it
+        config["model_reasoning_effort"] = settings.reasoning_effort
+    config["model_providers"] = {PROVIDER: provider}
+    config["history"] = {"persistence": "none"}
+    config["analytics"] = {"enabled": False}
+    if settings.features is not None:
+        config["features"] = dict(settings.features)
+    servers = {}
+    for grant in grants:
+        if grant.kind != "mcp":
+            continue
+        server: dict[str, Any] = {"url": grant.url}
+        if grant.headers:
+            server["http_headers"] = dict(grant.headers)
+        if grant.required:
+            server["required"] = True
+        if settings.mcp_tool_timeout_s is not None:
+            server["tool_timeout_sec"] = settings.mcp_tool_timeout_s
+        servers[grant.name] = server
+    if servers:
+        config["mcp_servers"] = servers
+    return config
+
+
+def render(config: dict[str, Any]) -> tuple[str, str]:
+    """The TOML text and its sha256."""
+    text = tomli_w.dumps(config)
+    return text, hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,156 @@
+"""A scripted OpenAI Responses endpoint on loopback, for driving the real Codex CLI.
+
+Each `POST /v1/responses` takes the next reply of the script (the last one repeats):
+a streamed assistant message, a `function_call` (so Codex runs a real shell command), an
+HTTP error status, a stream cut before `response.completed`, or a reply that hangs.
+Every request body is kept in `requests`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One scripted answer."""
+
+    kind: str  # message | function_call | status | cut | hang
+    text: str = ""
+    status: int = 200
+    body: dict[str, Any] = field(default_factory=dict)
+    usage: tuple[int, int, int, int] = (12, 2, 10, 3)  # input, cached, output, reasoning
+    arguments: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def message(text: str = "hi there", usage: tuple[int, int, int, int] = (12, 2, 10, 3)) -> Reply:
+    """An assistant message that ends the turn."""
+    return Reply("message", text=text, usage=usage)
+
+
+def shell(cmd: str, usage: tuple[int, int, int, int] = (10, 0, 5, 0)) -> Reply:
+    """A function_call of Codex's `exec_command` tool."""
+    return Reply("function_call", arguments={"cmd": cmd}, usage=usage)
+
+
+def status(code: int, body: dict[str, Any] | None = None) -> Reply:
+    """An HTTP error."""
+    return Reply("status", status=code, body=body or {"error": {"message": "scripted"}})
+
+
+def cut(text: str = "hi there") -> Reply:
+    """A stream that ends before `response.completed`."""
+    return Reply("cut", text=text)
+
+
+def hang(seconds: float) -> Reply:
+    """A reply that sends nothing for a while (for timeouts)."""
+    return Reply("hang", seconds=seconds)
+
+
+def _usage(u: tuple[int, int, int, int]) -> dict[str, Any]:
+    return {"input_tokens": u[0], "input_tokens_details": {"cached_tokens": u[1]},
+            "output_tokens": u[2], "output_tokens_details": {"reasoning_tokens": u[3]},
+            "total_tokens": u[0] + u[2]}
+
+
+def sse_events(reply: Reply, n: int) -> list[dict[str, Any]]:
+    """The server-sent events of a streamed reply."""
+    rid = f"resp_{n}"
+    events: list[dict[str, Any]] = [{"type": "response.created", "response": {"id": rid}}]
+    if reply.kind == "function_call":
+        item = {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}",
+                "name": "exec_command", "arguments": json.dumps(reply.arguments)}
+        events += [{"type": "response.output_item.added", "output_index": 0, "item": item},
+                   {"type": "response.output_item.done", "output_index": 0, "item": item}]
+    else:
+        mid = f"msg_{n}"
+        events += [
+            {"type": "response.output_item.added", "output_index": 0,
+             "item": {"type": "message", "id": mid, "role": "assistant", "content": []}},
+            {"type": "response.output_text.delta", "item_id": mid, "output_index": 0,
+             "content_index": 0, "delta": reply.text},
+            {"type": "response.output_item.done", "output_index": 0,
+             "item": {"type": "message", "id": mid, "role": "assistant",
+                      "content": [{"type": "output_text", "text": reply.text}]}},
+        ]
+    if reply.kind != "cut":
+        events.append({"type": "response.completed",
+                       "response": {"id": rid, "usage": _usage(reply.usage)}})
+    return events
+
+
+class ScriptedEndpoint:
+    """The endpoint; use as a context manager. `url` is the provider's base URL."""
+
+    def __init__(self, script: list[Reply]) -> None:
+        self.script = list(script)
+        self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self._lock = threading.Lock()
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length)
+                with endpoint._lock:
+                    try:
+                        endpoint.requests.append(json.loads(body or b"{}"))
+                    except ValueError:
+                        endpoint.requests.append({"raw": body.decode(errors="replace")})
+                    endpoint.headers.append(dict(self.headers))
+                    n = len(endpoint.requests)
+                    reply = endpoint.script[min(n, len(endpoint.script)) - 1]
+                endpoint._answer(self, reply, n)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+    def _answer(self, handler: BaseHTTPRequestHandler, reply: Reply, n: int) -> None:
+        if reply.kind == "hang":
+            time.sleep(reply.seconds)
+        if reply.kind == "status":
+            payload = json.dumps(reply.body).encode()
+            handler.send_response(reply.status)
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(len(payload)))
+            handler.end_headers()
+            handler.wfile.write(payload)
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.send_header("Cache-Control", "no-cache")
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        try:
+            for event in sse_events(reply, n):
+                handler.wfile.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+                handler.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        handler.close_connection = True
+
+    def __enter__(self) -> ScriptedEndpoint:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
