@@ -194,6 +194,58 @@ def cmd_recover(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _parse_set(pairs: Sequence[str]) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise Refused(f"--set {pair!r}: expected KEY=VALUE")
+        try:
+            settings[key] = json.loads(raw)
+        except ValueError:
+            settings[key] = raw  # not JSON: taken as a string
+    return settings
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run the real Codex CLI on a task in the local sandbox; print each session's outcome."""
+    from adapters.runner import CodexNotFound, RunOptions, SessionRunner
+    from adapters.sandbox.base import SandboxRefused
+    from adapters.task import Task, TaskInvalid
+
+    api_key = None
+    if args.api_key_env:
+        if args.api_key_env not in os.environ:
+            raise Refused(f"--api-key-env {args.api_key_env}: no such environment variable")
+        api_key = os.environ[args.api_key_env]
+    grants: list[dict[str, Any]] = []
+    if args.grants:
+        try:
+            grants = json.loads(Path(args.grants).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise Refused(f"--grants {args.grants}: {error}") from None
+        if not isinstance(grants, list):
+            raise Refused(f"--grants {args.grants}: expected a JSON list of grants")
+    options = RunOptions(
+        model_base_url=args.model_base_url, model=args.model, api_key=api_key, grants=grants,
+        overrides=_parse_set(args.set or []), codex_bin=args.codex_bin,
+        max_attempts=args.max_attempts,
+        **({"runner_id": args.runner_id} if args.runner_id else {}),
+    )
+
+    async def go() -> list[Any]:
+        async with await Ledger.open(args.db) as ledger:
+            return await SessionRunner(ledger, Task.load(Path(args.task_dir)), options).run_trial()
+
+    try:
+        results = anyio.run(go)
+    except (CodexNotFound, SandboxRefused, TaskInvalid) as error:
+        raise Refused(str(error)) from None
+    for result in results:
+        out.print(f"{result.session_id} {result.outcome}")
+    return EXIT_OK
+
+
 def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     table = Table(*columns)
     for row in rows:
@@ -255,6 +307,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds before the query is stopped (default {DEFAULT_TIMEOUT_S:g})")
     p.set_defaults(handler=cmd_sql)
+
+    p = commands.add_parser("run", help="run the real Codex CLI on a task in the local sandbox")
+    p.add_argument("task_dir", help="instruction.md, task.toml, workspace/, tests/test.sh")
+    _with_db(p)
+    p.add_argument("--model-base-url", required=True, help="the Responses endpoint's base URL")
+    p.add_argument("--model", required=True, help="the model name to ask for")
+    p.add_argument("--api-key-env", metavar="NAME", help="environment variable with the API key")
+    p.add_argument("--grants", metavar="FILE.json", help="a JSON list of tool grants")
+    p.add_argument("--max-attempts", type=int, default=1, help="retry lost sessions up to N")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="a setting (VALUE parsed as JSON, else a string); repeatable")
+    p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
+    p.add_argument("--runner-id", help="this runner's id (default: host-pid)")
+    p.set_defaults(handler=cmd_run)
 
     p = commands.add_parser("recover", help="close out sessions a runner left open")
     _with_db(p)

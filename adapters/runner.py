@@ -89,6 +89,7 @@ class RunOptions:
     use_bwrap: bool | None = None
     grace_s: float = 5.0
     archive_command: Sequence[str] = DEFAULT_ARCHIVE_COMMAND
+    probe_command: Sequence[str] = ("true",)
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,8 @@ class SessionRunner:
         return []
 
     async def _probe(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings) -> None:
-        result = await sandbox.probe(max(0.1, min(PROBE_LIMIT_S, self._left())))
+        result = await sandbox.probe(max(0.1, min(PROBE_LIMIT_S, self._left())),
+                                     command=self.options.probe_command)
         await rec.add("sandbox.probed", {"alive": result.alive, "detail": result.detail})
 
     async def _archive(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings) -> None:

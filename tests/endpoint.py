@@ -27,6 +27,8 @@ class Reply:
     usage: tuple[int, int, int, int] = (12, 2, 10, 3)  # input, cached, output, reasoning
     arguments: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    name: str = "exec_command"
+    namespace: str | None = None
 
 
 def message(text: str = "hi there", usage: tuple[int, int, int, int] = (12, 2, 10, 3)) -> Reply:
@@ -37,6 +39,12 @@ def message(text: str = "hi there", usage: tuple[int, int, int, int] = (12, 2, 1
 def shell(cmd: str, usage: tuple[int, int, int, int] = (10, 0, 5, 0)) -> Reply:
     """A function_call of Codex's `exec_command` tool."""
     return Reply("function_call", arguments={"cmd": cmd}, usage=usage)
+
+
+def tool(name: str, arguments: dict[str, Any], *, namespace: str | None = None) -> Reply:
+    """A function_call of any tool (an MCP tool lives in the namespace `mcp__<server>`)."""
+    return Reply("function_call", arguments=arguments, name=name, namespace=namespace,
+                 usage=(10, 0, 5, 0))
 
 
 def status(code: int, body: dict[str, Any] | None = None) -> Reply:
@@ -66,7 +74,9 @@ def sse_events(reply: Reply, n: int) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = [{"type": "response.created", "response": {"id": rid}}]
     if reply.kind == "function_call":
         item = {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}",
-                "name": "exec_command", "arguments": json.dumps(reply.arguments)}
+                "name": reply.name, "arguments": json.dumps(reply.arguments)}
+        if reply.namespace:
+            item["namespace"] = reply.namespace
         events += [{"type": "response.output_item.added", "output_index": 0, "item": item},
                    {"type": "response.output_item.done", "output_index": 0, "item": item}]
     else:
@@ -102,7 +112,7 @@ class ScriptedEndpoint:
             def log_message(self, *args: Any) -> None:
                 pass
 
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length)
                 with endpoint._lock:
@@ -141,7 +151,8 @@ class ScriptedEndpoint:
         handler.end_headers()
         try:
             for event in sse_events(reply, n):
-                handler.wfile.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+                frame = f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+                handler.wfile.write(frame.encode())
                 handler.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             pass

@@ -87,7 +87,7 @@ class Sandbox(Protocol):
         """Wait (bounded) until every process of the run is gone."""
         ...
 
-    async def probe(self, timeout_s: float) -> ProbeResult:
+    async def probe(self, timeout_s: float, command: Sequence[str] = ("true",)) -> ProbeResult:
         """Whether `true` runs in a fresh sandbox in the workdir within the limit."""
         ...
 

@@ -9,6 +9,7 @@ Standard library only: it runs on the sandbox's own /usr/bin/python3.
     python3 init.py --status-fd N [--oom-score-adj K] -- COMMAND ARGS...
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -39,10 +40,8 @@ def main(argv):
 
     def forward(signum, _frame):
         target = signal.SIGKILL if signum == signal.SIGUSR1 else signum
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, target)
-        except ProcessLookupError:
-            pass
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(signum, forward)

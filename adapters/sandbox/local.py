@@ -16,6 +16,7 @@ does not stop the agent from writing outside its workdir (`isolation` says which
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -152,10 +153,8 @@ class LocalRun:
         return ExitStatus(None, f"sandbox ended with {self.process.returncode} and no report")
 
     def _signal_init(self, signum: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.init_pid, signum)
-        except ProcessLookupError:
-            pass
 
     async def stop(self, grace_s: float) -> None:
         """TERM the agent's group; after `grace_s` KILL it; then the sandbox itself."""
@@ -175,10 +174,8 @@ class LocalRun:
         """Release the status and info pipes."""
         for fd in (self._status_fd, self._info_fd):
             if fd is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
 
 
 class LocalSandbox:
@@ -231,12 +228,19 @@ class LocalSandbox:
                                  "write to the host's root")
         for name in ("upper", "overlay-work", "merged"):
             (self.root / name).mkdir()
-        done = subprocess.run(self._overlay_prefix() + ["true"], capture_output=True,
+        done = subprocess.run([*self._overlay_prefix(), "true"], capture_output=True,
                               text=True, check=False)
         if done.returncode != 0:
             raise SandboxRefused(
                 "workdir / needs a per-session overlay, and none can be made here "
                 f"(mount -t overlay in a private mount namespace failed: {done.stderr.strip()})")
+
+    def _in_overlay(self, path: str) -> bool:
+        if not self.overlay:
+            return False
+        name = path.lstrip("/")
+        return any(os.path.lexists(layer / name)
+                   for layer in (self.root / "upper", self.host_work))
 
     def _overlay_prefix(self) -> list[str]:
         options = (f"lowerdir={self.host_work},upperdir={self.root / 'upper'},"
@@ -256,7 +260,8 @@ class LocalSandbox:
             args += ["--bind", str(self.root / "merged"), "/"]
         for path in SYSTEM_PATHS:
             if os.path.islink(path):
-                args += ["--symlink", os.readlink(path), path]
+                if not self._in_overlay(path):  # an earlier run left it in the upper layer
+                    args += ["--symlink", os.readlink(path), path]
             elif os.path.isdir(path):
                 args += ["--ro-bind", path, path]
         args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
@@ -303,10 +308,8 @@ class LocalSandbox:
         finally:
             for fd in (status_w, info_w):
                 if fd is not None:
-                    try:
+                    with contextlib.suppress(OSError):
                         os.close(fd)
-                    except OSError:
-                        pass
         return LocalRun(process, status_fd=status_r, info_fd=info_r,
                         isolation=self.isolation, marker=self.marker)
 
@@ -337,9 +340,9 @@ class LocalSandbox:
             return CleanupReport(True)
         return await _kill_marked(self.marker, timeout_s)
 
-    async def probe(self, timeout_s: float) -> ProbeResult:
+    async def probe(self, timeout_s: float, command: Sequence[str] = ("true",)) -> ProbeResult:
         """Alive when `true` runs in a fresh sandbox in the workdir within the limit."""
-        code, timed_out = await self._run_bounded(["true"], timeout_s, env=_minimal_env())
+        code, timed_out = await self._run_bounded(list(command), timeout_s, env=_minimal_env())
         if timed_out:
             return ProbeResult(False, f"`true` did not finish within {timeout_s:g} s")
         if code != 0:
@@ -426,10 +429,8 @@ async def _kill_marked(marker: str, timeout_s: float) -> CleanupReport:
     with anyio.move_on_after(timeout_s):
         for signum in (signal.SIGTERM, signal.SIGKILL):
             for pid in leftover:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signum)
-                except ProcessLookupError:
-                    pass
             for _ in range(20):
                 leftover = _marked_pids(marker)
                 if not leftover:

@@ -1,0 +1,109 @@
+"""Helpers for tests that run the real Codex CLI: task folders, wrappers and one-call runs."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from adapters.runner import RunOptions, SessionResult, SessionRunner, install_paths
+from adapters.task import Task
+from store import Ledger
+from tests.endpoint import Reply, ScriptedEndpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def codex_path() -> str:
+    """The pinned Codex CLI: TRIALLEDGER_CODEX_BIN, else the repo's `.codex-cli` install."""
+    found = os.environ.get("TRIALLEDGER_CODEX_BIN") or str(
+        REPO / ".codex-cli" / "node_modules" / ".bin" / "codex")
+    if not os.access(found, os.X_OK):
+        raise RuntimeError(f"no Codex CLI at {found}: npm install --prefix .codex-cli "
+                           "@openai/codex@0.171.0 (bash .ci/run does)")
+    return found
+
+
+def make_task(folder: Path, *, instruction: str = "say hi", test_sh: str | None = None,
+              toml: str | None = None, workspace: dict[str, str] | None = None) -> Task:
+    """Write a task folder (instruction.md, task.toml, workspace/, tests/test.sh) and load it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "instruction.md").write_text(instruction, encoding="utf-8")
+    if toml is not None:
+        (folder / "task.toml").write_text(toml, encoding="utf-8")
+    for name, text in (workspace or {}).items():
+        path = folder / "workspace" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    if test_sh is not None:
+        (folder / "tests").mkdir(exist_ok=True)
+        (folder / "tests" / "test.sh").write_text("#!/bin/bash\n" + test_sh, encoding="utf-8")
+    return Task.load(folder)
+
+
+def executable(path: Path, text: str) -> Path:
+    """Write an executable script."""
+    path.write_text(text, encoding="utf-8")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def killer(folder: Path, trigger: str) -> Path:
+    """A `--codex-bin` wrapper: runs Codex, and SIGKILLs it (then itself) once a stdout line
+    contains `trigger`, so the run ends killed by signal 9 at a known point."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return executable(folder / "codex-killer", f"""#!/usr/bin/python3
+import os, signal, subprocess, sys
+codex = subprocess.Popen([{codex_path()!r}, *sys.argv[1:]], stdout=subprocess.PIPE)
+for line in codex.stdout:
+    sys.stdout.buffer.write(line)
+    sys.stdout.flush()
+    if {trigger.encode()!r} in line:
+        codex.kill()
+        codex.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(codex.wait())
+""")
+
+
+@dataclass
+class Ran:
+    """A finished run: its session and what the endpoint saw."""
+
+    result: SessionResult
+    endpoint: ScriptedEndpoint
+
+    @property
+    def view(self) -> Any:
+        return self.result.view
+
+
+def _options(endpoint: ScriptedEndpoint, settings: dict[str, Any] | None,
+             codex_bin: str | None, extra_paths: Sequence[Path], **options: Any) -> RunOptions:
+    return RunOptions(
+        model_base_url=endpoint.url, model="test-model", codex_bin=codex_bin or codex_path(),
+        overrides=settings or {}, readonly_paths=[*extra_paths, *install_paths(codex_path())],
+        **options)
+
+
+async def run_task(db: str, task: Task, script: Sequence[Reply], *,
+                   settings: dict[str, Any] | None = None, codex_bin: str | None = None,
+                   extra_paths: Sequence[Path] = (), **options: Any) -> Ran:
+    """Run one session of a task against a scripted endpoint."""
+    with ScriptedEndpoint(list(script)) as endpoint:
+        async with await Ledger.open(db) as ledger:
+            opts = _options(endpoint, settings, codex_bin, extra_paths, **options)
+            return Ran(await SessionRunner(ledger, task, opts).run_session(), endpoint)
+
+
+async def run_trial(db: str, task: Task, script: Sequence[Reply], *,
+                    settings: dict[str, Any] | None = None, **options: Any
+                    ) -> list[SessionResult]:
+    """Run a task as a trial (lost sessions retried) against a scripted endpoint."""
+    with ScriptedEndpoint(list(script)) as endpoint:
+        async with await Ledger.open(db) as ledger:
+            opts = _options(endpoint, settings, None, (), **options)
+            return await SessionRunner(ledger, task, opts).run_trial()

@@ -1,0 +1,307 @@
+"""The runner driving the real Codex CLI 0.171.0 under bubblewrap against a scripted endpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from adapters.sandbox.base import SandboxRefused
+from core import SeedRejected
+from store import Ledger
+from tests.endpoint import ScriptedEndpoint, cut, message, shell, status, tool
+from tests.mcp_server import ToolServer
+from tests.runs import codex_path, executable, killer, make_task, run_task, run_trial
+
+pytestmark = pytest.mark.anyio
+OVERLOADED = {"error": {"message": "overloaded", "type": "server_error",
+                        "code": "server_is_overloaded"}}
+FAST = {"request_max_retries": 0, "stream_max_retries": 0}
+
+
+def codes(view: Any) -> list[str]:
+    return [g.code for g in view.observations.gaps]
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    return str(tmp_path / "trials.db")
+
+
+@pytest.fixture
+def task(tmp_path: Path) -> Any:
+    return make_task(tmp_path / "task", test_sh="exit 0\n")
+
+
+async def test_clean_run_is_graded_with_usage_and_verified(db: str, task: Any) -> None:
+    ran = await run_task(db, task, [message("hi there")])
+    view = ran.view
+    assert (view.state, view.outcome, view.decision.rule) == ("closed", "verify", "completed")
+    assert view.usage.total_tokens == 22 and view.usage.cached_input_tokens == 2
+    assert [m.text for m in view.observations.invocation.conversation] == ["say hi", "hi there"]
+    launched = next(e for e in view.events if e.type == "agent.launched").data
+    assert launched.isolation == "bwrap" and "CODEX_HOME" in launched.env_keys
+    assert "model_metadata_fallback" in codes(view)
+    assert view.rewards == {"reward": 1.0}
+    types = [e.type for e in view.events]
+    assert types.index("agent.exited") < types.index("cleanup.reported") < types.index(
+        "outcome.decided") < types.index("verification.recorded") < types.index("session.closed")
+
+
+async def test_a_shell_tool_call_really_runs_and_is_observed(db: str, tmp_path: Path) -> None:
+    task = make_task(tmp_path / "task", test_sh="grep -q hello-from-tool out.txt\n")
+    ran = await run_task(db, task, [shell("echo hello-from-tool > out.txt; cat out.txt"),
+                                    message("done")])
+    (call,) = ran.view.observations.tool_calls
+    assert (call.name, call.status, call.exit_code, call.output) == (
+        "exec_command", "completed", 0, "hello-from-tool\n")
+    assert len(ran.endpoint.requests) == 2  # two model calls
+    assert ran.view.usage.total_tokens == 15 + 22
+    assert ran.view.rewards == {"reward": 1.0}  # the verifier saw the agent's file
+
+
+@pytest.mark.parametrize("reply", [status(429), status(500), cut(), status(503, OVERLOADED)],
+                         ids=["429", "500", "stream-cut", "503-overloaded"])
+async def test_endpoint_failures_are_retried_with_cause_model_endpoint(
+        db: str, task: Any, reply: Any) -> None:
+    ran = await run_task(db, task, [reply], settings=FAST)
+    d = ran.view.decision
+    assert (d.action, d.cause.kind, ran.view.outcome) == ("retry", "model_endpoint", "retry")
+    assert "verification.recorded" not in [e.type for e in ran.view.events]
+
+
+async def test_killed_mid_run_with_opt_in_is_probed_then_graded(
+        db: str, task: Any, tmp_path: Path) -> None:
+    wrapper = killer(tmp_path / "bin", '"type":"item.started"')
+    ran = await run_task(db, task, [shell("sleep 30")], codex_bin=str(wrapper),
+                         extra_paths=[wrapper.parent], settings={"verify_after_agent_error": True})
+    view = ran.view
+    exited = next(e for e in view.events if e.type == "agent.exited").data
+    assert exited.return_code == -9
+    assert [d.rule for d in view.decisions] == ["probe", "probed"]
+    assert view.decision.action == "verify" and view.outcome == "verify"
+    (call,) = view.observations.tool_calls
+    assert call.status == "incomplete"
+
+
+async def test_killed_mid_run_without_opt_in_is_retried(db: str, task: Any, tmp_path: Path) -> None:
+    wrapper = killer(tmp_path / "bin", '"type":"item.started"')
+    ran = await run_task(db, task, [shell("sleep 30")], codex_bin=str(wrapper),
+                         extra_paths=[wrapper.parent])
+    assert [d.rule for d in ran.view.decisions] == ["execution_error"]
+    assert ran.view.outcome == "retry"
+
+
+async def test_killed_after_a_reported_endpoint_failure_is_retried_without_probe(
+        db: str, task: Any, tmp_path: Path) -> None:
+    wrapper = killer(tmp_path / "bin", '"type":"turn.failed"')
+    ran = await run_task(db, task, [status(429)], codex_bin=str(wrapper),
+                         extra_paths=[wrapper.parent],
+                         settings={**FAST, "verify_after_agent_error": True})
+    assert [d.rule for d in ran.view.decisions] == ["endpoint_killed"]
+    assert "sandbox.probed" not in [e.type for e in ran.view.events]
+
+
+async def test_timeout_is_incomplete_and_keeps_the_partial_tool_call(db: str, task: Any) -> None:
+    ran = await run_task(db, task, [shell("sleep 60")], settings={"timeout_s": 3},
+                         grace_s=1.0)
+    d = ran.view.decision
+    assert (d.status, d.incomplete_reason, d.action) == ("incomplete", "timeout", "verify")
+    (call,) = ran.view.observations.tool_calls
+    assert call.status == "incomplete" and call.arguments["cmd"].endswith("sleep 60'")
+
+
+async def test_required_mcp_server_down_is_a_startup_failure(db: str, task: Any) -> None:
+    token = "tok-Zx81Qw27Ep63Rt45"
+    grants = [{"name": "gym", "kind": "mcp", "required": True, "url": "http://127.0.0.1:9/mcp",
+               "headers": {"Authorization": f"Bearer {token}"}}]
+    ran = await run_task(db, task, [message()], grants=grants)
+    d = ran.view.decision
+    assert (d.rule, d.action) == ("startup_failed", "retry")
+    gaps = {g.code: g.detail for g in ran.view.observations.gaps}
+    assert "required MCP servers failed to initialize" in gaps["agent_startup_failed"]
+    assert ran.endpoint.requests == []  # no model call was made
+    assert token not in Path(db).read_bytes().decode(errors="replace")
+
+
+async def test_optional_grant_with_a_bad_name_is_left_out(db: str, task: Any) -> None:
+    grants = [{"name": "my tools", "kind": "mcp", "url": "http://127.0.0.1:9/mcp"}]
+    ran = await run_task(db, task, [message()], grants=grants)
+    gaps = {g.code: g.detail for g in ran.view.observations.gaps}
+    assert "my tools" in gaps["mcp_server_skipped"]
+    assert ran.view.decision.rule == "completed"
+
+
+async def test_codex_calls_a_real_mcp_tool_with_the_session_token(db: str, task: Any) -> None:
+    token = "tok-Mcp4Session8Token"
+    with ToolServer() as tools:
+        grants = [{"name": "gym", "kind": "mcp", "required": True, "url": tools.url,
+                   "headers": {"Authorization": f"Bearer {token}"}}]
+        ran = await run_task(db, task, [tool("lookup", {"query": "overlay"},
+                                             namespace="mcp__gym"), message("ok")],
+                             grants=grants, settings={"mcp_tool_timeout_s": 30})
+    assert tools.calls == ["overlay"]
+    assert any(h.get("authorization") == f"Bearer {token}" for h in tools.headers)
+    (call,) = ran.view.observations.tool_calls
+    assert (call.name, call.kind, call.status) == ("lookup", "mcp_tool_call", "completed")
+    assert call.output.startswith("definition of overlay")
+    assert token[:8] not in Path(db).read_bytes().decode(errors="replace")
+
+
+async def test_tokens_echoed_by_stderr_or_by_the_agent_never_reach_the_database(
+        db: str, task: Any, tmp_path: Path) -> None:
+    token = "tok-Echo5Me7Please9X"
+    (tmp_path / "bin").mkdir()
+    noisy = executable(tmp_path / "bin" / "codex-noisy", f"""#!/bin/bash
+grep -h Authorization "$CODEX_HOME/config.toml" >&2
+echo "cut echo: {token[:11]}" >&2
+exec {codex_path()} "$@"
+""")
+    with ToolServer() as tools:
+        grants = [{"name": "gym", "kind": "mcp", "url": tools.url,
+                   "headers": {"Authorization": f"Bearer {token}"}}]
+        ran = await run_task(db, task, [shell('cat "$CODEX_HOME/config.toml"'), message()],
+                             grants=grants, codex_bin=str(noisy), extra_paths=[noisy.parent])
+    stderr = next(e for e in ran.view.events if e.type == "agent.stderr").data.tail
+    assert "[redacted]" in stderr
+    (call,) = ran.view.observations.tool_calls
+    assert "[redacted]" in call.output and "http_headers" in call.output
+    on_disk = b"".join(p.read_bytes() for p in Path(db).parent.glob("trials.db*"))
+    assert not any(token[i:i + 8].encode() in on_disk for i in range(len(token) - 7))
+
+
+@pytest.mark.parametrize("script, expected", [
+    ('echo \'{"reward": 0.5, "style": 1}\' > "$TRIALLEDGER_VERIFIER_DIR/reward.json"',
+     ("verification.recorded", {"reward": 0.5, "style": 1.0})),
+    ("exit 3", ("verification.recorded", {"reward": 0.0})),
+    ("sleep 30", ("verification.failed", "timeout")),
+    ('echo nonsense > "$TRIALLEDGER_VERIFIER_DIR/reward.txt"',
+     ("verification.failed", "bad_reward")),
+])
+async def test_verifier_rewards(db: str, tmp_path: Path, script: str, expected: Any) -> None:
+    task = make_task(tmp_path / "task", test_sh=script + "\n",
+                     toml="[verifier]\ntimeout_sec = 2\n")
+    ran = await run_task(db, task, [message()])
+    event = next(e for e in ran.view.events if e.type.startswith("verification."))
+    kind, detail = expected
+    assert event.type == kind
+    if kind == "verification.recorded":
+        assert event.data.rewards == detail
+    else:
+        assert event.data.reason == detail
+
+
+async def test_verifier_sees_tests_only_at_verification(db: str, tmp_path: Path) -> None:
+    task = make_task(tmp_path / "task", test_sh='test -f /tests/test.sh && test -w . && exit 0\n'
+                                                'exit 1\n')
+    ran = await run_task(db, task, [shell("ls /tests 2>&1 || echo no-tests-here"), message()])
+    (call,) = ran.view.observations.tool_calls
+    assert "no-tests-here" in call.output  # the agent cannot see the verifier's tests
+    assert ran.view.rewards == {"reward": 1.0}
+
+
+async def test_max_attempts_retries_a_lost_session(db: str, task: Any) -> None:
+    results = await run_trial(db, task, [status(429), message()], settings=FAST, max_attempts=2)
+    first, second = results
+    assert (first.outcome, second.outcome) == ("retry", "verify")
+    seed = second.view.events[0].data
+    assert (seed.attempt, seed.retry_of) == (2, first.session_id)
+    assert seed.trial_id == first.view.events[0].data.trial_id
+
+
+async def test_slow_archive_within_a_3s_budget_keeps_the_run(
+        db: str, task: Any, tmp_path: Path) -> None:
+    slow = executable(tmp_path / "slow-copy", "#!/bin/bash\nsleep 30\ncp \"$@\"\n")
+    ran = await run_task(db, task, [message()], archive_command=[str(slow)],
+                         settings={"session_close_timeout_s": 3,
+                                   "sandbox_logs_dir": str(tmp_path / "logs")})
+    skipped = next(e for e in ran.view.events if e.type == "archive.skipped").data
+    assert skipped.reason == "timeout"
+    assert ran.view.usage.total_tokens == 22
+    assert ran.view.decision.rule == "completed" and ran.view.outcome == "verify"
+
+
+async def test_archive_copies_the_rollout(db: str, task: Any, tmp_path: Path) -> None:
+    ran = await run_task(db, task, [message()],
+                         settings={"sandbox_logs_dir": str(tmp_path / "logs")})
+    copied = next(e for e in ran.view.events if e.type == "archive.copied").data
+    assert copied.files == 1 and copied.bytes > 0
+    assert list((tmp_path / "logs").rglob("rollout-*.jsonl"))
+
+
+async def test_workdir_slash_runs_on_an_overlay(db: str, tmp_path: Path) -> None:
+    task = make_task(tmp_path / "task", test_sh="test -f /made-by-agent && exit 0; exit 1\n",
+                     workspace={"seed.txt": "pristine"})
+    ran = await run_task(db, task, [shell("pwd; cat seed.txt; echo x > /made-by-agent"),
+                                    message()], settings={"workdir": "/"})
+    (call,) = ran.view.observations.tool_calls
+    assert call.output.startswith("/\npristine")
+    assert ran.view.rewards == {"reward": 1.0}
+    assert not Path("/made-by-agent").exists()
+
+
+@pytest.mark.parametrize("workdir", ["/tmp", "symlink"])
+async def test_workdir_overlapping_the_session_folders_is_rejected(
+        db: str, task: Any, tmp_path: Path, workdir: str) -> None:
+    if workdir == "symlink":  # a link whose target is inside the session folders' root
+        link = tmp_path / "link-to-tmp"
+        link.symlink_to("/tmp")
+        workdir = str(link)
+    with pytest.raises(SeedRejected, match="overlaps"):
+        await run_task(db, task, [message()], settings={"workdir": workdir})
+    async with await Ledger.open(db) as ledger:
+        assert await ledger.sessions() == []
+
+
+async def test_closing_during_the_probe_keeps_the_observations(
+        db: str, task: Any, tmp_path: Path) -> None:
+    wrapper = killer(tmp_path / "bin", '"type":"item.started"')
+    with ScriptedEndpoint([shell("sleep 30")]) as endpoint:
+        async with await Ledger.open(db) as ledger:
+            from adapters.runner import RunOptions, SessionRunner, install_paths
+
+            runner = SessionRunner(ledger, task, RunOptions(
+                model_base_url=endpoint.url, model="test-model", codex_bin=str(wrapper),
+                overrides={"verify_after_agent_error": True}, probe_command=["sleep", "60"],
+                readonly_paths=[wrapper.parent, *install_paths(codex_path())]))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(runner.run_session)
+                while not any(r["state"] == "failed-live" for r in await ledger.sessions()):
+                    await anyio.sleep(0.05)
+                await anyio.sleep(0.3)  # the probe is running
+                tg.cancel_scope.cancel()
+            (row,) = await ledger.sessions()
+            view = await ledger.view(row["session_id"])
+    assert (view.state, view.outcome) == ("closed", "interrupted")
+    assert view.events[-1].data.reason == "cancelled"
+    (call,) = view.observations.tool_calls
+    assert call.arguments["cmd"].endswith("sleep 30'")
+    assert "agent_activation_interrupted" in codes(view)
+
+
+def test_run_cli_prints_each_session_and_outcome(tmp_path: Path, task: Any) -> None:
+    import subprocess
+    import sys
+
+    with ScriptedEndpoint([status(429), message()]) as endpoint:
+        done = subprocess.run(
+            [sys.executable, str(Path(__file__).parent.parent / "cli.py"), "run",
+             str(task.folder), "--db", str(tmp_path / "cli.db"),
+             "--model-base-url", endpoint.url, "--model", "test-model",
+             "--codex-bin", codex_path(), "--max-attempts", "2",
+             "--set", "request_max_retries=0", "--set", "stream_max_retries=0"],
+            capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert [outcome for _, outcome in lines] == ["retry", "verify"]
+
+
+def test_sandbox_refuses_slash_without_bwrap(tmp_path: Path) -> None:
+    from adapters.sandbox.local import LocalSandbox
+
+    with pytest.raises(SandboxRefused, match="overlay"):
+        LocalSandbox(session_key="x" * 8, workdir="/", use_bwrap=False)
+    assert json.dumps({"ok": True})
