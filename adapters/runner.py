@@ -236,7 +236,7 @@ class SessionRunner:
         finally:
             with anyio.CancelScope(shield=True):
                 await run.stop(0.5)
-                run.close_fds()
+                await run.aclose()
         if rec.action == "probe":
             await self._probe(rec, sandbox, settings)
         await self._archive(rec, sandbox, settings)

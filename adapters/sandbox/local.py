@@ -170,8 +170,12 @@ class LocalRun:
             return
         self.process.kill()
 
-    def close_fds(self) -> None:
-        """Release the status and info pipes."""
+    async def aclose(self) -> None:
+        """Release the process's pipes and transport, and the status and info pipes."""
+        with anyio.CancelScope(shield=True):
+            if self.process.returncode is None:
+                self.process.kill()
+            await self.process.aclose()
         for fd in (self._status_fd, self._info_fd):
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -379,7 +383,7 @@ class LocalSandbox:
                     return None, True
             return status.return_code, False
         finally:
-            run.close_fds()
+            await run.aclose()
 
     def discard(self) -> None:
         """Remove the session's folders."""

@@ -1,0 +1,168 @@
+"""The local sandbox under real bubblewrap: escapes fail, stragglers die, settings hold."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from adapters.sandbox.local import LocalSandbox, _marked_pids
+from tests.endpoint import message, shell
+from tests.runs import make_task, run_task
+
+pytestmark = pytest.mark.anyio
+HOST_HOME = Path("/root") if os.geteuid() == 0 else Path.home()
+
+
+async def run_in(sandbox: LocalSandbox, script: str, env: dict[str, str] | None = None
+                 ) -> tuple[str, int | None]:
+    """Run a bash script as the agent would be run; return its stdout and exit code."""
+    run = await sandbox.launch(["bash", "-c", script], stdin=b"",
+                               env=env or {"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+    lines: list[bytes] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run.read_stderr)
+        async for batch in run.stdout_batches():
+            lines += batch
+    status = await run.wait()
+    report = await sandbox.confirm_cleanup(run, 5)
+    await run.aclose()
+    assert report.confirmed, report.error
+    return b"\n".join(lines).decode(), status.return_code
+
+
+@pytest.fixture
+def sandboxes(tmp_path: Path) -> Iterator[tuple[LocalSandbox, LocalSandbox]]:
+    tests = tmp_path / "task" / "tests"
+    tests.mkdir(parents=True)
+    (tests / "test.sh").write_text("exit 0\n")
+    first = LocalSandbox(session_key="first-session", workdir="/app", tests=tests)
+    second = LocalSandbox(session_key="second-session", workdir="/app")
+    (second.session_dir / "auth.json").write_text('{"secret": "theirs"}')
+    yield first, second
+    first.discard()
+    second.discard()
+
+
+@pytest.fixture
+def store_file(tmp_path: Path) -> Path:
+    db = tmp_path / "store" / "trials.db"
+    db.parent.mkdir()
+    db.write_bytes(b"SQLite format 3\0 not for agents")
+    return db
+
+
+async def test_escape_attempts_fail_and_leave_the_host_untouched(
+        sandboxes: tuple[LocalSandbox, LocalSandbox], store_file: Path) -> None:
+    sandbox, other = sandboxes
+    assert sandbox.isolation == "bwrap"
+    victim = subprocess.Popen(["sleep", "300"])
+    marker = HOST_HOME / "trialledger-escape-probe"
+    tests_file = sandbox.tests / "test.sh"  # type: ignore[operator]
+    before = {p: p.read_bytes() for p in (tests_file, store_file)}
+    attempts = {
+        "write host home": f"echo x > {marker}",
+        "write /etc": "echo x > /etc/trialledger-escape",
+        "write the task tests": f"echo pwned > {tests_file}",
+        "write another session": f"echo x > {other.session_dir}/pwned",
+        "write the store": f"echo x >> {store_file}",
+        "read the store": f"cat {store_file}",
+        "read another session CODEX_HOME": f"cat {other.session_dir}/auth.json",
+        "read the host /root": f"ls {HOST_HOME}/ | grep -q . && cat /root/.bashrc",
+        "signal a host process": f"kill -9 {victim.pid}",
+    }
+    script = "\n".join(f"if ( {cmd} ) >/dev/null 2>&1; then echo 'ESCAPED: {name}'; fi"
+                       for name, cmd in attempts.items())
+    try:
+        out, code = await run_in(sandbox, script + "\necho done")
+    finally:
+        alive = victim.poll() is None
+        victim.kill()
+    assert code == 0 and out.strip().endswith("done")
+    assert "ESCAPED" not in out, out
+    assert alive, "a process outside the sandbox was killed"
+    assert not marker.exists() and not Path("/etc/trialledger-escape").exists()
+    assert not (other.session_dir / "pwned").exists()
+    assert {p: p.read_bytes() for p in before} == before
+
+
+async def test_the_agent_runs_as_an_unprivileged_user_in_its_own_pid_namespace(
+        sandboxes: tuple[LocalSandbox, LocalSandbox]) -> None:
+    sandbox, _ = sandboxes
+    out, _ = await run_in(sandbox, "id -u; echo $$; ls /proc | grep -c '^[0-9]'; pwd; "
+                                   "touch /usr/x 2>/dev/null || echo ro-usr; "
+                                   "touch /app/ok && echo rw-app")
+    uid, pid, processes, cwd, ro, rw = out.split()
+    assert uid != "0" and int(pid) < 10 and int(processes) < 10
+    assert (cwd, ro, rw) == ("/app", "ro-usr", "rw-app")
+    assert (sandbox.host_work / "ok").exists()
+
+
+@pytest.mark.parametrize("bwrap", [True, False], ids=["bwrap", "process-group"])
+async def test_a_daemonised_grandchild_is_gone_after_the_run(tmp_path: Path, bwrap: bool) -> None:
+    sandbox = LocalSandbox(session_key=f"daemon-{bwrap}", workdir="/app", use_bwrap=bwrap)
+    try:
+        out, _ = await run_in(sandbox, "setsid nohup sleep 1000 >/dev/null 2>&1 & echo started")
+        assert out.strip() == "started"
+        assert _marked_pids(sandbox.marker) == []
+    finally:
+        sandbox.discard()
+
+
+async def test_an_escape_through_a_real_codex_tool_call_fails(
+        tmp_path: Path, store_file: Path) -> None:
+    marker = HOST_HOME / "trialledger-codex-escape"
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    command = (f"echo pwned > {marker}; echo pwned >> {store_file}; "
+               f"echo pwned > {task.folder}/tests/test.sh; cat {store_file}; echo tried")
+    ran = await run_task(str(tmp_path / "trials.db"), task, [shell(command), message()])
+    (call,) = ran.view.observations.tool_calls
+    assert call.output.strip().endswith("tried") and "not for agents" not in call.output
+    assert not marker.exists()
+    assert store_file.read_bytes() == b"SQLite format 3\0 not for agents"
+    assert (task.folder / "tests" / "test.sh").read_text() == "#!/bin/bash\nexit 0\n"
+    assert ran.view.rewards == {"reward": 1.0}
+
+
+@pytest.mark.parametrize("inherit", [False, True])
+async def test_environment_allowlist_or_inherited_task_environment(
+        tmp_path: Path, inherit: bool, monkeypatch: Any) -> None:
+    monkeypatch.setenv("HARNESS_ONLY_SECRET", "must-not-leak")
+    task = make_task(tmp_path / "task", test_sh="exit 0\n",
+                     toml='[environment]\nenv = { TASK_DECLARED = "from-task" }\n')
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell("env | sort"), message()],
+                         settings={"inherit_sandbox_environment": inherit})
+    (call,) = ran.view.observations.tool_calls
+    env = dict(line.split("=", 1) for line in call.output.splitlines() if "=" in line)
+    assert "HARNESS_ONLY_SECRET" not in env
+    assert ("TASK_DECLARED" in env) is inherit
+    assert env["CODEX_HOME"] == env["HOME"] and env["CODEX_HOME"].startswith("/tmp/trialledger-")
+    assert env["TRIALLEDGER_SUPERVISOR"] == ran.view.session_id
+    launched = next(e for e in ran.view.events if e.type == "agent.launched").data
+    assert "TRIALLEDGER_MODEL_API_KEY" in launched.env_keys
+
+
+@pytest.mark.parametrize("raise_it, expected", [(True, "1000"), (False, "0")])
+async def test_raise_oom_score_adj(tmp_path: Path, raise_it: bool, expected: str) -> None:
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    ran = await run_task(str(tmp_path / "t.db"), task,
+                         [shell("cat /proc/self/oom_score_adj"), message()],
+                         settings={"raise_oom_score_adj": raise_it})
+    (call,) = ran.view.observations.tool_calls
+    assert call.output.strip() == expected
+    launched = next(e for e in ran.view.events if e.type == "agent.launched").data
+    assert launched.oom_score_adj == (1000 if raise_it else None)
+
+
+async def test_without_bwrap_the_run_falls_back_to_a_process_group(tmp_path: Path) -> None:
+    task = make_task(tmp_path / "task", test_sh='test -f "$TRIALLEDGER_TESTS_DIR/test.sh"\n')
+    ran = await run_task(str(tmp_path / "t.db"), task,
+                         [shell("echo hi > made.txt; pwd"), message()], use_bwrap=False)
+    launched = next(e for e in ran.view.events if e.type == "agent.launched").data
+    assert launched.isolation == "process-group"
+    assert ran.view.decision.rule == "completed" and ran.view.rewards == {"reward": 1.0}
