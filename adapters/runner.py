@@ -58,8 +58,11 @@ def find_codex(explicit: str | None = None) -> str:
 
 def codex_version(codex: str) -> str:
     """The version `codex --version` prints (`codex-cli 0.171.0` → `0.171.0`)."""
-    done = subprocess.run([codex, "--version"], capture_output=True, text=True, check=False,
-                          timeout=30)
+    try:
+        done = subprocess.run([codex, "--version"], capture_output=True, text=True,
+                              check=False, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
     words = done.stdout.split()
     return words[-1] if done.returncode == 0 and words else "unknown"
 
@@ -270,6 +273,9 @@ class SessionRunner:
                 await done_reading.wait()
             tg.cancel_scope.cancel()
         await rec.append(self._stderr_event(run, secrets) + await self._usage_events(sandbox))
+        if not status.spawned:  # the launch failed inside the sandbox: nothing ran
+            await rec.add("sandbox.lost", {"detail": status.detail})
+            return
         await rec.add("agent.exited", {"return_code": status.return_code, "timed_out": timed_out})
         report = await sandbox.confirm_cleanup(run, max(0.1, min(CLEANUP_LIMIT_S, self._left())))
         await rec.add("cleanup.reported", {"confirmed": report.confirmed, "error": report.error})

@@ -305,3 +305,14 @@ def test_sandbox_refuses_slash_without_bwrap(tmp_path: Path) -> None:
     with pytest.raises(SandboxRefused, match="overlay"):
         LocalSandbox(session_key="x" * 8, workdir="/", use_bwrap=False)
     assert json.dumps({"ok": True})
+
+
+async def test_a_launch_that_cannot_spawn_is_a_lost_sandbox(
+        db: str, task: Any, tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    ghost = executable(tmp_path / "bin" / "codex", "#!/no/such/interpreter\n")  # cannot exec
+    ran = await run_task(db, task, [message()], codex_bin=str(ghost))
+    d = ran.view.decision
+    assert (d.rule, d.action, ran.view.outcome) == ("sandbox_lost", "retry", "retry")
+    assert "could not be spawned" in d.error
+    assert "agent.exited" not in [e.type for e in ran.view.events]

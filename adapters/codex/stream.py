@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from core import BadEvent, parse_event
+
 KNOWN = frozenset(
     {
         "thread.started",
@@ -55,9 +57,9 @@ def parse_stream_line(line: str) -> StreamRecord:
     kind = obj.get("type") if isinstance(obj, dict) else None
     if not isinstance(kind, str) or (kind not in KNOWN and kind not in RENAMED):
         return StreamRecord("codex.unknown", {"line": line})
-    data = {k: v for k, v in obj.items() if k != "type"}
-    if kind in ("item.started", "item.updated", "item.completed") and not isinstance(
-        data.get("item"), dict
-    ):
+    record = StreamRecord(RENAMED.get(kind, kind), {k: v for k, v in obj.items() if k != "type"})
+    try:  # a known type in a shape we do not know is kept whole, as unknown
+        parse_event({"type": record.type, "at": "2000-01-01T00:00:00Z", "data": record.data})
+    except BadEvent:
         return StreamRecord("codex.unknown", {"line": line})
-    return StreamRecord(RENAMED.get(kind, kind), data)
+    return record

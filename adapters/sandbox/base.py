@@ -20,6 +20,7 @@ class ExitStatus:
 
     return_code: int | None
     detail: str = ""
+    spawned: bool = True  # False: the agent never started (a lost launch)
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,8 @@ class LocalRun:
         if "signal" in report:
             return ExitStatus(-int(report["signal"]), f"killed by signal {report['signal']}")
         if "spawn_error" in report:
-            return ExitStatus(None, f"agent did not start: {report['spawn_error']}")
+            return ExitStatus(None, f"the agent could not be spawned: {report['spawn_error']}",
+                              spawned=False)
         return ExitStatus(None, f"sandbox ended with {self.process.returncode} and no report")
 
     def _signal_init(self, signum: int) -> None:
