@@ -13,19 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from core import BadEvent, parse_event
+from core.events import CODEX_STREAM_TYPES
 
-KNOWN = frozenset(
-    {
-        "thread.started",
-        "turn.started",
-        "turn.completed",
-        "turn.failed",
-        "item.started",
-        "item.updated",
-        "item.completed",
-    }
-)
-RENAMED = {"error": "stream.error"}
+RENAMED = {"error": "stream.error"}  # Codex's top-level error line
+# Codex's own type names: ours, less the two that are ours alone.
+KNOWN = CODEX_STREAM_TYPES - {"stream.error", "codex.unknown"}
 
 
 @dataclass(frozen=True)
