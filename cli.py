@@ -27,7 +27,7 @@ from store.migrate import current_revision, upgrade
 from store.query import DEFAULT_TIMEOUT_S, run_query
 
 EXIT_OK, EXIT_FOUND, EXIT_BAD_INPUT = 0, 1, 2
-out = Console(highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 132)
 
 
 class Refused(Exception):
@@ -246,6 +246,103 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_ls(args: argparse.Namespace) -> int:
+    """List sessions with state, outcome, rule, cause and tokens."""
+
+    async def go() -> list[dict[str, Any]]:
+        async with await Ledger.open(args.db) as ledger:
+            return await ledger.listing(task=args.task, state=args.state, cause=args.cause)
+
+    rows = anyio.run(go)
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    columns = ["session_id", "task", "attempt", "state", "outcome", "rule", "cause_kind",
+               "total_tokens"]
+    _table(columns, [[r[c] for c in columns] for r in rows])
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """A session's timeline with durations, and each decision explained."""
+
+    async def go() -> Any:
+        async with await Ledger.open(args.db) as ledger:
+            return await ledger.view(args.session)
+
+    view = anyio.run(go)
+    if args.json:
+        _print_json(view.model_dump(mode="json"))
+        return EXIT_OK
+    from datetime import datetime
+
+    def when(at: str) -> datetime:
+        return datetime.fromisoformat(at.replace("Z", "+00:00"))
+
+    start = when(view.events[0].at)
+    rows, previous = [], start
+    for event in view.events:
+        moment = when(event.at)
+        rows.append((event.seq, f"+{(moment - start).total_seconds():.3f}s",
+                     f"{(moment - previous).total_seconds():.3f}s", event.type,
+                     _brief(event.data.model_dump(mode="json"))))
+        previous = moment
+    _table(["seq", "since start", "step", "type", "data"], rows)
+    seed = view.events[0].data
+    out.print(f"session {view.session_id}  task {seed.task}  attempt {seed.attempt}  "
+              f"state {view.state}  outcome [bold]{view.outcome}[/bold]")
+    for event in view.events:
+        if event.type != "outcome.decided":
+            continue
+        d = event.data
+        trigger = view.events[(event.seq or 2) - 2]
+        cause = f", cause {d.cause.kind}" if d.cause else ""
+        out.print(f"decision at seq {event.seq}: policy {d.policy} rule [bold]{d.rule}[/bold] "
+                  f"fired on seq {trigger.seq} ({trigger.type}) → {d.action} "
+                  f"(status {d.status}{cause}{', error: ' + d.error if d.error else ''})")
+    usage = view.usage
+    out.print("usage: " + (f"{usage.total_tokens} tokens ({usage.input_tokens} in, "
+                           f"{usage.output_tokens} out)" if usage else "unavailable"))
+    for gap in view.observations.gaps:
+        out.print(f"gap {gap.code}: {_brief(gap.detail or '')}")
+    if view.rewards is not None:
+        out.print(f"rewards: {view.rewards}")
+    return EXIT_OK
+
+
+def _brief(value: Any, width: int = 90) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = text.replace("\n", " ")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the real Codex CLI through the sample tasks, offline; show outcomes and answers."""
+    from adapters.demo.samples import QUESTIONS, outcome_rows, run_demo
+    from adapters.runner import CodexNotFound, find_codex
+
+    try:
+        codex = find_codex(args.codex_bin)
+    except CodexNotFound as error:
+        raise Refused(str(error)) from None
+
+    async def go() -> list[Any]:
+        async with await Ledger.open(args.db) as ledger:
+            return await run_demo(ledger, codex=codex,
+                                  progress=lambda name: out.print(f"running sample {name} …"))
+
+    results = anyio.run(go)
+    out.print(f"\n[bold]Outcomes[/bold] ({len(results)} sessions in {args.db})")
+    _table(["task", "attempt", "outcome", "decisions", "cause", "tokens", "reward"],
+           outcome_rows(results))
+    for question, sql in QUESTIONS.items():
+        result = anyio.run(lambda sql=sql: run_query(args.db, sql))
+        out.print(f"\n[bold]{question}[/bold]\n[dim]{' '.join(sql.split())}[/dim]")
+        _table(result.columns, result.rows)
+    out.print(f"\nExplore: trialledger ls --db {args.db}; trialledger show --db {args.db} ID")
+    return EXIT_OK
+
+
 def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     table = Table(*columns)
     for row in rows:
@@ -321,6 +418,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
     p.add_argument("--runner-id", help="this runner's id (default: host-pid)")
     p.set_defaults(handler=cmd_run)
+
+    p = commands.add_parser("ls", help="list sessions with state, outcome and tokens")
+    _with_db(p)
+    p.add_argument("--task", help="only this task")
+    p.add_argument("--state", help="only this state (seeded … closed)")
+    p.add_argument("--cause", help="only this cause kind (model_endpoint, …)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=cmd_ls)
+
+    p = commands.add_parser("show", help="a session's timeline and decisions explained")
+    _with_db(p)
+    p.add_argument("session", help="the session id")
+    p.add_argument("--json", action="store_true", help="the whole view as JSON")
+    p.set_defaults(handler=cmd_show)
+
+    p = commands.add_parser("demo", help="run real Codex through sample tasks, offline")
+    _with_db(p)
+    p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
+    p.set_defaults(handler=cmd_demo)
 
     p = commands.add_parser("recover", help="close out sessions a runner left open")
     _with_db(p)

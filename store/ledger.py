@@ -541,6 +541,22 @@ class Ledger:
             )
             return [dict(row._mapping) for row in result]
 
+    async def listing(self, *, task: str | None = None, state: str | None = None,
+                      cause: str | None = None) -> list[dict[str, Any]]:
+        """Sessions with their last decision and tokens (`trialledger ls`), oldest first."""
+        where, params = [], {}
+        for name, column_name, value in (("task", "s.task", task), ("state", "s.state", state),
+                                          ("cause", "o.cause_kind", cause)):
+            if value is not None:
+                where.append(f"{column_name} = :{name}")
+                params[name] = value
+        sql = ("SELECT s.session_id, s.task, s.trial_id, s.attempt, s.state, s.outcome, o.rule,"
+               " o.cause_kind, o.total_tokens, s.created_at FROM sessions s"
+               " LEFT JOIN outcomes o ON o.session_id = s.session_id"
+               f" WHERE {' AND '.join(where) or '1 = 1'} ORDER BY s.created_at, s.session_id")
+        async with self._engines.reader.begin() as conn:
+            return [dict(row._mapping) for row in await conn.execute(text(sql), params)]
+
     async def export(self, session_id: str) -> list[dict[str, Any]]:
         """A session's log with every field (event fields plus position, recorded_at, hash)."""
         return [s.jsonl() for s in await self.events(session_id)]

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adapters.demo import samples
+from adapters.demo.endpoint import Reply, ScriptedEndpoint
 from adapters.runner import RunOptions, SessionResult, SessionRunner, install_paths
 from adapters.task import Task
 from store import Ledger
-from tests.endpoint import Reply, ScriptedEndpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,29 +44,9 @@ def make_task(folder: Path, *, instruction: str = "say hi", test_sh: str | None 
     return Task.load(folder)
 
 
-def executable(path: Path, text: str) -> Path:
-    """Write an executable script."""
-    path.write_text(text, encoding="utf-8")
-    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return path
-
-
 def killer(folder: Path, trigger: str) -> Path:
-    """A `--codex-bin` wrapper: runs Codex, and SIGKILLs it (then itself) once a stdout line
-    contains `trigger`, so the run ends killed by signal 9 at a known point."""
-    folder.mkdir(parents=True, exist_ok=True)
-    return executable(folder / "codex-killer", f"""#!/usr/bin/python3
-import os, signal, subprocess, sys
-codex = subprocess.Popen([{codex_path()!r}, *sys.argv[1:]], stdout=subprocess.PIPE)
-for line in codex.stdout:
-    sys.stdout.buffer.write(line)
-    sys.stdout.flush()
-    if {trigger.encode()!r} in line:
-        codex.kill()
-        codex.wait()
-        os.kill(os.getpid(), signal.SIGKILL)
-sys.exit(codex.wait())
-""")
+    """A `--codex-bin` wrapper that SIGKILLs the pinned Codex once stdout shows `trigger`."""
+    return samples.killer(folder, codex_path(), trigger)
 
 
 @dataclass

@@ -9,12 +9,13 @@ from typing import Any
 import anyio
 import pytest
 
+from adapters.demo.endpoint import ScriptedEndpoint, cut, message, shell, status, tool
+from adapters.demo.samples import executable
+from adapters.demo.tools import ToolServer
 from adapters.sandbox.base import SandboxRefused
 from core import SeedRejected
 from store import Ledger
-from tests.endpoint import ScriptedEndpoint, cut, message, shell, status, tool
-from tests.mcp_server import ToolServer
-from tests.runs import codex_path, executable, killer, make_task, run_task, run_trial
+from tests.runs import codex_path, killer, make_task, run_task, run_trial
 
 pytestmark = pytest.mark.anyio
 OVERLOADED = {"error": {"message": "overloaded", "type": "server_error",

@@ -11,8 +11,8 @@ from typing import Any
 import anyio
 import pytest
 
+from adapters.demo.endpoint import message, shell
 from adapters.sandbox.local import LocalSandbox, _marked_pids
-from tests.endpoint import message, shell
 from tests.runs import make_task, run_task
 
 pytestmark = pytest.mark.anyio

@@ -1,4 +1,5 @@
-"""A real MCP server (the `mcp` package, streamable HTTP) on loopback, for Codex to call.
+"""A real MCP server (the `mcp` package, streamable HTTP) on loopback, for Codex to call
+(the demo and the tests; `pip install trialledger[demo]`).
 
 It serves one tool, `lookup`, and keeps the headers of every HTTP request it received so
 a test can check that the session token of a grant arrived.

@@ -1,4 +1,5 @@
-"""A scripted OpenAI Responses endpoint on loopback, for driving the real Codex CLI.
+"""A scripted OpenAI Responses endpoint on loopback: drives the real Codex CLI offline
+(the demo and the tests).
 
 Each `POST /v1/responses` takes the next reply of the script (the last one repeats):
 a streamed assistant message, a `function_call` (so Codex runs a real shell command), an
