@@ -1,0 +1,54 @@
+"""Golden transcripts of real Codex runs: every recorded decision must re-derive unchanged."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core import parse_jsonl, replay
+from tests.golden import GOLDEN
+
+FILES = sorted(GOLDEN.glob("*.jsonl"))
+
+
+def _decisions(events: list[dict[str, Any]]) -> list[str]:
+    return [json.dumps({"seq": e["seq"], **e["data"]}, sort_keys=True, indent=1)
+            for e in events if e["type"] == "outcome.decided"]
+
+
+def test_there_are_golden_transcripts_of_every_demo_sample() -> None:
+    tasks = {path.stem.rsplit("-", 1)[0] for path in FILES}
+    assert tasks == {"clean", "shell-tool", "rate-limited", "killed-live", "timeout", "mcp-tool"}
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_golden_transcript_rederives_every_decision(path: Path) -> None:
+    with path.open(encoding="utf-8") as lines:
+        recorded = [obj for _, obj in parse_jsonl(lines)]
+    view = replay(recorded)
+    derived = [e.model_dump(mode="json") for e in view.events]
+    before, after = _decisions(recorded), _decisions(derived)
+    if before != after or view.diverged_at is not None or view.unapplied:
+        diff = "\n".join(difflib.unified_diff(
+            "\n".join(before).splitlines(), "\n".join(after).splitlines(),
+            fromfile=f"{path.name} (recorded)", tofile="re-derived now", lineterm=""))
+        pytest.fail(f"{path.name}: re-derived decisions differ\n{diff}")
+    assert [e["type"] for e in derived] == [e["type"] for e in recorded]
+
+
+def test_a_changed_decision_fails_with_a_readable_diff(tmp_path: Path) -> None:
+    path = next(p for p in FILES if p.stem.startswith("killed-live"))
+    lines = path.read_text(encoding="utf-8").splitlines()
+    tampered = [json.loads(line) for line in lines]
+    first = next(e for e in tampered if e["type"] == "outcome.decided")
+    first["data"]["rule"], first["data"]["action"] = "execution_error", "retry"
+    copy = tmp_path / path.name
+    copy.write_text("\n".join(json.dumps(e) for e in tampered) + "\n", encoding="utf-8")
+    with pytest.raises(pytest.fail.Exception) as caught:
+        test_golden_transcript_rederives_every_decision(copy)
+    message = str(caught.value)
+    assert '- "rule": "execution_error"' in message and '+ "rule": "probe"' in message
