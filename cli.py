@@ -343,6 +343,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_import_harbor(args: argparse.Namespace) -> int:
+    """Import a Harbor job folder; print how each trial's verdict compares with ours."""
+    from adapters.harbor import import_job
+
+    job = Path(args.job_dir)
+    if not job.is_dir():
+        raise Refused(f"{job}: not a folder")
+
+    async def go() -> list[Any]:
+        async with await Ledger.open(args.db) as ledger:
+            return await import_job(ledger, job)
+
+    agreements = anyio.run(go)
+    if args.json:
+        _print_json([{**a.__dict__, "agrees": a.agrees, "explanation": a.explanation}
+                     for a in agreements])
+        return EXIT_OK
+    _table(["trial", "harbor", "ours", "agree", "rewards", "why"], [
+        (a.trial, f"{a.harbor_exception or '-'} → {a.harbor_verdict}",
+         f"{a.our_rule} → {a.our_action}", "yes" if a.agrees else "NO",
+         "appended" if a.rewards_appended else "compared", a.explanation)
+        for a in agreements])
+    agreeing = sum(a.agrees for a in agreements)
+    out.print(f"{len(agreements)} trials imported; {agreeing} agree with Harbor's verdict")
+    return EXIT_OK
+
+
 def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     table = Table(*columns)
     for row in rows:
@@ -437,6 +464,13 @@ def build_parser() -> argparse.ArgumentParser:
     _with_db(p)
     p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
     p.set_defaults(handler=cmd_demo)
+
+    p = commands.add_parser("import-harbor", help="import a Harbor job folder, one session "
+                                                  "per trial, and compare verdicts")
+    _with_db(p)
+    p.add_argument("job_dir", help="a Harbor job folder (jobs/<job_name>)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=cmd_import_harbor)
 
     p = commands.add_parser("recover", help="close out sessions a runner left open")
     _with_db(p)

@@ -135,7 +135,7 @@ class AgentLaunchedData(_Data):
     env_keys: list[str]
     config_sha256: str
     oom_score_adj: int | None = None
-    isolation: Literal["bwrap", "process-group"]
+    isolation: Literal["bwrap", "process-group", "external"]  # external: an imported run
     runner_id: str
 
 

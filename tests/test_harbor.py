@@ -1,0 +1,157 @@
+"""`trialledger import-harbor` on job folders built from Harbor's documented result fields."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from cli import main
+from store import Ledger
+
+TURN = '{"type":"turn.started"}'
+THREAD = '{"type":"thread.started","thread_id":"01a2267b-4236-7150-ac29-c438e0ea4228"}'
+SLEEP = ('{"type":"item.started","item":{"id":"item_1","type":"command_execution","command":'
+         '"/bin/bash -lc \'make test\'","aggregated_output":"","exit_code":null,'
+         '"status":"in_progress"}}')
+RATE = [THREAD, TURN,
+        '{"type":"error","message":"exceeded retry limit, last status: 429 Too Many Requests"}',
+        '{"type":"turn.failed","error":{"message":"exceeded retry limit, last status: 429 Too '
+        'Many Requests"}}']
+CLEAN = [THREAD, TURN,
+         '{"type":"item.completed","item":{"id":"item_1","type":"agent_message","text":"done"}}',
+         '{"type":"turn.completed","usage":{"input_tokens":12,"cached_input_tokens":2,'
+         '"output_tokens":10,"reasoning_output_tokens":3}}']
+POLICY = {  # Harbor's error_policy rows: (should_retry, should_grade, has_valid_reward)
+    "AgentTimeoutError": (False, True, True),
+    "NonZeroAgentExitCodeError": (False, True, True),
+    "ApiRateLimitError": (True, True, False),
+}
+
+
+def token_count(i: int, o: int) -> str:
+    total = {"input_tokens": i, "cached_input_tokens": 0, "output_tokens": o,
+             "reasoning_output_tokens": 0, "total_tokens": i + o}
+    return json.dumps({"timestamp": "2026-10-20T14:19:00.000Z", "type": "event_msg",
+                       "payload": {"type": "token_count", "info": {
+                           "total_token_usage": total, "last_token_usage": total}}})
+
+
+def trial(job: Path, name: str, *, exception: tuple[str, str] | None, rewards: Any,
+          codex: list[str], rollout: list[str] | None = None) -> str:
+    """One trial folder: result.json with Harbor's TrialResult fields, codex.txt, rollout."""
+    folder = job / name
+    (folder / "agent").mkdir(parents=True)
+    trial_id = str(uuid.uuid5(uuid.NAMESPACE_URL, name))
+    info = None
+    if exception:
+        retry, grade, valid = POLICY[exception[0]]
+        info = {"exception_type": exception[0], "exception_message": exception[1],
+                "exception_traceback": "Traceback ...", "occurred_at": "2026-10-20T14:19:13.712Z",
+                "policy": {"should_retry": retry, "should_grade": grade,
+                           "has_valid_reward": valid}}
+    reward_valid = bool(rewards) and (info is None or info["policy"]["has_valid_reward"])
+    result = {
+        "schema_version": 1, "id": trial_id, "task_name": name.split("__")[0],
+        "trial_name": name, "trial_uri": f"file:///jobs/j/{name}", "task_id": {"path": "/t"},
+        "source": "terminal-bench", "task_checksum": "3f9a",
+        "config": {"agent": {"name": "codex", "model_name": "openai/gpt-5.1-codex"}},
+        "agent_info": {"name": "codex", "version": "0.124.0",
+                       "model_info": {"name": "gpt-5.1-codex", "provider": "openai"}},
+        "agent_result": {"n_input_tokens": 1843200, "n_cache_tokens": 1612800,
+                         "n_output_tokens": 21450, "cost_usd": 0.6358},
+        "verifier_result": {"rewards": rewards} if rewards is not None else None,
+        "exception_info": info,
+        "started_at": "2026-10-20T14:03:11.412000Z", "finished_at": "2026-10-20T14:19:55.312000Z",
+        "agent_execution": {"started_at": "2026-10-20T14:04:13.612000Z",
+                            "finished_at": "2026-10-20T14:19:13.712000Z"},
+        "verifier": {"started_at": "2026-10-20T14:19:16.412000Z",
+                     "finished_at": "2026-10-20T14:19:48.812000Z"},
+        "step_results": None, "reward_valid": reward_valid,
+    }
+    (folder / "result.json").write_text(json.dumps(result))
+    (folder / "agent" / "codex.txt").write_text("\n".join(codex) + "\n")
+    if rollout:
+        day = folder / "agent" / "sessions" / "2026" / "10" / "20"
+        day.mkdir(parents=True)
+        (day / "rollout-2026-10-20T14-04-14-x.jsonl").write_text("\n".join(rollout) + "\n")
+    return trial_id
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    job = tmp_path / "jobs" / "2026-10-20__14-03-05"
+    job.mkdir(parents=True)
+    (job / "result.json").write_text(json.dumps({"stats": {"n_retries": 2}}))
+    ids = {
+        "timeout": trial(job, "fix-git-merge__Hk3pQ9a",
+                         exception=("AgentTimeoutError",
+                                    "Agent execution timed out after 900.0 seconds"),
+                         rewards={"reward": 0.0}, codex=[THREAD, TURN, SLEEP],
+                         rollout=[token_count(1843200, 21450)]),
+        "rate": trial(job, "build-cache__Zz81Aa2",
+                      exception=("NonZeroAgentExitCodeError", "Command failed with exit code 1"),
+                      rewards={"reward": 0.0},
+                      codex=["Reading prompt from stdin...", *RATE]),
+        "clean": trial(job, "hello__Qq11Ww2", exception=None, rewards={"reward": 1.0},
+                       codex=CLEAN),
+        "api": trial(job, "flaky__Rr22Tt3", exception=("ApiRateLimitError", "rate limit"),
+                     rewards=None, codex=["Error: thread/start failed: rate limit reached"]),
+    }
+    return job, ids
+
+
+def _run(capsys: Any, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+async def _views(db: str, ids: dict[str, str]) -> dict[str, Any]:
+    async with await Ledger.open(db) as ledger:
+        return {name: await ledger.view(sid) for name, sid in ids.items()}
+
+
+def test_import_harbor_maps_each_trial_and_explains_disagreements(
+        capsys: Any, tmp_path: Path, job: tuple[Path, dict[str, str]]) -> None:
+    folder, ids = job
+    db = str(tmp_path / "t.db")
+    code, out = _run(capsys, "import-harbor", "--db", db, str(folder), "--json")
+    assert code == 0
+    rows = {row["trial"]: row for row in json.loads(out)}
+    timed_out = rows["fix-git-merge__Hk3pQ9a"]
+    assert (timed_out["our_rule"], timed_out["our_action"], timed_out["agrees"]) == (
+        "incomplete", "verify", True)
+    assert timed_out["rewards_appended"] is True
+    rate = rows["build-cache__Zz81Aa2"]
+    assert (rate["our_rule"], rate["our_action"], rate["agrees"]) == ("reported", "retry", False)
+    assert "Harbor: NonZeroAgentExitCodeError → verify" in rate["explanation"]
+    assert rate["rewards_appended"] is False  # compared, never appended
+    assert rows["hello__Qq11Ww2"]["agrees"] and rows["hello__Qq11Ww2"]["rewards_appended"]
+    api = rows["flaky__Rr22Tt3"]
+    assert (api["our_rule"], api["harbor_verdict"], api["agrees"]) == (
+        "startup_failed", "retry", True)
+
+    views = anyio.run(_views, db, ids)
+    assert views["timeout"].rewards == {"reward": 0.0}
+    assert views["timeout"].usage.total_tokens == 1843200 + 21450
+    assert views["timeout"].observations.tool_calls[0].status == "incomplete"
+    assert views["rate"].rewards is None and views["rate"].outcome == "retry"
+    gaps = [g.code for g in views["timeout"].observations.gaps]
+    assert "cleanup_assumed" in gaps and "harbor_retries_discarded" in gaps
+    stderr = next(e for e in views["rate"].events if e.type == "agent.stderr").data.tail
+    assert stderr == "Reading prompt from stdin..."
+
+
+def test_import_harbor_twice_is_a_no_op_and_prints_a_table(
+        capsys: Any, tmp_path: Path, job: tuple[Path, dict[str, str]]) -> None:
+    folder, _ = job
+    db = str(tmp_path / "t.db")
+    assert _run(capsys, "import-harbor", "--db", db, str(folder))[0] == 0
+    code, out = _run(capsys, "import-harbor", "--db", db, str(folder))
+    assert code == 0 and "4 trials imported; 3 agree with Harbor's verdict" in out
+    code, out = _run(capsys, "sql", "--db", db, "--json", "SELECT count(*) AS n FROM sessions")
+    assert json.loads(out) == [{"n": 4}]
