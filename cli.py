@@ -58,8 +58,21 @@ def _print_json(value: Any) -> None:
 # --- commands ---------------------------------------------------------------------------------
 
 
+def _load_policy_file(path: str | None) -> None:
+    """Run a Python file that registers policy versions (`core.register_policy`)."""
+    if path is None:
+        return
+    import runpy
+
+    try:
+        runpy.run_path(path)
+    except OSError as error:
+        raise Refused(f"--policy-file {path}: {error.strerror}") from None
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     """Print the re-derived view of one JSONL log, or diff every stored session."""
+    _load_policy_file(args.policy_file)
     if args.log:
         path = Path(args.log)
         events, lines = _read_log(path)
@@ -399,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every session in --db")
     p.add_argument("--diff", action="store_true", help="list sessions whose decisions differ")
     p.add_argument("--policy", default="v1", help="decision policy version (default v1)")
+    p.add_argument("--policy-file", metavar="FILE.py",
+                   help="a Python file that registers more policy versions")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=cmd_replay)
 

@@ -154,3 +154,18 @@ def test_out_of_date_database_names_the_upgrade(capsys: Any, tmp_path: Path) -> 
         conn.execute("UPDATE alembic_version SET version_num = '0000'")
     code, _, err = run(capsys, "audit", "--db", db)
     assert code == 2 and f"trialledger db upgrade --db {db}" in err
+
+
+def test_replay_diff_under_the_example_v2_policy_names_the_probed_session(
+        capsys: Any, tmp_path: Path) -> None:
+    from tests.golden import GOLDEN
+
+    db = str(tmp_path / "golden.db")
+    for path in sorted(GOLDEN.glob("*.jsonl")):
+        assert run(capsys, "import", "--db", db, str(path))[0] == 0
+    policy = str(Path(__file__).parent.parent / "examples" / "policy_v2.py")
+    code, out, _ = run(capsys, "replay", "--db", db, "--all", "--diff", "--policy", "v2",
+                       "--policy-file", policy, "--json")
+    (differs,) = json.loads(out)
+    assert code == 1 and (differs["recorded"], differs["derived"]) == (
+        "probe/probe", "execution_error/retry")
