@@ -35,7 +35,7 @@ from core import SessionView, redact, scrub, validate_seed
 from core.seed import ValidSeed
 from core.settings import Settings
 from store import Ledger, StoredEvent
-from store.ledger import now
+from store.writer import now
 
 DEFAULT_ARCHIVE_COMMAND = ("cp", "-R", "--")
 PROBE_LIMIT_S = 10.0

@@ -67,7 +67,9 @@ ONCE: tuple[frozenset[str], ...] = (
     frozenset({"sandbox.lost"}),
     frozenset({"verification.recorded", "verification.failed"}),
 )
+ONCE_GROUP = {kind: group for group in ONCE for kind in group}
 MACHINE_ONLY = frozenset({"outcome.decided"})
+TRIGGERS = frozenset({"sandbox.probed", "sandbox.lost", "agent.exited", "cleanup.reported"})
 
 
 class Mark(NamedTuple):
@@ -77,12 +79,14 @@ class Mark(NamedTuple):
     decisions: int
     state: State | None
     seen: frozenset[str]
+    transition_seq: int
 
 
 class Session:
     """The folded state of one session: its log, its state and its decisions."""
 
-    __slots__ = ("_seen", "decisions", "events", "policy", "session_id", "state")
+    __slots__ = ("_seen", "decisions", "events", "policy", "session_id", "state",
+                 "transition_seq")
 
     def __init__(self, session_id: str, policy: str | Policy = "v1") -> None:
         self.session_id = session_id
@@ -91,6 +95,7 @@ class Session:
         self.events: list[Event] = []
         self.decisions: list[Decision] = []
         self._seen: set[str] = set()
+        self.transition_seq = 0  # the seq of the last event that changed the state
 
     @property
     def head_seq(self) -> int:
@@ -103,6 +108,10 @@ class Session:
         first = self.events[0] if self.events else None
         return first if isinstance(first, SessionSeeded) else None
 
+    def has(self, kind: str) -> bool:
+        """Whether an event of this type is in the log."""
+        return kind in self._seen
+
     def allowed(self) -> list[str]:
         """The event types the current state accepts now (machine-only ones excluded)."""
         return sorted(
@@ -111,7 +120,8 @@ class Session:
         )
 
     def _exhausted(self, kind: str) -> bool:
-        return any(kind in group and group & self._seen for group in ONCE)
+        group = ONCE_GROUP.get(kind)
+        return group is not None and not self._seen.isdisjoint(group)
 
     def check(self, event: Event) -> None:
         """Raise `IllegalTransition` unless the current state accepts this event from a harness."""
@@ -130,19 +140,23 @@ class Session:
 
     def mark(self) -> Mark:
         """A point to roll back to (for all-or-nothing batches of appends)."""
-        return Mark(len(self.events), len(self.decisions), self.state, frozenset(self._seen))
+        return Mark(len(self.events), len(self.decisions), self.state, frozenset(self._seen),
+                    self.transition_seq)
 
     def rollback(self, mark: Mark) -> None:
         """Undo every append made since `mark`."""
         del self.events[mark.events:]
         del self.decisions[mark.decisions:]
         self.state, self._seen = mark.state, set(mark.seen)
+        self.transition_seq = mark.transition_seq
 
     def apply(self, event: Event) -> list[Event]:
         """Append a harness event; return it (numbered) and any decision it triggered."""
         self.check(event)
+        if event.type not in TRIGGERS:  # the common case: nothing to decide, nothing to undo
+            return [self._append(event, checked=True)]
         mark = self.mark()
-        appended = [self._append(event)]
+        appended = [self._append(event, checked=True)]
         try:
             decision = self._triggered_decision(event.type)
             if decision is not None:
@@ -174,8 +188,9 @@ class Session:
             return self.policy.decide(self.events)
         return None
 
-    def _append(self, event: Event) -> Event:
-        self._check(event.type)
+    def _append(self, event: Event, *, checked: bool = False) -> Event:
+        if not checked:
+            self._check(event.type)
         target = TRANSITIONS[self.state][event.type]
         if isinstance(event, OutcomeDecided):
             target = DECISION_TARGETS.get(self.state, {}).get(event.data.action, "")
@@ -193,8 +208,9 @@ class Session:
         )
         if isinstance(numbered, OutcomeDecided):
             self.decisions.append(numbered.data)
-        if target != SAME:
+        if target != SAME and target != self.state:
             self.state = _state(target)
+            self.transition_seq = seq
         self.events.append(numbered)
         self._seen.add(event.type)
         return numbered

@@ -115,6 +115,45 @@ class _ToolTrace:
         )
 
 
+class ToolTraces:
+    """Tool calls folded one event at a time (the store keeps one per open session)."""
+
+    __slots__ = ("traces",)
+
+    def __init__(self) -> None:
+        self.traces: dict[str, _ToolTrace] = {}
+
+    def feed(self, event: Event) -> str | None:
+        """Fold one event; return the item id when it touched a tool call."""
+        if event.type not in ITEM_EVENTS:
+            return None
+        item: dict[str, Any] = event.data.item  # type: ignore[union-attr]
+        if item.get("type") not in TOOL_ITEMS:
+            return None
+        item_id = str(item.get("id"))
+        trace = self.traces.setdefault(item_id, _ToolTrace())
+        if trace.completed_at is None:  # a completed item keeps its final content
+            trace.item = item
+        if event.type == "item.started" and trace.started_at is None:
+            trace.started_at = event.at
+        elif event.type == "item.completed" and trace.completed_at is None:
+            trace.completed_at = event.at
+        return item_id
+
+    def call(self, item_id: str) -> ToolCall:
+        """The tool call of one item id."""
+        return self.traces[item_id].call(item_id)
+
+    def calls(self) -> list[ToolCall]:
+        """Every tool call, in order of first appearance."""
+        return [trace.call(item_id) for item_id, trace in self.traces.items()]
+
+    def unstarted(self) -> list[str]:
+        """Item ids completed with no `item.started`."""
+        return [item_id for item_id, t in self.traces.items()
+                if t.completed_at is not None and t.started_at is None]
+
+
 def observe(
     events: Sequence[Event],
     decisions: Sequence[Decision],
@@ -124,49 +163,39 @@ def observe(
 ) -> Observations:
     """The snapshot of what a log captured: conversation, tool calls and gaps."""
     conversation: dict[object, Message] = {}
-    tools: dict[str, _ToolTrace] = {}
+    tools = ToolTraces()
     recorded: list[Gap] = []
     for event in events:
         if isinstance(event, SessionSeeded):
             conversation["instruction"] = Message(role="user", text=event.data.instruction)
         elif isinstance(event, GapRecorded):
             recorded.append(event.data)
-        elif event.type in ITEM_EVENTS:
-            item: dict[str, Any] = event.data.item  # type: ignore[union-attr]
-            kind, item_id = item.get("type"), str(item.get("id"))
-            if kind in TOOL_ITEMS:
-                trace = tools.setdefault(item_id, _ToolTrace())
-                if trace.completed_at is None:  # a completed item keeps its final content
-                    trace.item = item
-                if event.type == "item.started" and trace.started_at is None:
-                    trace.started_at = event.at
-                elif event.type == "item.completed" and trace.completed_at is None:
-                    trace.completed_at = event.at
-            elif kind in CONVERSATION_ITEMS and event.type == "item.completed":
-                text = item.get("text")
-                if isinstance(text, str):
-                    role = CONVERSATION_ITEMS[kind]
-                    conversation[(kind, item_id)] = Message(role=role, text=text)
+        elif tools.feed(event) is None and event.type == "item.completed":
+            item: dict[str, Any] = event.data.item
+            kind, text = item.get("type"), item.get("text")
+            if kind in CONVERSATION_ITEMS and isinstance(text, str):
+                role = CONVERSATION_ITEMS[kind]
+                conversation[(kind, str(item.get("id")))] = Message(role=role, text=text)
     decision = decisions[-1] if decisions else None
-    gaps = recorded + _derived_gaps(events, decisions, tools, closed=closed, policy=policy)
     return Observations(
         invocation=Invocation(
             status=decision.status if decision else "incomplete",
             conversation=list(conversation.values()),
         ),
-        tool_calls=[trace.call(item_id) for item_id, trace in tools.items()],
-        gaps=gaps,
+        tool_calls=tools.calls(),
+        gaps=recorded + derived_gaps(events, decisions, tools, closed=closed, policy=policy),
     )
 
 
-def _derived_gaps(
+def derived_gaps(
     events: Sequence[Event],
     decisions: Sequence[Decision],
-    tools: dict[str, _ToolTrace],
+    tools: ToolTraces,
     *,
     closed: bool,
     policy: Policy,
 ) -> list[Gap]:
+    """The gaps a log implies (SPEC §9), beyond the recorded ones."""
     gaps: list[Gap] = []
     facts = policy.facts(events)
     for decision in decisions:
@@ -182,7 +211,6 @@ def _derived_gaps(
     gaps += policy.warning_gaps(facts)
     gaps += [
         Gap(code="tool_start_unavailable", detail=f"item {item_id} completed with no item.started")
-        for item_id, trace in tools.items()
-        if trace.completed_at is not None and trace.started_at is None
+        for item_id in tools.unstarted()
     ]
     return gaps

@@ -57,9 +57,8 @@ class SessionView(BaseModel):
 
 def outcome_of(session: Session) -> Outcome:
     """The session's outcome: retry, verify, unverified, interrupted or pending."""
-    kinds = {e.type for e in session.events}
     decided = bool(session.decisions) and session.decisions[-1].action != "probe"
-    if "verification.recorded" in kinds:
+    if session.has("verification.recorded"):
         return "verify"
     if session.decisions and session.decisions[-1].action == "retry":
         return "retry"

@@ -62,6 +62,13 @@ class Engines:
         if self.dialect == "postgresql":
             await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": WRITER_LOCK_KEY})
 
+    async def positions_taken(self, conn: AsyncConnection, last: int) -> None:
+        """Keep PostgreSQL's position sequence past the positions the writer gave."""
+        if self.dialect == "postgresql":
+            await conn.execute(
+                text("SELECT setval(pg_get_serial_sequence('events', 'position'), :last)"),
+                {"last": last})
+
     async def dispose(self) -> None:
         """Close every pooled connection."""
         await self.writer.dispose()

@@ -8,47 +8,25 @@
 
 Every append runs through the core machine (its `outcome.decided` lands in the same
 transaction) after every string of its data is scrubbed with the session's secrets.
-Appends from concurrent callers are **group-committed**: whoever finds no commit in flight
-commits everything queued so far in one transaction, while each caller awaits its own
-result. Open sessions stay folded in memory; a session another process appended to is
-re-read from the log before the next append (its head is checked inside the write lock).
+Writes go through one `store.writer.Writer`, which group-commits concurrent appends.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from typing import Any
 
-import anyio
-from sqlalchemy import (
-    Column,
-    Integer,
-    MetaData,
-    Table,
-    Text,
-    column,
-    delete,
-    insert,
-    select,
-    table,
-    text,
-)
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy import column, select, table, text
 
 from core import (
     BadEvent,
-    ConcurrencyConflict,
     Event,
-    EventIdConflict,
     IllegalTransition,
     Policy,
     Session,
     SessionView,
-    TrialLedgerError,
     ValidSeed,
     event_dict,
     get_policy,
@@ -57,52 +35,15 @@ from core import (
     scrub_data,
     validate_seed,
 )
-from core.canonical import GENESIS, canonical_text, chain_hash, first_broken_link
+from core.canonical import first_broken_link
 from core.replay import view_of
 from store.engine import DEFAULT_DB, Engines, Synchronous, make_engines
 from store.migrate import ensure_current
-from store.projections import PROJECTION_TABLES, projection_rows
+from store.projections import SESSION_COLUMNS
+from store.writer import EVENTS, Request, StoredEvent, Writer, now
 
-EVENT_COLUMNS = ("position", "session_id", "seq", "event_id", "type", "at", "recorded_at",
-                 "schema", "data", "hash")
-# A full Table (not a bare `table()`): RETURNING rows in parameter order needs its key.
-EVENTS = Table(
-    "events", MetaData(),
-    Column("position", Integer, primary_key=True, autoincrement=True),
-    *(Column(name, Integer if name in ("seq", "schema") else Text)
-      for name in EVENT_COLUMNS[1:]),
-)
-SESSIONS = table("sessions", column("session_id"), column("head_seq"), column("head_hash"),
-                 column("state"), column("runner_id"))
-SESSION_COLUMNS = ("session_id", "trial_id", "attempt", "retry_of", "task", "agent_name",
-                   "agent_version", "model", "runner_id", "state", "outcome", "close_reason",
-                   "created_at", "closed_at", "head_seq", "head_hash")
-PROJECTIONS = {name: table(name, column("session_id")) for name in PROJECTION_TABLES}
-MAX_BATCH = 2000  # events per group commit
+SESSIONS = table("sessions", *(column(c) for c in SESSION_COLUMNS))
 LIVE_STATES = ("seeded", "starting", "running", "failed-live")
-
-
-def now() -> str:
-    """The current time as an RFC 3339 UTC timestamp with microseconds."""
-    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-@dataclass
-class StoredEvent:
-    """An event as the store holds it: the event plus its global position, time and hash.
-
-    (Mutable only so the store can fill in `position` when its insert returns.)
-    """
-
-    event: Event
-    position: int
-    recorded_at: str
-    hash: str
-
-    def jsonl(self) -> dict[str, Any]:
-        """The export form: every field of the event and of the store."""
-        return {**event_dict(self.event), "position": self.position,
-                "recorded_at": self.recorded_at, "hash": self.hash}
 
 
 @dataclass(frozen=True)
@@ -133,35 +74,6 @@ class AuditReport:
         return self.fault is None
 
 
-@dataclass
-class _Open:
-    """A folded open session and what the store keeps beside it."""
-
-    session: Session
-    stored: list[StoredEvent] = field(default_factory=list)
-    ids: dict[str, int] = field(default_factory=dict)  # event_id → index in `stored`
-
-    @property
-    def head_hash(self) -> str:
-        return self.stored[-1].hash if self.stored else GENESIS
-
-
-@dataclass(eq=False)
-class _Request:
-    session_id: str
-    events: list[Event]
-    expected_seq: int | None
-    secrets: tuple[str, ...] | None = None  # set when the request seeds the session
-    result: list[StoredEvent] | None = None
-    error: BaseException | None = None
-    done: bool = False
-
-
-def _same_content(a: Event, b: Event) -> bool:
-    keys = {"type", "at", "data", "schema_"}
-    return a.model_dump(include=keys) == b.model_dump(include=keys)
-
-
 class Ledger:
     """The event store. Open with `await Ledger.open(db)`; use as an async context manager."""
 
@@ -169,10 +81,7 @@ class Ledger:
         self._engines = engines
         self.db = db
         self.policy = policy
-        self._open: dict[str, _Open] = {}
-        self._secrets: dict[str, tuple[str, ...]] = {}
-        self._pending: list[_Request] = []
-        self._write_lock = anyio.Lock()
+        self._writer = Writer(engines, policy)
 
     @classmethod
     async def open(
@@ -237,7 +146,8 @@ class Ledger:
         raw += [{"type": "gap.recorded", "at": at, "data": s.gap} for s in valid.skipped]
         sid = session_id or str(uuid.uuid4())
         events = self._prepare(raw, all_secrets)
-        stored = await self._submit(_Request(sid, events, 0, secrets=all_secrets))
+        stored = await self._writer.submit(Request(sid, events, 0, secrets=all_secrets,
+                                                   new_id=session_id is None))
         return Seeded(sid, stored, all_secrets)
 
     async def append(
@@ -253,8 +163,8 @@ class Ledger:
         `ConcurrencyConflict`. An event whose `event_id` is already stored with the same
         content is a no-op returning the original; with other content, `EventIdConflict`.
         """
-        prepared = self._prepare(events, self._secrets.get(session_id, ()))
-        return await self._submit(_Request(session_id, prepared, expected_seq))
+        prepared = self._prepare(events, self._writer.secrets.get(session_id, ()))
+        return await self._writer.submit(Request(session_id, prepared, expected_seq))
 
     async def close(self, session_id: str, reason: str = "normal", *,
                     at: str | None = None) -> list[StoredEvent]:
@@ -306,7 +216,7 @@ class Ledger:
             )
         harness = [e.model_copy(update={"seq": None}) for e in view.events
                    if e.type != "outcome.decided"]
-        await self._submit(_Request(view.session_id, harness, 0))
+        await self._writer.submit(Request(view.session_id, harness, 0))
         return view.session_id
 
     def _prepare(self, events: Iterable[Mapping[str, Any] | Event],
@@ -322,178 +232,6 @@ class Ledger:
                 raise error.at(index=index) from None
         return prepared
 
-    async def _submit(self, request: _Request) -> list[StoredEvent]:
-        self._pending.append(request)
-        async with self._write_lock:
-            if not request.done:
-                batch, self._pending = self._pending, []
-                with anyio.CancelScope(shield=True):  # a cancelled caller never aborts others
-                    await self._commit(batch)
-        if request.error is not None:
-            raise request.error
-        assert request.result is not None
-        return request.result
-
-    async def _commit(self, batch: list[_Request]) -> None:
-        touched: dict[str, _Open] = {}
-        try:
-            async with self._engines.writer.begin() as conn:
-                await self._engines.lock_writers(conn)
-                await self._refresh(conn, {r.session_id for r in batch})
-                foreign = await self._foreign_ids(conn, batch)
-                recorded_at = now()
-                new_rows: list[tuple[StoredEvent, dict[str, Any]]] = []
-                for request in batch:
-                    try:
-                        request.result = self._apply(request, recorded_at, foreign, new_rows,
-                                                     touched)
-                    except TrialLedgerError as error:
-                        request.error = error
-                await self._write(conn, new_rows, touched)
-        except BaseException as error:
-            for sid in touched:  # their in-memory folds hold what was not committed
-                self._open.pop(sid, None)
-            for request in batch:
-                if request.error is None:
-                    request.error, request.result = error, None
-            if not isinstance(error, Exception):
-                raise
-        finally:
-            for request in batch:
-                request.done = True
-        for sid, open_ in touched.items():
-            if open_.session.state == "closed":
-                self._open.pop(sid, None)
-                self._secrets.pop(sid, None)
-
-    async def _refresh(self, conn: AsyncConnection, session_ids: set[str]) -> None:
-        heads = dict((await conn.execute(
-            select(SESSIONS.c.session_id, SESSIONS.c.head_seq).where(
-                SESSIONS.c.session_id.in_(session_ids))
-        )).all())
-        for sid in session_ids:
-            cached = self._open.get(sid)
-            if sid not in heads:
-                self._open.pop(sid, None)
-            elif cached is None or cached.session.head_seq != heads[sid]:
-                self._open[sid] = await self._load(conn, sid)
-
-    async def _load(self, conn: AsyncConnection, session_id: str) -> _Open:
-        rows = (await conn.execute(
-            select(EVENTS.c.position, EVENTS.c.recorded_at, EVENTS.c.hash, EVENTS.c.data)
-            .where(EVENTS.c.session_id == session_id).order_by(EVENTS.c.seq)
-        )).all()
-        open_ = _Open(Session(session_id, self.policy))
-        for position, recorded_at, digest, data in rows:
-            event = parse_event(json.loads(data))
-            open_.session.load(event)
-            self._remember(open_, StoredEvent(event, position, recorded_at, digest))
-        return open_
-
-    @staticmethod
-    def _remember(open_: _Open, stored: StoredEvent) -> None:
-        if stored.event.event_id:
-            open_.ids[stored.event.event_id] = len(open_.stored)
-        open_.stored.append(stored)
-
-    async def _foreign_ids(self, conn: AsyncConnection, batch: list[_Request]) -> dict[str, str]:
-        """Caller-given event ids already stored in *other* sessions (id → session)."""
-        wanted = {
-            e.event_id for r in batch for e in r.events
-            if e.event_id and not (r.session_id in self._open
-                                   and e.event_id in self._open[r.session_id].ids)
-        }
-        if not wanted:
-            return {}
-        rows = await conn.execute(
-            select(EVENTS.c.event_id, EVENTS.c.session_id).where(EVENTS.c.event_id.in_(wanted)))
-        return dict(rows.all())
-
-    def _apply(
-        self,
-        request: _Request,
-        recorded_at: str,
-        foreign: dict[str, str],
-        new_rows: list[tuple[StoredEvent, dict[str, Any]]],
-        touched: dict[str, _Open],
-    ) -> list[StoredEvent]:
-        sid = request.session_id
-        open_ = self._open.get(sid) or _Open(Session(sid, self.policy))
-        originals: list[StoredEvent] = []
-        fresh: list[Event] = []
-        for event in request.events:
-            if event.event_id in foreign and foreign[event.event_id] != sid:
-                raise EventIdConflict(event.event_id)
-            index = open_.ids.get(event.event_id or "")
-            if index is None:
-                fresh.append(event)
-                continue
-            original = open_.stored[index]
-            if not _same_content(original.event, event):
-                raise EventIdConflict(event.event_id or "")
-            originals.append(original)
-        if not fresh:
-            return originals  # every event already stored: an idempotent no-op
-        session = open_.session
-        if request.expected_seq is not None and request.expected_seq != session.head_seq:
-            raise ConcurrencyConflict(sid, request.expected_seq, session.head_seq)
-        mark = session.mark()
-        try:
-            appended = [numbered for event in fresh for numbered in session.apply(event)]
-        except TrialLedgerError:
-            session.rollback(mark)
-            raise
-        prev = open_.head_hash
-        results = []
-        for event in appended:
-            canonical = canonical_text(event_dict(event))
-            prev = chain_hash(prev, canonical)
-            stored = StoredEvent(event, 0, recorded_at, prev)
-            self._remember(open_, stored)
-            new_rows.append((stored, {
-                "session_id": sid, "seq": event.seq, "event_id": event.event_id,
-                "type": event.type, "at": event.at, "recorded_at": recorded_at,
-                "schema": event.schema_, "data": canonical, "hash": prev,
-            }))
-            results.append(stored)
-        self._open[sid] = touched[sid] = open_
-        if request.secrets is not None:
-            self._secrets[sid] = request.secrets
-        return originals + results
-
-    async def _write(
-        self,
-        conn: AsyncConnection,
-        new_rows: list[tuple[StoredEvent, dict[str, Any]]],
-        touched: dict[str, _Open],
-    ) -> None:
-        if not new_rows:
-            return
-        result = await conn.execute(
-            insert(EVENTS).returning(EVENTS.c.position, sort_by_parameter_order=True),
-            [row for _, row in new_rows],
-        )
-        for (stored, _), (position,) in zip(new_rows, result.all(), strict=True):
-            stored.position = position
-        await self._project(conn, touched)
-
-    async def _project(self, conn: AsyncConnection, sessions: Mapping[str, _Open]) -> None:
-        if not sessions:
-            return
-        ids = list(sessions)
-        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in PROJECTION_TABLES}
-        for open_ in sessions.values():
-            view = view_of(open_.session)
-            for name, table_rows in projection_rows(view, head_hash=open_.head_hash).items():
-                rows[name].extend(table_rows)
-        for name in PROJECTION_TABLES:
-            projection = PROJECTIONS[name]
-            await conn.execute(delete(projection).where(projection.c.session_id.in_(ids)))
-            if rows[name]:
-                columns = rows[name][0].keys()
-                target = table(name, *(column(c) for c in columns))
-                await conn.execute(insert(target), rows[name])
-
     # --- reading ---------------------------------------------------------------------------
 
     async def events(self, session_id: str, *, after_seq: int = 0) -> list[StoredEvent]:
@@ -504,7 +242,7 @@ class Ledger:
                 .where(EVENTS.c.session_id == session_id, EVENTS.c.seq > after_seq)
                 .order_by(EVENTS.c.seq)
             )).all()
-        return [StoredEvent(parse_event(json.loads(d)), p, r, h) for p, r, h, d in rows]
+        return [StoredEvent.from_row(*row) for row in rows]
 
     async def view(self, session_id: str, *, policy: str | Policy | None = None) -> SessionView:
         """The session's view: as recorded, or re-derived under `policy` when given."""
@@ -526,7 +264,7 @@ class Ledger:
                 .where(EVENTS.c.position > after_position)
                 .order_by(EVENTS.c.position).limit(limit)
             )).all()
-        return [StoredEvent(parse_event(json.loads(d)), p, r, h) for p, r, h, d in rows]
+        return [StoredEvent.from_row(*row) for row in rows]
 
     async def sessions(self, **where: Any) -> list[dict[str, Any]]:
         """Rows of the `sessions` view, filtered by equal columns (e.g. `state="running"`)."""
@@ -586,14 +324,7 @@ class Ledger:
 
     async def rebuild_projections(self) -> int:
         """Recompute every projection row from the log; return the number of sessions."""
-        async with self._engines.writer.begin() as conn:
-            await self._engines.lock_writers(conn)
+        async with self._engines.reader.begin() as conn:
             sids = [sid for (sid,) in (await conn.execute(
-                select(EVENTS.c.session_id).distinct())).all()]
-            for name in PROJECTION_TABLES:
-                await conn.execute(delete(PROJECTIONS[name]))
-            for sid in sids:
-                await self._project(conn, {sid: await self._load(conn, sid)})
-        self._open.clear()
-        return len(sids)
-
+                select(EVENTS.c.session_id).distinct().order_by(EVENTS.c.session_id))).all()]
+        return await self._writer.rebuild(sids)

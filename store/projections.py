@@ -1,63 +1,93 @@
-"""Projection rows (the SPEC §10 tables behind the analyst views), from a session's view.
+"""Projection rows (the SPEC §10 tables behind the analyst views), kept up incrementally.
 
 Every row is a function of the log alone, so `Ledger.rebuild_projections()` reproduces
-exactly what the appends wrote.
+exactly what the appends wrote:
+
+- `sessions`: one row per session, from its folded state (O(1) per append);
+- `decision_log`, `rewards`: one row per `outcome.decided` / reward, inserted once;
+- `tool_calls`: one row per tool item, rewritten when an event of that item arrives;
+- `gaps`: every recorded gap, plus the gaps the log implies (usage, warnings, startup,
+  interruption, tools) **as of the session's latest state change** — recomputed when the
+  state changes, so a decided or closed session's gaps are final and an append between
+  changes costs nothing. (`SessionView.observations.gaps` is always the whole log's.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from core import Decision, SessionSeeded, SessionView
+from sqlalchemy import and_, bindparam, column, delete, insert, table, text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from core import Decision, Event, Session, SessionSeeded
+from core.events import GapRecordedData
+from core.observations import ToolTraces, derived_gaps
+from core.replay import outcome_of
 
 Row = dict[str, Any]
-PROJECTION_TABLES = ("sessions", "decision_log", "tool_calls", "gaps", "rewards")
+SESSION_COLUMNS = ("session_id", "trial_id", "attempt", "retry_of", "task", "agent_name",
+                   "agent_version", "model", "runner_id", "state", "outcome", "close_reason",
+                   "created_at", "closed_at", "head_seq", "head_hash")
+DECISION_COLUMNS = ("session_id", "seq", "policy", "rule", "action", "status", "http_status",
+                    "error", "cause_kind", "cause_message", "status_code", "incomplete_reason",
+                    "reward_valid", "input_tokens", "cached_input_tokens", "output_tokens",
+                    "reasoning_output_tokens", "total_tokens", "decided_at")
+TABLES = {
+    "sessions": SESSION_COLUMNS,
+    "decision_log": DECISION_COLUMNS,
+    "tool_calls": ("session_id", "item_id", "name", "kind", "status", "started_at",
+                   "completed_at"),
+    "gaps": ("session_id", "code", "detail"),
+    "rewards": ("session_id", "name", "value"),
+}
+T = {name: table(name, *(column(c) for c in columns)) for name, columns in TABLES.items()}
+SESSION_CHANGES = ("session_id", "state", "outcome", "close_reason", "closed_at", "head_seq",
+                   "head_hash")
+UPDATE_SESSION = text(
+    "UPDATE sessions SET "
+    + ", ".join(f"{c} = :{c}" for c in SESSION_CHANGES[1:])
+    + " WHERE session_id = :session_id")
 
 
-def session_row(view: SessionView, *, head_hash: str) -> Row:
+@dataclass
+class Projected:
+    """What the store keeps beside an open session to update its rows incrementally."""
+
+    tools: ToolTraces = field(default_factory=ToolTraces)
+    gaps_at: int = -1  # the transition seq whose implied gaps are in the table
+
+
+def session_row(session: Session, *, head_hash: str) -> Row:
     """The `sessions` row."""
-    seed = view.events[0]
+    seed = session.events[0]
     assert isinstance(seed, SessionSeeded)
     data = seed.data
-    closed = next((e for e in view.events if e.type == "session.closed"), None)
+    last = session.events[-1]
+    closed = last if last.type == "session.closed" else None  # closed is terminal
     return {
-        "session_id": view.session_id,
-        "trial_id": data.trial_id,
-        "attempt": data.attempt,
-        "retry_of": data.retry_of,
-        "task": data.task,
-        "agent_name": data.agent.name,
-        "agent_version": data.agent.version,
-        "model": data.model,
-        "runner_id": data.runner_id,
-        "state": view.state,
-        "outcome": view.outcome,
+        "session_id": session.session_id, "trial_id": data.trial_id, "attempt": data.attempt,
+        "retry_of": data.retry_of, "task": data.task, "agent_name": data.agent.name,
+        "agent_version": data.agent.version, "model": data.model, "runner_id": data.runner_id,
+        "state": session.state, "outcome": outcome_of(session),
         "close_reason": closed.data.reason if closed else None,  # type: ignore[union-attr]
-        "created_at": seed.at,
-        "closed_at": closed.at if closed else None,
-        "head_seq": len(view.events),
-        "head_hash": head_hash,
+        "created_at": seed.at, "closed_at": closed.at if closed else None,
+        "head_seq": session.head_seq, "head_hash": head_hash,
     }
 
 
 def decision_row(session_id: str, seq: int, at: str, decision: Decision) -> Row:
     """One `decision_log` row (the `decisions` and `outcomes` views add the outcome)."""
-    usage = decision.usage
-    cause = decision.cause
+    usage, cause = decision.usage, decision.cause
     return {
-        "session_id": session_id,
-        "seq": seq,
-        "policy": decision.policy,
-        "rule": decision.rule,
-        "action": decision.action,
-        "status": decision.status,
-        "http_status": decision.http_status,
-        "error": decision.error,
+        "session_id": session_id, "seq": seq, "policy": decision.policy, "rule": decision.rule,
+        "action": decision.action, "status": decision.status,
+        "http_status": decision.http_status, "error": decision.error,
         "cause_kind": cause.kind if cause else None,
         "cause_message": cause.message if cause else None,
         "status_code": cause.status_code if cause else None,
-        "incomplete_reason": decision.incomplete_reason,
-        "reward_valid": decision.reward_valid,
+        "incomplete_reason": decision.incomplete_reason, "reward_valid": decision.reward_valid,
         "input_tokens": usage.input_tokens if usage else None,
         "cached_input_tokens": usage.cached_input_tokens if usage else None,
         "output_tokens": usage.output_tokens if usage else None,
@@ -67,27 +97,93 @@ def decision_row(session_id: str, seq: int, at: str, decision: Decision) -> Row:
     }
 
 
-def projection_rows(view: SessionView, *, head_hash: str) -> dict[str, list[Row]]:
-    """Every projection row of one session, by table."""
-    sid = view.session_id
-    return {
-        "sessions": [session_row(view, head_hash=head_hash)],
-        "decision_log": [
-            decision_row(sid, e.seq or 0, e.at, e.data)  # type: ignore[arg-type]
-            for e in view.events
-            if e.type == "outcome.decided"
-        ],
-        "tool_calls": [
-            {"session_id": sid, "item_id": c.id, "name": c.name, "kind": c.kind,
-             "status": c.status, "started_at": c.started_at, "completed_at": c.completed_at}
-            for c in view.observations.tool_calls
-        ],
-        "gaps": [
-            {"session_id": sid, "code": g.code, "detail": g.detail}
-            for g in view.observations.gaps
-        ],
-        "rewards": [
-            {"session_id": sid, "name": name, "value": value}
-            for name, value in (view.rewards or {}).items()
-        ],
-    }
+def gaps_as_of_last_change(session: Session) -> list[GapRecordedData]:
+    """Every recorded gap, plus the implied ones as of the latest state change."""
+    events = session.events
+    recorded = [e.data for e in events if e.type == "gap.recorded"]
+    prefix = events[: session.transition_seq]
+    tools = ToolTraces()
+    for event in prefix:
+        tools.feed(event)
+    decisions = [e.data for e in prefix if e.type == "outcome.decided"]
+    closed = bool(prefix) and prefix[-1].type == "session.closed"
+    return recorded + derived_gaps(prefix, decisions, tools,  # type: ignore[arg-type]
+                                   closed=closed, policy=session.policy)
+
+
+@dataclass
+class Changes:
+    """The rows one commit writes, gathered across the sessions it touched."""
+
+    new_sessions: list[Row] = field(default_factory=list)
+    session_updates: list[Row] = field(default_factory=list)
+    inserts: dict[str, list[Row]] = field(default_factory=dict)
+    tool_rewrites: list[tuple[str, str]] = field(default_factory=list)
+    gap_rewrites: list[str] = field(default_factory=list)
+
+    def add(self, name: str, rows: Iterable[Row]) -> None:
+        self.inserts.setdefault(name, []).extend(rows)
+
+    def session(self, session: Session, projected: Projected, appended: Sequence[Event],
+                *, head_hash: str) -> None:
+        """Gather the rows that `appended` (just folded into `session`) changes."""
+        sid = session.session_id
+        row = session_row(session, head_hash=head_hash)
+        if appended and appended[0].type == "session.seeded":
+            self.new_sessions.append(row)
+        else:
+            self.session_updates.append(row)
+        touched_tools: dict[str, None] = {}
+        for event in appended:
+            item_id = projected.tools.feed(event)
+            if item_id is not None:
+                touched_tools[item_id] = None
+            elif event.type == "outcome.decided":
+                self.add("decision_log", [decision_row(sid, event.seq or 0, event.at,
+                                                       event.data)])  # type: ignore[arg-type]
+            elif event.type == "verification.recorded":
+                self.add("rewards", [{"session_id": sid, "name": name, "value": value}
+                                     for name, value in event.data.rewards.items()])  # type: ignore[union-attr]
+        for item_id in touched_tools:
+            self.tool_rewrites.append((sid, item_id))
+            self.add("tool_calls", [tool_row(sid, projected.tools, item_id)])
+        if session.transition_seq != projected.gaps_at:
+            projected.gaps_at = session.transition_seq
+            self.gap_rewrites.append(sid)
+            self.add("gaps", [gap_row(sid, g) for g in gaps_as_of_last_change(session)])
+        else:
+            self.add("gaps", [gap_row(sid, e.data) for e in appended  # type: ignore[arg-type]
+                              if e.type == "gap.recorded"])
+
+    async def write(self, conn: AsyncConnection) -> None:
+        """Apply the gathered changes inside the commit's transaction."""
+        if self.tool_rewrites:
+            tools = T["tool_calls"]
+            await conn.execute(delete(tools).where(and_(
+                tools.c.session_id == bindparam("sid"), tools.c.item_id == bindparam("iid"))),
+                [{"sid": s, "iid": i} for s, i in self.tool_rewrites])
+        if self.gap_rewrites:
+            gaps = T["gaps"]
+            await conn.execute(delete(gaps).where(gaps.c.session_id == bindparam("sid")),
+                               [{"sid": s} for s in self.gap_rewrites])
+        if self.new_sessions:
+            await conn.execute(insert(T["sessions"]), self.new_sessions)
+        if self.session_updates:
+            await conn.execute(UPDATE_SESSION, [{c: r[c] for c in SESSION_CHANGES}
+                                                for r in self.session_updates])
+        for name, rows in self.inserts.items():
+            if rows:
+                await conn.execute(insert(T[name]), rows)
+
+
+def tool_row(session_id: str, tools: ToolTraces, item_id: str) -> Row:
+    """One `tool_calls` row."""
+    call = tools.call(item_id)
+    return {"session_id": session_id, "item_id": call.id, "name": call.name, "kind": call.kind,
+            "status": call.status, "started_at": call.started_at,
+            "completed_at": call.completed_at}
+
+
+def gap_row(session_id: str, gap: GapRecordedData) -> Row:
+    """One `gaps` row."""
+    return {"session_id": session_id, "code": gap.code, "detail": gap.detail}

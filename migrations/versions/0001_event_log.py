@@ -40,7 +40,7 @@ def upgrade() -> None:
         sa.Column("hash", TEXT, nullable=False),
         sa.UniqueConstraint("session_id", "seq", name="events_session_seq"),
         sa.UniqueConstraint("event_id", name="events_event_id"),
-        sqlite_autoincrement=True,  # a removed last event's position is never reused
+        sqlite_autoincrement=True,
     )
     op.create_index("events_type", "events", ["type"])
     op.create_table(

@@ -1,0 +1,357 @@
+"""The single writer behind a `Ledger`: group commit over folded open sessions.
+
+Appends from concurrent callers are **group-committed**: whoever finds no commit in
+flight commits everything queued so far in one transaction, while each caller awaits its
+own result. Open sessions stay folded in memory (so an append never re-reads history);
+inside the write lock each commit first compares the log's last position with the last
+one this writer wrote, and forgets any session another process appended to since.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+from sqlalchemy import Column, Integer, MetaData, Table, Text, delete, func, select, text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from core import (
+    ConcurrencyConflict,
+    Event,
+    EventIdConflict,
+    Policy,
+    Session,
+    TrialLedgerError,
+    event_dict,
+    parse_event,
+)
+from core.canonical import GENESIS, canonical_text, chain_hash
+from store.engine import Engines
+from store.projections import TABLES, Changes, Projected, T
+
+EVENT_COLUMNS = ("position", "session_id", "seq", "event_id", "type", "at", "recorded_at",
+                 "schema", "data", "hash")
+# A full Table (not a bare `table()`): RETURNING rows in parameter order needs its key.
+EVENTS = Table(
+    "events", MetaData(),
+    Column("position", Integer, primary_key=True, autoincrement=True),
+    *(Column(name, Integer if name in ("seq", "schema") else Text)
+      for name in EVENT_COLUMNS[1:]),
+)
+
+
+# Plain statements executed with executemany: one round trip for a whole commit.
+INSERT_EVENT = text(
+    f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
+    f"VALUES ({', '.join(':' + c for c in EVENT_COLUMNS)})")
+
+
+def now() -> str:
+    """The current time as an RFC 3339 UTC timestamp with microseconds."""
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class StoredEvent:
+    """An event as the store holds it: the event plus its global position, time and hash.
+
+    (Mutable only so the store can fill in `position` when its insert returns.)
+    """
+
+    event: Event
+    position: int
+    recorded_at: str
+    hash: str
+    canonical: str = field(default="", repr=False, compare=False)  # the stored text
+
+    def jsonl(self) -> dict[str, Any]:
+        """The export form: every field of the event and of the store."""
+        return {**event_dict(self.event), "position": self.position,
+                "recorded_at": self.recorded_at, "hash": self.hash}
+
+    @classmethod
+    def from_row(cls, position: int, recorded_at: str, digest: str, data: str) -> StoredEvent:
+        """A stored row back as an event (its canonical text parsed)."""
+        return cls(parse_event(json.loads(data)), position, recorded_at, digest)
+
+
+@dataclass
+class OpenSession:
+    """A folded open session and what the store keeps beside it."""
+
+    session: Session
+    stored: list[StoredEvent] = field(default_factory=list)
+    ids: dict[str, int] = field(default_factory=dict)  # event_id → index in `stored`
+    projected: Projected = field(default_factory=Projected)
+    fresh: list[Event] = field(default_factory=list)  # appended in the commit under way
+
+    @property
+    def head_hash(self) -> str:
+        return self.stored[-1].hash if self.stored else GENESIS
+
+    def remember(self, stored: StoredEvent) -> None:
+        if stored.event.event_id:
+            self.ids[stored.event.event_id] = len(self.stored)
+        self.stored.append(stored)
+
+
+@dataclass(eq=False)
+class Request:
+    """One caller's append, waiting for the commit that carries it."""
+
+    session_id: str
+    events: list[Event]
+    expected_seq: int | None
+    secrets: tuple[str, ...] | None = None  # set when the request seeds the session
+    new_id: bool = False  # the session id was just made up: nothing to load
+    result: list[StoredEvent] | None = None
+    error: BaseException | None = None
+    done: bool = False
+    wake: anyio.Event = field(default_factory=anyio.Event)
+
+
+def _same_content(a: Event, b: Event) -> bool:
+    keys = {"type", "at", "data", "schema_"}
+    return a.model_dump(include=keys) == b.model_dump(include=keys)
+
+
+class Writer:
+    """Commits appends, keeps open sessions folded, and writes their projection rows."""
+
+    def __init__(self, engines: Engines, policy: Policy) -> None:
+        self.engines = engines
+        self.policy = policy
+        self.open: dict[str, OpenSession] = {}
+        self.secrets: dict[str, tuple[str, ...]] = {}
+        self._pending: list[Request] = []
+        self._leading = False  # a caller is committing the queue
+        self._lock = anyio.Lock()  # held by `rebuild` against concurrent commits
+        self._last_position: int | None = None  # the log's end after our last commit
+
+    async def submit(self, request: Request) -> list[StoredEvent]:
+        """Queue an append and wait for the commit that carries it.
+
+        One caller at a time leads: it commits everything queued, in batches, until its own
+        request is done, then hands the lead to the oldest waiting request. The others
+        sleep on their own request, so a commit wakes exactly the callers it served.
+        """
+        self._pending.append(request)
+        if self._leading:
+            try:
+                await request.wake.wait()
+            except BaseException:
+                if request.wake.is_set() and not request.done:  # handed the lead, cancelled
+                    self._hand_off()
+                raise
+        if not request.done:
+            self._leading = True
+            try:
+                while not request.done:
+                    await self._gather()
+                    batch, self._pending = self._pending, []
+                    with anyio.CancelScope(shield=True):  # a cancelled leader never aborts others
+                        await self._commit(batch)
+                    for served in batch:
+                        if served is not request:
+                            served.wake.set()
+            finally:
+                self._hand_off()
+        if request.error is not None:
+            raise request.error
+        assert request.result is not None
+        return request.result
+
+    async def _gather(self) -> None:
+        """Let the callers a commit just woke queue their next appends (the group commit)."""
+        queued = -1
+        while queued != len(self._pending):
+            queued = len(self._pending)
+            await anyio.sleep(0)
+
+    def _hand_off(self) -> None:
+        if self._pending:
+            self._pending[0].wake.set()  # it finds its request not done, and leads
+        else:
+            self._leading = False
+
+    async def _commit(self, batch: list[Request]) -> None:
+        touched: dict[str, OpenSession] = {}
+        try:
+            async with self.engines.writer.begin() as conn:
+                await self.engines.lock_writers(conn)
+                await self._catch_up(conn)
+                await self._load_missing(conn, batch)
+                foreign = await self._foreign_ids(conn, batch)
+                recorded_at = now()
+                for request in batch:
+                    try:
+                        request.result = self._apply(request, recorded_at, foreign, touched)
+                    except TrialLedgerError as error:
+                        request.error = error
+                await self._write(conn, touched)
+        except BaseException as error:
+            for sid in touched:  # their in-memory folds hold what was not committed
+                self.open.pop(sid, None)
+            self._last_position = None
+            for request in batch:
+                if request.error is None:
+                    request.error, request.result = error, None
+            if not isinstance(error, Exception):
+                raise
+        finally:
+            for request in batch:
+                request.done = True
+        for sid, open_ in touched.items():
+            open_.fresh = []
+            if open_.session.state == "closed":
+                self.open.pop(sid, None)
+                self.secrets.pop(sid, None)
+
+    async def _catch_up(self, conn: AsyncConnection) -> None:
+        """Forget every cached session another process appended to since our last commit."""
+        end = (await conn.execute(select(func.max(EVENTS.c.position)))).scalar() or 0
+        if end == self._last_position:
+            return
+        if self._last_position is None:
+            self.open.clear()
+        else:
+            moved = await conn.execute(select(EVENTS.c.session_id).distinct()
+                                       .where(EVENTS.c.position > self._last_position))
+            for (sid,) in moved.all():
+                self.open.pop(sid, None)
+        self._last_position = end
+
+    async def _load_missing(self, conn: AsyncConnection, batch: list[Request]) -> None:
+        missing = list({r.session_id: None for r in batch
+                        if r.session_id not in self.open and not r.new_id})
+        if not missing:
+            return
+        rows = await conn.execute(
+            select(EVENTS.c.session_id, EVENTS.c.position, EVENTS.c.recorded_at,
+                   EVENTS.c.hash, EVENTS.c.data)
+            .where(EVENTS.c.session_id.in_(missing)).order_by(EVENTS.c.session_id, EVENTS.c.seq))
+        for sid, position, recorded_at, digest, data in rows.all():
+            open_ = self.open.get(sid) or self.open.setdefault(
+                sid, OpenSession(Session(sid, self.policy)))
+            stored = StoredEvent.from_row(position, recorded_at, digest, data)
+            open_.session.load(stored.event)
+            open_.projected.tools.feed(stored.event)
+            open_.remember(stored)
+        for open_ in (self.open.get(sid) for sid in missing):
+            if open_ is not None:
+                open_.projected.gaps_at = open_.session.transition_seq
+
+    async def load(self, conn: AsyncConnection, session_id: str) -> OpenSession:
+        """A session folded from its stored log (for reading and rebuilding)."""
+        rows = await conn.execute(
+            select(EVENTS.c.position, EVENTS.c.recorded_at, EVENTS.c.hash, EVENTS.c.data)
+            .where(EVENTS.c.session_id == session_id).order_by(EVENTS.c.seq))
+        open_ = OpenSession(Session(session_id, self.policy))
+        for row in rows.all():
+            stored = StoredEvent.from_row(*row)
+            open_.session.load(stored.event)
+            open_.remember(stored)
+        return open_
+
+    async def _foreign_ids(self, conn: AsyncConnection, batch: list[Request]) -> dict[str, str]:
+        """Caller-given event ids already stored in *other* sessions (id → session)."""
+        wanted = {
+            e.event_id for r in batch for e in r.events
+            if e.event_id and not (r.session_id in self.open
+                                   and e.event_id in self.open[r.session_id].ids)
+        }
+        if not wanted:
+            return {}
+        rows = await conn.execute(
+            select(EVENTS.c.event_id, EVENTS.c.session_id).where(EVENTS.c.event_id.in_(wanted)))
+        return dict(rows.all())
+
+    def _apply(self, request: Request, recorded_at: str, foreign: dict[str, str],
+               touched: dict[str, OpenSession]) -> list[StoredEvent]:
+        sid = request.session_id
+        open_ = self.open.get(sid) or OpenSession(Session(sid, self.policy))
+        originals: list[StoredEvent] = []
+        fresh: list[Event] = []
+        for event in request.events:
+            if event.event_id in foreign and foreign[event.event_id] != sid:
+                raise EventIdConflict(event.event_id)
+            index = open_.ids.get(event.event_id or "")
+            if index is None:
+                fresh.append(event)
+                continue
+            original = open_.stored[index]
+            if not _same_content(original.event, event):
+                raise EventIdConflict(event.event_id or "")
+            originals.append(original)
+        if not fresh:
+            return originals  # every event already stored: an idempotent no-op
+        session = open_.session
+        if request.expected_seq is not None and request.expected_seq != session.head_seq:
+            raise ConcurrencyConflict(sid, request.expected_seq, session.head_seq)
+        mark = session.mark()
+        try:
+            appended = [numbered for event in fresh for numbered in session.apply(event)]
+        except TrialLedgerError:
+            session.rollback(mark)
+            raise
+        prev = open_.head_hash
+        results = []
+        for event in appended:
+            canonical = canonical_text(event_dict(event))
+            prev = chain_hash(prev, canonical)
+            stored = StoredEvent(event, 0, recorded_at, prev, canonical)
+            open_.remember(stored)
+            results.append(stored)
+        open_.fresh += appended
+        self.open[sid] = touched[sid] = open_
+        if request.secrets is not None:
+            self.secrets[sid] = request.secrets
+        return originals + results
+
+    async def _write(self, conn: AsyncConnection, touched: dict[str, OpenSession]) -> None:
+        new = [s for open_ in touched.values() for s in open_.stored[-len(open_.fresh):]
+               if open_.fresh]
+        if not new:
+            return
+        # Positions are given here, under the write lock, after the log's current end:
+        # commit order is position order, and no RETURNING round trip is needed.
+        start = self._last_position or 0
+        rows = []
+        for offset, stored in enumerate(new, start=1):
+            stored.position = start + offset
+            event = stored.event
+            rows.append({"position": stored.position, "session_id": event.session_id,
+                         "seq": event.seq, "event_id": event.event_id, "type": event.type,
+                         "at": event.at, "recorded_at": stored.recorded_at,
+                         "schema": event.schema_, "data": stored.canonical, "hash": stored.hash})
+        await conn.execute(INSERT_EVENT, rows)
+        self._last_position = start + len(new)
+        await self.engines.positions_taken(conn, self._last_position)
+        changes = Changes()
+        for open_ in touched.values():
+            if open_.fresh:
+                changes.session(open_.session, open_.projected, open_.fresh,
+                                head_hash=open_.head_hash)
+        await changes.write(conn)
+
+    async def rebuild(self, session_ids: Iterable[str]) -> int:
+        """Recompute every projection row from the log."""
+        async with self._lock, self.engines.writer.begin() as conn:
+            await self.engines.lock_writers(conn)
+            for name in TABLES:
+                await conn.execute(delete(T[name]))
+            count = 0
+            for sid in session_ids:
+                open_ = await self.load(conn, sid)
+                changes = Changes()
+                changes.session(open_.session, open_.projected, open_.session.events,
+                                head_hash=open_.head_hash)
+                await changes.write(conn)
+                count += 1
+        self.open.clear()
+        self._last_position = None
+        return count
