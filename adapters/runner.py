@@ -297,11 +297,12 @@ class SessionRunner:
 
     async def _usage_events(self, sandbox: LocalSandbox) -> list[dict[str, Any]]:
         def read() -> list[dict[str, Any]]:
-            lines: list[str] = []
+            events: list[dict[str, Any]] = []
             for path in rollout_files(sandbox.session_dir):
                 if path.suffix == ".jsonl":
-                    lines += path.read_text(encoding="utf-8", errors="replace").splitlines()
-            return usage_events(lines, at=now())
+                    with path.open(encoding="utf-8", errors="replace") as lines:  # streamed
+                        events += usage_events(lines, at=now())
+            return events
 
         with anyio.move_on_after(self._left()) as scope:
             return await anyio.to_thread.run_sync(read, abandon_on_cancel=True)

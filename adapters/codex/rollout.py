@@ -44,9 +44,8 @@ def _token_counts(lines: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
             yield str(record.get("timestamp", "")), payload["info"]
 
 
-def usage_events(lines: Iterable[str], *, at: str) -> list[dict[str, Any]]:
-    """The `usage.native` (and `gap.recorded`) events of one rollout's lines, stamped `at`."""
-    events: list[dict[str, Any]] = []
+def iter_usage_events(lines: Iterable[str], *, at: str) -> Iterator[dict[str, Any]]:
+    """The `usage.native` (and `gap.recorded`) events of a rollout's lines, one at a time."""
     previous: dict[str, int] | None = None
     for _, info in _token_counts(lines):
         total = _counts(info.get("total_token_usage"))
@@ -54,15 +53,18 @@ def usage_events(lines: Iterable[str], *, at: str) -> list[dict[str, Any]]:
             continue
         consistent = total["total_tokens"] == total["input_tokens"] + total["output_tokens"]
         if not consistent or (previous and total["total_tokens"] < previous["total_tokens"]):
-            events.append({"type": "gap.recorded", "at": at, "data": {
+            yield {"type": "gap.recorded", "at": at, "data": {
                 "code": "native_usage_reset",
-                "detail": f"rollout total {total['total_tokens']} replaced the running total"}})
-            previous = total
-            continue
-        events.append({"type": "usage.native", "at": at, "data": {
-            "total": total, "last": _counts(info.get("last_token_usage"))}})
+                "detail": f"rollout total {total['total_tokens']} replaced the running total"}}
+        else:
+            yield {"type": "usage.native", "at": at, "data": {
+                "total": total, "last": _counts(info.get("last_token_usage"))}}
         previous = total
-    return events
+
+
+def usage_events(lines: Iterable[str], *, at: str) -> list[dict[str, Any]]:
+    """The `usage.native` (and `gap.recorded`) events of one rollout's lines, stamped `at`."""
+    return list(iter_usage_events(lines, at=at))
 
 
 def rollout_files(codex_home: Path) -> list[Path]:

@@ -1,0 +1,270 @@
+"""trialledger benchmarks: every figure beside a reference measured in the same run.
+
+    python -m bench.run            # the full run (BENCHMARKS.md), several minutes
+    python -m bench.run --quick    # small sizes, under 2 minutes (CI runs it; asserts nothing)
+
+Prints a table, then one `ratio ...` line per comparison. Needs the `bench` extra
+(`eventsourcing`), and PostgreSQL's `initdb`/`pg_ctl` for the last figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from bench import workload
+from store import Ledger
+
+FULL = {"sessions": 1000, "events": 100_000, "rederive": 1_000_000, "query_sessions": 100_000,
+        "query_events": 1_000_000, "ingest_mb": (100, 1000), "pg_events": 8 * 5000,
+        "baseline_cap_s": 30.0}
+QUICK = {"sessions": 200, "events": 4000, "rederive": 20_000, "query_sessions": 2000,
+         "query_events": 20_000, "ingest_mb": (5, 20), "pg_events": 8 * 250,
+         "baseline_cap_s": 5.0}
+
+
+@dataclass
+class Figure:
+    """One measured line of the table."""
+
+    name: str
+    method: str
+    count: int
+    seconds: float
+    unit: str = "events/s"
+    extra: str = ""
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds if self.seconds else 0.0
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+# --- 1. durable appends, one event per call, many concurrent sessions ---------------------
+
+
+def durable_ours(folder: Path, sessions: int, events: int) -> Figure:
+    async def run() -> float:
+        async with await Ledger.open(str(folder / "ours.db")) as ledger:
+            sids = await workload.seed_running(ledger, sessions)
+            per = events // sessions
+            start = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for sid in sids:
+                    tg.start_soon(workload.append_one_by_one, ledger, sid, per)
+            return time.perf_counter() - start
+
+    seconds = anyio.run(run)
+    return Figure("durable appends", "trialledger (group commit)", events, seconds)
+
+
+def durable_eventsourcing(folder: Path, sessions: int, events: int, cap_s: float) -> Figure:
+    app, aggregates = workload.eventsourcing_app(folder / "es.db", sessions)
+    done, start = 0, time.perf_counter()
+    while done < events and time.perf_counter() - start < cap_s:
+        for aggregate in aggregates:
+            aggregate.append(payload=workload.PAYLOAD)
+            app.save(aggregate)  # one event per save(), one transaction
+            done += 1
+    return Figure("durable appends", "eventsourcing SQLite (one per save)", done,
+                  time.perf_counter() - start)
+
+
+def durable_raw(folder: Path, events: int, cap_s: float) -> Figure:
+    conn = workload.raw_sqlite(folder / "raw.db")
+    done, start = 0, time.perf_counter()
+    while done < events and time.perf_counter() - start < cap_s:
+        with conn:  # one row per transaction, WAL, synchronous=FULL
+            conn.execute(workload.RAW_INSERT, workload.raw_row(done))
+        done += 1
+    return Figure("durable appends", "raw sqlite3 (one row per txn)", done,
+                  time.perf_counter() - start)
+
+
+# --- 2. batched import ----------------------------------------------------------------------
+
+
+def import_ours(folder: Path, sessions: int, events: int) -> Figure:
+    logs = workload.session_logs(sessions, events // sessions)
+
+    async def run() -> float:
+        async with await Ledger.open(str(folder / "import.db")) as ledger:
+            start = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for log in logs:
+                    tg.start_soon(ledger.import_log, log)
+            return time.perf_counter() - start
+
+    seconds = anyio.run(run)
+    total = sum(len(log) for log in logs)
+    return Figure("batched import", "trialledger (whole pipeline)", total, seconds)
+
+
+def import_raw(folder: Path, events: int) -> Figure:
+    conn = workload.raw_sqlite(folder / "raw-import.db")
+    rows = [workload.raw_row(i) for i in range(events)]
+    _, seconds = timed(lambda: workload.executemany(conn, rows))
+    return Figure("batched import", "raw sqlite3 executemany (one txn)", events, seconds)
+
+
+# --- 3. re-derivation -----------------------------------------------------------------------
+
+
+def rederive_ours(events: int) -> Figure:
+    from core import replay
+
+    per = 10
+    logs = workload.session_logs(events // per, per - 3, with_decisions=True)
+    total = sum(len(log) for log in logs)
+    _, seconds = timed(lambda: [replay(log) for log in logs])
+    return Figure("re-derivation", "trialledger replay (every outcome)", total, seconds)
+
+
+def rederive_eventsourcing(folder: Path, events: int, cap_s: float) -> Figure:
+    per = 10
+    app, aggregates = workload.eventsourcing_app(folder / "es-rebuild.db", events // per,
+                                                 events_each=per - 1)
+    done, start = 0, time.perf_counter()
+    for aggregate in aggregates:
+        app.repository.get(aggregate.id)
+        done += per
+        if time.perf_counter() - start > cap_s:
+            break
+    return Figure("re-derivation", "eventsourcing repository.get", done,
+                  time.perf_counter() - start)
+
+
+# --- 4. analyst queries ---------------------------------------------------------------------
+
+
+def analyst_queries(folder: Path, sessions: int, events: int) -> list[Figure]:
+    from adapters.demo.samples import QUESTIONS
+
+    db = folder / "analyst.db"
+    logs = workload.session_logs(sessions, max(1, events // sessions - 3))
+
+    async def build() -> None:
+        async with await Ledger.open(str(db)) as ledger:
+            for start in range(0, len(logs), 500):
+                async with anyio.create_task_group() as tg:
+                    for log in logs[start:start + 500]:
+                        tg.start_soon(ledger.import_log, log)
+
+    _, build_s = timed(lambda: anyio.run(build))
+    conn = sqlite3.connect(db)
+    figures = [Figure("analyst DB build", f"{sessions} sessions via import", sum(map(len, logs)),
+                      build_s)]
+    for question, sql in QUESTIONS.items():
+        conn.execute(sql).fetchall()  # warm the page cache once
+        runs = 5
+        _, seconds = timed(lambda sql=sql: [conn.execute(sql).fetchall() for _ in range(runs)])
+        figures.append(Figure("analyst query", question[:48], runs, seconds, unit="queries/s",
+                              extra=f"{seconds / runs * 1000:.1f} ms each"))
+    return figures
+
+
+# --- 5. streaming ingest --------------------------------------------------------------------
+
+
+def ingest(folder: Path, megabytes: int) -> Figure:
+    exec_log, rollout = workload.codex_logs(folder, megabytes)
+    size = exec_log.stat().st_size + rollout.stat().st_size
+    done = subprocess.run([sys.executable, "-m", "bench.ingest", str(exec_log), str(rollout)],
+                          capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    report = json.loads(done.stdout)
+    return Figure("streaming ingest", f"{megabytes} MB exec log + rollout", size,
+                  report["seconds"], unit="bytes/s",
+                  extra=f"{report['events']} events, peak RSS {report['max_rss_mb']:.0f} MB")
+
+
+# --- 6. PostgreSQL, 8 writer processes -------------------------------------------------------
+
+
+def postgres_writers(events: int) -> Figure:
+    from tests.pg import PostgresServer
+
+    server = PostgresServer.start()
+    try:
+        db = server.create_database()
+        seconds, stored = workload.postgres_writers(db, processes=8, events_each=events // 8)
+    finally:
+        server.stop()
+    lost = events - stored
+    return Figure("PostgreSQL writers", "8 processes", stored, seconds,
+                  extra=f"lost {lost}")
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
+    parser.add_argument("--skip-postgres", action="store_true")
+    args = parser.parse_args()
+    size = QUICK if args.quick else FULL
+    cap = float(size["baseline_cap_s"])
+    figures: list[Figure] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+
+        def add(*new: Figure) -> None:
+            for figure in new:
+                figures.append(figure)
+                print(f"  {figure.name:<20} {figure.method:<40} {figure.rate:>12,.0f} "
+                      f"{figure.unit} {figure.extra}", flush=True)
+
+        n_sessions, n_events = int(size["sessions"]), int(size["events"])
+        add(durable_ours(folder, n_sessions, n_events))
+        add(durable_eventsourcing(folder, n_sessions, n_events, cap))
+        add(durable_raw(folder, n_events, cap))
+        add(import_ours(folder, n_sessions, n_events))
+        add(import_raw(folder, n_events))
+        add(rederive_ours(int(size["rederive"])))
+        add(rederive_eventsourcing(folder, int(size["rederive"]), cap))
+        add(*analyst_queries(folder, int(size["query_sessions"]), int(size["query_events"])))
+        for megabytes in size["ingest_mb"]:  # type: ignore[attr-defined]
+            add(ingest(folder, int(megabytes)))
+        if not args.skip_postgres:
+            add(postgres_writers(int(size["pg_events"])))
+    print()
+    by = {(f.name, f.method.split(" ")[0]): f for f in figures}
+
+    def ratio(label: str, ours: Figure, reference: Figure) -> None:
+        print(f"ratio {label}: {ours.rate / reference.rate:.2f}x "
+              f"({ours.rate:,.0f} vs {reference.rate:,.0f} {ours.unit})")
+
+    ratio("durable appends, ours / eventsourcing", by[("durable appends", "trialledger")],
+          by[("durable appends", "eventsourcing")])
+    ratio("durable appends, ours / raw sqlite3", by[("durable appends", "trialledger")],
+          by[("durable appends", "raw")])
+    ratio("batched import, ours / raw executemany", by[("batched import", "trialledger")],
+          by[("batched import", "raw")])
+    ratio("re-derivation, ours / eventsourcing", by[("re-derivation", "trialledger")],
+          by[("re-derivation", "eventsourcing")])
+    ingests = [f for f in figures if f.name == "streaming ingest"]
+    if len(ingests) == 2:
+        ratio("streaming ingest, large / small throughput", ingests[1], ingests[0])
+    os.environ.pop("TRIALLEDGER_BENCH", None)
+
+
+if __name__ == "__main__":
+    main()

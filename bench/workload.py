@@ -1,0 +1,205 @@
+"""Workloads for the benchmarks: the same data for trialledger and for each reference."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sqlite3
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from core import event_dict, replay
+from store import Ledger
+from tests.scenarios import CLEAN, LogBuilder
+
+PAYLOAD = "x" * 200  # an agent message of this text makes an event of ~330 bytes
+SEED = LogBuilder().events[0]["data"]
+SETUP = LogBuilder().launched().events[-1:] + [
+    {"type": "turn.started", "at": "2026-11-29T08:00:02Z", "data": {}}]
+RAW_INSERT = ("INSERT INTO events (session_id, seq, event_id, type, at, data, hash) "
+              "VALUES (?, ?, ?, ?, ?, ?, ?)")
+
+
+def message(i: int) -> dict[str, Any]:
+    """One ~330-byte evidence event."""
+    return {"type": "item.completed", "at": "2026-11-29T08:00:03Z",
+            "data": {"item": {"id": f"item_{i}", "type": "agent_message", "text": PAYLOAD}}}
+
+
+async def seed_running(ledger: Ledger, sessions: int) -> list[str]:
+    """Seed sessions and bring each to `running` (concurrently)."""
+    sids: list[str] = []
+
+    async def one() -> None:
+        sid = (await ledger.seed(SEED)).session_id
+        await ledger.append(sid, SETUP)
+        sids.append(sid)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(sessions):
+            tg.start_soon(one)
+    return sids
+
+
+async def append_one_by_one(ledger: Ledger, session_id: str, count: int) -> None:
+    """Append `count` events, one per call, each acknowledged durably."""
+    head = 3
+    for i in range(count):
+        stored = await ledger.append(session_id, [message(i)], expected_seq=head)
+        head = stored[-1].event.seq or head
+
+
+def session_logs(sessions: int, messages: int, *, with_decisions: bool = False
+                 ) -> list[list[dict[str, Any]]]:
+    """Complete session logs (seed, launch, messages, a clean ending) as JSONL dicts."""
+    tail = [*(line for line in CLEAN[-1:])]
+    logs = []
+    for n in range(sessions):
+        builder = LogBuilder()
+        builder.events[0]["session_id"] = str(uuid.UUID(int=n + 1))
+        builder.launched().codex(CLEAN[:3])
+        for i in range(messages - 3):
+            builder.events.append(message(i))
+        builder.codex(tail).finish(0)
+        log = builder.events
+        if with_decisions:
+            log = [event_dict(e) for e in replay(log).events]
+        logs.append(log)
+    return logs
+
+
+def _trial_class() -> Any:
+    from eventsourcing.domain import Aggregate, event
+
+    class Trial(Aggregate):  # type: ignore[misc]
+        """A session as an `eventsourcing` aggregate: started, then one event per message."""
+
+        @event("Started")
+        def __init__(self, task: str) -> None:
+            self.task, self.messages = task, 0
+
+        @event("Appended")
+        def append(self, payload: str) -> None:
+            self.messages += 1
+
+    return Trial
+
+
+_TRIAL: Any = None
+
+
+def eventsourcing_app(path: Path, aggregates: int, events_each: int = 0) -> tuple[Any, list[Any]]:
+    """The `eventsourcing` library's SQLite application with one aggregate per session."""
+    global _TRIAL
+    from eventsourcing.application import Application
+
+    _TRIAL = _TRIAL or _trial_class()
+    app = Application(env={"PERSISTENCE_MODULE": "eventsourcing.sqlite",
+                           "SQLITE_DBNAME": str(path)})
+    made = [_TRIAL(task="t") for _ in range(aggregates)]
+    for aggregate in made:
+        for _ in range(events_each):
+            aggregate.append(payload=PAYLOAD)
+    for start in range(0, len(made), 500):
+        app.save(*made[start:start + 500])
+    return app, made
+
+
+def raw_sqlite(path: Path) -> sqlite3.Connection:
+    """A bare table like ours (two indexes), WAL, synchronous=FULL."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("CREATE TABLE events (position INTEGER PRIMARY KEY, session_id TEXT, seq INT,"
+                 " event_id TEXT UNIQUE, type TEXT, at TEXT, data TEXT, hash TEXT,"
+                 " UNIQUE (session_id, seq))")
+    conn.isolation_level = "DEFERRED"
+    return conn
+
+
+def raw_row(i: int) -> tuple[Any, ...]:
+    data = json.dumps(message(i))
+    return (f"s{i // 100}", i % 100 + 1, str(uuid.uuid4()), "item.completed",
+            "2026-11-29T08:00:03Z", data, "0" * 64)
+
+
+def executemany(conn: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+    with conn:
+        conn.executemany(RAW_INSERT, rows)
+
+
+def codex_logs(folder: Path, megabytes: int) -> tuple[Path, Path]:
+    """A generated Codex exec log and rollout of about `megabytes` together."""
+    exec_log, rollout = folder / f"exec-{megabytes}.jsonl", folder / f"rollout-{megabytes}.jsonl"
+    output = "test output line\n" * 40
+    half = megabytes * 1024 * 1024 // 2
+    with exec_log.open("w") as out:
+        out.write(CLEAN[0] + "\n" + '{"type":"turn.started"}\n')
+        n = 0
+        while out.tell() < half:
+            item = {"id": f"item_{n}", "type": "command_execution", "command": "make test",
+                    "aggregated_output": output, "exit_code": 0, "status": "completed"}
+            out.write(json.dumps({"type": "item.started", "item": {**item, "status":
+                                  "in_progress", "aggregated_output": ""}}) + "\n")
+            out.write(json.dumps({"type": "item.completed", "item": item}) + "\n")
+            n += 1
+        out.write(CLEAN[-1] + "\n")
+    with rollout.open("w") as out:
+        n = 0
+        while out.tell() < half:
+            n += 1
+            total = {"input_tokens": 100 * n, "cached_input_tokens": 50 * n,
+                     "output_tokens": 10 * n, "reasoning_output_tokens": 0,
+                     "total_tokens": 110 * n}
+            out.write(json.dumps({"timestamp": "2026-11-29T08:00:00.000Z", "type": "response_item",
+                                  "payload": {"type": "message", "role": "assistant",
+                                              "content": [{"type": "output_text",
+                                                           "text": output}]}}) + "\n")
+            out.write(json.dumps({"timestamp": "2026-11-29T08:00:00.000Z", "type": "event_msg",
+                                  "payload": {"type": "token_count", "info": {
+                                      "total_token_usage": total,
+                                      "last_token_usage": total}}}) + "\n")
+    return exec_log, rollout
+
+
+def _pg_writer(db: str, count: int, pipe: Any) -> None:
+    async def run() -> None:
+        async with await Ledger.open(db) as ledger:
+            sids = await seed_running(ledger, 10)
+            async with anyio.create_task_group() as tg:
+                for sid in sids:
+                    tg.start_soon(append_one_by_one, ledger, sid, count // 10)
+    anyio.run(run)
+    pipe.send(os.getpid())
+
+
+def postgres_writers(db: str, *, processes: int, events_each: int) -> tuple[float, int]:
+    """Seconds for `processes` writer processes to append, and the events found after."""
+    anyio.run(_build, db)
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    start = time.perf_counter()
+    workers = [context.Process(target=_pg_writer, args=(db, events_each, send))
+               for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - start
+    return seconds, anyio.run(_count_messages, db)
+
+
+async def _build(db: str) -> None:
+    async with await Ledger.open(db):
+        pass
+
+
+async def _count_messages(db: str) -> int:
+    async with await Ledger.open(db) as ledger:
+        rows = await ledger.sessions()
+        return sum(row["head_seq"] - 3 for row in rows)
