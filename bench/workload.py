@@ -19,8 +19,9 @@ from tests.scenarios import CLEAN, LogBuilder
 
 PAYLOAD = "x" * 200  # an agent message of this text makes an event of ~330 bytes
 SEED = LogBuilder().events[0]["data"]
-SETUP = LogBuilder().launched().events[-1:] + [
-    {"type": "turn.started", "at": "2026-11-29T08:00:02Z", "data": {}}]
+SETUP = [*LogBuilder().launched().events[-1:],
+         {"type": "turn.started", "at": "2026-11-29T08:00:02Z", "data": {}}]
+PG_SESSIONS_PER_WRITER = 50
 RAW_INSERT = ("INSERT INTO events (session_id, seq, event_id, type, at, data, hash) "
               "VALUES (?, ?, ?, ?, ?, ?, ?)")
 
@@ -170,10 +171,11 @@ def codex_logs(folder: Path, megabytes: int) -> tuple[Path, Path]:
 def _pg_writer(db: str, count: int, pipe: Any) -> None:
     async def run() -> None:
         async with await Ledger.open(db) as ledger:
-            sids = await seed_running(ledger, 10)
+            sids = await seed_running(ledger, PG_SESSIONS_PER_WRITER)
             async with anyio.create_task_group() as tg:
                 for sid in sids:
-                    tg.start_soon(append_one_by_one, ledger, sid, count // 10)
+                    tg.start_soon(append_one_by_one, ledger, sid,
+                                  count // PG_SESSIONS_PER_WRITER)
     anyio.run(run)
     pipe.send(os.getpid())
 
@@ -182,7 +184,7 @@ def postgres_writers(db: str, *, processes: int, events_each: int) -> tuple[floa
     """Seconds for `processes` writer processes to append, and the events found after."""
     anyio.run(_build, db)
     context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
+    _, send = context.Pipe(duplex=False)
     start = time.perf_counter()
     workers = [context.Process(target=_pg_writer, args=(db, events_each, send))
                for _ in range(processes)]

@@ -164,7 +164,7 @@ def replay(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy = "
     replayer = Replayer(_session_id(parsed), policy)
     for index, event in enumerate(parsed):
         try:
-            replayer.feed(event.model_copy(update={"seq": None, "session_id": None}))
+            replayer.feed(event)  # the machine renumbers it from 1
         except IllegalTransition as error:
             error.index = index
             raise
