@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 
@@ -28,8 +27,17 @@ def main(exec_log: str, rollout: str) -> None:
             parse_event(event)
             events += 1
     seconds = time.perf_counter() - start
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"seconds": seconds, "events": events, "max_rss_mb": rss}))
+    print(json.dumps({"seconds": seconds, "events": events, "max_rss_mb": peak_rss_mb()}))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory since exec (VmHWM; ru_maxrss would include the
+    memory of the parent this process was forked from)."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 if __name__ == "__main__":

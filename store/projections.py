@@ -5,6 +5,8 @@ exactly what the appends wrote:
 
 - `sessions`: one row per session, from its folded state (O(1) per append);
 - `decision_log`, `rewards`: one row per `outcome.decided` / reward, inserted once;
+- `outcomes`: a decided session's last decision with its current outcome, rewritten with
+  each append to that session;
 - `tool_calls`: one row per tool item, rewritten when an event of that item arrives;
 - `gaps`: every recorded gap, plus the gaps the log implies (usage, warnings, startup,
   interruption, tools) **as of the session's latest state change** — recomputed when the
@@ -41,6 +43,10 @@ TABLES = {
                    "completed_at"),
     "gaps": ("session_id", "code", "detail"),
     "rewards": ("session_id", "name", "value"),
+    "outcomes": ("session_id", "policy", "rule", "action", "outcome", "status", "http_status",
+                 "error", "cause_kind", "cause_message", "status_code", "incomplete_reason",
+                 "reward_valid", "input_tokens", "cached_input_tokens", "output_tokens",
+                 "reasoning_output_tokens", "total_tokens", "decided_at"),
 }
 T = {name: table(name, *(column(c) for c in columns)) for name, columns in TABLES.items()}
 SESSION_CHANGES = ("session_id", "state", "outcome", "close_reason", "closed_at", "head_seq",
@@ -120,6 +126,7 @@ class Changes:
     inserts: dict[str, list[Row]] = field(default_factory=dict)
     tool_rewrites: list[tuple[str, str]] = field(default_factory=list)
     gap_rewrites: list[str] = field(default_factory=list)
+    outcome_rewrites: list[str] = field(default_factory=list)
 
     def add(self, name: str, rows: Iterable[Row]) -> None:
         self.inserts.setdefault(name, []).extend(rows)
@@ -144,6 +151,12 @@ class Changes:
             elif event.type == "verification.recorded":
                 self.add("rewards", [{"session_id": sid, "name": name, "value": value}
                                      for name, value in event.data.rewards.items()])  # type: ignore[union-attr]
+        if session.decisions:
+            last = next(e for e in reversed(session.events) if e.type == "outcome.decided")
+            self.outcome_rewrites.append(sid)
+            outcome = decision_row(sid, 0, last.at, last.data)  # type: ignore[arg-type]
+            del outcome["seq"]
+            self.add("outcomes", [{**outcome, "outcome": row["outcome"]}])
         for item_id in touched_tools:
             self.tool_rewrites.append((sid, item_id))
             self.add("tool_calls", [tool_row(sid, projected.tools, item_id)])
@@ -166,6 +179,10 @@ class Changes:
             gaps = T["gaps"]
             await conn.execute(delete(gaps).where(gaps.c.session_id == bindparam("sid")),
                                [{"sid": s} for s in self.gap_rewrites])
+        if self.outcome_rewrites:
+            outcomes = T["outcomes"]
+            await conn.execute(delete(outcomes).where(outcomes.c.session_id == bindparam("sid")),
+                               [{"sid": s} for s in self.outcome_rewrites])
         if self.new_sessions:
             await conn.execute(insert(T["sessions"]), self.new_sessions)
         if self.session_updates:
