@@ -154,12 +154,9 @@ class Replayer:
         return view_of(self.session, unapplied=self.unapplied, diverged_at=self.diverged_at)
 
 
-def replay(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy = "v1") -> SessionView:
-    """Re-derive a session from its JSONL events (recorded decisions are compared, not trusted).
-
-    Raises `BadEvent` for an event that does not parse (with its index) and, before any
-    divergence, `IllegalTransition` for one the machine does not accept.
-    """
+def rederive(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy = "v1"
+             ) -> Replayer:
+    """Fold a recorded log, re-deriving its decisions (no view is built)."""
     parsed = _parsed(events)
     replayer = Replayer(_session_id(parsed), policy)
     for index, event in enumerate(parsed):
@@ -168,4 +165,13 @@ def replay(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy = "
         except IllegalTransition as error:
             error.index = index
             raise
-    return replayer.view()
+    return replayer
+
+
+def replay(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy = "v1") -> SessionView:
+    """Re-derive a session from its JSONL events (recorded decisions are compared, not trusted).
+
+    Raises `BadEvent` for an event that does not parse (with its index) and, before any
+    divergence, `IllegalTransition` for one the machine does not accept.
+    """
+    return rederive(events, policy).view()

@@ -36,7 +36,7 @@ from core import (
     validate_seed,
 )
 from core.canonical import first_broken_link
-from core.replay import view_of
+from core.replay import rederive, view_of
 from store.engine import DEFAULT_DB, Engines, Synchronous, make_engines
 from store.migrate import ensure_current
 from store.projections import SESSION_COLUMNS
@@ -206,18 +206,18 @@ class Ledger:
         """
         secret_list = tuple(s for s in secrets if s)
         raw = [scrub_data(dict(e), secret_list) for e in events]
-        view = replay(raw, policy=self.policy)
-        if view.diverged_at is not None:
-            d = view.diverged_at
+        folded = rederive(raw, policy=self.policy)
+        session = folded.session
+        if folded.diverged_at is not None:
+            d = folded.diverged_at
             raise IllegalTransition(
-                view.state, "outcome.decided", (),
+                session.state, "outcome.decided", (),
                 f"recorded decision at seq {d.seq} ({d.recorded.rule}) is not what policy "
                 f"{self.policy.name} derives ({d.derived.rule if d.derived else 'none'})",
             )
-        harness = [e.model_copy(update={"seq": None}) for e in view.events
-                   if e.type != "outcome.decided"]
-        await self._writer.submit(Request(view.session_id, harness, 0))
-        return view.session_id
+        await self._writer.submit(Request(session.session_id, list(session.events), 0,
+                                          derived=True))
+        return session.session_id
 
     def _prepare(self, events: Iterable[Mapping[str, Any] | Event],
                  secrets: Sequence[str]) -> list[Event]:
