@@ -62,6 +62,14 @@ class Engines:
         if self.dialect == "postgresql":
             await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": WRITER_LOCK_KEY})
 
+    def driver_sql(self, table: str, columns: tuple[str, ...]) -> str:
+        """An INSERT in the driver's own parameter style, for `exec_driver_sql` executemany
+        (it skips SQLAlchemy's per-row parameter processing on the hot path)."""
+        count = len(columns)
+        marks = ([f"${i}" for i in range(1, count + 1)] if self.dialect == "postgresql"
+                 else ["?"] * count)
+        return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(marks)})"
+
     async def positions_taken(self, conn: AsyncConnection, last: int) -> None:
         """Keep PostgreSQL's position sequence past the positions the writer gave."""
         if self.dialect == "postgresql":

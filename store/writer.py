@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import anyio
-from sqlalchemy import Column, Integer, MetaData, Table, Text, delete, func, select, text
+from sqlalchemy import Column, Integer, MetaData, Table, Text, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from core import (
@@ -42,12 +42,6 @@ EVENTS = Table(
     *(Column(name, Integer if name in ("seq", "schema") else Text)
       for name in EVENT_COLUMNS[1:]),
 )
-
-
-# Plain statements executed with executemany: one round trip for a whole commit.
-INSERT_EVENT = text(
-    f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
-    f"VALUES ({', '.join(':' + c for c in EVENT_COLUMNS)})")
 
 
 def now() -> str:
@@ -132,6 +126,7 @@ class Writer:
         self._leading = False  # a caller is committing the queue
         self._lock = anyio.Lock()  # held by `rebuild` against concurrent commits
         self._last_position: int | None = None  # the log's end after our last commit
+        self._insert_event = engines.driver_sql("events", EVENT_COLUMNS)
 
     async def submit(self, request: Request) -> list[StoredEvent]:
         """Queue an append and wait for the commit that carries it.
@@ -331,11 +326,10 @@ class Writer:
         for offset, stored in enumerate(new, start=1):
             stored.position = start + offset
             event = stored.event
-            rows.append({"position": stored.position, "session_id": event.session_id,
-                         "seq": event.seq, "event_id": event.event_id, "type": event.type,
-                         "at": event.at, "recorded_at": stored.recorded_at,
-                         "schema": event.schema_, "data": stored.canonical, "hash": stored.hash})
-        await conn.execute(INSERT_EVENT, rows)
+            rows.append((stored.position, event.session_id, event.seq, event.event_id,
+                         event.type, event.at, stored.recorded_at, event.schema_,
+                         stored.canonical, stored.hash))
+        await conn.exec_driver_sql(self._insert_event, rows)
         self._last_position = start + len(new)
         await self.engines.positions_taken(conn, self._last_position)
         changes = Changes()
