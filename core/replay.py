@@ -102,14 +102,17 @@ def _parsed(events: Iterable[Mapping[str, Any] | Event]) -> list[Event]:
     return parsed
 
 
-def _session_id(events: list[Event]) -> str:
+def _session_id(events: list[Event], first: Mapping[str, Any] | Event | None) -> str:
+    """The seed's `session_id`, else uuid5 of the seed's data as the log wrote it (SPEC §2)."""
     seed = events[0] if events else None
     if not isinstance(seed, SessionSeeded):
         kind = seed.type if seed else "nothing"
         raise IllegalTransition(None, kind, ["session.seeded"], "a log starts with its seed")
     if seed.session_id:
         return seed.session_id
-    return session_id_for_seed(seed.data.model_dump(mode="json"))
+    written = first.get("data") if isinstance(first, Mapping) else None
+    return session_id_for_seed(written if isinstance(written, Mapping)
+                               else seed.data.model_dump(mode="json"))
 
 
 class Replayer:
@@ -157,8 +160,9 @@ class Replayer:
 def rederive(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy = "v1"
              ) -> Replayer:
     """Fold a recorded log, re-deriving its decisions (no view is built)."""
-    parsed = _parsed(events)
-    replayer = Replayer(_session_id(parsed), policy)
+    given = list(events)
+    parsed = _parsed(given)
+    replayer = Replayer(_session_id(parsed, given[0] if given else None), policy)
     for index, event in enumerate(parsed):
         try:
             replayer.feed(event)  # the machine renumbers it from 1

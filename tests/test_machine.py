@@ -63,16 +63,28 @@ def test_decisions_reach_every_target_state() -> None:
     assert seeded_lost.state == "lost" and seeded_lost.decisions[0].rule == "sandbox_lost"
 
 
-@pytest.mark.parametrize("kind", ["agent.exited", "cleanup.reported", "sandbox.lost"])
+@pytest.mark.parametrize("kind", ["agent.exited", "cleanup.reported"])
 def test_once_only_events_are_refused_the_second_time(kind: str) -> None:
     session = _session(LogBuilder().launched().codex(CLEAN[:3]).events)
     event = parse_event(sample(kind))
     session.apply(event)
     before = list(session.events)
-    if session.state in ("graded", "lost", "failed-live") and kind == "sandbox.lost":
-        return  # sandbox.lost decided at once; its repetition is covered by the table test
     with pytest.raises(IllegalTransition, match="only once"):
         session.apply(event)
+    assert session.events == before
+
+
+@pytest.mark.parametrize("first, second", [
+    ("verification.recorded", "verification.failed"),
+    ("verification.failed", "verification.recorded"),
+    ("verification.recorded", "verification.recorded"),
+])
+def test_a_graded_session_takes_one_verification(first: str, second: str) -> None:
+    session = _session(SCENARIOS["clean"][0].events)
+    session.apply(parse_event(sample(first)))
+    before = list(session.events)
+    with pytest.raises(IllegalTransition, match="only once"):
+        session.apply(parse_event(sample(second)))
     assert session.events == before
 
 
@@ -169,3 +181,21 @@ def test_nothing_folds_after_closed(log: list[dict]) -> None:  # type: ignore[ty
 
 def test_run_helper_is_consistent() -> None:
     assert replay(run(CLEAN, 0).events).state == "graded"
+
+
+def test_a_log_without_session_ids_gets_uuid5_of_its_seed_data() -> None:
+    import json
+    import uuid
+
+    from core import NS
+
+    log = SCENARIOS["clean"][0].events
+    seed_data = log[0]["data"]
+    expected = uuid.uuid5(NS, json.dumps(seed_data, sort_keys=True, separators=(",", ":"),
+                                         ensure_ascii=False))
+    assert "session_id" not in log[0]
+    assert replay(log).session_id == str(expected)
+    partial = {k: v for k, v in seed_data.items() if k not in ("settings", "grants")}
+    bare = [{**log[0], "data": partial}, *log[1:]]  # defaults left out, as a user writes it
+    assert replay(bare).session_id == str(uuid.uuid5(NS, json.dumps(
+        partial, sort_keys=True, separators=(",", ":"), ensure_ascii=False)))
