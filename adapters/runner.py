@@ -100,8 +100,12 @@ class SessionResult:
     """One session of a trial and how it ended."""
 
     session_id: str
-    attempt: int
     view: SessionView
+
+    @property
+    def attempt(self) -> int:
+        """The attempt number, as the session's seed records it."""
+        return int(self.view.events[0].data.attempt)  # type: ignore[union-attr]
 
     @property
     def outcome(self) -> str:
@@ -209,7 +213,7 @@ class SessionRunner:
                 if not recorder.closed:
                     with anyio.CancelScope(shield=True):
                         await recorder.add("session.closed", {"reason": "cancelled"})
-            return SessionResult(session_id, attempt, await self.ledger.view(session_id))
+            return SessionResult(session_id, await self.ledger.view(session_id))
         finally:
             sandbox.discard()
 

@@ -10,21 +10,16 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from adapters.demo import free_port
+
 PASSWORD = "tl-" + uuid.uuid4().hex
 SUPERUSER = "trialledger"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -43,7 +38,7 @@ class PostgresServer:
             raise RuntimeError("PostgreSQL 15 is not installed (initdb is not on PATH)")
         owner = os.environ.get("TRIALLEDGER_PG_USER", "postgres") if os.geteuid() == 0 else None
         folder = Path(tempfile.mkdtemp(prefix="trialledger-pg-"))
-        server = cls(folder, _free_port(), owner)
+        server = cls(folder, free_port(), owner)
         (folder / "pw").write_text(PASSWORD + "\n")
         if owner:
             uid = pwd.getpwnam(owner).pw_uid

@@ -7,7 +7,6 @@ a test can check that the session token of a grant arrived.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
@@ -15,11 +14,7 @@ from typing import Any
 import uvicorn
 from mcp.server.mcpserver import MCPServer
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from adapters.demo import free_port
 
 
 class ToolServer:
@@ -44,7 +39,7 @@ class ToolServer:
                 recorder.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
             await app(scope, receive, send)
 
-        self.port = _free_port()
+        self.port = free_port()
         config = uvicorn.Config(recording, host="127.0.0.1", port=self.port, log_level="error",
                                 lifespan="on")
         self._server = uvicorn.Server(config)

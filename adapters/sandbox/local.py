@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -401,31 +401,32 @@ async def _drain(stream: Any) -> None:
             pass
 
 
-def _pids_in_namespace(namespace: int) -> list[int]:
-    target = f"pid:[{namespace}]"
+def _pids_where(matches: Callable[[str], bool]) -> list[int]:
+    """Host pids (other than ours) whose /proc entry `matches`; vanished ones are skipped."""
     found = []
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                if os.readlink(f"/proc/{entry.name}/ns/pid") == target:
+                if matches(entry.name):
                     found.append(int(entry.name))
             except OSError:
                 continue
     return found
 
 
+def _pids_in_namespace(namespace: int) -> list[int]:
+    target = f"pid:[{namespace}]"
+    return _pids_where(lambda pid: os.readlink(f"/proc/{pid}/ns/pid") == target)
+
+
 def _marked_pids(marker: str) -> list[int]:
     needle = f"{SUPERVISOR_ENV}={marker}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                with open(f"/proc/{entry.name}/environ", "rb") as handle:
-                    if needle in handle.read().split(b"\0"):
-                        found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
+
+    def carries(pid: str) -> bool:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return needle in handle.read().split(b"\0")
+
+    return _pids_where(carries)
 
 
 async def _kill_marked(marker: str, timeout_s: float) -> CleanupReport:
