@@ -19,12 +19,11 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
-
-from core import BadEvent, IllegalTransition, TrialLedgerError, parse_jsonl, replay
-from store import Ledger
-from store.engine import DEFAULT_DB, make_engines
-from store.migrate import current_revision, upgrade
-from store.query import DEFAULT_TIMEOUT_S, run_query
+from trialledger.core import BadEvent, IllegalTransition, TrialLedgerError, parse_jsonl, replay
+from trialledger.store import Ledger
+from trialledger.store.engine import DEFAULT_DB, make_engines
+from trialledger.store.migrate import current_revision, upgrade
+from trialledger.store.query import DEFAULT_TIMEOUT_S, run_query
 
 EXIT_OK, EXIT_FOUND, EXIT_BAD_INPUT = 0, 1, 2
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 132)
@@ -222,9 +221,9 @@ def _parse_set(pairs: Sequence[str]) -> dict[str, Any]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the real Codex CLI on a task in the local sandbox; print each session's outcome."""
-    from adapters.runner import CodexNotFound, RunOptions, SessionRunner
-    from adapters.sandbox.base import SandboxRefused
-    from adapters.task import Task, TaskInvalid
+    from trialledger.adapters.runner import CodexNotFound, RunOptions, SessionRunner
+    from trialledger.adapters.sandbox.base import SandboxRefused
+    from trialledger.adapters.task import Task, TaskInvalid
 
     api_key = None
     if args.api_key_env:
@@ -331,8 +330,8 @@ def _brief(value: Any, width: int = 90) -> str:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the real Codex CLI through the sample tasks, offline; show outcomes and answers."""
-    from adapters.demo.samples import QUESTIONS, outcome_rows, run_demo
-    from adapters.runner import CodexNotFound, find_codex
+    from trialledger.adapters.demo.samples import QUESTIONS, outcome_rows, run_demo
+    from trialledger.adapters.runner import CodexNotFound, find_codex
 
     try:
         codex = find_codex(args.codex_bin)
@@ -358,7 +357,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_import_harbor(args: argparse.Namespace) -> int:
     """Import a Harbor job folder; print how each trial's verdict compares with ours."""
-    from adapters.harbor import import_job
+    from trialledger.adapters.harbor import import_job
 
     job = Path(args.job_dir)
     if not job.is_dir():

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adapters.codex.rollout import usage_events
-from adapters.codex.stream import parse_stream_line
-from core import SessionView, redact, replay
-from store import Ledger
+from trialledger.adapters.codex.rollout import usage_events
+from trialledger.adapters.codex.stream import parse_stream_line
+from trialledger.core import SessionView, redact, replay
+from trialledger.store import Ledger
 
 TIMEOUT_ERRORS = frozenset({"AgentTimeoutError"})
 EXIT_CODE = re.compile(r"exit(?:ed with)? code (-?\d+)", re.IGNORECASE)

@@ -24,18 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-
-from adapters.codex.config import API_KEY_ENV, codex_config, render
-from adapters.codex.rollout import rollout_files, usage_events
-from adapters.codex.stream import parse_stream_line
-from adapters.sandbox.base import VerifierRun
-from adapters.sandbox.local import LocalRun, LocalSandbox
-from adapters.task import Task
-from core import SessionView, redact, scrub, validate_seed
-from core.seed import ValidSeed
-from core.settings import Settings
-from store import Ledger, StoredEvent
-from store.writer import now
+from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
+from trialledger.adapters.codex.rollout import rollout_files, usage_events
+from trialledger.adapters.codex.stream import parse_stream_line
+from trialledger.adapters.sandbox.base import VerifierRun
+from trialledger.adapters.sandbox.local import LocalRun, LocalSandbox
+from trialledger.adapters.task import Task
+from trialledger.core import SessionView, redact, scrub, validate_seed
+from trialledger.core.seed import ValidSeed
+from trialledger.core.settings import Settings
+from trialledger.store import Ledger, StoredEvent
+from trialledger.store.writer import now
 
 DEFAULT_ARCHIVE_COMMAND = ("cp", "-R", "--")
 PROBE_LIMIT_S = 10.0

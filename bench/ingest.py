@@ -9,9 +9,9 @@ import json
 import sys
 import time
 
-from adapters.codex.rollout import iter_usage_events
-from adapters.codex.stream import parse_stream_line
-from core import parse_event
+from trialledger.adapters.codex.rollout import iter_usage_events
+from trialledger.adapters.codex.stream import parse_stream_line
+from trialledger.core import parse_event
 
 
 def main(exec_log: str, rollout: str) -> None:

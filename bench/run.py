@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from trialledger.store import Ledger
 
 from bench import workload
-from store import Ledger
 
 FULL = {"sessions": 1000, "events": 100_000, "rederive": 1_000_000, "query_sessions": 100_000,
         "query_events": 1_000_000, "ingest_mb": (100, 1000), "pg_events": 8 * 5000,
@@ -127,7 +127,7 @@ def import_raw(folder: Path, events: int) -> Figure:
 
 
 def rederive_ours(events: int) -> Figure:
-    from core import replay
+    from trialledger.core import replay
 
     per = 10
     logs = workload.session_logs(events // per, per - 3, with_decisions=True)
@@ -154,7 +154,7 @@ def rederive_eventsourcing(folder: Path, events: int, cap_s: float) -> Figure:
 
 
 def analyst_queries(folder: Path, sessions: int, events: int) -> list[Figure]:
-    from adapters.demo.samples import QUESTIONS
+    from trialledger.adapters.demo.samples import QUESTIONS
 
     db = folder / "analyst.db"
     logs = workload.session_logs(sessions, max(1, events // sessions - 3))

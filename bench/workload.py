@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from trialledger.core import event_dict, replay
+from trialledger.store import Ledger
 
-from core import event_dict, replay
-from store import Ledger
 from tests.scenarios import CLEAN, LogBuilder
 
 PAYLOAD = "x" * 200  # an agent message of this text makes an event of ~330 bytes

@@ -2,11 +2,11 @@
 
 Pure functions and pydantic models; no I/O. The public contract (SPEC §10):
 
-    from core import replay, redact, scrub
+    from trialledger.core import replay, redact, scrub
 """
 
-from core.canonical import NS, canonical_text, chain_hash, event_id_for
-from core.errors import (
+from trialledger.core.canonical import NS, canonical_text, chain_hash, event_id_for
+from trialledger.core.errors import (
     BadEvent,
     ConcurrencyConflict,
     EventIdConflict,
@@ -15,7 +15,7 @@ from core.errors import (
     TrialLedgerError,
     UnknownPolicy,
 )
-from core.events import (
+from trialledger.core.events import (
     EVENT_TYPES,
     AgentExited,
     AgentLaunched,
@@ -49,13 +49,13 @@ from core.events import (
     parse_event,
     parse_jsonl,
 )
-from core.machine import STATES, Session, State
-from core.observations import Observations, ToolCall
-from core.policy import V1, Policy, get_policy, register_policy
-from core.redact import redact, scrub, scrub_data
-from core.replay import Divergence, Replayer, SessionView, replay
-from core.seed import Grant, ValidSeed, validate_seed
-from core.settings import Settings
+from trialledger.core.machine import STATES, Session, State
+from trialledger.core.observations import Observations, ToolCall
+from trialledger.core.policy import V1, Policy, get_policy, register_policy
+from trialledger.core.redact import redact, scrub, scrub_data
+from trialledger.core.replay import Divergence, Replayer, SessionView, replay
+from trialledger.core.seed import Grant, ValidSeed, validate_seed
+from trialledger.core.settings import Settings
 
 __all__ = [
     "EVENT_TYPES",

@@ -21,9 +21,8 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
 )
-
-from core.errors import BadEvent
-from core.settings import Settings
+from trialledger.core.errors import BadEvent
+from trialledger.core.settings import Settings
 
 _RFC3339_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|\+00:00)")
 

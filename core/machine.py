@@ -11,10 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Literal, NamedTuple
 
-from core.canonical import event_id_for
-from core.errors import IllegalTransition
-from core.events import CODEX_STREAM_TYPES, Decision, Event, OutcomeDecided, SessionSeeded
-from core.policy import Policy, get_policy
+from trialledger.core.canonical import event_id_for
+from trialledger.core.errors import IllegalTransition
+from trialledger.core.events import (
+    CODEX_STREAM_TYPES,
+    Decision,
+    Event,
+    OutcomeDecided,
+    SessionSeeded,
+)
+from trialledger.core.policy import Policy, get_policy
 
 State = Literal["seeded", "starting", "running", "failed-live", "graded", "lost", "closed"]
 STATES: tuple[State, ...] = (

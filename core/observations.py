@@ -6,10 +6,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-
-from core.events import Decision, Event, GapRecorded, GapRecordedData, SessionSeeded
-from core.policy import Policy
-from core.usage import recover_usage
+from trialledger.core.events import Decision, Event, GapRecorded, GapRecordedData, SessionSeeded
+from trialledger.core.policy import Policy
+from trialledger.core.usage import recover_usage
 
 Gap = GapRecordedData
 ITEM_EVENTS = ("item.started", "item.updated", "item.completed")

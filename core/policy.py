@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.errors import UnknownPolicy
-from core.events import (
+from trialledger.core.errors import UnknownPolicy
+from trialledger.core.events import (
     AgentExited,
     AgentStderr,
     Cause,
@@ -30,8 +30,8 @@ from core.events import (
     StreamError,
     TurnFailed,
 )
-from core.redact import redact
-from core.usage import recover_usage
+from trialledger.core.redact import redact
+from trialledger.core.usage import recover_usage
 
 Action = Literal["verify", "retry", "probe"]
 Status = Literal["completed", "incomplete", "failed"]

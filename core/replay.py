@@ -15,14 +15,20 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-
-from core.canonical import session_id_for_seed
-from core.errors import BadEvent, IllegalTransition
-from core.events import Decision, Event, OutcomeDecided, SessionSeeded, Usage, parse_event
-from core.machine import Session, State
-from core.observations import Observations, observe
-from core.policy import Policy
-from core.usage import recover_usage
+from trialledger.core.canonical import session_id_for_seed
+from trialledger.core.errors import BadEvent, IllegalTransition
+from trialledger.core.events import (
+    Decision,
+    Event,
+    OutcomeDecided,
+    SessionSeeded,
+    Usage,
+    parse_event,
+)
+from trialledger.core.machine import Session, State
+from trialledger.core.observations import Observations, observe
+from trialledger.core.policy import Policy
+from trialledger.core.usage import recover_usage
 
 Outcome = Literal["retry", "verify", "unverified", "interrupted", "pending"]
 

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from core.errors import SeedRejected
-from core.events import SessionSeededData, StoredGrant
-from core.redact import REDACTED, fingerprint, header_secrets
+from trialledger.core.errors import SeedRejected
+from trialledger.core.events import SessionSeededData, StoredGrant
+from trialledger.core.redact import REDACTED, fingerprint, header_secrets
 
 GRANT_NAME = re.compile(r"[A-Za-z0-9_-]+")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from core.events import Event, GapRecordedData, Usage
+from trialledger.core.events import Event, GapRecordedData, Usage
 
 Gap = GapRecordedData
 TURN_TYPES = frozenset({"turn.started", "turn.completed", "turn.failed"})

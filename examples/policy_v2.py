@@ -5,7 +5,7 @@ v2 never probes: a run killed after its first turn is an execution error even wi
 message counts as a model-endpoint error. Everything else is v1.
 """
 
-from core.policy import V1, V1_CLASSIFICATION, Policy, contains, register_policy
+from trialledger.core.policy import V1, V1_CLASSIFICATION, Policy, contains, register_policy
 
 register_policy(Policy(
     name="v2",

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import column, select, table, text
-
-from core import (
+from trialledger.core import (
     BadEvent,
     Event,
     IllegalTransition,
@@ -35,12 +34,12 @@ from core import (
     scrub_data,
     validate_seed,
 )
-from core.canonical import first_broken_link
-from core.replay import rederive, view_of
-from store.engine import DEFAULT_DB, Engines, Synchronous, make_engines
-from store.migrate import ensure_current
-from store.projections import SESSION_COLUMNS
-from store.writer import EVENTS, Request, StoredEvent, Writer, now
+from trialledger.core.canonical import first_broken_link
+from trialledger.core.replay import rederive, view_of
+from trialledger.store.engine import DEFAULT_DB, Engines, Synchronous, make_engines
+from trialledger.store.migrate import ensure_current
+from trialledger.store.projections import SESSION_COLUMNS
+from trialledger.store.writer import EVENTS, Request, StoredEvent, Writer, now
 
 SESSIONS = table("sessions", *(column(c) for c in SESSION_COLUMNS))
 LIVE_STATES = ("seeded", "starting", "running", "failed-live")

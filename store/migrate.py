@@ -11,9 +11,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
-
-import migrations
-from core.errors import TrialLedgerError
+from trialledger import migrations
+from trialledger.core.errors import TrialLedgerError
 
 SCRIPT_LOCATION = str(Path(migrations.__file__).resolve().parent)
 

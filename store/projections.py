@@ -22,11 +22,10 @@ from typing import Any
 
 from sqlalchemy import and_, bindparam, column, delete, insert, table, text
 from sqlalchemy.ext.asyncio import AsyncConnection
-
-from core import Decision, Event, Session, SessionSeeded
-from core.events import GapRecordedData
-from core.observations import ToolTraces, derived_gaps
-from core.replay import outcome_of
+from trialledger.core import Decision, Event, Session, SessionSeeded
+from trialledger.core.events import GapRecordedData
+from trialledger.core.observations import ToolTraces, derived_gaps
+from trialledger.core.replay import outcome_of
 
 Row = dict[str, Any]
 SESSION_COLUMNS = ("session_id", "trial_id", "attempt", "retry_of", "task", "agent_name",

@@ -10,9 +10,8 @@ from typing import Any
 import anyio
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
-
-from core.errors import TrialLedgerError
-from store.engine import make_engines, sqlite_path
+from trialledger.core.errors import TrialLedgerError
+from trialledger.store.engine import make_engines, sqlite_path
 
 DEFAULT_TIMEOUT_S = 10.0
 

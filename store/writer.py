@@ -18,8 +18,7 @@ from typing import Any
 import anyio
 from sqlalchemy import Column, Integer, MetaData, Table, Text, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
-
-from core import (
+from trialledger.core import (
     ConcurrencyConflict,
     Event,
     EventIdConflict,
@@ -29,9 +28,9 @@ from core import (
     event_dict,
     parse_event,
 )
-from core.canonical import GENESIS, canonical_text, chain_hash
-from store.engine import Engines
-from store.projections import TABLES, Changes, Projected, T
+from trialledger.core.canonical import GENESIS, canonical_text, chain_hash
+from trialledger.store.engine import Engines
+from trialledger.store.projections import TABLES, Changes, Projected, T
 
 EVENT_COLUMNS = ("position", "session_id", "seq", "event_id", "type", "at", "recorded_at",
                  "schema", "data", "hash")

@@ -15,8 +15,7 @@ import tempfile
 from pathlib import Path
 
 import anyio
-
-from store import Ledger
+from trialledger.store import Ledger
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -38,7 +37,8 @@ async def export_all(db: str, folder: Path = GOLDEN) -> list[Path]:
 async def record(db: str | None) -> list[Path]:
     """Run the demo (unless a store is given) and export its sessions."""
     if db is None:
-        from adapters.demo.samples import run_demo
+        from trialledger.adapters.demo.samples import run_demo
+
         from tests.runs import codex_path
 
         db = str(Path(tempfile.mkdtemp()) / "golden.db")

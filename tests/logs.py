@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from hypothesis import strategies as st
+from trialledger.adapters.codex.stream import parse_stream_line
+from trialledger.core import Session, parse_event
+from trialledger.core.canonical import session_id_for_seed
 
-from adapters.codex.stream import parse_stream_line
-from core import Session, parse_event
-from core.canonical import session_id_for_seed
 from tests.scenarios import (
     CAPACITY,
     CLEAN,

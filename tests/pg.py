@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.demo import free_port
+from trialledger.adapters.demo import free_port
 
 PASSWORD = "tl-" + uuid.uuid4().hex
 SUPERUSER = "trialledger"

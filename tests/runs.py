@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adapters.demo import samples
-from adapters.demo.endpoint import Reply, ScriptedEndpoint
-from adapters.runner import RunOptions, SessionResult, SessionRunner, install_paths
-from adapters.task import Task
-from store import Ledger
+from trialledger.adapters.demo import samples
+from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint
+from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner, install_paths
+from trialledger.adapters.task import Task
+from trialledger.store import Ledger
 
 REPO = Path(__file__).resolve().parent.parent
 

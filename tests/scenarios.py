@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapters.codex.stream import parse_stream_line
+from trialledger.adapters.codex.stream import parse_stream_line
 
 METADATA = (
     '{"type":"item.completed","item":{"id":"item_0","type":"error","message":"Model metadata for '

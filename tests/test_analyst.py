@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
+from trialledger.store import Ledger
 
-from store import Ledger
 from tests.scenarios import SCENARIOS
 from tests.test_store import seed_of
 

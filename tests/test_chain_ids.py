@@ -6,8 +6,7 @@ import uuid
 
 from hypothesis import given
 from hypothesis import strategies as st
-
-from core.canonical import NS, event_id_for
+from trialledger.core.canonical import NS, event_id_for
 
 
 @given(session_id=st.text(max_size=60), seq=st.integers(1, 10**12))

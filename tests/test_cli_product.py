@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def trialledger(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TRIALLEDGER_CODEX_BIN": codex_path()}
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "trialledger.cli", *args], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=600, check=False)
 
 

@@ -16,7 +16,7 @@ EXAMPLES = ROOT / "examples"
 
 
 def trialledger(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "trialledger.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, check=False)
 
 

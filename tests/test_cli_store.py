@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from trialledger.cli import main
+from trialledger.core import Policy, register_policy
+from trialledger.core.policy import V1_OUTCOME_TABLE
+from trialledger.store.migrate import head_revision
 
-from cli import main
-from core import Policy, register_policy
-from core.policy import V1_OUTCOME_TABLE
-from store.migrate import head_revision
 from tests.scenarios import SCENARIOS, write_examples
 
 

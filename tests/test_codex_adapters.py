@@ -6,11 +6,11 @@ import json
 import tomllib
 from pathlib import Path
 
-from adapters.codex.config import API_KEY_ENV, codex_config, render
-from adapters.codex.rollout import rollout_files, usage_events
-from adapters.codex.stream import parse_stream_line
-from core import Settings
-from core.seed import Grant
+from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
+from trialledger.adapters.codex.rollout import rollout_files, usage_events
+from trialledger.adapters.codex.stream import parse_stream_line
+from trialledger.core import Settings
+from trialledger.core.seed import Grant
 
 AT = "2026-11-29T10:00:00Z"
 EXAMPLE = Path(__file__).parent / "data" / "codex-0.125-example.jsonl"

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from trialledger.core import parse_jsonl, replay
 
-from core import parse_jsonl, replay
 from tests.golden import GOLDEN
 
 FILES = sorted(GOLDEN.glob("*.jsonl"))

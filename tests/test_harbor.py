@@ -9,9 +9,8 @@ from typing import Any
 
 import anyio
 import pytest
-
-from cli import main
-from store import Ledger
+from trialledger.cli import main
+from trialledger.store import Ledger
 
 TURN = '{"type":"turn.started"}'
 THREAD = '{"type":"thread.started","thread_id":"01a2267b-4236-7150-ac29-c438e0ea4228"}'

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
+from trialledger.core import IllegalTransition, Session, parse_event, replay
+from trialledger.core.canonical import event_id_for
+from trialledger.core.events import EVENT_TYPES
+from trialledger.core.machine import STATES, TRANSITIONS
 
-from core import IllegalTransition, Session, parse_event, replay
-from core.canonical import event_id_for
-from core.events import EVENT_TYPES
-from core.machine import STATES, TRANSITIONS
 from tests.logs import sample, session_logs
 from tests.scenarios import CLEAN, SCENARIOS, LogBuilder, run
 
@@ -187,7 +187,7 @@ def test_a_log_without_session_ids_gets_uuid5_of_its_seed_data() -> None:
     import json
     import uuid
 
-    from core import NS
+    from trialledger.core import NS
 
     log = SCENARIOS["clean"][0].events
     seed_data = log[0]["data"]

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 from sqlalchemy import inspect, text
+from trialledger.store import Ledger
+from trialledger.store.engine import make_engines
+from trialledger.store.migrate import current_revision, head_revision, revisions, upgrade
 
-from store import Ledger
-from store.engine import make_engines
-from store.migrate import current_revision, head_revision, revisions, upgrade
 from tests.scenarios import SCENARIOS
 
 pytestmark = pytest.mark.anyio

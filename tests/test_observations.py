@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core import replay
+from trialledger.core import replay
+
 from tests.scenarios import LogBuilder
 
 EXAMPLE = (Path(__file__).parent / "data" / "codex-0.125-example.jsonl").read_text(

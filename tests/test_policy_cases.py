@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from trialledger.core import replay
 
-from core import replay
 from tests.scenarios import CLEAN, MCP_STDERR, SCENARIOS, run
 
 

@@ -6,9 +6,9 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trialledger.core import event_dict, replay
+from trialledger.core.canonical import canonical_text, chain, first_broken_link
 
-from core import event_dict, replay
-from core.canonical import canonical_text, chain, first_broken_link
 from tests.logs import sample, session_logs
 
 Log = list[dict[str, Any]]

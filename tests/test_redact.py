@@ -6,9 +6,8 @@ import json
 
 from hypothesis import assume, given
 from hypothesis import strategies as st
-
-from core import redact, scrub
-from core.redact import header_secrets, scrub_data
+from trialledger.core import redact, scrub
+from trialledger.core.redact import header_secrets, scrub_data
 
 SECRET = "sk-proj-4f9a8b7c6d5e"
 R = "[redacted]"

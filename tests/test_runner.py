@@ -7,13 +7,13 @@ from typing import Any
 
 import anyio
 import pytest
+from trialledger.adapters.demo.endpoint import ScriptedEndpoint, cut, message, shell, status, tool
+from trialledger.adapters.demo.samples import executable
+from trialledger.adapters.demo.tools import ToolServer
+from trialledger.adapters.sandbox.base import SandboxRefused
+from trialledger.core import SeedRejected
+from trialledger.store import Ledger
 
-from adapters.demo.endpoint import ScriptedEndpoint, cut, message, shell, status, tool
-from adapters.demo.samples import executable
-from adapters.demo.tools import ToolServer
-from adapters.sandbox.base import SandboxRefused
-from core import SeedRejected
-from store import Ledger
 from tests.runs import codex_path, killer, make_task, run_task, run_trial
 
 pytestmark = pytest.mark.anyio
@@ -261,7 +261,7 @@ async def test_closing_during_the_probe_keeps_the_observations(
     wrapper = killer(tmp_path / "bin", '"type":"item.started"')
     with ScriptedEndpoint([shell("sleep 30")]) as endpoint:
         async with await Ledger.open(db) as ledger:
-            from adapters.runner import RunOptions, SessionRunner, install_paths
+            from trialledger.adapters.runner import RunOptions, SessionRunner, install_paths
 
             runner = SessionRunner(ledger, task, RunOptions(
                 model_base_url=endpoint.url, model="test-model", codex_bin=str(wrapper),
@@ -288,7 +288,7 @@ def test_run_cli_prints_each_session_and_outcome(tmp_path: Path, task: Any) -> N
 
     with ScriptedEndpoint([status(429), message()]) as endpoint:
         done = subprocess.run(
-            [sys.executable, str(Path(__file__).parent.parent / "cli.py"), "run",
+            [sys.executable, "-m", "trialledger.cli", "run",
              str(task.folder), "--db", str(tmp_path / "cli.db"),
              "--model-base-url", endpoint.url, "--model", "test-model",
              "--codex-bin", codex_path(), "--max-attempts", "2",
@@ -300,7 +300,7 @@ def test_run_cli_prints_each_session_and_outcome(tmp_path: Path, task: Any) -> N
 
 
 def test_sandbox_refuses_slash_without_bwrap(tmp_path: Path) -> None:
-    from adapters.sandbox.local import LocalSandbox
+    from trialledger.adapters.sandbox.local import LocalSandbox
 
     with pytest.raises(SandboxRefused, match="overlay"):
         LocalSandbox(session_key="x" * 8, workdir="/", use_bwrap=False)

@@ -10,9 +10,9 @@ from typing import Any
 
 import anyio
 import pytest
+from trialledger.adapters.demo.endpoint import message, shell
+from trialledger.adapters.sandbox.local import LocalSandbox, _marked_pids
 
-from adapters.demo.endpoint import message, shell
-from adapters.sandbox.local import LocalSandbox, _marked_pids
 from tests.runs import make_task, run_task
 
 pytestmark = pytest.mark.anyio

@@ -8,8 +8,8 @@ from typing import Any
 import anyio
 import pytest
 from sqlalchemy import text
+from trialledger.store import Ledger
 
-from store import Ledger
 from tests.test_store import run_of, seed_data
 
 TOKEN = "zq7-SECRET-Xv93kLmN0pQrStUv"

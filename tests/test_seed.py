@@ -6,9 +6,8 @@ import os
 from typing import Any
 
 import pytest
-
-from core import SeedRejected, validate_seed
-from core.seed import check_workdir
+from trialledger.core import SeedRejected, validate_seed
+from trialledger.core.seed import check_workdir
 
 BASE: dict[str, Any] = {
     "trial_id": "t", "attempt": 1, "runner_id": "r", "task": "demo", "instruction": "hi",

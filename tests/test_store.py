@@ -7,8 +7,7 @@ from typing import Any
 import anyio
 import pytest
 from sqlalchemy import text
-
-from core import (
+from trialledger.core import (
     BadEvent,
     ConcurrencyConflict,
     EventIdConflict,
@@ -16,8 +15,9 @@ from core import (
     SeedRejected,
     replay,
 )
-from store import Ledger, SchemaOutOfDate
-from store.engine import make_engines
+from trialledger.store import Ledger, SchemaOutOfDate
+from trialledger.store.engine import make_engines
+
 from tests.scenarios import SCENARIOS, LogBuilder
 
 pytestmark = pytest.mark.anyio
@@ -298,7 +298,7 @@ async def test_out_of_date_database_is_refused_naming_the_upgrade(db: str) -> No
 
 
 async def test_migrations_go_down_and_up(db: str) -> None:
-    from store.migrate import current_revision, downgrade, head_revision, upgrade
+    from trialledger.store.migrate import current_revision, downgrade, head_revision, upgrade
 
     async with await Ledger.open(db) as ledger:
         sid = (await ledger.seed(seed_data())).session_id

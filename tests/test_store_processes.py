@@ -12,9 +12,9 @@ from typing import Any
 
 import anyio
 import pytest
+from trialledger.core import ConcurrencyConflict
+from trialledger.store import Ledger
 
-from core import ConcurrencyConflict
-from store import Ledger
 from tests.test_store import seed_data
 
 FORK = multiprocessing.get_context("fork")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from core import replay
+from trialledger.core import replay
+
 from tests.scenarios import (
     CLEAN,
     HTTP_429,

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import tomli_w
-
-from core.seed import Grant
-from core.settings import Settings
+from trialledger.core.seed import Grant
+from trialledger.core.settings import Settings
 
 PROVIDER = "trialledger"
 API_KEY_ENV = "TRIALLEDGER_MODEL_API_KEY"

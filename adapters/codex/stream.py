@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from core import BadEvent, parse_event
-from core.events import CODEX_STREAM_TYPES
+from trialledger.core import BadEvent, parse_event
+from trialledger.core.events import CODEX_STREAM_TYPES
 
 RENAMED = {"error": "stream.error"}  # Codex's top-level error line
 # Codex's own type names: ours, less the two that are ours alone.

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapters.demo.endpoint import Reply, ScriptedEndpoint, message, shell, status, tool
-from adapters.runner import RunOptions, SessionResult, SessionRunner, install_paths
-from adapters.task import Task
-from store import Ledger
+from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, message, shell, status, tool
+from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner, install_paths
+from trialledger.adapters.task import Task
+from trialledger.store import Ledger
 
 QUESTIONS = {
     "Which causes made sessions retry, and how often?": """
@@ -108,7 +108,7 @@ SAMPLES = (
 
 @contextlib.contextmanager
 def _tool_server() -> Iterator[Any]:
-    from adapters.demo.tools import ToolServer  # the `mcp` package: pip install .[demo]
+    from trialledger.adapters.demo.tools import ToolServer  # the `mcp` package: pip install .[demo]
 
     with ToolServer() as server:
         yield server

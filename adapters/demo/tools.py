@@ -13,8 +13,7 @@ from typing import Any
 
 import uvicorn
 from mcp.server.mcpserver import MCPServer
-
-from adapters.demo import free_port
+from trialledger.adapters.demo import free_port
 
 
 class ToolServer:

@@ -32,8 +32,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import Process
-
-from adapters.sandbox.base import (
+from trialledger.adapters.sandbox.base import (
     SUPERVISOR_ENV,
     CleanupReport,
     ExitStatus,
