@@ -19,6 +19,7 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
+
 from trialledger.core import BadEvent, IllegalTransition, TrialLedgerError, parse_jsonl, replay
 from trialledger.store import Ledger
 from trialledger.store.engine import DEFAULT_DB, make_engines
@@ -241,7 +242,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     options = RunOptions(
         model_base_url=args.model_base_url, model=args.model, api_key=api_key, grants=grants,
         overrides=_parse_set(args.set or []), codex_bin=args.codex_bin,
-        max_attempts=args.max_attempts,
+        max_attempts=args.max_attempts, sandbox_uid=args.sandbox_uid,
+        protected_paths=_store_files(args.db),
         **({"runner_id": args.runner_id} if args.runner_id else {}),
     )
 
@@ -328,10 +330,48 @@ def _brief(value: Any, width: int = 90) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _store_files(db: str) -> list[Path]:
+    """The store's own file (a SQLite path), which no sandbox may mount."""
+    return [] if "://" in db and not db.startswith("sqlite") else [
+        Path(db.split(":///", 1)[-1]).resolve()]
+
+
+def cmd_setup(args: argparse.Namespace) -> int:
+    """Prepare this machine for sandboxed runs: the sandbox user (as root), the static
+    init, and a check that bwrap can sandbox here."""
+    from trialledger.adapters.sandbox.base import SandboxRefused
+    from trialledger.adapters.sandbox.identity import (
+        SANDBOX_USER,
+        create_sandbox_user,
+        ensure_init,
+        sandbox_user,
+    )
+    from trialledger.adapters.sandbox.local import bwrap_problem
+
+    try:
+        if os.geteuid() == 0 and args.sandbox_uid is None:
+            user, created = create_sandbox_user()
+            out.print(f"sandbox user {SANDBOX_USER} (uid {user.uid}) "
+                      f"{'created' if created else 'already exists'}")
+        else:
+            user = sandbox_user(args.sandbox_uid)
+            out.print(f"sandbox uid {user.uid}")
+        out.print(f"sandbox init: {ensure_init()}")
+    except SandboxRefused as error:
+        raise Refused(str(error)) from None
+    problem = bwrap_problem(user)
+    if problem is not None:
+        out.print(f"isolation: process-group ({problem}); workdir / is refused")
+        return EXIT_FOUND
+    out.print("isolation: bwrap")
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the real Codex CLI through the sample tasks, offline; show outcomes and answers."""
     from trialledger.adapters.demo.samples import QUESTIONS, outcome_rows, run_demo
     from trialledger.adapters.runner import CodexNotFound, find_codex
+    from trialledger.adapters.sandbox.base import SandboxRefused
 
     try:
         codex = find_codex(args.codex_bin)
@@ -343,7 +383,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return await run_demo(ledger, codex=codex,
                                   progress=lambda name: out.print(f"running sample {name} …"))
 
-    results = anyio.run(go)
+    try:
+        results = anyio.run(go)
+    except SandboxRefused as error:
+        raise Refused(str(error)) from None
     out.print(f"\n[bold]Outcomes[/bold] ({len(results)} sessions in {args.db})")
     _table(["task", "attempt", "outcome", "decisions", "cause", "tokens", "reward"],
            outcome_rows(results))
@@ -396,6 +439,12 @@ def _with_db(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=DEFAULT_DB,
                         help="SQLAlchemy URL (postgresql:// uses asyncpg) or a SQLite file path "
                              f"(default {DEFAULT_DB})")
+
+
+def _with_sandbox_uid(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sandbox-uid", type=int, metavar="UID",
+                   help="when run as root: the unprivileged uid the agent runs as "
+                        "(default: the trialledger-sandbox user that `setup` creates)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -458,7 +507,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a setting (VALUE parsed as JSON, else a string); repeatable")
     p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
     p.add_argument("--runner-id", help="this runner's id (default: host-pid)")
+    _with_sandbox_uid(p)
     p.set_defaults(handler=cmd_run)
+
+    p = commands.add_parser("setup", help="create the sandbox user (as root), build the "
+                                          "sandbox init, check that bwrap can sandbox")
+    _with_sandbox_uid(p)
+    p.set_defaults(handler=cmd_setup)
 
     p = commands.add_parser("ls", help="list sessions with state, outcome and tokens")
     _with_db(p)

@@ -11,7 +11,6 @@ closes the session with reason `cancelled`. A `lost` session is retried as a new
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -24,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+
+from trialledger.adapters import capture
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
-from trialledger.adapters.codex.rollout import rollout_files, usage_events
-from trialledger.adapters.codex.stream import parse_stream_line
-from trialledger.adapters.sandbox.base import VerifierRun
-from trialledger.adapters.sandbox.local import LocalRun, LocalSandbox
+from trialledger.adapters.codex.install import codex_install
+from trialledger.adapters.codex.stream import stream_events
+from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.task import Task
 from trialledger.core import SessionView, redact, scrub, validate_seed
 from trialledger.core.seed import ValidSeed
@@ -36,7 +37,6 @@ from trialledger.core.settings import Settings
 from trialledger.store import Ledger, StoredEvent
 from trialledger.store.writer import now
 
-DEFAULT_ARCHIVE_COMMAND = ("cp", "-R", "--")
 PROBE_LIMIT_S = 10.0
 CLEANUP_LIMIT_S = 10.0
 
@@ -58,16 +58,18 @@ def find_codex(explicit: str | None = None) -> str:
 def codex_version(codex: str) -> str:
     """The version `codex --version` prints (`codex-cli 0.171.0` → `0.171.0`)."""
     try:
-        done = subprocess.run([codex, "--version"], capture_output=True, text=True,
-                              check=False, timeout=30)
+        done = subprocess.run([codex, "--version"], capture_output=True, check=False,
+                              timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    words = done.stdout.split()
-    return words[-1] if done.returncode == 0 and words else "unknown"
+    lines = done.stdout.decode("utf-8", errors="replace").splitlines()
+    words = next((line.split() for line in lines if line.startswith("codex-cli ")), [])
+    return words[-1][:40] if done.returncode == 0 and len(words) == 2 else "unknown"
 
 
 def install_paths(codex: str) -> list[Path]:
-    """What the sandbox must mount read-only for Codex to run: its install tree."""
+    """The npm install tree a wrapper script around the npm `codex` needs read-only (the
+    runner itself mounts only the native binary; see `codex_install`)."""
     real = Path(os.path.realpath(codex))
     for parent in real.parents:
         if parent.name == "node_modules":
@@ -87,10 +89,11 @@ class RunOptions:
     codex_bin: str | None = None
     max_attempts: int = 1
     runner_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    readonly_paths: Sequence[Path] = ()
+    readonly_paths: Sequence[Path] = ()  # granted read-only (never the store, task, home)
     use_bwrap: bool | None = None
+    sandbox_uid: int | None = None  # when root: the agent's uid (default trialledger-sandbox)
+    protected_paths: Sequence[Path] = ()  # never mounted (the store's file, say)
     grace_s: float = 5.0
-    archive_command: Sequence[str] = DEFAULT_ARCHIVE_COMMAND
     probe_command: Sequence[str] = ("true",)
 
 
@@ -143,6 +146,8 @@ def agent_env(settings: Settings, task: Task, sandbox: LocalSandbox, api_key: st
     env["HOME"] = str(sandbox.session_dir)
     if settings.inherit_sandbox_environment:
         env.update(task.env)  # the variables the task declares; never the harness's own
+    if (helpers := sandbox.codex_path_dir) is not None:
+        env["PATH"] = f"{env.get('PATH', '/usr/bin:/bin')}:{helpers}"
     env["CODEX_HOME"] = str(sandbox.session_dir)
     env[API_KEY_ENV] = api_key or "unused"
     return env
@@ -154,6 +159,7 @@ class SessionRunner:
     def __init__(self, ledger: Ledger, task: Task, options: RunOptions) -> None:
         self.ledger, self.task, self.options = ledger, task, options
         self.codex = find_codex(options.codex_bin)
+        self.install = codex_install(self.codex)
 
     def _seed(self, attempt: int, retry_of: str | None, sandbox: LocalSandbox) -> ValidSeed:
         seed = {
@@ -198,9 +204,13 @@ class SessionRunner:
             workdir=str(settings_raw.get("workdir", "/app")),
             workspace=self.task.workspace,
             tests=self.task.tests,
-            readonly_paths=[*install_paths(self.codex), *self.options.readonly_paths],
+            codex=self.install,
+            readonly_paths=self.options.readonly_paths,
+            protected_paths=[self.task.folder, *self.options.protected_paths],
             use_bwrap=self.options.use_bwrap,
             raise_oom_score_adj=bool(settings_raw.get("raise_oom_score_adj", False)),
+            verifier_root=str(settings_raw.get("verifier_root", "agent")),
+            sandbox_uid=self.options.sandbox_uid,
         )
         try:
             valid = self._seed(attempt, retry_of, sandbox)
@@ -222,8 +232,10 @@ class SessionRunner:
         text, digest = render(codex_config(model=self.options.model,
                                            base_url=self.options.model_base_url,
                                            settings=settings, grants=valid.grants))
-        (sandbox.session_dir / "config.toml").write_text(text, encoding="utf-8")
-        argv = [self.codex, "exec", "--json", "--skip-git-repo-check",
+        config = sandbox.session_dir / "config.toml"
+        config.write_text(text, encoding="utf-8")
+        os.chown(config, sandbox.user.uid, sandbox.user.gid)
+        argv = [sandbox.codex_argv0, "exec", "--json", "--skip-git-repo-check",
                 "--dangerously-bypass-approvals-and-sandbox", "-C", sandbox.agent_workdir, "-"]
         env = agent_env(settings, self.task, sandbox, self.options.api_key)
         try:
@@ -245,7 +257,7 @@ class SessionRunner:
                 await run.aclose()
         if rec.action == "probe":
             await self._probe(rec, sandbox, settings)
-        await self._archive(rec, sandbox, settings)
+        await self._archive(rec, sandbox, settings, secrets)
         if rec.action == "verify":
             await self._verify(rec, sandbox, settings)
         await rec.add("session.closed", {"reason": "normal"})
@@ -256,10 +268,8 @@ class SessionRunner:
 
         async def pump() -> None:
             async for lines in run.stdout_batches():
-                events = [e for line in lines
-                          for e in parse_stream_line(line.decode("utf-8", errors="replace"))
-                          .events(now())]
-                await rec.append(events)
+                at = now()
+                await rec.append([e for line in lines for e in stream_events(line, at)])
             done_reading.set()
 
         async with anyio.create_task_group() as tg:
@@ -299,16 +309,10 @@ class SessionRunner:
                  "data": {"tail": redacted, "truncated": truncated}}]
 
     async def _usage_events(self, sandbox: LocalSandbox) -> list[dict[str, Any]]:
-        def read() -> list[dict[str, Any]]:
-            events: list[dict[str, Any]] = []
-            for path in rollout_files(sandbox.session_dir):
-                if path.suffix == ".jsonl":
-                    with path.open(encoding="utf-8", errors="replace") as lines:  # streamed
-                        events += usage_events(lines, at=now())
-            return events
-
+        tree = sandbox.agent_files(sandbox.session_dir)
         with anyio.move_on_after(self._left()) as scope:
-            return await anyio.to_thread.run_sync(read, abandon_on_cancel=True)
+            return await anyio.to_thread.run_sync(
+                lambda: capture.usage_events(tree, at=now()), abandon_on_cancel=True)
         if scope.cancelled_caught:
             return [{"type": "gap.recorded", "at": now(), "data": {
                 "code": "native_usage_unread", "detail": "the capture budget ran out"}}]
@@ -319,11 +323,12 @@ class SessionRunner:
                                      command=self.options.probe_command)
         await rec.add("sandbox.probed", {"alive": result.alive, "detail": result.detail})
 
-    async def _archive(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings) -> None:
+    async def _archive(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings,
+                       secrets: Sequence[str]) -> None:
         if settings.sandbox_logs_dir is None:
             return
-        sources = rollout_files(sandbox.session_dir)
-        if not sources:
+        tree = sandbox.agent_files(sandbox.session_dir)
+        if not (await anyio.to_thread.run_sync(capture.rollouts, tree, "rollout-*"))[0]:
             await rec.add("archive.skipped", {"reason": "no_source", "detail": None})
             return
         limit = self._left() - 1.0
@@ -331,21 +336,21 @@ class SessionRunner:
             await rec.add("archive.skipped", {"reason": "no_time", "detail": None})
             return
         target = Path(settings.sandbox_logs_dir) / rec.session_id
-        target.mkdir(parents=True, exist_ok=True)
-        command = [*self.options.archive_command, *map(str, sources), str(target)]
         try:
-            code, timed_out = await _run_command(command, limit)
+            target.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with anyio.fail_after(limit):
+                result = await anyio.to_thread.run_sync(
+                    copy_archive, tree, target, secrets, abandon_on_cancel=True)
+        except TimeoutError:
+            await rec.add("archive.skipped",
+                          {"reason": "timeout", "detail": f"copy ran past {limit:.1f} s"})
+            return
         except OSError as error:
             await rec.add("archive.skipped", {"reason": "error", "detail": str(error)})
             return
-        if timed_out:
-            await rec.add("archive.skipped",
-                          {"reason": "timeout", "detail": f"copy ran past {limit:.1f} s"})
-        elif code != 0:
-            await rec.add("archive.skipped", {"reason": "error", "detail": f"copy exited {code}"})
-        else:
-            size = sum(p.stat().st_size for p in sources)
-            await rec.add("archive.copied", {"files": len(sources), "bytes": size})
+        await rec.append([{"type": "gap.recorded", "at": now(), "data": refused.gap()}
+                          for refused in result.refused])
+        await rec.add("archive.copied", {"files": result.files, "bytes": result.size})
 
     async def _verify(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings) -> None:
         if sandbox.tests is None:
@@ -353,44 +358,15 @@ class SessionRunner:
                           {"reason": "error", "detail": "the task has no tests/test.sh"})
             return
         run = await sandbox.verify(settings.verifier_timeout_s)
-        kind, data = reward_of(run)
-        await rec.add(kind, data)
+        if run.error is not None:
+            await rec.add("verification.failed", {"reason": "error", "detail": run.error})
+            return
+        tree = sandbox.agent_files(run.logs)
+        found = await anyio.to_thread.run_sync(capture.read_reward, tree, run.return_code,
+                                               run.timed_out)
+        await rec.append([{"type": kind, "at": now(), "data": data} for kind, data in found])
 
 
-def reward_of(run: VerifierRun) -> tuple[str, dict[str, Any]]:
-    """`reward.json` ({name: number}) or `reward.txt` (one number), else the exit code."""
-    if run.timed_out:
-        return "verification.failed", {"reason": "timeout", "detail": "the verifier timed out"}
-    as_json, as_text = run.logs / "reward.json", run.logs / "reward.txt"
-    try:
-        if as_json.is_file():
-            rewards = json.loads(as_json.read_text(encoding="utf-8"))
-            if not (isinstance(rewards, dict) and rewards and all(
-                    isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-                    for v in rewards.values())):
-                raise ValueError("reward.json must be an object of finite numbers")
-            return "verification.recorded", {"rewards": rewards, "detail": "reward.json"}
-        if as_text.is_file():
-            value = float(as_text.read_text(encoding="utf-8").strip())
-            if not math.isfinite(value):
-                raise ValueError("reward.txt is not a finite number")
-            return "verification.recorded", {"rewards": {"reward": value}, "detail": "reward.txt"}
-    except (ValueError, OSError) as error:
-        return "verification.failed", {"reason": "bad_reward", "detail": str(error)}
-    if run.return_code is None:
-        return "verification.failed", {"reason": "no_reward",
-                                       "detail": "the verifier ended without an exit code"}
-    reward = 1.0 if run.return_code == 0 else 0.0
-    return "verification.recorded", {"rewards": {"reward": reward},
-                                     "detail": f"exit code {run.return_code}"}
-
-
-async def _run_command(command: Sequence[str], limit: float) -> tuple[int | None, bool]:
-    process = await anyio.open_process(command, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    with anyio.move_on_after(limit):
-        return await process.wait(), False
-    process.kill()
-    with anyio.CancelScope(shield=True):
-        await process.wait()
-    return None, True
+def copy_archive(tree: Any, target: Path, secrets: Sequence[str]) -> capture.ArchiveResult:
+    """The archive copy (a seam: tests slow it down to exercise the budget)."""
+    return capture.copy_archive(tree, target, secrets)

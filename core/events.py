@@ -21,6 +21,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
 )
+
 from trialledger.core.errors import BadEvent
 from trialledger.core.settings import Settings
 

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
 from trialledger.core.events import Decision, Event, GapRecorded, GapRecordedData, SessionSeeded
 from trialledger.core.policy import Policy
 from trialledger.core.usage import recover_usage

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
 from trialledger.core.canonical import session_id_for_seed
 from trialledger.core.errors import BadEvent, IllegalTransition
 from trialledger.core.events import (

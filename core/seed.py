@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from trialledger.core.errors import SeedRejected
 from trialledger.core.events import SessionSeededData, StoredGrant
 from trialledger.core.redact import REDACTED, fingerprint, header_secrets

@@ -30,6 +30,9 @@ class Settings(BaseModel):
     model_server_forwards_reasoning_effort: bool = False
     features: dict[str, bool] | None = None
     sandbox_logs_dir: str | None = None
+    # What the verifier sees (SPEC §11): the agent's whole filesystem, or the pristine root
+    # plus the agent's workdir (not possible with workdir /).
+    verifier_root: Literal["agent", "pristine"] = "agent"
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
@@ -44,6 +47,9 @@ class Settings(BaseModel):
                 "check that the model server forwards it, then set "
                 "model_server_forwards_reasoning_effort=true"
             )
+        if self.verifier_root == "pristine" and self.workdir == "/":
+            raise ValueError("verifier_root = pristine needs a workdir other than /: with "
+                             "workdir / the agent's files are the whole root")
         if not (self.workdir.startswith("/") and ".." not in self.workdir.split("/")):
             raise ValueError(f"workdir {self.workdir!r} must be absolute and free of '..'")
         return self

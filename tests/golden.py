@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import anyio
+
 from trialledger.store import Ledger
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -37,9 +38,8 @@ async def export_all(db: str, folder: Path = GOLDEN) -> list[Path]:
 async def record(db: str | None) -> list[Path]:
     """Run the demo (unless a store is given) and export its sessions."""
     if db is None:
-        from trialledger.adapters.demo.samples import run_demo
-
         from tests.runs import codex_path
+        from trialledger.adapters.demo.samples import run_demo
 
         db = str(Path(tempfile.mkdtemp()) / "golden.db")
         async with await Ledger.open(db) as ledger:

@@ -5,9 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from hypothesis import strategies as st
-from trialledger.adapters.codex.stream import parse_stream_line
-from trialledger.core import Session, parse_event
-from trialledger.core.canonical import session_id_for_seed
 
 from tests.scenarios import (
     CAPACITY,
@@ -18,6 +15,9 @@ from tests.scenarios import (
     TOOL_CALL,
     LogBuilder,
 )
+from trialledger.adapters.codex.stream import parse_stream_line
+from trialledger.core import Session, parse_event
+from trialledger.core.canonical import session_id_for_seed
 
 CODEX_LINES = sorted({*CLEAN, *HTTP_429, *STREAM_CUT, *CAPACITY, *TOOL_CALL,
     '{"type":"error","message":"Reconnecting... 1/5 (request timed out)"}',

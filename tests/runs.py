@@ -65,7 +65,9 @@ def _options(endpoint: ScriptedEndpoint, settings: dict[str, Any] | None,
              codex_bin: str | None, extra_paths: Sequence[Path], **options: Any) -> RunOptions:
     return RunOptions(
         model_base_url=endpoint.url, model="test-model", codex_bin=codex_bin or codex_path(),
-        overrides=settings or {}, readonly_paths=[*extra_paths, *install_paths(codex_path())],
+        overrides=settings or {},
+        # a wrapper script runs the npm codex, so it needs the install tree granted too
+        readonly_paths=[*extra_paths, *(install_paths(codex_path()) if codex_bin else [])],
         **options)
 
 

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from trialledger.store import Ledger
 
 from tests.scenarios import SCENARIOS
 from tests.test_store import seed_of
+from trialledger.store import Ledger
 
 pytestmark = pytest.mark.anyio
 

@@ -6,6 +6,7 @@ import uuid
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from trialledger.core.canonical import NS, event_id_for
 
 

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.scenarios import SCENARIOS, write_examples
 from trialledger.cli import main
 from trialledger.core import Policy, register_policy
 from trialledger.core.policy import V1_OUTCOME_TABLE
 from trialledger.store.migrate import head_revision
-
-from tests.scenarios import SCENARIOS, write_examples
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trialledger.core import parse_jsonl, replay
 
 from tests.golden import GOLDEN
+from trialledger.core import parse_jsonl, replay
 
 FILES = sorted(GOLDEN.glob("*.jsonl"))
 

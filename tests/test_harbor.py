@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
+
 from trialledger.cli import main
 from trialledger.store import Ledger
 

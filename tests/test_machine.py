@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
+
+from tests.logs import sample, session_logs
+from tests.scenarios import CLEAN, SCENARIOS, LogBuilder, run
 from trialledger.core import IllegalTransition, Session, parse_event, replay
 from trialledger.core.canonical import event_id_for
 from trialledger.core.events import EVENT_TYPES
 from trialledger.core.machine import STATES, TRANSITIONS
-
-from tests.logs import sample, session_logs
-from tests.scenarios import CLEAN, SCENARIOS, LogBuilder, run
 
 # A log prefix that leaves a session in each state.
 REACH = {

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 from sqlalchemy import inspect, text
+
+from tests.scenarios import SCENARIOS
 from trialledger.store import Ledger
 from trialledger.store.engine import make_engines
 from trialledger.store.migrate import current_revision, head_revision, revisions, upgrade
-
-from tests.scenarios import SCENARIOS
 
 pytestmark = pytest.mark.anyio
 CASES = ["clean", "http_429", "recovered_then_killed_probe", "timeout", "sandbox_lost"]

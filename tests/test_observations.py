@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trialledger.core import replay
-
 from tests.scenarios import LogBuilder
+from trialledger.core import replay
 
 EXAMPLE = (Path(__file__).parent / "data" / "codex-0.125-example.jsonl").read_text(
     encoding="utf-8"

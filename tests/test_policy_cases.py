@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from trialledger.core import replay
 
 from tests.scenarios import CLEAN, MCP_STDERR, SCENARIOS, run
+from trialledger.core import replay
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

@@ -6,10 +6,10 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trialledger.core import event_dict, replay
-from trialledger.core.canonical import canonical_text, chain, first_broken_link
 
 from tests.logs import sample, session_logs
+from trialledger.core import event_dict, replay
+from trialledger.core.canonical import canonical_text, chain, first_broken_link
 
 Log = list[dict[str, Any]]
 CLOSE_AT = "2026-11-29T23:59:59Z"

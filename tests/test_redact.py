@@ -6,6 +6,7 @@ import json
 
 from hypothesis import assume, given
 from hypothesis import strategies as st
+
 from trialledger.core import redact, scrub
 from trialledger.core.redact import header_secrets, scrub_data
 

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+
+from tests.runs import codex_path, killer, make_task, run_task, run_trial
+from trialledger.adapters import runner
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, cut, message, shell, status, tool
 from trialledger.adapters.demo.samples import executable
 from trialledger.adapters.demo.tools import ToolServer
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.core import SeedRejected
 from trialledger.store import Ledger
-
-from tests.runs import codex_path, killer, make_task, run_task, run_trial
 
 pytestmark = pytest.mark.anyio
 OVERLOADED = {"error": {"message": "overloaded", "type": "server_error",
@@ -213,9 +215,15 @@ async def test_max_attempts_retries_a_lost_session(db: str, task: Any) -> None:
 
 
 async def test_slow_archive_within_a_3s_budget_keeps_the_run(
-        db: str, task: Any, tmp_path: Path) -> None:
-    slow = executable(tmp_path / "slow-copy", "#!/bin/bash\nsleep 30\ncp \"$@\"\n")
-    ran = await run_task(db, task, [message()], archive_command=[str(slow)],
+        db: str, task: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    copy = runner.copy_archive
+
+    def slow_copy(*args: Any) -> Any:
+        time.sleep(8)  # a copy stuck on a slow disk, past the 3 s budget
+        return copy(*args)
+
+    monkeypatch.setattr(runner, "copy_archive", slow_copy)
+    ran = await run_task(db, task, [message()],
                          settings={"session_close_timeout_s": 3,
                                    "sandbox_logs_dir": str(tmp_path / "logs")})
     skipped = next(e for e in ran.view.events if e.type == "archive.skipped").data

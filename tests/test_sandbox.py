@@ -10,10 +10,10 @@ from typing import Any
 
 import anyio
 import pytest
-from trialledger.adapters.demo.endpoint import message, shell
-from trialledger.adapters.sandbox.local import LocalSandbox, _marked_pids
 
 from tests.runs import make_task, run_task
+from trialledger.adapters.demo.endpoint import message, shell
+from trialledger.adapters.sandbox.local import LocalSandbox, _marked_pids
 
 pytestmark = pytest.mark.anyio
 HOST_HOME = Path("/root") if os.geteuid() == 0 else Path.home()

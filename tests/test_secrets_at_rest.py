@@ -8,9 +8,9 @@ from typing import Any
 import anyio
 import pytest
 from sqlalchemy import text
-from trialledger.store import Ledger
 
 from tests.test_store import run_of, seed_data
+from trialledger.store import Ledger
 
 TOKEN = "zq7-SECRET-Xv93kLmN0pQrStUv"
 API_KEY = "sk-Hh4Jj5Kk6Ll7Mm8Nn9Pp0"

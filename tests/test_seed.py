@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import pytest
+
 from trialledger.core import SeedRejected, validate_seed
 from trialledger.core.seed import check_workdir
 

@@ -7,6 +7,8 @@ from typing import Any
 import anyio
 import pytest
 from sqlalchemy import text
+
+from tests.scenarios import SCENARIOS, LogBuilder
 from trialledger.core import (
     BadEvent,
     ConcurrencyConflict,
@@ -17,8 +19,6 @@ from trialledger.core import (
 )
 from trialledger.store import Ledger, SchemaOutOfDate
 from trialledger.store.engine import make_engines
-
-from tests.scenarios import SCENARIOS, LogBuilder
 
 pytestmark = pytest.mark.anyio
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import anyio
 import pytest
-from trialledger.core import ConcurrencyConflict
-from trialledger.store import Ledger
 
 from tests.test_store import seed_data
+from trialledger.core import ConcurrencyConflict
+from trialledger.store import Ledger
 
 FORK = multiprocessing.get_context("fork")
 SETUP = [

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from trialledger.core import replay
-
 from tests.scenarios import (
     CLEAN,
     HTTP_429,
@@ -16,6 +14,7 @@ from tests.scenarios import (
     LogBuilder,
     run,
 )
+from trialledger.core import replay
 
 
 def _gaps(view) -> list[str]:  # type: ignore[no-untyped-def]

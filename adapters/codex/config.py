@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import tomli_w
+
 from trialledger.core.seed import Grant
 from trialledger.core.settings import Settings
 

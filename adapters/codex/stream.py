@@ -4,14 +4,20 @@ Every line is kept: a known type becomes its event with Codex's object (minus `t
 data, Codex's top-level `error` becomes `stream.error`, an unknown type becomes
 `codex.unknown` {line}, and a line that is not JSON becomes `codex.unknown` plus a
 `codex_unparsable_line` gap.
+
+The lines are untrusted (a tool can write to Codex's stdout, SPEC §11): invalid UTF-8 and
+lone surrogates (a `\\ud800` escape) become U+FFFD, and a line the sandbox cut at 1 MiB is
+kept as `codex.unknown` with its first MiB plus gap `codex_line_truncated`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from trialledger.adapters.sandbox.process import CutLine
 from trialledger.core import BadEvent, parse_event
 from trialledger.core.events import CODEX_STREAM_TYPES
 
@@ -36,11 +42,42 @@ class StreamRecord:
         return out
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+MAX_DEPTH = 64  # deeper JSON is kept as an unknown line (Codex's never nests like that)
+
+
+def _repaired(value: Any, depth: int = 0) -> Any:
+    """`value` with every lone surrogate (JSON lets `\\ud800` through) made U+FFFD."""
+    if depth > MAX_DEPTH:
+        raise ValueError("nested too deep")
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_repaired(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {_repaired(k): _repaired(v, depth + 1) for k, v in value.items()}
+    return value
+
+
+def stream_events(line: bytes | CutLine, at: str) -> list[dict[str, Any]]:
+    """The events for one raw stdout line from the sandbox, stamped `at`."""
+    if isinstance(line, CutLine):
+        return [{"type": "codex.unknown", "at": at,
+                 "data": {"line": line.head.decode("utf-8", errors="replace")}},
+                {"type": "gap.recorded", "at": at, "data": {
+                    "code": "codex_line_truncated",
+                    "detail": f"a {line.size}-byte stdout line, cut to {len(line.head)} bytes"}}]
+    return parse_stream_line(line.decode("utf-8", errors="replace")).events(at)
+
+
 def parse_stream_line(line: str) -> StreamRecord:
     """Map one `codex exec --json` stdout line (without its newline) to a record."""
+    line = _SURROGATE.sub("\ufffd", line)
     try:
-        obj = json.loads(line)
-    except ValueError:
+        obj = _repaired(json.loads(line))
+    except (ValueError, RecursionError):
         return StreamRecord(
             "codex.unknown",
             {"line": line},

@@ -125,10 +125,10 @@ async def run_demo(ledger: Ledger, *, codex: str, workdir: Path | None = None,
             progress(sample.name)
             task = write_task(root / sample.name, instruction=sample.instruction,
                               test_sh=sample.test_sh, toml=sample.toml)
-            codex_bin, extra = codex, list(install_paths(codex))
-            if sample.kill_on:
+            codex_bin, extra = codex, []
+            if sample.kill_on:  # a wrapper runs the npm codex: grant its install tree
                 wrapper = killer(root / f"{sample.name}-bin", codex, sample.kill_on)
-                codex_bin, extra = str(wrapper), [*extra, wrapper.parent]
+                codex_bin, extra = str(wrapper), [*install_paths(codex), wrapper.parent]
             grants = [{"name": "gym", "kind": "mcp", "required": True, "url": tools.url,
                        "headers": {"Authorization": "Bearer demo-session-token-42"}}]
             with ScriptedEndpoint(sample.script(tools.url)) as endpoint:

@@ -13,6 +13,7 @@ from typing import Any
 
 import uvicorn
 from mcp.server.mcpserver import MCPServer
+
 from trialledger.adapters.demo import free_port
 
 

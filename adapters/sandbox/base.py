@@ -41,11 +41,12 @@ class ProbeResult:
 
 @dataclass(frozen=True)
 class VerifierRun:
-    """The verifier's exit and its output folder."""
+    """The verifier's exit and its output folder (`error`: why it could not run)."""
 
     return_code: int | None
     timed_out: bool
     logs: Path
+    error: str | None = None
 
 
 class AgentRun(Protocol):

@@ -1,13 +1,21 @@
-"""The local sandbox (SPEC §11): bubblewrap when it is installed, else a process group.
+"""The local sandbox (SPEC §11): bubblewrap when it can sandbox, else a process group.
 
-Under **bwrap** the agent sees a minimal read-only root (system folders, `/etc`, the Codex
-install), a private `/tmp`, fresh `/dev` and `/proc`, its own PID namespace (dies with
-us), an unprivileged user where the host allows it, and the host's network (the model
-endpoint and MCP servers are on loopback). Only the workdir (at the task's workdir path)
-and the session folder are writable; the task's tests are mounted for the verifier only.
-Workdir `/` runs on a per-session kernel overlay (lower: the copied workspace, upper: the
-session's changes) made in a private mount namespace; where none can be made the run is
-refused. Cleanup is structural: the run is clean once its PID namespace is gone.
+Under **bwrap** the agent runs as the unprivileged sandbox user (never mapped to host
+root; `identity.py`), with every capability dropped, no nested user namespaces and a
+read-only `/proc/sys`. It sees a minimal read-only root (the system folders and `/etc`),
+our static init and the Codex binary at private paths under `/run/trialledger`, a
+private `/tmp`, fresh `/dev` and `/proc`, its own PID, IPC and UTS namespaces, and the
+host's network. Only the workdir and the session folder are writable; the task's tests
+are mounted for the verifier only. Workdir `/` runs on a per-session kernel overlay
+(lower: the copied workspace, upper: the session's changes). Before every launch the
+mount points are cleared of anything the agent planted in its writable layer, so bwrap
+never creates a mount point through the agent's symbolic link and the system symlinks
+always come from the host. Cleanup is structural: the run is over when its PID namespace
+is gone.
+
+When the runner is root, every mount source that is not world-readable (the Codex
+binary, the tests, granted paths) is first bound read-only onto a staging folder in a
+private mount namespace, so the sandbox user can bind it without reading the host.
 
 Without bwrap the agent runs in its own process group, every process carrying the
 `TRIALLEDGER_SUPERVISOR` marker; cleanup kills the stragglers the marker finds. That mode
@@ -17,169 +25,130 @@ does not stop the agent from writing outside its workdir (`isolation` says which
 from __future__ import annotations
 
 import contextlib
-import json
+import hashlib
 import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
-import sys
 import tempfile
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
-from anyio.abc import Process
+
+from trialledger.adapters.codex.install import CodexInstall
+from trialledger.adapters.sandbox.agentfiles import AgentTree
 from trialledger.adapters.sandbox.base import (
     SUPERVISOR_ENV,
     CleanupReport,
-    ExitStatus,
     ProbeResult,
     SandboxRefused,
     VerifierRun,
 )
+from trialledger.adapters.sandbox.identity import SandboxUser, ensure_init, sandbox_user
+from trialledger.adapters.sandbox.process import LocalRun
 
 log = logging.getLogger(__name__)
-INIT = Path(__file__).with_name("init.py")
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
-SANDBOX_UID = 1000
-STDERR_KEEP = 64 * 1024
+PRIVATE = "/run/trialledger"
+INIT_INSIDE = f"{PRIVATE}/init"
+Role = Literal["agent", "probe", "verifier"]
 _warned_no_bwrap = False
-_userns: bool | None = None
+
+# Runs as root in the spawn's private mount namespace: the overlay (if any), then each
+# staged source bound read-only onto its mount point, then the command (which drops to
+# the sandbox user). Paths come as arguments, never inside the script text.
+STAGE_SCRIPT = """set -e
+if [ "$1" != - ]; then mount -t overlay overlay -o "$1" "$2"; fi
+shift 2
+while [ "$1" != -- ]; do mount --bind -o ro "$1" "$2"; shift 2; done
+shift
+exec "$@"
+"""
 
 
-def bwrap_available() -> bool:
-    """Whether bubblewrap is installed (said once when it is not)."""
+_bwrap_checked: dict[int, str | None] = {}
+
+
+def bwrap_problem(user: SandboxUser) -> str | None:
+    """Why bwrap cannot sandbox here as `user` (None: it can). Checked once per user: a
+    missing bwrap, no user namespaces, or a seccomp/AppArmor policy that forbids them."""
+    if user.uid not in _bwrap_checked:
+        if shutil.which("bwrap") is None:
+            problem: str | None = "bwrap is not installed (apt-get install bubblewrap)"
+        else:
+            done = subprocess.run(
+                [*user.setpriv(), "bwrap", "--unshare-user", "--disable-userns", "--cap-drop",
+                 "ALL", "--unshare-pid", "--as-pid-1", "--ro-bind", "/", "/", "true"],
+                capture_output=True, text=True, check=False)
+            problem = None if done.returncode == 0 else (
+                f"bwrap cannot create its namespaces here: {done.stderr.strip()[-200:]}")
+        _bwrap_checked[user.uid] = problem
+    return _bwrap_checked[user.uid]
+
+
+def bwrap_available(user: SandboxUser | None = None) -> bool:
+    """Whether bwrap can sandbox as `user` (said once when it cannot)."""
     global _warned_no_bwrap
-    found = shutil.which("bwrap") is not None
-    if not found and not _warned_no_bwrap:
+    problem = bwrap_problem(user or sandbox_user())
+    if problem is not None and not _warned_no_bwrap:
         _warned_no_bwrap = True
-        log.warning("bwrap not found: falling back to process-group isolation, which does "
-                    "not confine the agent's writes (install it: apt-get install bubblewrap)")
-    return found
+        log.warning("%s: falling back to process-group isolation, which does not confine "
+                    "the agent (isolation: process-group)", problem)
+    return problem is None
 
 
-def _userns_allowed() -> bool:
-    global _userns
-    if _userns is None:
-        done = subprocess.run(
-            ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--ro-bind", "/", "/",
-             "true"], capture_output=True, check=False)
-        _userns = done.returncode == 0
-    return _userns
+def _contains(outer: Path, inner: Path) -> bool:
+    return inner == outer or outer in inner.parents
 
 
-class LocalRun:
-    """A launched agent (under bwrap or in a process group)."""
+def check_granted_paths(paths: Sequence[Path], protected: Sequence[Path]) -> list[Path]:
+    """Read-only paths to mount; refuse one that holds the store, the task or a home."""
+    homes = [Path("/root"), Path("/home"), Path.home()]
+    checked = []
+    for path in paths:
+        real = Path(os.path.realpath(path))
+        for kept in [*protected, *homes]:
+            kept_real = Path(os.path.realpath(kept))
+            if _contains(real, kept_real):
+                raise SandboxRefused(f"refusing to mount {path} into the sandbox: it holds "
+                                     f"{kept}, which the agent must not see")
+        if real.exists():
+            checked.append(real)
+    return checked
 
-    def __init__(self, process: Process, *, status_fd: int, info_fd: int | None,
-                 isolation: str, marker: str) -> None:
-        self.process = process
-        self._status_fd = status_fd
-        self._info_fd = info_fd
-        self._info: dict[str, Any] | None = None
-        self.isolation = isolation
-        self.marker = marker
-        self._stderr: deque[bytes] = deque()
-        self._stderr_size = 0
-        self._stderr_cut = False
 
-    def info(self) -> dict[str, Any]:
-        """bwrap's `--info-fd` report: the sandboxed init's host pid and namespaces."""
-        if self._info is None and self._info_fd is not None:
-            data = b""
-            while chunk := os.read(self._info_fd, 4096):
-                data += chunk
-                if data.rstrip().endswith(b"}"):
-                    break
-            self._info = json.loads(data or b"{}")
-        return self._info or {}
+def _chown_tree(top: Path, user: SandboxUser) -> None:
+    """Give a tree we created to the sandbox user (links themselves, never followed)."""
+    os.lchown(top, user.uid, user.gid)
+    for folder, dirs, files in os.walk(top):
+        for name in [*dirs, *files]:
+            os.lchown(os.path.join(folder, name), user.uid, user.gid)
 
-    @property
-    def init_pid(self) -> int:
-        """The host pid of the init that runs the agent."""
-        if self.isolation == "bwrap":
-            return int(self.info().get("child-pid", self.process.pid))
-        return self.process.pid
 
-    async def stdout_batches(self) -> AsyncIterator[list[bytes]]:
-        """Stdout lines, a list per read: everything already buffered comes together.
-
-        The last line may lack its newline (a torn line) and is yielded as it is.
-        """
-        assert self.process.stdout is not None
-        pending = b""
-        async for chunk in self.process.stdout:
-            *lines, pending = (pending + chunk).split(b"\n")
-            if lines:
-                yield lines
-        if pending:
-            yield [pending]
-
-    async def read_stderr(self) -> None:
-        """Keep the last 64 KiB of stderr."""
-        assert self.process.stderr is not None
-        async for chunk in self.process.stderr:
-            self._stderr.append(chunk)
-            self._stderr_size += len(chunk)
-            while self._stderr_size - len(self._stderr[0]) >= STDERR_KEEP:
-                self._stderr_size -= len(self._stderr.popleft())
-                self._stderr_cut = True
-
-    def stderr_tail(self) -> tuple[str, bool]:
-        """The collected stderr's end and whether anything was cut."""
-        return b"".join(self._stderr).decode("utf-8", errors="replace"), self._stderr_cut
-
-    async def wait(self) -> ExitStatus:
-        """Wait for the sandbox to end; the init's report gives the agent's real status."""
-        await self.process.wait()
-        data = b""
-        os.set_blocking(self._status_fd, False)
+def _clear_planted(layer: Path, relative: str, *, whole: bool) -> None:
+    """Remove from an agent-writable `layer` whatever would redirect a mount point at
+    `relative`: a component that is not a real folder (a symlink, a file, a whiteout), or
+    with `whole`, the entry itself (system symlinks are always set from the host)."""
+    parts = [p for p in relative.split("/") if p]
+    current = layer
+    for index, part in enumerate(parts):
+        current = current / part
         try:
-            while chunk := os.read(self._status_fd, 4096):
-                data += chunk
-        except BlockingIOError:
-            pass
-        report = json.loads(data.splitlines()[0]) if data.strip() else {}
-        if "exit" in report:
-            return ExitStatus(int(report["exit"]))
-        if "signal" in report:
-            return ExitStatus(-int(report["signal"]), f"killed by signal {report['signal']}")
-        if "spawn_error" in report:
-            return ExitStatus(None, f"the agent could not be spawned: {report['spawn_error']}",
-                              spawned=False)
-        return ExitStatus(None, f"sandbox ended with {self.process.returncode} and no report")
-
-    def _signal_init(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.init_pid, signum)
-
-    async def stop(self, grace_s: float) -> None:
-        """TERM the agent's group; after `grace_s` KILL it; then the sandbox itself."""
-        if self.process.returncode is not None:
+            mode = os.lstat(current).st_mode
+        except FileNotFoundError:
             return
-        self._signal_init(signal.SIGTERM)
-        with anyio.move_on_after(grace_s):
-            await self.process.wait()
-            return
-        self._signal_init(signal.SIGUSR1)  # the init SIGKILLs the agent's group
-        with anyio.move_on_after(2):
-            await self.process.wait()
-            return
-        self.process.kill()
-
-    async def aclose(self) -> None:
-        """Release the process's pipes and transport, and the status and info pipes."""
-        with anyio.CancelScope(shield=True):
-            if self.process.returncode is None:
-                self.process.kill()
-            await self.process.aclose()
-        for fd in (self._status_fd, self._info_fd):
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        last = index == len(parts) - 1
+        if stat.S_ISDIR(mode) and not (whole and last):
+            continue
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(current)
+        else:
+            os.unlink(current)
+        return
 
 
 class LocalSandbox:
@@ -192,109 +161,200 @@ class LocalSandbox:
         workdir: str,
         workspace: Path | None = None,
         tests: Path | None = None,
+        codex: CodexInstall | None = None,
         readonly_paths: Sequence[Path] = (),
+        protected_paths: Sequence[Path] = (),
         use_bwrap: bool | None = None,
         raise_oom_score_adj: bool = False,
+        verifier_root: str = "agent",
+        sandbox_uid: int | None = None,
     ) -> None:
         self.workdir = workdir
-        self.isolation = "bwrap" if (bwrap_available() if use_bwrap is None else use_bwrap) \
-            else "process-group"
+        user = sandbox_user(sandbox_uid) if use_bwrap is not False else None
+        bwrap = user is not None and (use_bwrap or bwrap_available(user))
+        if use_bwrap and user is not None and (problem := bwrap_problem(user)):
+            raise SandboxRefused(problem)
+        self.isolation = "bwrap" if bwrap else "process-group"
+        self.user = user if bwrap and user else SandboxUser(os.geteuid(), os.getegid())
+        self.overlay = workdir == "/"
+        if self.overlay and not bwrap:
+            raise SandboxRefused("workdir / needs a per-session overlay, which needs bwrap "
+                                 "(apt-get install bubblewrap); refusing to let the agent "
+                                 "write to the host's root")
+        if verifier_root == "pristine" and self.overlay:
+            raise SandboxRefused("verifier_root = pristine needs a workdir other than /")
+        self.verifier_root = verifier_root
+        self.init = ensure_init()
+        self.codex = codex
+        self.tests = tests
+        self.readonly_paths = check_granted_paths(readonly_paths,
+                                                  [*protected_paths, *([tests] if tests else [])])
+        self.marker = session_key
+        self.oom_score_adj = 1000 if raise_oom_score_adj else None
         self.root = Path(tempfile.mkdtemp(prefix=f"trialledger-{session_key[:8]}-"))
+        self._verifications = 0
+        try:
+            self._lay_out(workspace)
+        except BaseException:
+            self.discard()
+            raise
+
+    def _lay_out(self, workspace: Path | None) -> None:
         self.session_dir = self.root / "home"
-        self.runtime = self.root / "runtime"
         self.host_work = self.root / "work"
-        self.verifier_logs = self.root / "verifier"
-        for folder in (self.session_dir, self.runtime, self.host_work, self.verifier_logs):
+        self.stage = self.root / "stage"
+        for folder in (self.session_dir, self.host_work, self.stage):
             folder.mkdir()
-        shutil.copy(INIT, self.runtime / "init.py")
         if workspace is not None and workspace.is_dir():
             shutil.copytree(workspace, self.host_work, dirs_exist_ok=True, symlinks=True)
-        self.tests = tests
-        self.readonly_paths = [p for p in readonly_paths if p.exists()]
-        self.marker = f"{session_key}"
-        self.oom_score_adj = 1000 if raise_oom_score_adj else None
-        self.private_roots = (str(self.session_dir), str(self.runtime))
-        self.overlay = workdir == "/"
+        self.private_roots = (str(self.session_dir), PRIVATE)
         if self.overlay:
-            self._check_overlay()
+            for name in ("upper", "overlay-work", "merged"):
+                (self.root / name).mkdir()
+        if self.user.switches:
+            self.root.chmod(0o711)  # the sandbox user may pass, not list
+            for folder in (self.session_dir, self.host_work):
+                _chown_tree(folder, self.user)
+            if self.overlay:
+                _chown_tree(self.root / "upper", self.user)
+        if self.overlay:
+            done = subprocess.run([*self._prefix([]), "true"], capture_output=True,
+                                  text=True, check=False)
+            if done.returncode != 0:
+                raise SandboxRefused(
+                    "workdir / needs a per-session overlay, and none can be made here "
+                    f"(mount -t overlay in a private mount namespace failed: "
+                    f"{done.stderr.strip()[-300:]})")
 
-    # --- paths and commands -----------------------------------------------------------------
+    # --- paths ------------------------------------------------------------------------------
 
     @property
     def agent_workdir(self) -> str:
         """The agent's working folder as the agent sees it."""
         return self.workdir if self.isolation == "bwrap" else str(self.host_work)
 
-    def _check_overlay(self) -> None:
-        if self.isolation != "bwrap":
-            raise SandboxRefused("workdir / needs a per-session overlay, which needs bwrap "
-                                 "(apt-get install bubblewrap); refusing to let the agent "
-                                 "write to the host's root")
-        for name in ("upper", "overlay-work", "merged"):
-            (self.root / name).mkdir()
-        done = subprocess.run([*self._overlay_prefix(), "true"], capture_output=True,
-                              text=True, check=False)
-        if done.returncode != 0:
-            raise SandboxRefused(
-                "workdir / needs a per-session overlay, and none can be made here "
-                f"(mount -t overlay in a private mount namespace failed: {done.stderr.strip()})")
+    @property
+    def codex_argv0(self) -> str:
+        """How the agent's command names Codex (inside the sandbox, or on the host)."""
+        assert self.codex is not None
+        return self.codex.inside if self.isolation == "bwrap" else str(self.codex.entrypoint)
 
-    def _in_overlay(self, path: str) -> bool:
-        if not self.overlay:
-            return False
-        name = path.lstrip("/")
-        return any(os.path.lexists(layer / name)
-                   for layer in (self.root / "upper", self.host_work))
+    @property
+    def codex_path_dir(self) -> str | None:
+        """A folder of Codex's helpers (rg) to put on the agent's PATH."""
+        if self.codex is None or not self.codex.helpers:
+            return None
+        if self.isolation == "bwrap":
+            return self.codex.path_dir
+        return str(next(iter(self.codex.helpers.values())).parent)
 
-    def _overlay_prefix(self) -> list[str]:
-        options = (f"lowerdir={self.host_work},upperdir={self.root / 'upper'},"
-                   f"workdir={self.root / 'overlay-work'}")
-        script = f'mount -t overlay overlay -o {options} {self.root / "merged"} && exec "$@"'
-        return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh"]
+    def agent_files(self, folder: Path) -> AgentTree:
+        """Safe reads of a folder the agent could write (as the sandbox user)."""
+        return AgentTree(folder, self.user.uid, self.user.gid)
 
-    def _bwrap(self, command: Sequence[str], *, info_fd: int, verifier: bool = False
-               ) -> list[str]:
+    # --- the bwrap command line -------------------------------------------------------------
+
+    def _prefix(self, staged: Sequence[tuple[Path, Path]]) -> list[str]:
+        """The private mount namespace in which the overlay and staged binds are made."""
+        if not self.overlay and not staged:
+            return []
+        if self.overlay:
+            options = (f"lowerdir={self.host_work},upperdir={self.root / 'upper'},"
+                       f"workdir={self.root / 'overlay-work'}")
+            if os.geteuid() != 0:
+                options += ",userxattr"
+            overlay = [options, str(self.root / "merged")]
+        else:
+            overlay = ["-", "-"]
+        namespace = ["unshare", "--mount", "--propagation", "private"]
+        if os.geteuid() != 0:
+            namespace[1:1] = ["--user", "--map-root-user"]
+        pairs = [str(p) for pair in staged for p in pair]
+        return [*namespace, "--", "sh", "-c", STAGE_SCRIPT, "sh", *overlay, *pairs, "--"]
+
+    def _stage(self, source: Path, staged: list[tuple[Path, Path]]) -> Path:
+        """Where bwrap takes `source` from: itself, or (root) a staged read-only bind."""
+        if not self.user.switches:
+            return source
+        point = self.stage / hashlib.sha256(str(source).encode()).hexdigest()[:16]
+        if not point.exists():
+            if source.is_dir():
+                point.mkdir()
+            else:
+                point.touch()
+        staged.append((source, point))
+        return point
+
+    def _bwrap(self, command: Sequence[str], *, info_fd: int, role: Role,
+               verifier_logs: Path | None = None) -> list[str]:
         # --as-pid-1: our init is the namespace's PID 1, so it gets the signals we forward
-        # (a PID 1 without handlers ignores them) and the namespace dies when it exits.
-        args = ["bwrap", "--die-with-parent", "--unshare-pid", "--as-pid-1", "--unshare-ipc",
-                "--unshare-uts", "--unshare-cgroup-try", "--new-session"]
-        if _userns_allowed():
-            args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        # and the namespace dies when it exits.
+        args = ["bwrap", "--die-with-parent", "--unshare-user", "--disable-userns",
+                "--cap-drop", "ALL", "--uid", str(self.user.uid), "--gid", str(self.user.gid),
+                "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try", "--new-session"]
+        staged: list[tuple[Path, Path]] = []
+        points: list[tuple[str, bool]] = []  # (mount point, replace it whole)
+
+        def mount(kind: str, source: str | Path | None, target: str, whole: bool = False
+                  ) -> None:
+            args.extend([kind, *([str(source)] if source is not None else []), target])
+            points.append((target, whole))
+
         if self.overlay:
             args += ["--bind", str(self.root / "merged"), "/"]
         for path in SYSTEM_PATHS:
             if os.path.islink(path):
-                if not self._in_overlay(path):  # an earlier run left it in the upper layer
-                    args += ["--symlink", os.readlink(path), path]
+                mount("--symlink", os.readlink(path), path, whole=True)
             elif os.path.isdir(path):
-                args += ["--ro-bind", path, path]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-        for path in self.readonly_paths:
-            args += ["--ro-bind", str(path), str(path)]
-        args += ["--ro-bind", str(self.runtime), str(self.runtime),
-                 "--bind", str(self.session_dir), str(self.session_dir)]
+                mount("--ro-bind", path, path)
+        mount("--proc", None, "/proc")
+        mount("--ro-bind", "/proc/sys", "/proc/sys")
+        mount("--dev", None, "/dev")
+        mount("--tmpfs", None, "/tmp")
+        mount("--ro-bind", self.init, INIT_INSIDE)
+        if self.codex is not None and role == "agent":
+            for host, inside in self.codex.mounts():
+                mount("--ro-bind", self._stage(host, staged), inside)
+        if role == "agent" or self.verifier_root == "agent":
+            for path in self.readonly_paths:
+                mount("--ro-bind", self._stage(path, staged), str(path))
+            mount("--bind", self.session_dir, str(self.session_dir))
         if not self.overlay:
-            args += ["--bind", str(self.host_work), self.workdir]
-        if verifier:
+            mount("--bind", self.host_work, self.workdir)
+        if role == "verifier":
             if self.tests is not None:
-                args += ["--ro-bind", str(self.tests), "/tests"]
-            args += ["--bind", str(self.verifier_logs), "/logs/verifier"]
+                mount("--ro-bind", self._stage(self.tests, staged), "/tests")
+            mount("--bind", verifier_logs, "/logs/verifier")
+        self._clear_mount_points(points)
         args += ["--chdir", self.workdir, "--info-fd", str(info_fd), "--", *command]
-        return (self._overlay_prefix() if self.overlay else []) + args
+        return [*self._prefix(staged), *self.user.setpriv(), *args]
+
+    def _clear_mount_points(self, points: Sequence[tuple[str, bool]]) -> None:
+        """Undo what the agent planted at our mount points in its writable layer."""
+        if self.overlay:
+            for point, whole in points:
+                _clear_planted(self.root / "upper", point, whole=whole)
+            return
+        workdir = Path(self.workdir)
+        for point, whole in points:
+            inside = Path(point)
+            if inside != workdir and workdir in inside.parents:
+                _clear_planted(self.host_work, str(inside.relative_to(workdir)), whole=whole)
 
     def _init(self, command: Sequence[str], status_fd: int) -> list[str]:
-        python = "/usr/bin/python3" if self.isolation == "bwrap" else sys.executable
-        init = [python, str(self.runtime / "init.py"), "--status-fd", str(status_fd)]
+        init = INIT_INSIDE if self.isolation == "bwrap" else str(self.init)
+        argv = [init, "--status-fd", str(status_fd)]
         if self.oom_score_adj is not None:
-            init += ["--oom-score-adj", str(self.oom_score_adj)]
-        return [*init, "--", *command]
+            argv += ["--oom-score-adj", str(self.oom_score_adj)]
+        return [*argv, "--", *command]
 
-    async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str],
-                     verifier: bool = False, stdin: bool = False) -> LocalRun:
+    async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
+                     verifier_logs: Path | None = None, stdin: bool = False) -> LocalRun:
         status_r, status_w = os.pipe()
         info_r, info_w = os.pipe() if self.isolation == "bwrap" else (None, None)
         inner = self._init(command, status_w)
-        argv = (self._bwrap(inner, info_fd=info_w or 0, verifier=verifier)
+        argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, verifier_logs=verifier_logs)
                 if self.isolation == "bwrap" else inner)
         env = {**env, SUPERVISOR_ENV: self.marker}
         try:
@@ -305,7 +365,7 @@ class LocalSandbox:
                 start_new_session=True,
             )
         except BaseException:
-            for fd in (status_r, status_w, info_r, info_w):
+            for fd in (status_r, info_r):
                 if fd is not None:
                     os.close(fd)
             raise
@@ -322,21 +382,25 @@ class LocalSandbox:
     async def launch(self, argv: Sequence[str], *, env: Mapping[str, str], stdin: bytes
                      ) -> LocalRun:
         """Start the agent with its prompt on stdin."""
-        run = await self._spawn(argv, env=env, stdin=True)
+        run = await self._spawn(argv, env=env, role="agent", stdin=True)
+        self._agent = run
         assert run.process.stdin is not None
-        await run.process.stdin.send(stdin)
-        await run.process.stdin.aclose()
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await run.process.stdin.send(stdin)
+            await run.process.stdin.aclose()
         return run
+
+    _agent: LocalRun | None = None
 
     async def confirm_cleanup(self, run: LocalRun, timeout_s: float) -> CleanupReport:
         """Bounded wait until no process of the run is left (structural under bwrap)."""
         if self.isolation == "bwrap":
             namespace = run.info().get("pid-namespace")
-            if namespace is None:
+            if not isinstance(namespace, int):
                 return CleanupReport(False, "bwrap reported no PID namespace")
             leftover: list[int] = []
             with anyio.move_on_after(timeout_s):
-                while leftover := _pids_in_namespace(int(namespace)):
+                while leftover := _pids_in_namespace(namespace):
                     await anyio.sleep(0.05)
             if leftover:
                 return CleanupReport(False, f"{len(leftover)} processes still in the sandbox's "
@@ -344,9 +408,23 @@ class LocalSandbox:
             return CleanupReport(True)
         return await _kill_marked(self.marker, timeout_s)
 
+    async def _agent_gone(self) -> bool:
+        """Whether every process of the agent's run is gone (killing any straggler)."""
+        if self._agent is None:
+            return True
+        report = await self.confirm_cleanup(self._agent, 2.0)
+        if not report.confirmed and self.isolation == "bwrap":
+            namespace = self._agent.info().get("pid-namespace")
+            for pid in _pids_in_namespace(namespace) if isinstance(namespace, int) else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            report = await self.confirm_cleanup(self._agent, 2.0)
+        return report.confirmed
+
     async def probe(self, timeout_s: float, command: Sequence[str] = ("true",)) -> ProbeResult:
         """Alive when `true` runs in a fresh sandbox in the workdir within the limit."""
-        code, timed_out = await self._run_bounded(list(command), timeout_s, env=_minimal_env())
+        code, timed_out = await self._run_bounded(list(command), timeout_s,
+                                                  env=_minimal_env(), role="probe")
         if timed_out:
             return ProbeResult(False, f"`true` did not finish within {timeout_s:g} s")
         if code != 0:
@@ -354,22 +432,31 @@ class LocalSandbox:
         return ProbeResult(True, "`true` ran in the workdir")
 
     async def verify(self, timeout_s: float) -> VerifierRun:
-        """Run `bash /tests/test.sh` in the workdir (tests at /tests, logs at /logs/verifier)."""
+        """Run `bash /tests/test.sh` in the workdir (tests at /tests, fresh /logs/verifier),
+        only once every agent process is gone."""
+        self._verifications += 1
+        logs = self.root / f"verifier-{self._verifications}"
+        logs.mkdir(mode=0o700)
+        if self.user.switches:
+            os.chown(logs, self.user.uid, self.user.gid)
+        if not await self._agent_gone():
+            return VerifierRun(None, False, logs, "agent processes outlived the run")
         if self.isolation == "bwrap":
             command = ["bash", "/tests/test.sh"]
             env = {**_minimal_env(), "TRIALLEDGER_VERIFIER_DIR": "/logs/verifier"}
         else:
             tests = self.tests or Path("/nonexistent")
             command = ["bash", str(tests / "test.sh")]
-            env = {**_minimal_env(), "TRIALLEDGER_VERIFIER_DIR": str(self.verifier_logs),
+            env = {**_minimal_env(), "TRIALLEDGER_VERIFIER_DIR": str(logs),
                    "TRIALLEDGER_TESTS_DIR": str(tests)}
-        code, timed_out = await self._run_bounded(command, timeout_s, env=env, verifier=True)
-        return VerifierRun(code, timed_out, self.verifier_logs)
+        code, timed_out = await self._run_bounded(command, timeout_s, env=env, role="verifier",
+                                                  verifier_logs=logs)
+        return VerifierRun(code, timed_out, logs)
 
     async def _run_bounded(self, command: list[str], timeout_s: float, *,
-                           env: Mapping[str, str], verifier: bool = False
-                           ) -> tuple[int | None, bool]:
-        run = await self._spawn(command, env=env, verifier=verifier)
+                           env: Mapping[str, str], role: Role,
+                           verifier_logs: Path | None = None) -> tuple[int | None, bool]:
+        run = await self._spawn(command, env=env, role=role, verifier_logs=verifier_logs)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_drain, run.process.stdout)
@@ -423,7 +510,7 @@ def _marked_pids(marker: str) -> list[int]:
 
     def carries(pid: str) -> bool:
         with open(f"/proc/{pid}/environ", "rb") as handle:
-            return needle in handle.read().split(b"\0")
+            return needle in handle.read(1 << 20).split(b"\0")
 
     return _pids_where(carries)
 

@@ -1,0 +1,145 @@
+"""What the runner captures from files the agent controls (SPEC §8, §11): usage from the
+rollouts, the archive, and the verifier's reward — all through `AgentTree`'s safe reads.
+
+A file that breaks a reading rule becomes gap `unsafe_agent_file` (its path and the rule);
+its content never reaches an event, and nothing here raises for what the agent did.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trialledger.adapters.codex.rollout import iter_usage_events
+from trialledger.adapters.sandbox.agentfiles import (
+    REWARD_LIMIT,
+    ROLLOUT_FILE_LIMIT,
+    AgentTree,
+    LongLine,
+    UnsafeAgentFile,
+)
+from trialledger.core import scrub
+
+ROLLOUTS = "sessions"
+ROLLOUT_PATTERNS = ("rollout-*.jsonl", "rollout-*.jsonl.zst")
+
+
+def _gap(error: UnsafeAgentFile, at: str) -> dict[str, Any]:
+    return {"type": "gap.recorded", "at": at, "data": error.gap()}
+
+
+def rollouts(tree: AgentTree, pattern: str) -> tuple[list[str], list[UnsafeAgentFile]]:
+    """The rollout files under CODEX_HOME/sessions (relative paths) and what was refused."""
+    return tree.find(ROLLOUTS, pattern)
+
+
+def _text_lines(tree: AgentTree, path: str, refused: list[UnsafeAgentFile]
+                ) -> Iterator[str]:
+    for line in tree.lines(path):
+        if isinstance(line, LongLine):
+            refused.append(UnsafeAgentFile(path, f"a {line.size}-byte line, over the "
+                                                 f"1 MiB line cap (skipped)"))
+            continue
+        yield line.decode("utf-8", errors="replace")
+
+
+def usage_events(tree: AgentTree, *, at: str) -> list[dict[str, Any]]:
+    """`usage.native` (and gap) events from every rollout, read safely."""
+    files, refused = rollouts(tree, ROLLOUT_PATTERNS[0])
+    events: list[dict[str, Any]] = []
+    for path in files:
+        try:
+            events += iter_usage_events(_text_lines(tree, path, refused), at=at)
+        except UnsafeAgentFile as error:
+            refused.append(error)
+    return events + [_gap(error, at) for error in refused]
+
+
+@dataclass
+class ArchiveResult:
+    """What the archive copied, and what it refused."""
+
+    files: int = 0
+    size: int = 0
+    refused: list[UnsafeAgentFile] = field(default_factory=list)
+
+
+def copy_archive(tree: AgentTree, target: Path, secrets: Sequence[str]) -> ArchiveResult:
+    """Copy the rollouts that pass the reading rules into `target` (folders 0700, files
+    0600), each line scrubbed of the session's secrets."""
+    result = ArchiveResult()
+    for pattern in ROLLOUT_PATTERNS:
+        files, refused = rollouts(tree, pattern)
+        result.refused += refused
+        for path in files:
+            destination = target / path
+            destination.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                if path.endswith(".zst"):  # compressed: bytes as they are (not scrubbable)
+                    data = tree.read(path, ROLLOUT_FILE_LIMIT)
+                else:
+                    data = "\n".join(scrub(line, secrets) for line in
+                                     _text_lines(tree, path, result.refused)).encode()
+            except UnsafeAgentFile as error:
+                result.refused.append(error)
+                continue
+            fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                         0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            result.files += 1
+            result.size += len(data)
+    for folder, _, _ in os.walk(target):
+        os.chmod(folder, 0o700)
+    return result
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_reward(tree: AgentTree, return_code: int | None, timed_out: bool
+                ) -> list[tuple[str, dict[str, Any]]]:
+    """`reward.json` ({name: number}) or `reward.txt` (one number), else the exit code;
+    an unsafe reward file is a gap and a `bad_reward` (never its content)."""
+    if timed_out:
+        return [("verification.failed", {"reason": "timeout",
+                                         "detail": "the verifier timed out"})]
+    for name in ("reward.json", "reward.txt"):
+        try:
+            raw = tree.read(name, REWARD_LIMIT)
+        except UnsafeAgentFile as error:
+            if error.rule == "missing":
+                continue
+            return [("gap.recorded", error.gap()),
+                    ("verification.failed", {"reason": "bad_reward", "detail": str(error)})]
+        return [_parse_reward(name, raw)]
+    if return_code is None:
+        return [("verification.failed", {"reason": "no_reward",
+                                         "detail": "the verifier ended without an exit code"})]
+    reward = 1.0 if return_code == 0 else 0.0
+    return [("verification.recorded", {"rewards": {"reward": reward},
+                                       "detail": f"exit code {return_code}"})]
+
+
+def _parse_reward(name: str, raw: bytes) -> tuple[str, dict[str, Any]]:
+    """A reward file's value; a malformed one is named, never quoted."""
+    try:
+        text = raw.decode("utf-8")
+        if name == "reward.json":
+            rewards = json.loads(text)
+            if isinstance(rewards, dict) and rewards and all(map(_finite, rewards.values())):
+                return "verification.recorded", {"rewards": rewards, "detail": name}
+        else:
+            value = float(text.strip())
+            if math.isfinite(value):
+                return "verification.recorded", {"rewards": {"reward": value}, "detail": name}
+    except (ValueError, UnicodeDecodeError):
+        pass
+    shape = "an object of finite numbers" if name == "reward.json" else "one finite number"
+    return "verification.failed", {"reason": "bad_reward", "detail": f"{name} is not {shape}"}

@@ -1,0 +1,91 @@
+"""Which files of a Codex install the sandbox mounts (SPEC §11): the native binary alone.
+
+The npm `codex` is a Node script that execs the native binary of its platform package
+(`@openai/codex-<platform>/vendor/<triple>/bin/codex`, with `codex-path/rg` beside it);
+the sandbox mounts just those two files at private paths, never the folder that holds
+them (which may hold the store, the task or a home). A standalone native binary is
+mounted alone. Anything else (a wrapper script) is mounted alone too; what it needs
+besides must be granted explicitly as a read-only path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRIPLES = {"x86_64": "x86_64-unknown-linux-musl", "aarch64": "aarch64-unknown-linux-musl"}
+PLATFORM_PACKAGES = {"x86_64": "codex-linux-x64", "aarch64": "codex-linux-arm64"}
+INSIDE = "/run/trialledger/codex"
+
+
+@dataclass(frozen=True)
+class CodexInstall:
+    """The host files to mount for Codex, and where each appears inside the sandbox."""
+
+    entrypoint: Path  # the file the sandbox runs
+    helpers: dict[str, Path] = field(default_factory=dict)  # name → file, put on PATH
+    native: bool = True  # False: a wrapper script
+
+    @property
+    def inside(self) -> str:
+        """The entrypoint's path inside the sandbox."""
+        return f"{INSIDE}/{self.entrypoint.name if not self.native else 'codex'}"
+
+    @property
+    def path_dir(self) -> str:
+        """The folder inside the sandbox that holds the helpers (prepended to PATH)."""
+        return f"{INSIDE}/path"
+
+    def mounts(self) -> list[tuple[Path, str]]:
+        """(host file, path inside) for every file to mount read-only."""
+        found = [(self.entrypoint, self.inside)]
+        found += [(path, f"{self.path_dir}/{name}") for name, path in self.helpers.items()]
+        return found
+
+
+def _is_elf(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(4) == b"\x7fELF"
+
+
+def _vendor_roots(script: Path) -> list[Path]:
+    package = script.parent.parent  # …/@openai/codex
+    machine = platform.machine()
+    roots = [package / "vendor"]
+    if machine in PLATFORM_PACKAGES:
+        roots.insert(0, package.parent / PLATFORM_PACKAGES[machine] / "vendor")
+    return roots
+
+
+def _from_npm(script: Path) -> CodexInstall | None:
+    triple = TRIPLES.get(platform.machine())
+    if triple is None:
+        return None
+    for root in _vendor_roots(script):
+        vendor = root / triple
+        binary = vendor / "bin" / "codex"
+        if not binary.is_file():
+            continue
+        path_dir = "codex-path"
+        layout = vendor / "codex-package.json"
+        if layout.is_file():
+            path_dir = str(json.loads(layout.read_text(encoding="utf-8")).get("pathDir",
+                                                                             path_dir))
+        helpers = {p.name: p for p in (vendor / path_dir).glob("*") if p.is_file()}
+        return CodexInstall(binary, helpers)
+    return None
+
+
+def codex_install(codex: str) -> CodexInstall:
+    """Resolve `--codex-bin` (npm script, native binary or wrapper) to what is mounted."""
+    real = Path(os.path.realpath(codex))
+    if _is_elf(real):
+        return CodexInstall(real)
+    if real.name == "codex.js" and real.parent.name == "bin":
+        found = _from_npm(real)
+        if found is not None:
+            return found
+    return CodexInstall(real, native=False)

@@ -1,0 +1,242 @@
+"""Host-side reads of files the agent controls (SPEC §11), as hostile input.
+
+Every path is opened one component at a time with `openat(O_NOFOLLOW | O_NONBLOCK)` from
+a folder the harness created, so no symbolic link the agent planted is followed (not even
+in a parent folder); only regular files are read (a FIFO neither blocks nor counts, a
+device or folder is refused), and every read is capped. When the runner is root, the
+opens (where the kernel checks permissions) run with the calling thread's fs uid and gid
+set to the sandbox user's (per-thread credentials on Linux), so a hard link to a file
+the agent could not read itself gives nothing either. A file that breaks a rule raises
+`UnsafeAgentFile`, which callers turn into gap `unsafe_agent_file` (its path and the
+rule, never its content).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fnmatch
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+REWARD_LIMIT = 64 * 1024
+ROLLOUT_LINE_LIMIT = 1024 * 1024
+ROLLOUT_FILE_LIMIT = 256 * 1024 * 1024
+MAX_DEPTH = 16
+MAX_ENTRIES = 10_000
+
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+class UnsafeAgentFile(Exception):
+    """A file the agent controls broke a reading rule (the message: its path and the rule)."""
+
+    def __init__(self, path: str, rule: str) -> None:
+        super().__init__(f"{path}: {rule}")
+        self.path, self.rule = path, rule
+
+    def gap(self) -> dict[str, str]:
+        """The `gap.recorded` data for this violation."""
+        return {"code": "unsafe_agent_file", "detail": str(self)}
+
+
+@dataclass(frozen=True)
+class LongLine:
+    """A line over the cap: only its length is kept."""
+
+    size: int
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _refusal(error: OSError, shown: str) -> UnsafeAgentFile:
+    if error.errno in (errno.ELOOP, errno.EMLINK):
+        return UnsafeAgentFile(shown, "a symbolic link (not followed)")
+    if error.errno == errno.ENOTDIR:
+        return UnsafeAgentFile(shown, "a component is not a folder")
+    if error.errno == errno.ENOENT:
+        return UnsafeAgentFile(shown, "missing")
+    return UnsafeAgentFile(shown, f"cannot be opened ({os.strerror(error.errno or 0)})")
+
+
+@dataclass(frozen=True)
+class AgentTree:
+    """A folder the harness made whose contents the agent controls."""
+
+    root: Path
+    uid: int | None = None  # read as this fs uid/gid (None: as we are)
+    gid: int | None = None
+
+    # --- opening ----------------------------------------------------------------------------
+
+    def _open(self, relative: str, *, directory: bool) -> int:
+        with self._identity():
+            return self._open_as(relative, directory=directory)
+
+    def _open_as(self, relative: str, *, directory: bool) -> int:
+        parts = [p for p in relative.split("/") if p not in ("", ".")]
+        if ".." in parts:
+            raise UnsafeAgentFile(relative, "'..' in the path")
+        fd = os.open(self.root, _OPEN_DIR)
+        try:
+            for index, part in enumerate(parts):
+                last = index == len(parts) - 1
+                flags = _OPEN_DIR if (directory or not last) else _OPEN_FILE
+                try:
+                    child = os.open(part, flags, dir_fd=fd)
+                except OSError as error:
+                    raise _refusal(error, "/".join(parts[:index + 1])) from None
+                os.close(fd)
+                fd = child
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _open_regular(self, relative: str, limit: int) -> int:
+        fd = self._open(relative, directory=False)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise UnsafeAgentFile(relative, _kind(info.st_mode))
+        if info.st_size > limit:
+            os.close(fd)
+            raise UnsafeAgentFile(relative, f"{info.st_size} bytes, over the {limit}-byte cap")
+        return fd
+
+    # --- reads (call these through `run`) ---------------------------------------------------
+
+    def read(self, relative: str, limit: int) -> bytes:
+        """A whole regular file of at most `limit` bytes."""
+        fd = self._open_regular(relative, limit)
+        try:
+            data = b""
+            while len(data) <= limit and (chunk := os.read(fd, 65536)):
+                data += chunk
+        finally:
+            os.close(fd)
+        if len(data) > limit:  # it grew after fstat
+            raise UnsafeAgentFile(relative, f"over the {limit}-byte cap")
+        return data
+
+    def lines(self, relative: str, *, line_limit: int = ROLLOUT_LINE_LIMIT,
+              file_limit: int = ROLLOUT_FILE_LIMIT) -> Iterator[bytes | LongLine]:
+        """A regular file's lines (without newlines), streamed; a line over the cap is a
+        `LongLine`. Stops at `file_limit` bytes even if the file grows while read."""
+        fd = self._open_regular(relative, file_limit)
+        try:
+            pending, skipping, total = bytearray(), 0, 0
+            while total < file_limit and (chunk := os.read(fd, min(65536,
+                                                                   file_limit - total))):
+                total += len(chunk)
+                start = 0
+                while (end := chunk.find(b"\n", start)) != -1:
+                    piece = chunk[start:end]
+                    if skipping or len(pending) + len(piece) > line_limit:
+                        yield LongLine(skipping + len(pending) + len(piece))
+                    else:
+                        yield bytes(pending + piece)
+                    pending.clear()
+                    skipping, start = 0, end + 1
+                rest = chunk[start:]
+                if skipping or len(pending) + len(rest) > line_limit:
+                    skipping += len(pending) + len(rest)
+                    pending.clear()
+                else:
+                    pending += rest
+            if skipping:
+                yield LongLine(skipping)
+            elif pending:
+                yield bytes(pending)
+        finally:
+            os.close(fd)
+
+    def find(self, relative: str, pattern: str) -> tuple[list[str], list[UnsafeAgentFile]]:
+        """Regular files named like `pattern` under a folder, sorted, and what was refused
+        on the way (symbolic links, FIFOs, devices). Links are never followed."""
+        found: list[str] = []
+        refused: list[UnsafeAgentFile] = []
+        with self._identity():
+            try:
+                top = self._open_as(relative, directory=True)
+            except UnsafeAgentFile as error:
+                if error.rule != "missing":
+                    refused.append(error)
+                return found, refused
+            self._walk(top, relative.strip("/"), pattern, 0, found, refused)
+        return sorted(found), refused
+
+    def _walk(self, fd: int, shown: str, pattern: str, depth: int, found: list[str],
+              refused: list[UnsafeAgentFile]) -> None:
+        try:
+            with os.scandir(fd) as entries:
+                for count, entry in enumerate(entries):
+                    if count >= MAX_ENTRIES:
+                        refused.append(UnsafeAgentFile(shown, f"over {MAX_ENTRIES} entries"))
+                        break
+                    path = f"{shown}/{entry.name}"
+                    mode = entry.stat(follow_symlinks=False).st_mode
+                    if stat.S_ISDIR(mode):
+                        if depth >= MAX_DEPTH:
+                            refused.append(UnsafeAgentFile(path, "nested too deep"))
+                            continue
+                        try:
+                            child = os.open(entry.name, _OPEN_DIR, dir_fd=fd)
+                        except OSError as error:
+                            refused.append(_refusal(error, path))
+                            continue
+                        self._walk(child, path, pattern, depth + 1, found, refused)
+                    elif fnmatch.fnmatch(entry.name, pattern):
+                        if stat.S_ISREG(mode):
+                            found.append(path)
+                        else:
+                            refused.append(UnsafeAgentFile(path, _kind(mode)))
+        finally:
+            os.close(fd)
+
+    # --- credentials ------------------------------------------------------------------------
+
+    def _identity(self) -> contextlib.AbstractContextManager[None]:
+        """Opens (where permissions are checked) run with the sandbox user's fs ids."""
+        if self.uid is None or os.geteuid() != 0 or self.uid == 0:
+            return contextlib.nullcontext()
+        return _fs_identity(self.uid, self.gid if self.gid is not None else self.uid)
+
+
+_libc: ctypes.CDLL | None = None
+
+
+@contextlib.contextmanager
+def _fs_identity(uid: int, gid: int) -> Iterator[None]:
+    """This thread's fs uid/gid for the block (the kernel drops the fs capabilities with
+    them, and restores them when fs uid 0 comes back)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    before_uid, before_gid = _libc.setfsuid(-1), _libc.setfsgid(-1)
+    _libc.setfsgid(gid)
+    _libc.setfsuid(uid)
+    if _libc.setfsuid(-1) != uid or _libc.setfsgid(-1) != gid:
+        _libc.setfsuid(before_uid)
+        _libc.setfsgid(before_gid)
+        raise PermissionError(f"cannot take fs uid {uid} for reading the agent's files")
+    try:
+        yield
+    finally:
+        _libc.setfsuid(before_uid)
+        _libc.setfsgid(before_gid)
+        if _libc.setfsuid(-1) != before_uid:  # never leave a thread with the agent's rights
+            raise SystemExit("could not restore the fs uid after reading the agent's files")

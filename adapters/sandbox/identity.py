@@ -1,0 +1,127 @@
+"""Who the agent runs as, and the static init that is its PID 1 (SPEC §11).
+
+The agent never runs as host root: bwrap itself runs as the *sandbox user* — the runner's
+own uid when the runner is not root; when it is, `--sandbox-uid` or the
+`trialledger-sandbox` system user that `trialledger setup` creates. bwrap then maps only
+that uid into the sandbox, so no uid inside maps to host root.
+
+The init is built from `init.c` with `gcc -static` (by `trialledger setup`, or on first
+use) into a cache folder keyed by the source's hash, and mounted read-only.
+"""
+
+from __future__ import annotations
+
+import grp
+import hashlib
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from trialledger.adapters.sandbox.base import SandboxRefused
+
+SANDBOX_USER = "trialledger-sandbox"
+INIT_SOURCE = Path(__file__).with_name("init.c")
+
+
+@dataclass(frozen=True)
+class SandboxUser:
+    """The host uid and gid bwrap (and so the agent) runs as."""
+
+    uid: int
+    gid: int
+
+    @property
+    def switches(self) -> bool:
+        """Whether launching needs a switch from our own uid (we are root)."""
+        return os.geteuid() != self.uid
+
+    def setpriv(self) -> list[str]:
+        """The argv prefix that drops to this user (no groups, no new privileges)."""
+        if not self.switches:
+            return []
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups",
+                "--no-new-privs", "--"]
+
+
+def sandbox_user(uid: int | None = None) -> SandboxUser:
+    """The sandbox user: ourselves when not root, else `uid` or `trialledger-sandbox`."""
+    if os.geteuid() != 0:
+        return SandboxUser(os.geteuid(), os.getegid())
+    if uid is not None:
+        if uid == 0:
+            raise SandboxRefused("--sandbox-uid 0 would run the agent as host root")
+        try:
+            return SandboxUser(uid, pwd.getpwuid(uid).pw_gid)
+        except KeyError:
+            return SandboxUser(uid, uid)
+    try:
+        entry = pwd.getpwnam(SANDBOX_USER)
+    except KeyError:
+        raise SandboxRefused(
+            f"running as root, the agent needs an unprivileged user: run `trialledger setup` "
+            f"(creates the {SANDBOX_USER} system user) or pass --sandbox-uid") from None
+    if entry.pw_uid == 0:
+        raise SandboxRefused(f"the {SANDBOX_USER} user has uid 0; it must be unprivileged")
+    return SandboxUser(entry.pw_uid, entry.pw_gid)
+
+
+def create_sandbox_user() -> tuple[SandboxUser, bool]:
+    """Create the `trialledger-sandbox` system user if it is missing (root only)."""
+    try:
+        entry = pwd.getpwnam(SANDBOX_USER)
+        return SandboxUser(entry.pw_uid, entry.pw_gid), False
+    except KeyError:
+        pass
+    if os.geteuid() != 0:
+        raise SandboxRefused("only root needs (and can create) the sandbox user")
+    command = ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+               "--shell", "/usr/sbin/nologin", "--user-group", SANDBOX_USER]
+    try:
+        grp.getgrnam(SANDBOX_USER)
+        command[-2:-1] = ["--gid", SANDBOX_USER]
+    except KeyError:
+        pass
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SandboxRefused(f"useradd {SANDBOX_USER} failed: {done.stderr.strip()}")
+    entry = pwd.getpwnam(SANDBOX_USER)
+    return SandboxUser(entry.pw_uid, entry.pw_gid), True
+
+
+def _cache_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/cache/trialledger")
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "trialledger"
+
+
+def init_path() -> Path:
+    """Where the init for this source lives (built or not)."""
+    digest = hashlib.sha256(INIT_SOURCE.read_bytes()).hexdigest()[:16]
+    return _cache_dir() / f"init-{digest}"
+
+
+def ensure_init() -> Path:
+    """The static init, built now if it is missing (gcc -static)."""
+    target = init_path()
+    if target.is_file():
+        return target
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise SandboxRefused("the sandbox init needs building once and no C compiler is "
+                             "installed: apt-get install gcc libc6-dev, then trialledger setup")
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / "init"
+        done = subprocess.run([compiler, "-static", "-O2", "-o", str(built), str(INIT_SOURCE)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SandboxRefused(f"building the sandbox init failed: "
+                                 f"{done.stderr.strip().splitlines()[-1:]}")
+        built.chmod(0o755)
+        os.replace(built, target)  # atomic: concurrent builders agree
+    return target

@@ -1,0 +1,151 @@
+/* trialledger's sandbox init (SPEC §11): PID 1 of the sandbox's PID namespace.
+ *
+ * It starts the agent in its own process group, forwards SIGTERM, SIGINT and SIGHUP to
+ * that group (SIGUSR1 means "SIGKILL the group"), reaps every orphan, and reports the
+ * agent's real wait status -- {"exit": N}, {"signal": N} or {"spawn_error": "..."} -- on
+ * the status descriptor. It makes itself non-dumpable first, so the agent (same uid) can
+ * neither open /proc/1/fd/N nor ptrace it: the status channel is ours alone. Static, so
+ * nothing of ours needs a program inside the sandbox.
+ *
+ *     init --status-fd N [--oom-score-adj K] -- COMMAND ARGS...
+ *
+ * Built by `trialledger setup` or on first use: gcc -static -O2 -o init init.c
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static volatile sig_atomic_t child_pid = 0;
+
+static void forward(int signum) {
+    int saved = errno;
+    if (child_pid > 0)
+        kill(-child_pid, signum == SIGUSR1 ? SIGKILL : signum);
+    errno = saved;
+}
+
+static void report(int fd, const char *json) {
+    if (fd < 0)
+        return;
+    size_t left = strlen(json);
+    while (left > 0) {
+        ssize_t n = write(fd, json, left);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return;
+        json += n;
+        left -= (size_t)n;
+    }
+}
+
+/* The raised OOM score is written before the process turns non-dumpable (its /proc
+ * files then belong to root) and is inherited by the agent. */
+static void raise_oom_score(const char *value) {
+    int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        (void)!write(fd, value, strlen(value));
+        close(fd);
+    }
+}
+
+int main(int argc, char **argv) {
+    int status_fd = -1, i;
+    const char *oom = NULL;
+    char **command = NULL;
+    for (i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--status-fd") == 0 && i + 1 < argc)
+            status_fd = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--oom-score-adj") == 0 && i + 1 < argc)
+            oom = argv[++i];
+        else if (strcmp(argv[i], "--") == 0) {
+            command = argv + i + 1;
+            break;
+        }
+    }
+    if (command == NULL || command[0] == NULL) {
+        fprintf(stderr, "usage: init --status-fd N [--oom-score-adj K] -- COMMAND...\n");
+        return 2;
+    }
+    if (oom != NULL)
+        raise_oom_score(oom);
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (status_fd >= 0)
+        fcntl(status_fd, F_SETFD, FD_CLOEXEC);
+
+    /* A close-on-exec pipe tells an exec failure from a started agent. */
+    int spawn[2];
+    if (pipe2(spawn, O_CLOEXEC) != 0) {
+        report(status_fd, "{\"spawn_error\": \"pipe failed\"}\n");
+        return 127;
+    }
+    sigset_t all, old;
+    sigfillset(&all);
+    sigprocmask(SIG_BLOCK, &all, &old);
+    pid_t pid = fork();
+    if (pid == 0) {
+        sigprocmask(SIG_SETMASK, &old, NULL);
+        setpgid(0, 0);
+        execvp(command[0], command);
+        int error = errno;
+        (void)!write(spawn[1], &error, sizeof error);
+        _exit(127);
+    }
+    close(spawn[1]);
+    if (pid < 0) {
+        report(status_fd, "{\"spawn_error\": \"fork failed\"}\n");
+        return 127;
+    }
+    child_pid = pid;
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_handler = forward;
+    sigaction(SIGTERM, &action, NULL);
+    sigaction(SIGINT, &action, NULL);
+    sigaction(SIGHUP, &action, NULL);
+    sigaction(SIGUSR1, &action, NULL);
+    sigprocmask(SIG_SETMASK, &old, NULL);
+
+    int error = 0;
+    ssize_t got;
+    do
+        got = read(spawn[0], &error, sizeof error);
+    while (got < 0 && errno == EINTR);
+    close(spawn[0]);
+    if (got == (ssize_t)sizeof error) {
+        char line[256];
+        snprintf(line, sizeof line, "{\"spawn_error\": \"%s: %s\"}\n",
+                 strchr(command[0], '"') ? "the command" : command[0], strerror(error));
+        waitpid(pid, NULL, 0);
+        report(status_fd, line);
+        return 127;
+    }
+
+    /* Reap everything (orphans reparent to PID 1) until the agent itself ends. */
+    for (;;) {
+        int wstatus;
+        pid_t done = wait(&wstatus);
+        if (done < 0) {
+            if (errno == EINTR)
+                continue;
+            report(status_fd, "{\"spawn_error\": \"the agent vanished\"}\n");
+            return 127;
+        }
+        if (done != pid)
+            continue;
+        char line[64];
+        if (WIFSIGNALED(wstatus))
+            snprintf(line, sizeof line, "{\"signal\": %d}\n", WTERMSIG(wstatus));
+        else
+            snprintf(line, sizeof line, "{\"exit\": %d}\n", WEXITSTATUS(wstatus));
+        report(status_fd, line);
+        return 0;
+    }
+}

@@ -1,0 +1,198 @@
+"""A launched sandbox process: its stdout as bounded lines, its stderr's tail, the init's
+status report, and stopping it. Everything read here comes from the agent's side."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import Process
+
+from trialledger.adapters.sandbox.base import ExitStatus
+
+STDERR_KEEP = 64 * 1024
+LINE_LIMIT = 1024 * 1024  # a Codex stdout line over this is cut (SPEC §11)
+REPORT_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class CutLine:
+    """The first `LINE_LIMIT` bytes of a longer stdout line, and its full length."""
+
+    head: bytes
+    size: int
+
+
+class LineSplitter:
+    """Splits a byte stream into lines, linear in its size (a line is joined once), never
+    holding more than `limit` bytes of one line: past that it becomes a `CutLine`."""
+
+    def __init__(self, limit: int = LINE_LIMIT) -> None:
+        self.limit = limit
+        self._parts: list[bytes] = []
+        self._held = 0
+        self._head = b""
+        self._cut: int | None = None  # the full size of a line being cut
+
+    def feed(self, chunk: bytes) -> list[bytes | CutLine]:
+        """The lines `chunk` completes."""
+        *complete, rest = chunk.split(b"\n")
+        out = []
+        for piece in complete:
+            self._add(piece)
+            out.append(self._take())
+        self._add(rest)
+        return out
+
+    def end(self) -> list[bytes | CutLine]:
+        """The torn last line, if the stream ended without a newline."""
+        return [self._take()] if self._held or self._cut is not None else []
+
+    def _add(self, piece: bytes) -> None:
+        if self._cut is not None:
+            self._cut += len(piece)
+        elif self._held + len(piece) > self.limit:
+            self._head = b"".join(self._parts) + piece[:self.limit - self._held]
+            self._cut = self._held + len(piece)
+            self._parts.clear()
+        else:
+            self._parts.append(piece)
+            self._held += len(piece)
+
+    def _take(self) -> bytes | CutLine:
+        line = (CutLine(self._head, self._cut) if self._cut is not None
+                else b"".join(self._parts))
+        self._parts.clear()
+        self._held, self._head, self._cut = 0, b"", None
+        return line
+
+
+class LocalRun:
+    """A launched agent (under bwrap or in a process group)."""
+
+    def __init__(self, process: Process, *, status_fd: int, info_fd: int | None,
+                 isolation: str, marker: str) -> None:
+        self.process = process
+        self._status_fd = status_fd
+        self._info_fd = info_fd
+        self._info: dict[str, Any] | None = None
+        self.isolation = isolation
+        self.marker = marker
+        self._stderr: deque[bytes] = deque()
+        self._stderr_size = 0
+        self._stderr_cut = False
+
+    def info(self) -> dict[str, Any]:
+        """bwrap's `--info-fd` report: the sandboxed init's host pid and namespaces."""
+        if self._info is None and self._info_fd is not None:
+            data = b""
+            while len(data) < REPORT_LIMIT and (chunk := os.read(self._info_fd, 4096)):
+                data += chunk
+                if data.rstrip().endswith(b"}"):
+                    break
+            try:
+                parsed = json.loads(data or b"{}")
+            except ValueError:
+                parsed = {}
+            self._info = parsed if isinstance(parsed, dict) else {}
+        return self._info or {}
+
+    @property
+    def init_pid(self) -> int:
+        """The host pid of the init that runs the agent."""
+        if self.isolation == "bwrap":
+            pid = self.info().get("child-pid")
+            return pid if isinstance(pid, int) else self.process.pid
+        return self.process.pid
+
+    async def stdout_batches(self) -> AsyncIterator[list[bytes | CutLine]]:
+        """Stdout lines, a list per read; a line over 1 MiB comes as a `CutLine`.
+
+        The last line may lack its newline (a torn line) and is yielded as it is.
+        """
+        assert self.process.stdout is not None
+        splitter = LineSplitter()
+        async for chunk in self.process.stdout:
+            if lines := splitter.feed(chunk):
+                yield lines
+        if lines := splitter.end():
+            yield lines
+
+    async def read_stderr(self) -> None:
+        """Keep the last 64 KiB of stderr."""
+        assert self.process.stderr is not None
+        async for chunk in self.process.stderr:
+            self._stderr.append(chunk)
+            self._stderr_size += len(chunk)
+            while self._stderr_size - len(self._stderr[0]) >= STDERR_KEEP:
+                self._stderr_size -= len(self._stderr.popleft())
+                self._stderr_cut = True
+
+    def stderr_tail(self) -> tuple[str, bool]:
+        """The collected stderr's end and whether anything was cut."""
+        return b"".join(self._stderr).decode("utf-8", errors="replace"), self._stderr_cut
+
+    async def wait(self) -> ExitStatus:
+        """Wait for the sandbox to end; the init's report gives the agent's real status."""
+        await self.process.wait()
+        data = b""
+        os.set_blocking(self._status_fd, False)
+        with contextlib.suppress(BlockingIOError):
+            while len(data) < REPORT_LIMIT and (chunk := os.read(self._status_fd, 4096)):
+                data += chunk
+        return _status_of(data, self.process.returncode)
+
+    def _signal_init(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.init_pid, signum)
+
+    async def stop(self, grace_s: float) -> None:
+        """TERM the agent's group; after `grace_s` KILL it; then the sandbox itself."""
+        if self.process.returncode is not None:
+            return
+        self._signal_init(signal.SIGTERM)
+        with anyio.move_on_after(grace_s):
+            await self.process.wait()
+            return
+        self._signal_init(signal.SIGUSR1)  # the init SIGKILLs the agent's group
+        with anyio.move_on_after(2):
+            await self.process.wait()
+            return
+        self.process.kill()
+
+    async def aclose(self) -> None:
+        """Release the process's pipes and transport, and the status and info pipes."""
+        with anyio.CancelScope(shield=True):
+            if self.process.returncode is None:
+                self.process.kill()
+            await self.process.aclose()
+        for fd in (self._status_fd, self._info_fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _status_of(data: bytes, returncode: int | None) -> ExitStatus:
+    """The init's first report line → the agent's status (a bad report is no report)."""
+    try:
+        report = json.loads(data.splitlines()[0]) if data.strip() else {}
+    except (ValueError, UnicodeDecodeError):
+        report = {}
+    if not isinstance(report, dict):
+        report = {}
+    for key, make in (("exit", lambda n: ExitStatus(n)),
+                      ("signal", lambda n: ExitStatus(-n, f"killed by signal {n}"))):
+        value = report.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 256:
+            return make(value)
+    if isinstance(report.get("spawn_error"), str):
+        return ExitStatus(None, f"the agent could not be spawned: {report['spawn_error'][:500]}",
+                          spawned=False)
+    return ExitStatus(None, f"sandbox ended with {returncode} and no report")

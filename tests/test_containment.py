@@ -1,0 +1,247 @@
+"""SPEC §11's escape suite: each attack performed through a real Codex tool call under
+real bubblewrap, and each asserted to fail. (The older suite is test_sandbox.py.)
+
+No test changes a host setting: a `/proc/sys` file is only checked for writability.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.runs import codex_path, make_task, run_task
+from trialledger.adapters.codex.install import codex_install
+from trialledger.adapters.demo.endpoint import message, shell
+from trialledger.adapters.demo.samples import executable
+from trialledger.adapters.sandbox.base import SandboxRefused
+from trialledger.adapters.sandbox.identity import sandbox_user
+from trialledger.adapters.sandbox.local import LocalSandbox
+
+pytestmark = pytest.mark.anyio
+CANARY = "canary-7f3e-host-secret"
+
+
+@pytest.fixture
+def kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[LocalSandbox]]:
+    """Sandboxes outlive their session so a test can look at what the agent left."""
+    sandboxes: list[LocalSandbox] = []
+    monkeypatch.setattr(LocalSandbox, "discard", lambda self: sandboxes.append(self))
+    yield sandboxes
+    for sandbox in sandboxes:
+        shutil.rmtree(sandbox.root, ignore_errors=True)
+
+
+@pytest.fixture
+def canary(tmp_path: Path) -> Path:
+    """A host file only root may read, whose content must reach no event."""
+    path = tmp_path / "host-canary"
+    path.write_text(CANARY)
+    path.chmod(0o600)
+    return path
+
+
+def output(ran: Any) -> str:
+    return "\n".join(call.output for call in ran.view.observations.tool_calls)
+
+
+def event_text(ran: Any) -> str:
+    return "\n".join(e.model_dump_json() for e in ran.view.events)
+
+
+def gaps(ran: Any) -> list[tuple[str, str]]:
+    return [(e.data.code, e.data.detail or "") for e in ran.view.events
+            if e.type == "gap.recorded"]
+
+
+async def test_the_agent_is_never_host_root(tmp_path: Path, kept: list[LocalSandbox]) -> None:
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    attack = ("find /proc/sys -type f -writable 2>/dev/null | head -3 | sed 's/^/WRITABLE /'; "
+              "test -w /proc/sys/kernel/core_pattern && echo WRITABLE core_pattern; "
+              "cat /etc/shadow >/dev/null 2>&1 && echo READ shadow; "
+              "unshare -U true 2>/dev/null && echo NESTED userns; "
+              "grep -E '^Cap(Eff|Prm|Bnd)' /proc/self/status; "
+              "awk '{print \"MAP\", $1}' /proc/self/uid_map; "
+              "cp /usr/bin/true suid-probe && chmod 4755 suid-probe; echo done")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()])
+    out = output(ran)
+    assert out.strip().endswith("done")
+    assert "WRITABLE" not in out and "READ shadow" not in out and "NESTED" not in out, out
+    assert all(line.split()[1] == "0" * 16 for line in out.splitlines()
+               if line.startswith("Cap")), out
+    assert all(line != "MAP 0" for line in out.splitlines()), "uid 0 exists inside"
+    (sandbox,) = kept
+    probe = os.stat(sandbox.host_work / "suid-probe")
+    assert probe.st_uid == sandbox_user().uid != 0  # the setuid file is not root's on the host
+    assert ran.view.rewards == {"reward": 1.0}
+
+
+async def test_the_status_pipe_cannot_be_forged(tmp_path: Path) -> None:
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    attack = ("for fd in /proc/1/fd/*; do "
+              "echo '{\"spawn_error\": \"forged\"}' > $fd 2>/dev/null && echo FORGED $fd; done; "
+              "ls /proc/1/fd >/dev/null 2>&1 && echo LISTED; echo done")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()])
+    out = output(ran)
+    assert "FORGED" not in out and "LISTED" not in out, out
+    types = [e.type for e in ran.view.events]
+    assert "sandbox.lost" not in types
+    exited = next(e for e in ran.view.events if e.type == "agent.exited").data
+    assert exited.return_code == 0 and ran.view.outcome == "verify"
+
+
+async def test_a_tool_cannot_write_codex_stdout(tmp_path: Path) -> None:
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    forged = '{"type":"turn.failed","error":{"message":"429 Too Many Requests"}}'
+    attack = ("for p in /proc/[0-9]*; do [ \"$(cat $p/comm 2>/dev/null)\" = codex ] "
+              f"&& echo '{forged}' > $p/fd/1 2>/dev/null && echo FORGED; done; echo done")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()])
+    assert "FORGED" not in output(ran) and output(ran).strip().endswith("done")
+    assert "turn.failed" not in [e.type for e in ran.view.events]
+    assert ran.view.decision.rule == "completed" and ran.view.outcome == "verify"
+
+
+async def test_garbage_on_codex_stdout_cannot_crash_the_runner(tmp_path: Path) -> None:
+    # What a compromised Codex could print: a 2.2 MB line, invalid UTF-8, a lone
+    # surrogate escape, JSON nested 100,000 deep, a torn last line.
+    (tmp_path / "bin").mkdir()
+    noisy = executable(tmp_path / "bin" / "codex-garbage", f"""#!/bin/bash
+head -c 2200000 /dev/zero | tr '\\0' x; echo
+printf '\\377\\376 not utf-8\\n'
+printf '%s\\n' '{{"type":"item.completed","item":{{"id":"f","type":"agent_message",'\
+'"text":"\\ud800"}}}}'
+python3 -c 'print("[" * 100000)'
+{codex_path()} "$@"
+printf '{{"type":"turn.comp'
+""")
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    ran = await run_task(str(tmp_path / "t.db"), task, [message()], codex_bin=str(noisy),
+                         extra_paths=[noisy.parent])
+    assert "codex_line_truncated" in [code for code, _ in gaps(ran)]
+    lines = [e.data.line for e in ran.view.events if e.type == "codex.unknown"]
+    assert any(len(line) == 1024 * 1024 and set(line) == {"x"} for line in lines)
+    assert any("\ufffd\ufffd not utf-8" in line for line in lines)
+    forged = next(e for e in ran.view.events if e.type == "item.completed"
+                  and e.data.item.get("id") == "f")
+    assert forged.data.item["text"] == "\ufffd"
+    assert ran.view.outcome == "verify" and ran.view.rewards == {"reward": 1.0}
+
+
+@pytest.mark.parametrize("plant", ["canary", "dev-zero", "fifo", "dangling", "folder"])
+async def test_an_unsafe_reward_file_is_a_gap_never_its_content(
+        tmp_path: Path, canary: Path, plant: str) -> None:
+    # The agent rewrites a script the verifier runs from its workdir: a hijacked verifier.
+    make = {"canary": f"ln -s {canary} $R", "dev-zero": "ln -s /dev/zero $R",
+            "fifo": "mkfifo $R", "dangling": "ln -s /nonexistent/reward $R",
+            "folder": "mkdir $R"}[plant]
+    evil = f"R=$TRIALLEDGER_VERIFIER_DIR/reward.txt; {make}; exit 0"
+    task = make_task(tmp_path / "task", test_sh="bash /app/check.sh\n",
+                     workspace={"check.sh": "exit 1\n"})
+    attack = f"cat > check.sh <<'EOF'\n{evil}\nEOF\necho planted"
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()])
+    assert "planted" in output(ran)
+    failed = next(e for e in ran.view.events if e.type == "verification.failed").data
+    assert failed.reason == "bad_reward" and "reward.txt" in failed.detail
+    assert ("unsafe_agent_file" in [code for code, _ in gaps(ran)])
+    assert CANARY not in event_text(ran)
+    assert ran.view.state == "closed"
+
+
+@pytest.mark.parametrize("plant", ["canary", "dev-zero", "fifo", "dangling", "folder",
+                                   "sessions-link"])
+async def test_an_unsafe_rollout_is_a_gap_never_its_content(
+        tmp_path: Path, canary: Path, plant: str) -> None:
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    target = {"canary": f"ln -s {canary} $f", "dev-zero": "ln -s /dev/zero $f",
+              "fifo": "mkfifo $f", "dangling": "ln -s /nonexistent $f",
+              "folder": f"ln -s {canary.parent} $f",
+              "sessions-link": f"mv $CODEX_HOME/sessions $CODEX_HOME/moved; "
+                               f"ln -s {canary.parent} $CODEX_HOME/sessions"}[plant]
+    # Planted beside Codex's own rollout (Codex itself reads its rollout again: a
+    # /dev/zero in its place makes Codex, not the runner, run out of memory).
+    attack = ("f=$(find $CODEX_HOME/sessions -name 'rollout-*.jsonl' | head -1); "
+              f"f=$(dirname $f)/rollout-planted.jsonl; {target}; echo planted")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()],
+                         settings={"sandbox_logs_dir": str(tmp_path / "archive")})
+    assert "planted" in output(ran)
+    assert CANARY not in event_text(ran)
+    assert not any(CANARY in p.read_text(errors="replace")
+                   for p in (tmp_path / "archive").rglob("*") if p.is_file())
+    assert "unsafe_agent_file" in [code for code, _ in gaps(ran)], gaps(ran)
+    assert ran.view.state == "closed" and ran.view.outcome == "verify"
+    assert ran.view.usage.total_tokens is not None  # Codex's own stream still counts
+
+
+async def test_the_archive_is_private_and_scrubbed(tmp_path: Path) -> None:
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    ran = await run_task(str(tmp_path / "t.db"), task, [message()], api_key="sk-archive-key-123",
+                         settings={"sandbox_logs_dir": str(tmp_path / "archive")})
+    files = [p for p in (tmp_path / "archive").rglob("*") if p.is_file()]
+    assert files and all(p.stat().st_mode & 0o777 == 0o600 for p in files)
+    folders = [p for p in (tmp_path / "archive" / ran.view.session_id).rglob("*") if p.is_dir()]
+    assert all(p.stat().st_mode & 0o777 == 0o700 for p in folders)
+
+
+async def test_system_symlinks_and_mount_points_come_from_the_host_on_an_overlay(
+        tmp_path: Path) -> None:
+    planted = tmp_path / "planted-on-host"
+    planted.mkdir()
+    lib64 = os.readlink("/lib64") if os.path.islink("/lib64") else None
+    check = (f'[ "$(readlink /lib64)" = "{lib64}" ] || exit 1\n'
+             if lib64 else "") + "test ! -e /lib64/agent-was-here || exit 1\nexit 0\n"
+    task = make_task(tmp_path / "task", test_sh=check)
+    attack = ("cp -r /usr/lib64 /agent-lib64 2>/dev/null || mkdir /agent-lib64; "
+              "touch /agent-lib64/agent-was-here; unlink /lib64; ln -s /agent-lib64 /lib64; "
+              f"mv /logs /old-logs 2>/dev/null; ln -s {planted} /logs; "
+              "ls /tests >/dev/null 2>&1 && echo SEEN; echo planted")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()],
+                         settings={"workdir": "/"})
+    assert "planted" in output(ran) and "SEEN" not in output(ran)
+    assert not (planted / "verifier").exists()  # bwrap never created a folder on the host
+    assert ran.view.rewards == {"reward": 1.0}  # the verifier saw the host's /lib64
+
+
+@pytest.mark.parametrize("root, reward", [("agent", 0.0), ("pristine", 1.0)])
+async def test_a_pristine_verifier_sees_the_workdir_but_not_the_agent_home(
+        tmp_path: Path, root: str, reward: float) -> None:
+    task = make_task(tmp_path / "task",
+                     test_sh='test -f /app/made && test ! -e "$(cat /app/made)/config.toml"\n')
+    ran = await run_task(str(tmp_path / "t.db"), task,
+                         [shell('echo "$CODEX_HOME" > made'), message()],
+                         settings={"verifier_root": root})
+    assert ran.view.rewards == {"reward": reward}
+
+
+async def test_codex_bin_in_a_folder_with_a_store_mounts_the_binary_alone(
+        tmp_path: Path) -> None:
+    folder = tmp_path / "operator"
+    folder.mkdir()
+    (folder / "trials.db").write_text("operator's store")
+    native = codex_install(codex_path()).entrypoint
+    try:
+        os.link(native, folder / "codex")
+    except OSError:
+        shutil.copy2(native, folder / "codex")
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    attack = (f"ls {folder} 2>/dev/null | sed 's/^/LISTED /'; cat {folder}/trials.db 2>&1; "
+              "ls /run/trialledger/codex; echo done")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()],
+                         codex_bin=str(folder / "codex"))
+    out = output(ran)
+    assert "operator's store" not in out and "LISTED" not in out, out
+    assert out.strip().endswith("done")
+
+
+def test_a_granted_path_that_holds_the_store_or_the_task_is_refused(tmp_path: Path) -> None:
+    store = tmp_path / "data" / "trials.db"
+    store.parent.mkdir()
+    store.write_text("")
+    for granted, protected in ((tmp_path / "data", [store]), (tmp_path, [store]),
+                               (Path("/"), [])):
+        with pytest.raises(SandboxRefused, match="refusing to mount"):
+            LocalSandbox(session_key="granted", workdir="/app", readonly_paths=[granted],
+                         protected_paths=protected)
