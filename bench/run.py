@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from trialledger.store import Ledger
 
 from bench import workload
+from trialledger.store import Ledger
 
 FULL = {"sessions": 1000, "events": 100_000, "rederive": 1_000_000, "query_sessions": 100_000,
         "query_events": 1_000_000, "ingest_mb": (100, 1000), "pg_events": 8 * 5000,

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from trialledger.core import event_dict, replay
-from trialledger.store import Ledger
 
 from tests.scenarios import CLEAN, LogBuilder
+from trialledger.core import event_dict, replay
+from trialledger.store import Ledger
 
 PAYLOAD = "x" * 200  # an agent message of this text makes an event of ~330 bytes
 SEED = LogBuilder().events[0]["data"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import column, select, table, text
+
 from trialledger.core import (
     BadEvent,
     Event,

@@ -11,6 +11,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
+
 from trialledger import migrations
 from trialledger.core.errors import TrialLedgerError
 

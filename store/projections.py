@@ -22,6 +22,7 @@ from typing import Any
 
 from sqlalchemy import and_, bindparam, column, delete, insert, table, text
 from sqlalchemy.ext.asyncio import AsyncConnection
+
 from trialledger.core import Decision, Event, Session, SessionSeeded
 from trialledger.core.events import GapRecordedData
 from trialledger.core.observations import ToolTraces, derived_gaps

@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
+
 from trialledger.core.errors import TrialLedgerError
 from trialledger.store.engine import make_engines, sqlite_path
 

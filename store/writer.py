@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 from sqlalchemy import Column, Integer, MetaData, Table, Text, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
+
 from trialledger.core import (
     ConcurrencyConflict,
     Event,
