@@ -228,11 +228,12 @@ async def test_codex_bin_in_a_folder_with_a_store_mounts_the_binary_alone(
         shutil.copy2(native, folder / "codex")
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     attack = (f"ls {folder} 2>/dev/null | sed 's/^/LISTED /'; cat {folder}/trials.db 2>&1; "
-              "ls /run/trialledger/codex; echo done")
+              "find / -name trials.db -not -path '/proc/*' 2>/dev/null | sed 's/^/FOUND /'; "
+              "echo done")
     ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()],
                          codex_bin=str(folder / "codex"))
     out = output(ran)
-    assert "operator's store" not in out and "LISTED" not in out, out
+    assert "operator's store" not in out and "LISTED" not in out and "FOUND" not in out, out
     assert out.strip().endswith("done")
 
 
