@@ -152,13 +152,14 @@ async def test_an_unsafe_reward_file_is_a_gap_never_its_content(
 
 
 @pytest.mark.parametrize("plant", ["canary", "dev-zero", "fifo", "dangling", "folder",
-                                   "sessions-link"])
+                                   "sessions-link", "unreadable"])
 async def test_an_unsafe_rollout_is_a_gap_never_its_content(
         tmp_path: Path, canary: Path, plant: str) -> None:
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     target = {"canary": f"ln -s {canary} $f", "dev-zero": "ln -s /dev/zero $f",
               "fifo": "mkfifo $f", "dangling": "ln -s /nonexistent $f",
               "folder": f"ln -s {canary.parent} $f",
+              "unreadable": "touch $f; chmod 000 $(dirname $f)",
               "sessions-link": f"mv $CODEX_HOME/sessions $CODEX_HOME/moved; "
                                f"ln -s {canary.parent} $CODEX_HOME/sessions"}[plant]
     # Planted beside Codex's own rollout (Codex itself reads its rollout again: a

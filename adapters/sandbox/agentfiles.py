@@ -62,6 +62,13 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _is_link(name: str, folder: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
 def _refusal(error: OSError, shown: str) -> UnsafeAgentFile:
     if error.errno in (errno.ELOOP, errno.EMLINK):
         return UnsafeAgentFile(shown, "a symbolic link (not followed)")
@@ -90,7 +97,10 @@ class AgentTree:
         parts = [p for p in relative.split("/") if p not in ("", ".")]
         if ".." in parts:
             raise UnsafeAgentFile(relative, "'..' in the path")
-        fd = os.open(self.root, _OPEN_DIR)
+        try:
+            fd = os.open(self.root, _OPEN_DIR)
+        except OSError as error:
+            raise _refusal(error, ".") from None
         try:
             for index, part in enumerate(parts):
                 last = index == len(parts) - 1
@@ -98,7 +108,10 @@ class AgentTree:
                 try:
                     child = os.open(part, flags, dir_fd=fd)
                 except OSError as error:
-                    raise _refusal(error, "/".join(parts[:index + 1])) from None
+                    shown = "/".join(parts[:index + 1])
+                    if error.errno == errno.ENOTDIR and _is_link(part, fd):
+                        raise UnsafeAgentFile(shown, "a symbolic link (not followed)") from None
+                    raise _refusal(error, shown) from None
                 os.close(fd)
                 fd = child
             return fd
@@ -188,7 +201,10 @@ class AgentTree:
                         refused.append(UnsafeAgentFile(shown, f"over {MAX_ENTRIES} entries"))
                         break
                     path = f"{shown}/{entry.name}"
-                    mode = entry.stat(follow_symlinks=False).st_mode
+                    try:
+                        mode = entry.stat(follow_symlinks=False).st_mode
+                    except OSError:  # gone meanwhile
+                        continue
                     if stat.S_ISDIR(mode):
                         if depth >= MAX_DEPTH:
                             refused.append(UnsafeAgentFile(path, "nested too deep"))
