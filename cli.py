@@ -201,9 +201,14 @@ def cmd_recover(args: argparse.Namespace) -> int:
             return await ledger.recover(args.runner, all_runners=args.all)
 
     recovered = anyio.run(go)
+    from trialledger.adapters.sandbox.local import sweep_stale_sessions
+
+    swept = sweep_stale_sessions()  # this machine's folders of dead runners (grant tokens)
     for sid in recovered:
         out.print(sid)
     out.print(f"{len(recovered)} sessions recovered")
+    if swept:
+        out.print(f"{swept} stale session folders removed")
     return EXIT_OK
 
 

@@ -28,7 +28,8 @@ from trialledger.adapters import capture
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
 from trialledger.adapters.codex.install import codex_install
 from trialledger.adapters.codex.stream import stream_events
-from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.sandbox.local import LocalSandbox, sweep_stale_sessions
+from trialledger.adapters.sandbox.network import Routes
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.task import Task
 from trialledger.core import SessionView, redact, scrub, validate_seed
@@ -139,6 +140,17 @@ class _Recorder:
         return await self.append([{"type": kind, "at": now(), "data": dict(data)}])
 
 
+_swept = False
+
+
+def _sweep_once() -> None:
+    """A runner removes the session folders crashed runners left (once per process)."""
+    global _swept
+    if not _swept:
+        _swept = True
+        sweep_stale_sessions()
+
+
 def agent_env(settings: Settings, task: Task, sandbox: LocalSandbox, api_key: str | None
               ) -> dict[str, str]:
     """SPEC §5: the allowlist (or the sandbox's base environment), then the harness's own."""
@@ -160,6 +172,7 @@ class SessionRunner:
         self.ledger, self.task, self.options = ledger, task, options
         self.codex = find_codex(options.codex_bin)
         self.install = codex_install(self.codex)
+        _sweep_once()
 
     def _seed(self, attempt: int, retry_of: str | None, sandbox: LocalSandbox) -> ValidSeed:
         seed = {
@@ -211,6 +224,10 @@ class SessionRunner:
             raise_oom_score_adj=bool(settings_raw.get("raise_oom_score_adj", False)),
             verifier_root=str(settings_raw.get("verifier_root", "agent")),
             sandbox_uid=self.options.sandbox_uid,
+            routes=None if self.task.allow_internet else Routes(
+                [self.options.model_base_url,
+                 *(str(g["url"]) for g in self.options.grants
+                   if g.get("kind") == "mcp" and g.get("url"))]),
         )
         try:
             valid = self._seed(attempt, retry_of, sandbox)
@@ -229,9 +246,10 @@ class SessionRunner:
     async def _drive(self, rec: _Recorder, sandbox: LocalSandbox, valid: ValidSeed,
                      secrets: Sequence[str]) -> None:
         settings = valid.data.settings
+        reach = sandbox.routes.inside_url if sandbox.routes is not None else str
         text, digest = render(codex_config(model=self.options.model,
                                            base_url=self.options.model_base_url,
-                                           settings=settings, grants=valid.grants))
+                                           settings=settings, grants=valid.grants, reach=reach))
         config = sandbox.session_dir / "config.toml"
         config.write_text(text, encoding="utf-8")
         os.chown(config, sandbox.user.uid, sandbox.user.gid)

@@ -2,7 +2,8 @@
 
     instruction.md   the prompt
     task.toml        optional: [agent] timeout_sec, [verifier] timeout_sec,
-                     [environment] workdir and env (variables the task declares)
+                     [environment] workdir, env (variables the task declares) and
+                     allow_internet (false: only the model endpoint and MCP grants)
     workspace/       optional: copied into a fresh workdir
     tests/test.sh    the verifier
 """
@@ -30,6 +31,7 @@ class Task:
     tests: Path | None
     settings: dict[str, Any] = field(default_factory=dict)  # from task.toml
     env: dict[str, str] = field(default_factory=dict)
+    allow_internet: bool = True  # false: only the model endpoint and MCP grants
 
     @classmethod
     def load(cls, folder: Path) -> Task:
@@ -61,4 +63,12 @@ class Task:
             tests=tests if (tests / "test.sh").is_file() else None,
             settings=settings,
             env={str(k): str(v) for k, v in environment.get("env", {}).items()},
+            allow_internet=_flag(environment, "allow_internet", folder),
         )
+
+
+def _flag(table: dict[str, Any], key: str, folder: Path) -> bool:
+    value = table.get(key, True)
+    if not isinstance(value, bool):
+        raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {key} must be true or false")
+    return value

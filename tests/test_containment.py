@@ -247,3 +247,69 @@ def test_a_granted_path_that_holds_the_store_or_the_task_is_refused(tmp_path: Pa
         with pytest.raises(SandboxRefused, match="refusing to mount"):
             LocalSandbox(session_key="granted", workdir="/app", readonly_paths=[granted],
                          protected_paths=protected)
+
+
+def test_a_crashed_runners_session_folder_is_swept_and_a_live_one_kept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from trialledger.adapters.sandbox.local import sweep_stale_sessions
+
+    live = LocalSandbox(session_key="live-one", workdir="/app")
+    crash = (f"import tempfile, os, signal; tempfile.tempdir = {str(tmp_path)!r}\n"
+             "from trialledger.adapters.sandbox.local import LocalSandbox\n"
+             "s = LocalSandbox(session_key='crashed', workdir='/app')\n"
+             "(s.session_dir / 'config.toml').write_text('token')\n"
+             "os.kill(os.getpid(), signal.SIGKILL)\n")
+    subprocess.run([sys.executable, "-c", crash], check=False, timeout=60)
+    (left,) = tmp_path.glob("trialledger-crashed*")
+    assert (left / "home" / "config.toml").exists()
+    try:
+        assert sweep_stale_sessions(tmp_path) == 1 and not left.exists()
+        assert sweep_stale_sessions(live.root.parent) >= 0 and live.root.exists()
+    finally:
+        live.discard()
+
+
+async def test_without_internet_only_the_endpoint_and_the_mcp_grant_are_reachable(
+        tmp_path: Path) -> None:
+    import socket
+
+    from trialledger.adapters.demo.endpoint import tool
+    from trialledger.adapters.demo.tools import ToolServer
+
+    other = socket.create_server(("127.0.0.1", 0))  # another loopback service of the host
+    port = other.getsockname()[1]
+    task = make_task(tmp_path / "task", test_sh="exit 0\n",
+                     toml="[environment]\nallow_internet = false\n")
+    probe = (f"(echo > /dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo REACHED-HOST-PORT; "
+             "ip -o link 2>/dev/null | cut -d: -f2; echo done")
+    try:
+        with ToolServer() as tools:
+            grants = [{"name": "gym", "kind": "mcp", "required": True, "url": tools.url}]
+            ran = await run_task(str(tmp_path / "t.db"), task,
+                                 [shell(probe), tool("lookup", {"query": "netns"},
+                                                     namespace="mcp__gym"), message("ok")],
+                                 grants=grants, settings={"mcp_tool_timeout_s": 30})
+    finally:
+        other.close()
+    assert tools.calls == ["netns"]  # the granted MCP server was reached, from inside
+    first = ran.view.observations.tool_calls[0].output
+    assert "REACHED" not in first and first.strip().endswith("done"), first
+    assert ran.view.decision.rule == "completed"  # every model call went through
+    assert ran.view.rewards == {"reward": 1.0}
+
+
+async def test_without_internet_an_https_endpoint_is_refused_before_seeding(
+        tmp_path: Path) -> None:
+    from trialledger.adapters.runner import RunOptions, SessionRunner
+    from trialledger.store import Ledger
+
+    task = make_task(tmp_path / "task", test_sh="exit 0\n",
+                     toml="[environment]\nallow_internet = false\n")
+    async with await Ledger.open(str(tmp_path / "t.db")) as ledger:
+        runner = SessionRunner(ledger, task, RunOptions(
+            model_base_url="https://api.example.com/v1", model="m", codex_bin=codex_path()))
+        with pytest.raises(SandboxRefused, match="model proxy"):
+            await runner.run_session()
+        assert await ledger.sessions() == []

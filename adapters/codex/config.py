@@ -9,7 +9,7 @@ sandbox isolates it); update checks, analytics and history are off.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tomli_w
@@ -28,11 +28,12 @@ def codex_config(
     base_url: str,
     settings: Settings,
     grants: Sequence[Grant],
+    reach: Callable[[str], str] = str,
 ) -> dict[str, Any]:
-    """The config as a TOML-ready dict."""
+    """The config as a TOML-ready dict (`reach`: how the sandbox reaches a URL)."""
     provider: dict[str, Any] = {
         "name": "trialledger model endpoint",
-        "base_url": base_url,
+        "base_url": reach(base_url),
         "env_key": API_KEY_ENV,
         "wire_api": "responses",
         "stream_idle_timeout_ms": min(STREAM_IDLE_TIMEOUT_MS, int(settings.timeout_s * 1000)),
@@ -59,7 +60,7 @@ def codex_config(
     for grant in grants:
         if grant.kind != "mcp":
             continue
-        server: dict[str, Any] = {"url": grant.url}
+        server: dict[str, Any] = {"url": reach(grant.url)}
         if grant.headers:
             server["http_headers"] = dict(grant.headers)
         if grant.required:

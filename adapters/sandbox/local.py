@@ -25,6 +25,7 @@ does not stop the agent from writing outside its workdir (`isolation` says which
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -49,6 +50,7 @@ from trialledger.adapters.sandbox.base import (
     VerifierRun,
 )
 from trialledger.adapters.sandbox.identity import SandboxUser, ensure_init, sandbox_user
+from trialledger.adapters.sandbox.network import Forwarders, Routes
 from trialledger.adapters.sandbox.process import LocalRun
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
 PRIVATE = "/run/trialledger"
 INIT_INSIDE = f"{PRIVATE}/init"
 Role = Literal["agent", "probe", "verifier"]
+FOLDER_PREFIX = "trialledger-"
+LOCK = ".session-lock"
 _warned_no_bwrap = False
 
 # Runs as root in the spawn's private mount namespace: the overlay (if any), then each
@@ -168,6 +172,7 @@ class LocalSandbox:
         raise_oom_score_adj: bool = False,
         verifier_root: str = "agent",
         sandbox_uid: int | None = None,
+        routes: Routes | None = None,
     ) -> None:
         self.workdir = workdir
         user = sandbox_user(sandbox_uid) if use_bwrap is not False else None
@@ -181,6 +186,10 @@ class LocalSandbox:
             raise SandboxRefused("workdir / needs a per-session overlay, which needs bwrap "
                                  "(apt-get install bubblewrap); refusing to let the agent "
                                  "write to the host's root")
+        if routes is not None and not bwrap:
+            raise SandboxRefused("allow_internet = false needs a private network namespace, "
+                                 "which needs bwrap (apt-get install bubblewrap)")
+        self.routes = routes
         if verifier_root == "pristine" and self.overlay:
             raise SandboxRefused("verifier_root = pristine needs a workdir other than /")
         self.verifier_root = verifier_root
@@ -191,7 +200,10 @@ class LocalSandbox:
                                                   [*protected_paths, *([tests] if tests else [])])
         self.marker = session_key
         self.oom_score_adj = 1000 if raise_oom_score_adj else None
-        self.root = Path(tempfile.mkdtemp(prefix=f"trialledger-{session_key[:8]}-"))
+        self.root = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{session_key[:8]}-"))
+        # Held while the session lives: a folder whose lock is free was left by a crash.
+        self._lock = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
         self._verifications = 0
         try:
             self._lay_out(workspace)
@@ -286,13 +298,17 @@ class LocalSandbox:
         return point
 
     def _bwrap(self, command: Sequence[str], *, info_fd: int, role: Role,
-               verifier_logs: Path | None = None) -> list[str]:
+               verifier_logs: Path | None = None, block_fd: int | None = None) -> list[str]:
         # --as-pid-1: our init is the namespace's PID 1, so it gets the signals we forward
         # and the namespace dies when it exits.
         args = ["bwrap", "--die-with-parent", "--unshare-user", "--disable-userns",
                 "--cap-drop", "ALL", "--uid", str(self.user.uid), "--gid", str(self.user.gid),
                 "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--new-session"]
+        if self.routes is not None:  # only the forwarders opened later are reachable
+            args += ["--unshare-net"]
+        if block_fd is not None:
+            args += ["--block-fd", str(block_fd)]
         staged: list[tuple[Path, Path]] = []
         points: list[tuple[str, bool]] = []  # (mount point, replace it whole)
 
@@ -351,31 +367,53 @@ class LocalSandbox:
 
     async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
                      verifier_logs: Path | None = None, stdin: bool = False) -> LocalRun:
+        bwrap = self.isolation == "bwrap"
         status_r, status_w = os.pipe()
-        info_r, info_w = os.pipe() if self.isolation == "bwrap" else (None, None)
+        info_r, info_w = os.pipe() if bwrap else (None, None)
+        forwarding = bwrap and role == "agent" and self.routes is not None
+        block_r, block_w = os.pipe() if forwarding else (None, None)
         inner = self._init(command, status_w)
-        argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, verifier_logs=verifier_logs)
-                if self.isolation == "bwrap" else inner)
+        argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, verifier_logs=verifier_logs,
+                            block_fd=block_r) if bwrap else inner)
         env = {**env, SUPERVISOR_ENV: self.marker}
         try:
             process = await anyio.open_process(
-                argv, env=env, cwd=None if self.isolation == "bwrap" else self.host_work,
+                argv, env=env, cwd=None if bwrap else self.host_work,
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                pass_fds=tuple(fd for fd in (status_w, info_w) if fd is not None),
+                pass_fds=tuple(fd for fd in (status_w, info_w, block_r) if fd is not None),
                 start_new_session=True,
             )
         except BaseException:
-            for fd in (status_r, info_r):
+            for fd in (status_r, info_r, block_w):
                 if fd is not None:
                     os.close(fd)
             raise
         finally:
-            for fd in (status_w, info_w):
+            for fd in (status_w, info_w, block_r):
                 if fd is not None:
                     with contextlib.suppress(OSError):
                         os.close(fd)
-        return LocalRun(process, status_fd=status_r, info_fd=info_r,
-                        isolation=self.isolation, marker=self.marker)
+        run = LocalRun(process, status_fd=status_r, info_fd=info_r,
+                       isolation=self.isolation, marker=self.marker)
+        if block_w is not None:
+            await self._open_network(run, block_w)
+        return run
+
+    async def _open_network(self, run: LocalRun, block_w: int) -> None:
+        """Open the forwarders inside the sandbox's network, then let bwrap go on."""
+        assert self.routes is not None
+        try:
+            pid = (await anyio.to_thread.run_sync(run.info)).get("child-pid")
+            if not isinstance(pid, int):
+                raise OSError("bwrap reported no child pid for the network namespace")
+            run.forwarders = Forwarders()
+            await run.forwarders.start(pid, self.routes.routes)
+            os.write(block_w, b"x")
+        except BaseException:
+            await run.aclose()
+            raise
+        finally:
+            os.close(block_w)
 
     # --- the Sandbox protocol ---------------------------------------------------------------
 
@@ -473,8 +511,31 @@ class LocalSandbox:
             await run.aclose()
 
     def discard(self) -> None:
-        """Remove the session's folders."""
+        """Remove the session's folders (they hold config.toml with grant tokens)."""
         shutil.rmtree(self.root, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.close(self._lock)
+
+
+def sweep_stale_sessions(parent: Path | None = None) -> int:
+    """Remove session folders whose runner is gone (their lock is free); how many."""
+    removed = 0
+    for folder in Path(parent or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
+        try:
+            if folder.is_symlink() or not (folder / LOCK).is_file():
+                continue
+            lock = os.open(folder / LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live session
+        finally:
+            os.close(lock)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed += 1
+    return removed
 
 
 def _minimal_env() -> dict[str, str]:
