@@ -63,6 +63,7 @@ async def test_escape_attempts_fail_and_leave_the_host_untouched(
     assert sandbox.isolation == "bwrap"
     victim = subprocess.Popen(["sleep", "300"])
     marker = HOST_HOME / "trialledger-escape-probe"
+    assert HOST_HOME.exists()  # so not seeing it inside means something
     tests_file = sandbox.tests / "test.sh"  # type: ignore[operator]
     before = {p: p.read_bytes() for p in (tests_file, store_file)}
     attempts = {
@@ -73,7 +74,7 @@ async def test_escape_attempts_fail_and_leave_the_host_untouched(
         "write the store": f"echo x >> {store_file}",
         "read the store": f"cat {store_file}",
         "read another session CODEX_HOME": f"cat {other.session_dir}/auth.json",
-        "read the host /root": f"ls {HOST_HOME}/ | grep -q . && cat /root/.bashrc",
+        "see the host home": f"test -e {HOST_HOME}",
         "signal a host process": f"kill -9 {victim.pid}",
     }
     script = "\n".join(f"if ( {cmd} ) >/dev/null 2>&1; then echo 'ESCAPED: {name}'; fi"
