@@ -96,12 +96,14 @@ async def _replay_diff(args: argparse.Namespace) -> int:
         with Progress(console=Console(stderr=True), transient=True) as progress:
             task = progress.add_task("re-deriving", total=len(sessions))
             for row in sessions:
-                view = await ledger.view(row["session_id"], policy=args.policy)
+                stored = await ledger.events(row["session_id"])
+                view = replay([s.event for s in stored], policy=args.policy)
                 if view.diverged_at is not None:
                     d = view.diverged_at
                     differing.append({
                         "session_id": row["session_id"], "seq": d.seq,
-                        "recorded": f"{d.recorded.rule}/{d.recorded.action}",
+                        "recorded": f"{d.recorded.rule}/{d.recorded.action}" if d.recorded
+                        else "none",
                         "derived": f"{d.derived.rule}/{d.derived.action}" if d.derived else "none",
                     })
                 progress.advance(task)
@@ -110,7 +112,8 @@ async def _replay_diff(args: argparse.Namespace) -> int:
     else:
         _table(["session_id", "seq", "recorded", "derived"],
                [tuple(d.values()) for d in differing])
-        out.print(f"{len(differing)} of {len(sessions)} sessions differ under {args.policy}")
+        under = args.policy or "each session's own policy"
+        out.print(f"{len(differing)} of {len(sessions)} sessions differ under {under}")
     return EXIT_FOUND if differing else EXIT_OK
 
 
@@ -227,6 +230,7 @@ def _parse_set(pairs: Sequence[str]) -> dict[str, Any]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the real Codex CLI on a task in the local sandbox; print each session's outcome."""
+    from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.runner import CodexNotFound, RunOptions, SessionRunner
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.task import Task, TaskInvalid
@@ -253,12 +257,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
 
     async def go() -> list[Any]:
+        task = Task.load(Path(args.task_dir))
+        await check_endpoint(args.model_base_url, api_key)  # before anything is seeded
         async with await Ledger.open(args.db) as ledger:
-            return await SessionRunner(ledger, Task.load(Path(args.task_dir)), options).run_trial()
+            return await SessionRunner(ledger, task, options).run_trial()
 
     try:
         results = anyio.run(go)
-    except (CodexNotFound, SandboxRefused, TaskInvalid) as error:
+    except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
         raise Refused(str(error)) from None
     for result in results:
         out.print(f"{result.session_id} {result.outcome}")
@@ -464,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     _with_db(p)
     p.add_argument("--all", action="store_true", help="every session in --db")
     p.add_argument("--diff", action="store_true", help="list sessions whose decisions differ")
-    p.add_argument("--policy", default="v1", help="decision policy version (default v1)")
+    p.add_argument("--policy", help="decision policy version (default: each session's own, "
+                                    "as its seed names it)")
     p.add_argument("--policy-file", metavar="FILE.py",
                    help="a Python file that registers more policy versions")
     p.add_argument("--json", action="store_true", help="machine-readable output")

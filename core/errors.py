@@ -78,3 +78,7 @@ class EventIdConflict(TrialLedgerError):
     def __init__(self, event_id: str) -> None:
         self.event_id = event_id
         super().__init__(f"event id {event_id} already exists with different content")
+
+
+class PolicyNameTaken(TrialLedgerError, ValueError):
+    """A policy registered under a built-in name (`v1`, `v2`, `v3`)."""

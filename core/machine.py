@@ -91,12 +91,16 @@ class Mark(NamedTuple):
 class Session:
     """The folded state of one session: its log, its state and its decisions."""
 
-    __slots__ = ("_seen", "decisions", "events", "policy", "session_id", "state",
+    __slots__ = ("_fixed", "_seen", "decisions", "events", "policy", "session_id", "state",
                  "transition_seq")
 
-    def __init__(self, session_id: str, policy: str | Policy = "v1") -> None:
+    def __init__(self, session_id: str, policy: str | Policy | None = None, *,
+                 default: str | Policy = "v1") -> None:
+        """`policy` decides every decision; without it, the seed's `settings.policy` does,
+        else `default` (SPEC §3 "Which policy")."""
         self.session_id = session_id
-        self.policy = get_policy(policy)
+        self._fixed = policy is not None
+        self.policy = get_policy(policy if policy is not None else default)
         self.state: State | None = None
         self.events: list[Event] = []
         self.decisions: list[Decision] = []
@@ -209,6 +213,10 @@ class Session:
                              event.event_id or event_id_for(self.session_id, seq))
         if isinstance(numbered, OutcomeDecided):
             self.decisions.append(numbered.data)
+        elif isinstance(numbered, SessionSeeded) and not self._fixed:
+            named = numbered.data.settings.policy
+            if named is not None:
+                self.policy = get_policy(named)
         if target != SAME and target != self.state:
             self.state = _state(target)
             self.transition_seq = seq
@@ -242,8 +250,10 @@ def _state(name: str) -> State:
     return name
 
 
-def fold(session_id: str, events: Iterable[Event], policy: str | Policy = "v1") -> Session:
-    """Fold harness events (no recorded decisions) into a fresh session."""
+def fold(session_id: str, events: Iterable[Event], policy: str | Policy | None = None
+         ) -> Session:
+    """Fold harness events (no recorded decisions) into a fresh session (under `policy`,
+    else the seed's, else v1)."""
     session = Session(session_id, policy)
     for event in events:
         session.apply(event)

@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trialledger.core.errors import UnknownPolicy
+from trialledger.core.errors import PolicyNameTaken, UnknownPolicy
 from trialledger.core.events import (
+    CODEX_STREAM_TYPES,
     AgentExited,
     AgentStderr,
     Cause,
@@ -36,12 +37,15 @@ from trialledger.core.usage import recover_usage
 Action = Literal["verify", "retry", "probe"]
 Status = Literal["completed", "incomplete", "failed"]
 Gap = GapRecordedData
+STREAM_TYPES = CODEX_STREAM_TYPES - {"codex.unknown"}  # SPEC §2.2's types
 
 # Markers of a row: a token (not a value) says "take it from the facts or the outcome table".
 COMPUTED: Literal["computed"] = "computed"  # status: as computed from the run
 TIMED_OUT_OR_FAILED: Literal["timed_out_or_failed"] = "timed_out_or_failed"
 CLASSIFIED: Literal["classified"] = "classified"  # cause: the classified ending error
 BY_TABLE: Literal["by_table"] = "by_table"  # action / reward_valid: the outcome table
+ENDPOINT_FROM_ERROR: Literal["endpoint_from_error"] = "endpoint_from_error"  # cause: the
+# model endpoint, with the status code parsed from the rule's error
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class Facts:
     cleanup: CleanupReported | None
     probe: SandboxProbed | None
     stderr_tail: str | None
+    reconnecting: str | None  # the Reconnecting... message the run was in when it ended
 
 
 def _matcher(*patterns: str) -> re.Pattern[str]:
@@ -93,7 +98,7 @@ class Rule:
     action: Action | Literal["by_table"]
     http_status: int | None
     status: Status | Literal["computed", "timed_out_or_failed"]
-    cause: str | None  # a fixed kind, CLASSIFIED, or None
+    cause: str | None  # a fixed kind, CLASSIFIED, ENDPOINT_FROM_ERROR, or None
     reward_valid: bool | Literal["by_table"]
     error: Callable[[Facts], str | None] = lambda facts: facts.error
 
@@ -135,6 +140,16 @@ V1_RULES: tuple[Rule, ...] = (
          CLASSIFIED, False),
     Rule("probe", lambda f: f.verify_after_agent_error, "probe", None, "failed", None, True),
     Rule("execution_error", lambda f: True, "retry", 502, "failed", CLASSIFIED, False),
+)
+# v2 (SPEC §3): a run that timed out while Codex was reconnecting never heard from the model
+# again, so the timeout is the endpoint's: retry, before R6 grades it as incomplete.
+ENDPOINT_UNREACHABLE = Rule(
+    "endpoint_unreachable", lambda f: f.timed_out and f.reconnecting is not None, "retry", 502,
+    COMPUTED, ENDPOINT_FROM_ERROR, False, error=lambda f: f.reconnecting,
+)
+V2_RULES: tuple[Rule, ...] = tuple(
+    row for rule in V1_RULES
+    for row in ((ENDPOINT_UNREACHABLE, rule) if rule.name == "incomplete" else (rule,))
 )
 V1_AFTER_PROBE: tuple[Rule, ...] = (
     SANDBOX_LOST,
@@ -215,7 +230,10 @@ class Policy:
         last_turn = None
         exited = cleanup = lost = probe = stderr = None
         verify_after_error = False
+        last_stream: Event | None = None  # the last Codex stream event before agent.exited
         for event in events:
+            if exited is None and event.type in STREAM_TYPES:
+                last_stream = event
             if isinstance(event, TurnFailed):
                 message = str((event.data.error or {}).get("message") or "turn failed")
                 last_turn_failed = message
@@ -269,6 +287,8 @@ class Policy:
             "failed" if error else "incomplete" if timed_out or output_limited else "completed"
         )
         ending_error = last_turn_failed or last_fatal_stream or error
+        reconnecting = (last_stream.data.message if isinstance(last_stream, StreamError)
+                        and last_stream.data.message.startswith(self.reconnect_prefix) else None)
         warning_list = tuple(warnings.values())
         return Facts(
             verify_after_agent_error=verify_after_error,
@@ -288,6 +308,7 @@ class Policy:
             cleanup=cleanup,
             probe=probe,
             stderr_tail=stderr.data.tail if stderr else None,
+            reconnecting=reconnecting,
         )
 
     # --- the decision ----------------------------------------------------------------------
@@ -332,14 +353,15 @@ class Policy:
     def _cause(self, rule: Rule, facts: Facts, error: str | None) -> Cause | None:
         if rule.cause is None:
             return None
-        if rule.cause == CLASSIFIED:
-            message = redact(facts.ending_error, ()) if facts.ending_error is not None else None
+        if rule.cause in (CLASSIFIED, ENDPOINT_FROM_ERROR):
+            message = error
+            kind = "model_endpoint"
+            if rule.cause == CLASSIFIED:
+                message = redact(facts.ending_error, ()) if facts.ending_error else None
+                kind = facts.ending_kind
             found = STATUS_CODE.search(message or "")
-            return Cause(
-                kind=facts.ending_kind,
-                status_code=int(found.group(1)) if found else None,
-                message=message,
-            )
+            return Cause(kind=kind, status_code=int(found.group(1)) if found else None,
+                         message=message)
         return Cause(kind=rule.cause, status_code=None, message=error)
 
     def warning_gaps(self, facts: Facts) -> list[Gap]:
@@ -357,11 +379,17 @@ class Policy:
 
 
 V1 = Policy(name="v1")
-POLICIES: dict[str, Policy] = {V1.name: V1}
+V2 = Policy(name="v2", rules=V2_RULES)
+BUILT_IN = frozenset({"v1", "v2", "v3"})
+POLICIES: dict[str, Policy] = {V1.name: V1, V2.name: V2}
+DEFAULT_POLICY = V2.name  # for sessions seeded without one (SPEC §3 "Which policy")
 
 
 def register_policy(policy: Policy) -> Policy:
-    """Make a policy version available to `replay(..., policy=name)` and the CLI."""
+    """Make a policy version available to `replay(..., policy=name)` and the CLI (a
+    built-in name is refused: a recorded decision must always mean what it meant)."""
+    if policy.name in BUILT_IN:
+        raise PolicyNameTaken(f"policy name {policy.name!r} is built in; choose another name")
     POLICIES[policy.name] = policy
     return policy
 

@@ -40,7 +40,7 @@ class Divergence(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     seq: int
-    recorded: Decision
+    recorded: Decision | None  # None: the log records no decision where one was derived
     derived: Decision | None
 
 
@@ -125,8 +125,9 @@ def _session_id(events: list[Event], first: Mapping[str, Any] | Event | None) ->
 class Replayer:
     """Folds a recorded log, comparing its recorded decisions with re-derived ones."""
 
-    def __init__(self, session_id: str, policy: str | Policy = "v1") -> None:
-        self.session = Session(session_id, policy)
+    def __init__(self, session_id: str, policy: str | Policy | None = None, *,
+                 default: str | Policy = "v1") -> None:
+        self.session = Session(session_id, policy, default=default)
         self.pending: deque[tuple[int, Decision]] = deque()  # derived, not yet compared
         self.unapplied: list[Event] = []
         self.diverged_at: Divergence | None = None
@@ -140,7 +141,12 @@ class Replayer:
             appended = self.session.apply(event)
         except IllegalTransition:
             if self.diverged_at is None:
-                raise
+                if not self.pending:
+                    raise
+                # A decision the replay made where the log records none (an evidence-only
+                # log under another policy) explains why this event no longer applies.
+                seq, derived = self.pending[0]
+                self.diverged_at = Divergence(seq=seq, recorded=None, derived=derived)
             self.unapplied.append(event)
             return
         self.pending.extend(
@@ -164,12 +170,20 @@ class Replayer:
         return view_of(self.session, unapplied=self.unapplied, diverged_at=self.diverged_at)
 
 
-def rederive(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy = "v1"
+def recorded_policy(events: Iterable[Event]) -> str:
+    """The policy a log without `settings.policy` was decided under: its first recorded
+    decision's, else v1 (the only policy before seeds named theirs)."""
+    return next((e.data.policy for e in events if isinstance(e, OutcomeDecided)), "v1")
+
+
+def rederive(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy | None = None
              ) -> Replayer:
-    """Fold a recorded log, re-deriving its decisions (no view is built)."""
+    """Fold a recorded log, re-deriving its decisions (no view is built); `policy` None
+    means the seed's policy (SPEC §3 "Which policy")."""
     given = list(events)
     parsed = _parsed(given)
-    replayer = Replayer(_session_id(parsed, given[0] if given else None), policy)
+    replayer = Replayer(_session_id(parsed, given[0] if given else None), policy,
+                        default=recorded_policy(parsed))
     for index, event in enumerate(parsed):
         try:
             replayer.feed(event)  # the machine renumbers it from 1
@@ -179,7 +193,8 @@ def rederive(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy =
     return replayer
 
 
-def replay(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy = "v1") -> SessionView:
+def replay(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy | None = None
+           ) -> SessionView:
     """Re-derive a session from its JSONL events (recorded decisions are compared, not trusted).
 
     Raises `BadEvent` for an event that does not parse (with its index) and, before any

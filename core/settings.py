@@ -33,6 +33,9 @@ class Settings(BaseModel):
     # What the verifier sees (SPEC §11): the agent's whole filesystem, or the pristine root
     # plus the agent's workdir (not possible with workdir /).
     verifier_root: Literal["agent", "pristine"] = "agent"
+    # The decision policy of every decision of the session (SPEC §3 "Which policy"); the
+    # store writes its default here when a seed names none.
+    policy: Annotated[str, Field(min_length=1, max_length=64)] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

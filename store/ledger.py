@@ -36,6 +36,7 @@ from trialledger.core import (
     validate_seed,
 )
 from trialledger.core.canonical import first_broken_link
+from trialledger.core.policy import DEFAULT_POLICY
 from trialledger.core.replay import rederive, view_of
 from trialledger.store.engine import DEFAULT_DB, Engines, Synchronous, make_engines
 from trialledger.store.migrate import ensure_current
@@ -81,17 +82,21 @@ class Ledger:
         self._engines = engines
         self.db = db
         self.policy = policy
-        self._writer = Writer(engines, policy)
+        self._writer = Writer(engines)
 
     @classmethod
     async def open(
         cls,
         db: str = DEFAULT_DB,
         *,
-        policy: str | Policy = "v1",
+        policy: str | Policy = DEFAULT_POLICY,
         sqlite_synchronous: Synchronous = "FULL",
     ) -> Ledger:
-        """Open (building a fresh database) a store; refuse one whose schema is out of date."""
+        """Open (building a fresh database) a store; refuse one whose schema is out of date.
+
+        `policy` is written into every seed that names none (SPEC §3 "Which policy"); each
+        session is then decided under its seed's policy, whatever store reads it later.
+        """
         engines = make_engines(db, sqlite_synchronous=sqlite_synchronous)
         try:
             await ensure_current(engines.writer, db=db)
@@ -142,7 +147,11 @@ class Ledger:
         """Start a session from an already validated seed (see `seed`)."""
         all_secrets = tuple(dict.fromkeys([*valid.secrets, *(s for s in secrets if s)]))
         at = at or now()
-        raw = [{"type": "session.seeded", "at": at, "data": valid.data.model_dump(mode="json")}]
+        data = valid.data.model_dump(mode="json")
+        if data["settings"].get("policy") is None:
+            data["settings"]["policy"] = self.policy.name
+        get_policy(data["settings"]["policy"])  # an unknown name is refused before storing
+        raw = [{"type": "session.seeded", "at": at, "data": data}]
         raw += [{"type": "gap.recorded", "at": at, "data": s.gap} for s in valid.skipped]
         sid = session_id or str(uuid.uuid4())
         events = self._prepare(raw, all_secrets)
@@ -206,14 +215,15 @@ class Ledger:
         """
         secret_list = tuple(s for s in secrets if s)
         raw = [scrub_data(dict(e), secret_list) for e in events]
-        folded = rederive(raw, policy=self.policy)
+        folded = rederive(raw)  # under the seed's own policy
         session = folded.session
         if folded.diverged_at is not None:
             d = folded.diverged_at
             raise IllegalTransition(
                 session.state, "outcome.decided", (),
-                f"recorded decision at seq {d.seq} ({d.recorded.rule}) is not what policy "
-                f"{self.policy.name} derives ({d.derived.rule if d.derived else 'none'})",
+                f"recorded decision at seq {d.seq} "
+                f"({d.recorded.rule if d.recorded else 'none'}) is not what policy "
+                f"{session.policy.name} derives ({d.derived.rule if d.derived else 'none'})",
             )
         await self._writer.submit(Request(session.session_id, list(session.events), 0,
                                           derived=True))
@@ -251,7 +261,7 @@ class Ledger:
             raise KeyError(f"no session {session_id}")
         if policy is not None:
             return replay([s.event for s in stored], policy=policy)
-        session = Session(session_id, self.policy)
+        session = Session(session_id)  # the seed names its policy (none: v1, from before)
         for s in stored:
             session.load(s.event)
         return view_of(session)

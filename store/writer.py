@@ -23,7 +23,6 @@ from trialledger.core import (
     ConcurrencyConflict,
     Event,
     EventIdConflict,
-    Policy,
     Session,
     TrialLedgerError,
     event_dict,
@@ -117,9 +116,8 @@ def _same_content(a: Event, b: Event) -> bool:
 class Writer:
     """Commits appends, keeps open sessions folded, and writes their projection rows."""
 
-    def __init__(self, engines: Engines, policy: Policy) -> None:
+    def __init__(self, engines: Engines) -> None:
         self.engines = engines
-        self.policy = policy
         self.open: dict[str, OpenSession] = {}
         self.secrets: dict[str, tuple[str, ...]] = {}
         self._pending: list[Request] = []
@@ -232,7 +230,7 @@ class Writer:
             .where(EVENTS.c.session_id.in_(missing)).order_by(EVENTS.c.session_id, EVENTS.c.seq))
         for sid, position, recorded_at, digest, data in rows.all():
             open_ = self.open.get(sid) or self.open.setdefault(
-                sid, OpenSession(Session(sid, self.policy)))
+                sid, OpenSession(Session(sid)))
             stored = StoredEvent.from_row(position, recorded_at, digest, data)
             open_.session.load(stored.event)
             open_.projected.tools.feed(stored.event)
@@ -246,7 +244,7 @@ class Writer:
         rows = await conn.execute(
             select(EVENTS.c.position, EVENTS.c.recorded_at, EVENTS.c.hash, EVENTS.c.data)
             .where(EVENTS.c.session_id == session_id).order_by(EVENTS.c.seq))
-        open_ = OpenSession(Session(session_id, self.policy))
+        open_ = OpenSession(Session(session_id))
         for row in rows.all():
             stored = StoredEvent.from_row(*row)
             open_.session.load(stored.event)
@@ -269,7 +267,7 @@ class Writer:
     def _apply(self, request: Request, recorded_at: str, foreign: dict[str, str],
                touched: dict[str, OpenSession]) -> list[StoredEvent]:
         sid = request.session_id
-        open_ = self.open.get(sid) or OpenSession(Session(sid, self.policy))
+        open_ = self.open.get(sid) or OpenSession(Session(sid))
         originals: list[StoredEvent] = []
         fresh: list[Event] = []
         for event in request.events:

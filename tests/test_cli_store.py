@@ -125,7 +125,7 @@ def test_replay_diff_lists_sessions_a_new_policy_decides_otherwise(
     db = str(tmp_path / "t.db")
     imported(capsys, db, examples, "clean", "context_window_reported")
     code, out, _ = run(capsys, "replay", "--db", db, "--all", "--diff")
-    assert code == 0 and "0 of 2 sessions differ under v1" in out
+    assert code == 0 and "0 of 2 sessions differ under each session's own policy" in out
     register_policy(Policy(name="test-strict", outcome_table={
         **V1_OUTCOME_TABLE, "context_window": ("retry", False)}))
     code, out, _ = run(capsys, "replay", "--db", db, "--all", "--diff",
@@ -157,15 +157,15 @@ def test_out_of_date_database_names_the_upgrade(capsys: Any, tmp_path: Path) -> 
     assert code == 2 and f"trialledger db upgrade --db {db}" in err
 
 
-def test_replay_diff_under_the_example_v2_policy_names_the_probed_session(
+def test_replay_diff_under_the_example_policy_names_the_probed_session(
         capsys: Any, tmp_path: Path) -> None:
     from tests.golden import GOLDEN
 
     db = str(tmp_path / "golden.db")
     for path in sorted(GOLDEN.glob("*.jsonl")):
         assert run(capsys, "import", "--db", db, str(path))[0] == 0
-    policy = str(Path(__file__).parent.parent / "examples" / "policy_v2.py")
-    code, out, _ = run(capsys, "replay", "--db", db, "--all", "--diff", "--policy", "v2",
+    policy = str(Path(__file__).parent.parent / "examples" / "policy_no_probe.py")
+    code, out, _ = run(capsys, "replay", "--db", db, "--all", "--diff", "--policy", "no-probe",
                        "--policy-file", policy, "--json")
     (differs,) = json.loads(out)
     assert code == 1 and (differs["recorded"], differs["derived"]) == (

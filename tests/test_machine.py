@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from hypothesis import given, settings
 
@@ -11,6 +13,7 @@ from trialledger.core import IllegalTransition, Session, parse_event, replay
 from trialledger.core.canonical import event_id_for
 from trialledger.core.events import EVENT_TYPES
 from trialledger.core.machine import STATES, TRANSITIONS
+from trialledger.core.policy import POLICIES, V2, Policy, register_policy
 
 # A log prefix that leaves a session in each state.
 REACH = {
@@ -144,11 +147,35 @@ def test_replay_divergence_keeps_later_events_unapplied() -> None:
 
 
 def test_before_divergence_an_illegal_event_raises() -> None:
-    log = [*SCENARIOS["http_429"][0].events,
+    # Before any decision: the machine refuses exactly as a live append would.
+    log = [*SCENARIOS["http_429"][0].events[:2],
            {"type": "sandbox.probed", "at": "2026-11-29T10:00:00Z", "data": {"alive": True}}]
     with pytest.raises(IllegalTransition) as caught:
         replay(log)
     assert caught.value.index == len(log) - 1
+
+
+@pytest.fixture
+def no_probe() -> Iterator[str]:
+    """A registered policy that never probes, removed after the test."""
+    policy = register_policy(Policy(name="test-no-probe",
+                                    rules=tuple(r for r in V2.rules if r.name != "probe")))
+    yield policy.name
+    del POLICIES[policy.name]
+
+
+def test_an_evidence_only_log_under_another_policy_diverges_with_nothing_recorded(
+        no_probe: str) -> None:
+    # Recorded without decisions by a harness whose policy probed; the replay's own
+    # decision (retry) makes the probe inapplicable: a divergence, not an error (SPEC §3).
+    log = [e for e in SCENARIOS["recovered_then_killed_probe"][0].events
+           if e["type"] != "outcome.decided"]
+    assert "sandbox.probed" in [e["type"] for e in log]
+    view = replay(log, policy=no_probe)
+    assert view.diverged_at is not None and view.diverged_at.recorded is None
+    assert view.diverged_at.derived is not None and view.diverged_at.derived.action == "retry"
+    assert "sandbox.probed" in [e.type for e in view.unapplied]
+    assert view.outcome == "retry"
 
 
 def test_outcomes() -> None:
