@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from trialledger.core import BadEvent, IllegalTransition, TrialLedgerError, parse_jsonl, replay
 from trialledger.store import Ledger
-from trialledger.store.engine import DEFAULT_DB, make_engines
+from trialledger.store.engine import DEFAULT_DB, make_engines, shown
 from trialledger.store.migrate import current_revision, upgrade
 from trialledger.store.query import DEFAULT_TIMEOUT_S, run_query
 
@@ -128,7 +128,7 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
         finally:
             await engines.dispose()
 
-    out.print(f"{args.db}: schema at revision {anyio.run(go)}")
+    out.print(f"{shown(args.db)}: schema at revision {anyio.run(go)}")
     return EXIT_OK
 
 
@@ -163,7 +163,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     lines = anyio.run(go)
     if not lines:
-        raise Refused(f"no session {args.session} in {args.db}")
+        raise Refused(f"no session {args.session} in {shown(args.db)}")
     for line in lines:
         sys.stdout.write(json.dumps(line, ensure_ascii=False) + "\n")
     return EXIT_OK
@@ -575,7 +575,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except (OSError, SQLAlchemyError) as error:
         reason = str(error).splitlines()[0]
-        print(f"trialledger: cannot use the database {args.db}: {reason}", file=sys.stderr)
+        print(f"trialledger: cannot use the database {shown(args.db)}: "
+              f"{shown(args.db, reason)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     assert isinstance(code, int)
     return code

@@ -41,12 +41,12 @@ def scrub(text: str, secrets: Iterable[str]) -> str:
     """Replace each maximal run of characters covered by a secret's echo with `[redacted]`.
 
     Each secret matches as written and JSON-escaped (ASCII and not), whole or cut to a
-    prefix of at least 8 characters; one pass over the original text.
+    prefix of at least 8 characters; one pass over the original text. A header value
+    `Bearer X` (`Basic X`, `Token X`) also matches as `X` alone.
     """
     spans = sorted(
         span
-        for secret in secrets
-        if secret
+        for secret in expand(secrets)
         for form in _forms(secret)
         for span in _echo_spans(text, form)
     )
@@ -83,6 +83,12 @@ def scrub_data(value: Any, secrets: Sequence[str]) -> Any:
     if isinstance(value, list | tuple):
         return [scrub_data(item, secrets) for item in value]
     return value
+
+
+def expand(secrets: Iterable[str]) -> list[str]:
+    """The secrets to match: each given one and, for `Bearer X` & co., `X` too."""
+    return list(dict.fromkeys(s for secret in secrets if secret
+                              for s in header_secrets(secret)))
 
 
 def header_secrets(value: str) -> list[str]:

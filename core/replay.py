@@ -29,6 +29,7 @@ from trialledger.core.events import (
 from trialledger.core.machine import Session, State
 from trialledger.core.observations import Observations, observe
 from trialledger.core.policy import Policy
+from trialledger.core.seed import seal_seed
 from trialledger.core.usage import recover_usage
 
 Outcome = Literal["retry", "verify", "unverified", "interrupted", "pending"]
@@ -181,7 +182,8 @@ def rederive(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy |
     """Fold a recorded log, re-deriving its decisions (no view is built); `policy` None
     means the seed's policy (SPEC §3 "Which policy")."""
     given = list(events)
-    parsed = _parsed(given)
+    sealed, _ = seal_seed(given)  # raw grant header values never reach the view
+    parsed = _parsed(sealed)
     replayer = Replayer(_session_id(parsed, given[0] if given else None), policy,
                         default=recorded_policy(parsed))
     for index, event in enumerate(parsed):

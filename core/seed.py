@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trialledger.core.errors import SeedRejected
 from trialledger.core.events import SessionSeededData, StoredGrant
-from trialledger.core.redact import REDACTED, fingerprint, header_secrets
+from trialledger.core.redact import REDACTED, fingerprint, header_secrets, scrub_data
 
 GRANT_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -172,3 +172,36 @@ def validate_seed(
         secrets=tuple(dict.fromkeys(secrets)),
         skipped=tuple(skipped),
     )
+
+
+def seal_seed(events: Sequence[Any]) -> tuple[list[Any], tuple[str, ...]]:
+    """A recorded log whose seed carries raw grant header values, as a live seed would be
+    stored (SPEC §7): each value `[redacted]` with its fingerprint, and every event's
+    data scrubbed of them. Returns the log and the secrets found (none: the log as given).
+    """
+    first = events[0] if events else None
+    if not (isinstance(first, Mapping) and first.get("type") == "session.seeded"
+            and isinstance(first.get("data"), Mapping)):
+        return list(events), ()
+    grants = first["data"].get("grants")
+    secrets: list[str] = []
+    sealed_grants = []
+    for grant in grants if isinstance(grants, list) else []:
+        headers = grant.get("headers") if isinstance(grant, Mapping) else None
+        if not isinstance(headers, Mapping):
+            sealed_grants.append(grant)
+            continue
+        raw = {k: v for k, v in headers.items() if isinstance(v, str) and v != REDACTED}
+        for value in raw.values():
+            secrets += header_secrets(value)
+        fingerprints = dict(grant.get("header_fingerprints") or {})
+        fingerprints.update({k: fingerprint(v) for k, v in raw.items()})
+        sealed_grants.append({**grant, "headers": {k: REDACTED if k in raw else v
+                                                   for k, v in headers.items()},
+                              **({"header_fingerprints": fingerprints} if raw else {})})
+    if not secrets:
+        return list(events), ()
+    found = tuple(dict.fromkeys(secrets))
+    seed = {**first, "data": {**first["data"], "grants": sealed_grants}}
+    return [scrub_data(e, found) if isinstance(e, Mapping) else e
+            for e in [seed, *events[1:]]], found

@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import event, text
+from sqlalchemy import event, make_url, text
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 DEFAULT_DB = "trials.db"
@@ -35,6 +36,20 @@ def async_url(db: str) -> str:
     if "://" in db:
         return db
     return "sqlite+aiosqlite:///" + os.path.abspath(db)
+
+
+def shown(db: str, text: str | None = None) -> str:
+    """`db` (or `text` that may quote it) with the URL's password masked, for messages."""
+    if "://" not in db:
+        return db if text is None else text
+    try:
+        url = make_url(db)
+    except ArgumentError:
+        return "(an unparsable database URL)" if text is None else text
+    masked = url.render_as_string(hide_password=True)
+    if text is None:
+        return masked
+    return text.replace(url.password, "***") if url.password else text
 
 
 def sqlite_path(url: str) -> str | None:

@@ -35,9 +35,10 @@ from trialledger.core import (
     scrub_data,
     validate_seed,
 )
-from trialledger.core.canonical import first_broken_link
+from trialledger.core.canonical import first_broken_link, session_id_for_seed
 from trialledger.core.policy import DEFAULT_POLICY
 from trialledger.core.replay import rederive, view_of
+from trialledger.core.seed import seal_seed
 from trialledger.store.engine import DEFAULT_DB, Engines, Synchronous, make_engines
 from trialledger.store.migrate import ensure_current
 from trialledger.store.projections import SESSION_COLUMNS
@@ -213,8 +214,12 @@ class Ledger:
         Recorded decisions are re-derived, not copied; a log whose recorded decisions the
         machine does not reproduce is refused (importing it would drop evidence).
         """
-        secret_list = tuple(s for s in secrets if s)
-        raw = [scrub_data(dict(e), secret_list) for e in events]
+        given = list(events)
+        raw, sealed = seal_seed(given)  # a seed with raw header values
+        if sealed and not raw[0].get("session_id"):  # named as replay names it: as written
+            raw[0] = {**raw[0], "session_id": session_id_for_seed(given[0]["data"])}
+        secret_list = tuple(s for s in (*secrets, *sealed) if s)
+        raw = [scrub_data(dict(e), secret_list) for e in raw]
         folded = rederive(raw)  # under the seed's own policy
         session = folded.session
         if folded.diverged_at is not None:

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from trialledger import migrations
 from trialledger.core.errors import TrialLedgerError
+from trialledger.store.engine import shown
 
 SCRIPT_LOCATION = str(Path(migrations.__file__).resolve().parent)
 
@@ -88,6 +89,6 @@ async def ensure_current(engine: AsyncEngine, *, db: str) -> None:
         await upgrade(engine)
         return
     raise SchemaOutOfDate(
-        f"database {db} is at schema revision {current or 'none'}, this trialledger needs "
-        f"{head}: run `trialledger db upgrade --db {db}` (back it up first)"
+        f"database {shown(db)} is at schema revision {current or 'none'}, this trialledger "
+        f"needs {head}: run `trialledger db upgrade --db {shown(db)}` (back it up first)"
     )

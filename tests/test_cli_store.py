@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,16 @@ def test_replay_diff_under_the_example_policy_names_the_probed_session(
     (differs,) = json.loads(out)
     assert code == 1 and (differs["recorded"], differs["derived"]) == (
         "probe/probe", "execution_error/retry")
+
+
+def test_a_database_password_is_never_shown(capsys: Any) -> None:
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # connections are refused
+    port = closed.getsockname()[1]
+    try:
+        code, out, err = run(capsys, "ls", "--db",
+                             f"postgresql://analyst:Pw-Hunter2-xyz@127.0.0.1:{port}/trials")
+    finally:
+        closed.close()
+    assert code == 2 and "Pw-Hunter2" not in out + err
+    assert "postgresql://analyst:***@127.0.0.1" in err and len(err.strip().splitlines()) == 1

@@ -68,3 +68,55 @@ def test_the_check_would_see_a_leak(tmp_path: Path, secret: str) -> None:
     leak.write_bytes(b"[redacted] ... " + secret[3:14].encode())
     with pytest.raises(AssertionError, match="of a secret is on disk"):
         _files_hold_no_piece([leak])
+
+
+def _raw_seed_log() -> list[dict[str, Any]]:
+    """A log from another harness whose seed carries the raw header value."""
+    seed = seed_data(grants=[{"name": "docs", "kind": "mcp", "url": "http://127.0.0.1:1/mcp",
+                              "headers": {"Authorization": f"Bearer {TOKEN}"}}])
+    echo = {"type": "agent.stderr", "at": "2026-11-29T09:00:00Z",
+            "data": {"tail": f"token was {TOKEN}", "truncated": False}}
+    events = run_of("clean")
+    return [{"type": "session.seeded", "at": "2026-11-29T08:00:00Z", "data": seed},
+            *events[:5], echo, *events[5:]]
+
+
+async def _import_raw(db: str) -> str:
+    async with await Ledger.open(db) as ledger:
+        sid = await ledger.import_log(_raw_seed_log())
+        if ledger.dialect == "postgresql":
+            async with ledger._engines.writer.connect() as conn:
+                await conn.execute(text("CHECKPOINT"))
+        view = await ledger.view(sid)
+    (grant,) = view.events[0].data.grants
+    assert grant.headers == {"Authorization": "[redacted]"}
+    assert grant.header_fingerprints["Authorization"].startswith("sha256:")
+    return sid
+
+
+def test_an_imported_raw_seed_is_sealed_sqlite(tmp_path: Path) -> None:
+    anyio.run(_import_raw, str(tmp_path / "trials.db"))
+    _files_hold_no_piece(sorted(tmp_path.glob("trials.db*")))
+
+
+def test_an_imported_raw_seed_is_sealed_postgresql(postgres: Any) -> None:
+    anyio.run(_import_raw, postgres.create_database())
+    _files_hold_no_piece(sorted(Path(postgres.folder, "data").rglob("*")))
+
+
+def test_a_replayed_raw_seed_shows_no_token() -> None:
+    from trialledger.core import replay
+
+    view = replay(_raw_seed_log())
+    shown = view.model_dump_json()
+    assert TOKEN[:8] not in shown and "[redacted]" in shown
+
+
+def test_scrub_expands_authorization_schemes_itself() -> None:
+    from trialledger.core import redact, scrub
+
+    for scheme in ("Bearer", "basic", "TOKEN"):
+        header = f"{scheme} {TOKEN}"
+        assert scrub(f"raw {TOKEN} and cut {TOKEN[:10]}", [header]) == (
+            "raw [redacted] and cut [redacted]")
+        assert TOKEN[:8] not in redact(f"x {TOKEN}", [header])
