@@ -93,7 +93,8 @@ def decision_row(session_id: str, seq: int, at: str, decision: Decision) -> Row:
         "cause_kind": cause.kind if cause else None,
         "cause_message": cause.message if cause else None,
         "status_code": cause.status_code if cause else None,
-        "incomplete_reason": decision.incomplete_reason, "reward_valid": decision.reward_valid,
+        "incomplete_reason": decision.incomplete_reason,
+        "reward_valid": int(decision.reward_valid),  # INTEGER 0/1 on every database
         "input_tokens": usage.input_tokens if usage else None,
         "cached_input_tokens": usage.cached_input_tokens if usage else None,
         "output_tokens": usage.output_tokens if usage else None,

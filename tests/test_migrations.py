@@ -59,10 +59,13 @@ async def test_a_populated_database_upgrades_from_every_earlier_revision(
         try:
             async with engines.writer.begin() as conn:  # the same data, as the old schema held it
                 for table, table_rows in rows.items():
+                    flags = await conn.run_sync(lambda c, t=table: [
+                        str(col["type"]) == "BOOLEAN" for col in inspect(c).get_columns(t)])
                     for row in table_rows:
                         marks = ", ".join(f":c{i}" for i in range(len(row)))
-                        await conn.execute(text(f"INSERT INTO {table} VALUES ({marks})"),
-                                           {f"c{i}": v for i, v in enumerate(row)})
+                        await conn.execute(text(f"INSERT INTO {table} VALUES ({marks})"), {
+                            f"c{i}": bool(v) if flag else v
+                            for i, (v, flag) in enumerate(zip(row, flags, strict=True))})
             await upgrade(engines.writer)
             assert await current_revision(engines.writer) == head_revision()
         finally:
@@ -73,3 +76,23 @@ async def test_a_populated_database_upgrades_from_every_earlier_revision(
         async with await Ledger.open(old) as ledger:
             assert (await ledger.audit()).ok
             assert len(await ledger.sessions()) == len(CASES)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+async def test_flags_are_integers_an_analyst_can_sum(
+        kind: str, tmp_path: Any, request: pytest.FixtureRequest) -> None:
+    db = (str(tmp_path / "t.db") if kind == "sqlite"
+          else request.getfixturevalue("postgres").create_database())
+    async with await Ledger.open(db) as ledger:
+        for name in CASES:
+            await ledger.import_log(SCENARIOS[name][0].events)
+    engines = make_engines(db)
+    try:
+        async with engines.reader.begin() as conn:
+            for view in ("outcomes", "decisions"):
+                total = (await conn.execute(text(
+                    f"SELECT SUM(reward_valid), COUNT(*) FROM {view} WHERE reward_valid = 1"
+                ))).one()
+                assert total[0] == total[1] > 0
+    finally:
+        await engines.dispose()
