@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from rich.console import Console
@@ -263,7 +264,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return await SessionRunner(ledger, task, options).run_trial()
 
     try:
-        results = anyio.run(go)
+        results = anyio.run(until_signalled, go)
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
         raise Refused(str(error)) from None
     for result in results:
@@ -341,6 +342,41 @@ def _brief(value: Any, width: int = 90) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+class Interrupted(Exception):
+    """A run stopped by SIGINT, SIGTERM or SIGHUP (its sessions closed `cancelled`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+T = TypeVar("T")
+
+
+async def until_signalled(work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work`; SIGINT, SIGTERM and SIGHUP (docker, systemd, Kubernetes, Slurm) all
+    cancel it the same way — its cleanup runs, the agent is stopped, the session closed
+    `cancelled`, its folder removed — and then raise `Interrupted`."""
+    done: list[T] = []
+    caught: list[int] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM,
+                                            signal.SIGHUP) as signals:
+                async for signum in signals:
+                    caught.append(signum)
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        done.append(await work())
+        tg.cancel_scope.cancel()
+    if caught or not done:
+        raise Interrupted(caught[0] if caught else signal.SIGINT)
+    return done[0]
+
+
 def _store_files(db: str) -> list[Path]:
     """The store's own file (a SQLite path), which no sandbox may mount."""
     return [] if "://" in db and not db.startswith("sqlite") else [
@@ -395,7 +431,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                   progress=lambda name: out.print(f"running sample {name} …"))
 
     try:
-        results = anyio.run(go)
+        results = anyio.run(until_signalled, go)
     except SandboxRefused as error:
         raise Refused(str(error)) from None
     out.print(f"\n[bold]Outcomes[/bold] ({len(results)} sessions in {args.db})")
@@ -567,6 +603,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int | Awaitable[int]] = args.handler
     try:
         code = handler(args)
+    except Interrupted as error:
+        print(f"trialledger: interrupted by {error}; open sessions were closed cancelled",
+              file=sys.stderr)
+        return 128 + error.signum
+    except KeyboardInterrupt:  # before a command could take the signal itself
+        print("trialledger: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except Refused as error:
         print(f"trialledger: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from sqlalchemy import column, select, table, text
 
 from trialledger.core import (
@@ -113,8 +114,10 @@ class Ledger:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Release the database connections (sessions stay open in the log)."""
-        await self._engines.dispose()
+        """Release the database connections (sessions stay open in the log); runs to the
+        end even when its caller is being cancelled."""
+        with anyio.CancelScope(shield=True):
+            await self._engines.dispose()
 
     @property
     def dialect(self) -> str:

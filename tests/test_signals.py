@@ -1,0 +1,63 @@
+"""SIGTERM, SIGHUP and SIGINT end a real run the same way: the agent stopped, the session
+closed `cancelled` with its evidence, its folder (grant tokens) removed, 128+N."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.runs import codex_path, make_task
+from trialledger.adapters.demo.endpoint import ScriptedEndpoint, shell
+
+
+def _state(db: Path) -> tuple[str, str] | None:
+    if not db.exists():
+        return None
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            row = conn.execute("SELECT session_id, state FROM sessions").fetchone()
+    except sqlite3.Error:
+        return None
+    return (row[0], row[1]) if row else None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_closes_the_session_cancelled_and_removes_its_folder(
+        tmp_path: Path, signum: signal.Signals) -> None:
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    db = tmp_path / "t.db"
+    with ScriptedEndpoint([shell("sleep 60")]) as endpoint:
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "trialledger.cli", "run", str(task.folder), "--db", str(db),
+             "--model-base-url", endpoint.url, "--model", "m", "--codex-bin", codex_path()],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while (seen := _state(db)) is None or seen[1] != "running":
+                assert time.monotonic() < deadline, "the run never started"
+                assert runner.poll() is None, runner.communicate()
+                time.sleep(0.1)
+            session_id = seen[0]
+            time.sleep(1.0)  # the tool call is running
+            runner.send_signal(signum)
+            _, err = runner.communicate(timeout=60)
+        finally:
+            if runner.poll() is None:
+                runner.kill()
+    assert runner.returncode == 128 + signum, err
+    assert len(err.strip().splitlines()) == 1 and "interrupted" in err
+    with sqlite3.connect(db) as conn:
+        state, reason = conn.execute("SELECT state, close_reason FROM sessions").fetchone()
+        kinds = [r[0] for r in conn.execute("SELECT type FROM events ORDER BY seq")]
+    assert (state, reason) == ("closed", "cancelled")
+    assert "item.started" in kinds  # the evidence captured before the signal is kept
+    assert not list(Path("/tmp").glob(f"trialledger-{session_id[:8]}-*"))
+    leftover = subprocess.run(["pgrep", "-f", f"trialledger-{session_id[:8]}"],
+                              capture_output=True, text=True, check=False).stdout
+    assert leftover == ""
