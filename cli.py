@@ -92,7 +92,7 @@ async def _replay_diff(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     differing = []
-    async with await Ledger.open(args.db) as ledger:
+    async with await Ledger.open(args.db, create=False) as ledger:
         sessions = await ledger.sessions()
         with Progress(console=Console(stderr=True), transient=True) as progress:
             task = progress.add_task("re-deriving", total=len(sessions))
@@ -159,7 +159,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write a session's log back as JSONL, with every field."""
 
     async def go() -> list[dict[str, Any]]:
-        async with await Ledger.open(args.db) as ledger:
+        async with await Ledger.open(args.db, create=False) as ledger:
             return await ledger.export(args.session)
 
     lines = anyio.run(go)
@@ -174,7 +174,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     """Verify every session's hash chain and head."""
 
     async def go() -> Any:
-        async with await Ledger.open(args.db) as ledger:
+        async with await Ledger.open(args.db, create=False) as ledger:
             return await ledger.audit()
 
     report = anyio.run(go)
@@ -276,7 +276,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """List sessions with state, outcome, rule, cause and tokens."""
 
     async def go() -> list[dict[str, Any]]:
-        async with await Ledger.open(args.db) as ledger:
+        async with await Ledger.open(args.db, create=False) as ledger:
             return await ledger.listing(task=args.task, state=args.state, cause=args.cause)
 
     rows = anyio.run(go)
@@ -293,7 +293,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     """A session's timeline with durations, and each decision explained."""
 
     async def go() -> Any:
-        async with await Ledger.open(args.db) as ledger:
+        async with await Ledger.open(args.db, create=False) as ledger:
             return await ledger.view(args.session)
 
     view = anyio.run(go)
@@ -359,6 +359,7 @@ async def until_signalled(work: Callable[[], Awaitable[T]]) -> T:
     `cancelled`, its folder removed — and then raise `Interrupted`."""
     done: list[T] = []
     caught: list[int] = []
+    failed: list[Exception] = []  # raised after the group, so it is never an ExceptionGroup
     async with anyio.create_task_group() as tg:
 
         async def watch() -> None:
@@ -370,8 +371,13 @@ async def until_signalled(work: Callable[[], Awaitable[T]]) -> T:
                     return
 
         tg.start_soon(watch)
-        done.append(await work())
+        try:
+            done.append(await work())
+        except Exception as error:
+            failed.append(error)
         tg.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
     if caught or not done:
         raise Interrupted(caught[0] if caught else signal.SIGINT)
     return done[0]

@@ -13,13 +13,16 @@ never skip an event that commits later with a smaller position.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import event, make_url, text
+from sqlalchemy import URL, event, make_url, text
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from trialledger.core.errors import TrialLedgerError
 
 DEFAULT_DB = "trials.db"
 WRITER_LOCK_KEY = 7_402_145_391  # pg_advisory_xact_lock key shared by every writer
@@ -27,15 +30,25 @@ BUSY_TIMEOUT_MS = 30_000
 Synchronous = Literal["FULL", "NORMAL", "EXTRA", "OFF"]
 
 
-def async_url(db: str) -> str:
-    """A SQLAlchemy async URL for `--db`: a URL as given (postgresql:// means asyncpg) or a path."""
-    if db.startswith(("postgresql://", "postgres://")):
-        return "postgresql+asyncpg://" + db.split("://", 1)[1]
-    if db.startswith("sqlite://"):
-        return "sqlite+aiosqlite://" + db.split("://", 1)[1]
-    if "://" in db:
-        return db
-    return "sqlite+aiosqlite:///" + os.path.abspath(db)
+class UnsupportedDatabase(TrialLedgerError):
+    """A `--db` that names neither a SQLite file nor a PostgreSQL server."""
+
+
+def database_url(db: str) -> URL:
+    """The SQLAlchemy async URL for `--db`: a file path, `sqlite:///PATH` or
+    `postgresql://…` (asyncpg). A path may hold `?`, `#` or `%` (it is never parsed)."""
+    if "://" not in db:
+        return URL.create("sqlite+aiosqlite", database=os.path.abspath(db))
+    scheme = db.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme not in ("sqlite", "postgresql", "postgres"):
+        raise UnsupportedDatabase(f"--db {scheme}://… is not supported: give a file path, "
+                                  "sqlite:///PATH or postgresql://USER@HOST/DB")
+    try:
+        url = make_url(db)
+    except ArgumentError:
+        raise UnsupportedDatabase(f"--db {shown(db)}: not a database URL") from None
+    return url.set(drivername="sqlite+aiosqlite" if scheme == "sqlite"
+                   else "postgresql+asyncpg")
 
 
 def shown(db: str, text: str | None = None) -> str:
@@ -52,11 +65,10 @@ def shown(db: str, text: str | None = None) -> str:
     return text.replace(url.password, "***") if url.password else text
 
 
-def sqlite_path(url: str) -> str | None:
-    """The file behind a SQLite URL (None for another database)."""
-    if not url.startswith("sqlite"):
-        return None
-    return url.split(":///", 1)[1].split("?", 1)[0]
+def sqlite_path(db: str) -> str | None:
+    """The file behind a `--db` (None for PostgreSQL)."""
+    url = database_url(db)
+    return url.database if url.get_backend_name() == "sqlite" else None
 
 
 @dataclass(frozen=True)
@@ -98,7 +110,7 @@ class Engines:
         await self.reader.dispose()
 
 
-def _sqlite_engine(url: str, *, begin: str, synchronous: Synchronous) -> AsyncEngine:
+def _sqlite_engine(url: URL, *, begin: str, synchronous: Synchronous) -> AsyncEngine:
     engine = create_async_engine(url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
 
     @event.listens_for(engine.sync_engine, "connect")
@@ -121,14 +133,24 @@ def _sqlite_engine(url: str, *, begin: str, synchronous: Synchronous) -> AsyncEn
     return engine
 
 
+def _create_private(path: str | None) -> None:
+    """A new SQLite file is created 0600 (its -wal and -shm files follow its mode)."""
+    if path is None or path == ":memory:" or os.path.exists(path):
+        return
+    with contextlib.suppress(FileExistsError, FileNotFoundError):  # raced, or no folder
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+
+
 def make_engines(db: str, *, sqlite_synchronous: Synchronous = "FULL") -> Engines:
     """Engines for a `--db` value."""
-    url = async_url(db)
-    if url.startswith("sqlite"):
+    url = database_url(db)
+    if url.get_backend_name() == "sqlite":
+        _create_private(url.database)
         return Engines(
             writer=_sqlite_engine(url, begin="BEGIN IMMEDIATE", synchronous=sqlite_synchronous),
             reader=_sqlite_engine(url, begin="BEGIN", synchronous=sqlite_synchronous),
-            url=url,
+            url=url.render_as_string(hide_password=True),
         )
     writer = create_async_engine(url, pool_size=2)
-    return Engines(writer=writer, reader=create_async_engine(url, pool_size=4), url=url)
+    return Engines(writer=writer, reader=create_async_engine(url, pool_size=4),
+                   url=url.render_as_string(hide_password=True))

@@ -13,6 +13,7 @@ Writes go through one `store.writer.Writer`, which group-commits concurrent appe
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,16 +38,27 @@ from trialledger.core import (
     validate_seed,
 )
 from trialledger.core.canonical import first_broken_link, session_id_for_seed
+from trialledger.core.errors import TrialLedgerError
 from trialledger.core.policy import DEFAULT_POLICY
 from trialledger.core.replay import rederive, view_of
 from trialledger.core.seed import seal_seed
-from trialledger.store.engine import DEFAULT_DB, Engines, Synchronous, make_engines
+from trialledger.store.engine import (
+    DEFAULT_DB,
+    Engines,
+    Synchronous,
+    make_engines,
+    sqlite_path,
+)
 from trialledger.store.migrate import ensure_current
 from trialledger.store.projections import SESSION_COLUMNS
 from trialledger.store.writer import EVENTS, Request, StoredEvent, Writer, now
 
 SESSIONS = table("sessions", *(column(c) for c in SESSION_COLUMNS))
 LIVE_STATES = ("seeded", "starting", "running", "failed-live")
+
+
+class NoDatabase(TrialLedgerError):
+    """A read-only use of a store that does not exist (nothing was created)."""
 
 
 @dataclass(frozen=True)
@@ -93,12 +105,18 @@ class Ledger:
         *,
         policy: str | Policy = DEFAULT_POLICY,
         sqlite_synchronous: Synchronous = "FULL",
+        create: bool = True,
     ) -> Ledger:
         """Open (building a fresh database) a store; refuse one whose schema is out of date.
 
+        `create=False` refuses a SQLite path with no file (read-only callers).
         `policy` is written into every seed that names none (SPEC §3 "Which policy"); each
         session is then decided under its seed's policy, whatever store reads it later.
         """
+        path = sqlite_path(db)
+        if not create and path is not None and not os.path.isfile(path):
+            raise NoDatabase(f"no database at {path} (a new one is made by `trialledger db "
+                             "upgrade` or by a command that writes)")
         engines = make_engines(db, sqlite_synchronous=sqlite_synchronous)
         try:
             await ensure_current(engines.writer, db=db)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import os
 import sqlite3
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +18,8 @@ from trialledger.core.errors import TrialLedgerError
 from trialledger.store.engine import make_engines, sqlite_path
 
 DEFAULT_TIMEOUT_S = 10.0
+MAX_TIMEOUT_S = 3600.0
+RESULT_BUDGET = 64 * 2**20  # bytes of values one query may return
 
 
 class QueryRefused(TrialLedgerError):
@@ -33,22 +38,65 @@ class QueryResult:
         return [dict(zip(self.columns, row, strict=True)) for row in self.rows]
 
 
+# What a read-only query may not do on SQLite, whatever the file's mode: ATTACH and VACUUM
+# INTO create files, pragmas with a value change settings, and these functions reach out.
+_DENIED_FUNCTIONS = frozenset({"load_extension", "fts3_tokenizer", "readfile", "writefile",
+                               "edit"})
+_DENIED_PRAGMAS = frozenset({"wal_checkpoint", "optimize", "incremental_vacuum",
+                             "shrink_memory", "wal_autocheckpoint", "journal_mode"})
+
+
+def _authorize(action: int, first: str | None, second: str | None, *_: object) -> int:
+    if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH):
+        return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_PRAGMA and (second is not None
+                                            or (first or "").lower() in _DENIED_PRAGMAS):
+        return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_FUNCTION and (second or "").lower() in _DENIED_FUNCTIONS:
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, str | bytes) else 8
+
+
+def _collect(fetch: Any, columns: list[str], budget: int) -> QueryResult:
+    """Rows fetched in batches until the result passes `budget` bytes (then refused)."""
+    rows: list[tuple[Any, ...]] = []
+    used = 0
+    while batch := fetch(500):
+        for row in batch:
+            used += sum(_size(v) for v in row)
+            if used > budget:
+                raise QueryRefused(f"the result passes {budget // 2**20} MiB; "
+                                   "narrow it (LIMIT, fewer columns)")
+            rows.append(tuple(row))
+    return QueryResult(columns, rows)
+
+
 def _sqlite_query(path: str, sql: str, timeout_s: float) -> QueryResult:
     deadline = time.monotonic() + timeout_s
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
+    if not os.path.isfile(path):
+        raise QueryRefused(f"no database at {path}")
+    conn = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True,
+                           timeout=timeout_s)
     try:
         conn.execute("PRAGMA query_only = ON")
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, RESULT_BUDGET)
+        conn.set_authorizer(_authorize)
         conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
         cursor = conn.execute(sql)
-        rows = cursor.fetchall()
         columns = [d[0] for d in cursor.description or []]
-        return QueryResult(columns, [tuple(r) for r in rows])
-    except sqlite3.OperationalError as error:
-        if str(error) == "interrupted":
-            raise QueryRefused(f"query ran past its {timeout_s:g} s limit") from None
-        raise QueryRefused(str(error)) from None
-    except sqlite3.Error as error:
-        raise QueryRefused(str(error)) from None
+        return _collect(cursor.fetchmany, columns, RESULT_BUDGET)
+    except (sqlite3.Error, ValueError, OverflowError, MemoryError) as error:
+        reason = str(error) or type(error).__name__
+        if reason == "interrupted":
+            reason = f"query ran past its {timeout_s:g} s limit"
+        elif reason.startswith("not authorized") or reason == "authorization denied":
+            reason = ("not allowed in a read-only query (ATTACH, VACUUM INTO, PRAGMA writes "
+                      "and extension functions are refused)")
+        raise QueryRefused(reason) from None
     finally:
         conn.close()
 
@@ -58,11 +106,12 @@ async def _postgres_query(db: str, sql: str, timeout_s: float) -> QueryResult:
     try:
         async with engines.reader.connect() as conn:  # rolled back when it closes
             conn = await conn.execution_options(postgresql_readonly=True)
-            await conn.execute(text(f"SET LOCAL statement_timeout = {int(timeout_s * 1000)}"))
+            limit_ms = max(1, int(timeout_s * 1000))  # 0 would mean no limit
+            await conn.execute(text(f"SET LOCAL statement_timeout = {limit_ms}"))
             result = await conn.exec_driver_sql(sql)
-            columns = list(result.keys())
-            rows = [tuple(r) for r in result.all()] if result.returns_rows else []
-            return QueryResult(columns, rows)
+            if not result.returns_rows:
+                return QueryResult([], [])
+            return _collect(result.fetchmany, list(result.keys()), RESULT_BUDGET)
     except DBAPIError as error:
         reason = str(error.orig).splitlines()[0] if error.orig else str(error)
         if "statement timeout" in reason:
@@ -73,10 +122,11 @@ async def _postgres_query(db: str, sql: str, timeout_s: float) -> QueryResult:
 
 
 async def run_query(db: str, sql: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> QueryResult:
-    """Run one read-only statement against a store; refuse writes and overlong queries."""
-    engines = make_engines(db)
-    path = sqlite_path(engines.url)
-    await engines.dispose()
+    """Run one read-only statement against a store; refuse writes, files, overlong queries
+    and results over the byte budget."""
+    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise QueryRefused(f"--timeout must be more than 0 and at most {MAX_TIMEOUT_S:g} s")
+    path = sqlite_path(db)
     if path is not None:
         return await anyio.to_thread.run_sync(_sqlite_query, path, sql, timeout_s)
     return await _postgres_query(db, sql, timeout_s)

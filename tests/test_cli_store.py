@@ -184,3 +184,61 @@ def test_a_database_password_is_never_shown(capsys: Any) -> None:
         closed.close()
     assert code == 2 and "Pw-Hunter2" not in out + err
     assert "postgresql://analyst:***@127.0.0.1" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["ls"], ["audit"], ["show", "abc"],
+                                  ["export", "--session", "abc"], ["replay", "--all", "--diff"],
+                                  ["sql", "SELECT 1"]])
+def test_read_only_commands_refuse_a_missing_database_and_create_nothing(
+        capsys: Any, tmp_path: Path, argv: list[str]) -> None:
+    typo = tmp_path / "typo.db"
+    code, _, err = run(capsys, *argv, "--db", str(typo))
+    assert code == 2 and err.count("\n") == 1 and "no database" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("query, why", [
+    ("ATTACH '{dir}/attached.db' AS a", "not allowed"),
+    ("VACUUM INTO '{dir}/copy.db'", "not allowed"),
+    ("PRAGMA user_version = 7", "not allowed"),
+    ("SELECT load_extension('/nonexistent')", "not allowed"),
+    ("SELECT zeroblob(900000000) FROM outcomes", "too big"),
+    ("WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) "
+     "SELECT printf('%.2000c', 'x') FROM r LIMIT 100000", "MiB"),
+])
+def test_sql_refuses_what_would_write_reach_out_or_exhaust_memory(
+        capsys: Any, tmp_path: Path, examples: Path, query: str, why: str) -> None:
+    db = str(tmp_path / "t.db")
+    imported(capsys, db, examples, "clean")
+    def files() -> list[str]:  # (a reader of a WAL database may add its -wal and -shm)
+        return sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(("-wal", "-shm")))
+
+    before = files()
+    code, _, err = run(capsys, "sql", "--db", db, query.format(dir=tmp_path))
+    assert code == 2 and why in err and err.count("\n") == 1, err
+    assert files() == before
+
+
+@pytest.mark.parametrize("timeout", ["nan", "0", "-1", "inf"])
+def test_sql_timeout_must_be_a_real_limit(capsys: Any, tmp_path: Path, examples: Path,
+                                          timeout: str) -> None:
+    db = str(tmp_path / "t.db")
+    imported(capsys, db, examples, "clean")
+    code, _, err = run(capsys, "sql", "--db", db, "--timeout", timeout, "SELECT 1")
+    assert code == 2 and "--timeout" in err
+
+
+def test_sql_reads_a_path_with_uri_characters(capsys: Any, tmp_path: Path,
+                                              examples: Path) -> None:
+    folder = tmp_path / "odd %20 #x ?y"
+    folder.mkdir()
+    db = str(folder / "t.db")
+    imported(capsys, db, examples, "clean")
+    code, out, err = run(capsys, "sql", "--db", db, "--json", "SELECT COUNT(*) AS n FROM sessions")
+    assert code == 0 and json.loads(out) == [{"n": 1}], err
+
+
+@pytest.mark.parametrize("db", ["mysql://u@h/db", "http://example.com/x"])
+def test_an_unsupported_database_url_is_one_line(capsys: Any, db: str) -> None:
+    code, _, err = run(capsys, "ls", "--db", db)
+    assert code == 2 and "not supported" in err and err.count("\n") == 1

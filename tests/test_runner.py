@@ -323,3 +323,15 @@ async def test_a_launch_that_cannot_spawn_is_a_lost_sandbox(
     assert (d.rule, d.action, ran.view.outcome) == ("sandbox_lost", "retry", "retry")
     assert "could not be spawned" in d.error
     assert "agent.exited" not in [e.type for e in ran.view.events]
+
+
+async def test_an_unusable_archive_folder_is_skipped_and_the_verifier_still_runs(
+        db: str, task: Any, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    ran = await run_task(db, task, [message()],
+                         settings={"sandbox_logs_dir": str(blocker / "logs")})
+    skipped = next(e for e in ran.view.events if e.type == "archive.skipped").data
+    assert skipped.reason == "error"
+    assert ran.view.outcome == "verify" and ran.view.rewards == {"reward": 1.0}
+    assert ran.view.events[-1].data.reason == "normal"
