@@ -8,6 +8,7 @@ transition, an unknown policy, an out-of-date database), with one line saying wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 
-from trialledger.core import BadEvent, IllegalTransition, TrialLedgerError, parse_jsonl, replay
+from trialledger.core import BadEvent, IllegalTransition, TrialLedgerError, replay
 from trialledger.store import Ledger
 from trialledger.store.engine import DEFAULT_DB, make_engines, shown
 from trialledger.store.migrate import current_revision, upgrade
@@ -36,11 +37,12 @@ class Refused(Exception):
 
 
 def _read_log(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    from trialledger.adapters.logfile import LogUnreadable, read_jsonl
+
     try:
-        with path.open(encoding="utf-8") as lines:
-            numbered = list(parse_jsonl(lines))
-    except OSError as error:
-        raise Refused(f"cannot read {path}: {error.strerror}") from None
+        numbered = read_jsonl(path)
+    except LogUnreadable as error:
+        raise Refused(str(error)) from None
     except BadEvent as error:
         raise Refused(f"{path}: {error}") from None
     return [obj for _, obj in numbered], [number for number, _ in numbered]
@@ -69,6 +71,9 @@ def _load_policy_file(path: str | None) -> None:
         runpy.run_path(path)
     except OSError as error:
         raise Refused(f"--policy-file {path}: {error.strerror}") from None
+    except Exception as error:  # the file's own bug: one line, never "decisions differ"
+        raise Refused(f"--policy-file {path} raised {type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''}") from None
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -619,9 +624,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Refused as error:
         print(f"trialledger: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (TrialLedgerError, KeyError) as error:
-        print(f"trialledger: {str(error).strip(chr(39))}", file=sys.stderr)
+    except TrialLedgerError as error:
+        print(f"trialledger: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `trialledger export … | head`: the reader left, quietly
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (OSError, SQLAlchemyError) as error:
         reason = str(error).splitlines()[0]
         print(f"trialledger: cannot use the database {shown(args.db)}: "

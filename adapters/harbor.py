@@ -10,11 +10,18 @@ is recorded confirmed with gap `cleanup_assumed`; a local job keeps only each tr
 last attempt, so the job's `n_retries` is recorded as gap `harbor_retries_discarded`.
 Our decision is re-derived from those events; Harbor's rewards become
 `verification.recorded` only where it is `verify`, and are otherwise only compared.
+
+A job folder is written by agents' harnesses and holds agents' files: it is read without
+following links (not even out of the folder), regular files only, under caps. An unsafe
+`codex.txt` or rollout is gap `unsafe_agent_file`; a trial whose `result.json` is missing,
+unsafe or malformed refuses the whole job (`HarborJobInvalid` naming the trial) before
+anything is stored.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +29,25 @@ from typing import Any
 
 from trialledger.adapters.codex.rollout import usage_events
 from trialledger.adapters.codex.stream import parse_stream_line
-from trialledger.core import SessionView, redact, replay
+from trialledger.adapters.sandbox.agentfiles import AgentTree, LongLine, UnsafeAgentFile
+from trialledger.core import (
+    BadEvent,
+    IllegalTransition,
+    SessionView,
+    TrialLedgerError,
+    redact,
+    replay,
+)
 from trialledger.store import Ledger
 
 TIMEOUT_ERRORS = frozenset({"AgentTimeoutError"})
 EXIT_CODE = re.compile(r"exit(?:ed with)? code (-?\d+)", re.IGNORECASE)
 IMPORT_RUNNER = "harbor-import"
+RESULT_LIMIT = 16 * 2**20  # bytes of a result.json
+
+
+class HarborJobInvalid(TrialLedgerError):
+    """A job folder that cannot be imported (the message names the trial and why)."""
 
 
 @dataclass(frozen=True)
@@ -84,10 +104,48 @@ def _at(result: dict[str, Any], *path: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def trial_events(trial: Path, *, job_retries: int = 0) -> tuple[str, list[dict[str, Any]],
-                                                                 dict[str, Any]]:
+def _result(job: AgentTree, trial: str) -> dict[str, Any]:
+    try:
+        result = json.loads(job.read(f"{trial}/result.json", RESULT_LIMIT).decode("utf-8"))
+    except UnsafeAgentFile as error:
+        raise HarborJobInvalid(f"trial {trial}: result.json {error.rule}") from None
+    except (ValueError, RecursionError) as error:
+        raise HarborJobInvalid(f"trial {trial}: result.json is not JSON "
+                               f"({type(error).__name__})") from None
+    if not isinstance(result, dict):
+        raise HarborJobInvalid(f"trial {trial}: result.json is not a JSON object")
+    return result
+
+
+def _text_lines(job: AgentTree, path: str, gaps: list[dict[str, Any]], at: str
+                ) -> list[str]:
+    """A file's lines, read safely; an unsafe file or over-long line is a gap."""
+    lines: list[str] = []
+    try:
+        for line in job.lines(path):
+            if isinstance(line, LongLine):
+                gaps.append(UnsafeAgentFile(path, f"a {line.size}-byte line, over the cap "
+                                                  "(skipped)").gap())
+            else:
+                lines.append(line.decode("utf-8", errors="replace"))
+    except UnsafeAgentFile as error:
+        if error.rule != "missing":
+            gaps.append(error.gap())
+    return lines
+
+
+def trial_events(job: AgentTree, trial: str, *, job_retries: int = 0
+                 ) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
     """The session id, our events (without verification or close) and Harbor's result."""
-    result = json.loads((trial / "result.json").read_text(encoding="utf-8"))
+    try:
+        return _trial_events(job, trial, _result(job, trial), job_retries)
+    except (TypeError, ValueError, AttributeError, KeyError) as error:
+        raise HarborJobInvalid(f"trial {trial}: result.json has an unexpected shape "
+                               f"({type(error).__name__})") from None
+
+
+def _trial_events(job: AgentTree, trial: str, result: dict[str, Any], job_retries: int
+                  ) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
     started = _at(result, "started_at") or "1970-01-01T00:00:00Z"
     run_start = _at(result, "agent_execution", "started_at") or started
     run_end = _at(result, "agent_execution", "finished_at") or run_start
@@ -96,9 +154,9 @@ def trial_events(trial: Path, *, job_retries: int = 0) -> tuple[str, list[dict[s
         result, "config", "agent", "model_name") or "unknown"
     events: list[dict[str, Any]] = [
         {"type": "session.seeded", "at": started, "data": {
-            "trial_id": str(result.get("trial_name") or trial.name), "attempt": 1,
+            "trial_id": str(result.get("trial_name") or trial), "attempt": 1,
             "retry_of": None, "runner_id": IMPORT_RUNNER,
-            "task": str(result.get("task_name") or trial.name), "instruction": "",
+            "task": str(result.get("task_name") or trial), "instruction": "",
             "agent": {"name": str(agent.get("name", "codex")),
                       "version": str(agent.get("version", "unknown"))},
             "model": model, "settings": {}, "grants": []}},
@@ -113,22 +171,23 @@ def trial_events(trial: Path, *, job_retries: int = 0) -> tuple[str, list[dict[s
             "detail": f"the job retried {job_retries} trial(s); Harbor keeps only the last "
                       "attempt of each, so earlier attempts of this trial may be missing"}})
     stderr: list[str] = []
-    codex_log = trial / "agent" / "codex.txt"
-    if codex_log.is_file():
-        for line in codex_log.read_text(encoding="utf-8", errors="replace").splitlines():
-            record = parse_stream_line(line)
-            if record.gap is not None:  # not JSON: Harbor pipes stderr into the same file
-                stderr.append(line)
-                continue
-            events += record.events(run_end)
+    gaps: list[dict[str, Any]] = []
+    for line in _text_lines(job, f"{trial}/agent/codex.txt", gaps, run_end):
+        record = parse_stream_line(line)
+        if record.gap is not None:  # not JSON: Harbor pipes stderr into the same file
+            stderr.append(line)
+            continue
+        events += record.events(run_end)
     if stderr:
         text = "\n".join(stderr)
         events.append({"type": "agent.stderr", "at": run_end,
                        "data": {"tail": redact(text, ()), "truncated": len(text) > 2000}})
-    rollout_lines: list[str] = []
-    for path in sorted((trial / "agent" / "sessions").rglob("rollout-*.jsonl")):
-        rollout_lines += path.read_text(encoding="utf-8", errors="replace").splitlines()
+    rollouts, refused = job.find(f"{trial}/agent/sessions", "rollout-*.jsonl")
+    gaps += [error.gap() for error in refused]
+    rollout_lines = [line for path in rollouts
+                     for line in _text_lines(job, path, gaps, run_end)]
     events += usage_events(rollout_lines, at=run_end)
+    events += [{"type": "gap.recorded", "at": run_end, "data": gap} for gap in gaps]
     info = result.get("exception_info") or {}
     kind = info.get("exception_type")
     found = EXIT_CODE.search(str(info.get("exception_message", "")))
@@ -140,7 +199,7 @@ def trial_events(trial: Path, *, job_retries: int = 0) -> tuple[str, list[dict[s
         "detail": "Harbor records no cleanup receipt; assumed confirmed"}})
     events.append({"type": "cleanup.reported", "at": run_end,
                    "data": {"confirmed": True, "error": None}})
-    return str(result.get("id") or trial.name), events, result
+    return str(result.get("id") or trial), events, result
 
 
 def completed_events(events: list[dict[str, Any]], result: dict[str, Any]
@@ -159,33 +218,45 @@ def completed_events(events: list[dict[str, Any]], result: dict[str, Any]
     return out, view, appended
 
 
-def trial_folders(job: Path) -> list[Path]:
-    """The trial folders of a job: every subfolder with a `result.json`."""
-    return sorted(p.parent for p in job.glob("*/result.json"))
+def trial_folders(job: Path) -> list[str]:
+    """The trial folders of a job: every real subfolder (never a link) with a
+    `result.json` entry."""
+    return sorted(entry.name for entry in os.scandir(job)
+                  if entry.is_dir(follow_symlinks=False)
+                  and os.path.lexists(os.path.join(entry.path, "result.json")))
 
 
-def job_retries(job: Path) -> int:
-    """The job's `n_retries` (0 when its result.json has none)."""
+def job_retries(job: AgentTree) -> int:
+    """The job's `n_retries` (0 when its result.json has none or cannot be read)."""
     try:
-        stats = json.loads((job / "result.json").read_text(encoding="utf-8")).get("stats", {})
+        stats = json.loads(job.read("result.json", RESULT_LIMIT)).get("stats", {})
         return int(stats.get("n_retries") or 0)
-    except (OSError, ValueError, AttributeError):
+    except (UnsafeAgentFile, ValueError, RecursionError, AttributeError, TypeError):
         return 0
 
 
 async def import_job(ledger: Ledger, job: Path) -> list[Agreement]:
-    """Import every trial folder of a Harbor job; compare each verdict with ours."""
-    retries = job_retries(job)
-    agreements = []
+    """Import every trial folder of a Harbor job; compare each verdict with ours. Every
+    trial is read and checked before the first is stored; each is stored all or nothing."""
+    tree = AgentTree(job.resolve())
+    retries = job_retries(tree)
+    prepared = []
     for trial in trial_folders(job):
-        session_id, events, result = trial_events(trial, job_retries=retries)
+        session_id, events, result = trial_events(tree, trial, job_retries=retries)
         events[0]["session_id"] = session_id
-        full, view, appended = completed_events(events, result)
+        try:
+            full, view, appended = completed_events(events, result)
+            replay(full)  # every line is checked before anything is stored
+        except (BadEvent, IllegalTransition, TypeError, AttributeError) as error:
+            raise HarborJobInvalid(f"trial {trial}: {error}; nothing was imported") from None
+        prepared.append((trial, session_id, result, full, view, appended))
+    agreements = []
+    for trial, session_id, result, full, view, appended in prepared:
         await ledger.import_log(full)
         decision = view.decision
         verdict, harbor_valid = _harbor_verdict(result)
         agreements.append(Agreement(
-            trial=trial.name, session_id=session_id,
+            trial=trial, session_id=session_id,
             harbor_exception=(result.get("exception_info") or {}).get("exception_type"),
             harbor_verdict=verdict, harbor_reward_valid=harbor_valid,
             our_rule=decision.rule if decision else "-",

@@ -462,15 +462,42 @@ def event_dict(event: _Envelope) -> dict[str, Any]:
     return event.model_dump(mode="json")
 
 
+MAX_DEPTH = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_INT64 = range(-(2**63), 2**63)
+
+
+def _storable(value: Any, depth: int = 0) -> str | None:
+    """Why a parsed JSON value cannot be stored as given (None: it can)."""
+    if depth > MAX_DEPTH:
+        return f"nested deeper than {MAX_DEPTH} levels"
+    if isinstance(value, str):
+        return "a lone surrogate (\\ud800–\\udfff) in a string" if _SURROGATE.search(value) \
+            else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if value in _INT64 else "an integer beyond 64 bits"
+    if isinstance(value, dict):
+        items: Iterable[Any] = (x for kv in value.items() for x in kv)
+    elif isinstance(value, list):
+        items = value
+    else:
+        return None
+    return next((why for item in items if (why := _storable(item, depth + 1))), None)
+
+
 def parse_jsonl(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (line number, object) per non-blank line; raise `BadEvent` with the line number."""
+    """Yield (line number, object) per non-blank line; raise `BadEvent` with the line number
+    for a line that is not a JSON object or could not be stored as it is."""
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         try:
             obj = json.loads(text)
-        except ValueError as error:
-            raise BadEvent(f"not JSON ({error})", line=number) from None
+        except (ValueError, RecursionError) as error:
+            reason = "nested too deep" if isinstance(error, RecursionError) else str(error)
+            raise BadEvent(f"not JSON ({reason})", line=number) from None
         if not isinstance(obj, dict):
             raise BadEvent(f"an event is a JSON object, not {type(obj).__name__}", line=number)
+        if why := _storable(obj):
+            raise BadEvent(why, line=number)
         yield number, obj

@@ -61,6 +61,17 @@ class NoDatabase(TrialLedgerError):
     """A read-only use of a store that does not exist (nothing was created)."""
 
 
+class NoSession(TrialLedgerError, KeyError):
+    """A session id the store does not hold (a `KeyError` too, for older callers)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"no session {session_id}")
+        self.session_id = session_id
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 @dataclass(frozen=True)
 class Seeded:
     """A new session: its id, and the events its seed appended (seed, skipped-grant gaps)."""
@@ -284,7 +295,7 @@ class Ledger:
         """The session's view: as recorded, or re-derived under `policy` when given."""
         stored = await self.events(session_id)
         if not stored:
-            raise KeyError(f"no session {session_id}")
+            raise NoSession(session_id)
         if policy is not None:
             return replay([s.event for s in stored], policy=policy)
         session = Session(session_id)  # the seed names its policy (none: v1, from before)

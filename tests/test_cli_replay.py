@@ -77,3 +77,27 @@ def test_unknown_event_type_is_named(tmp_path: Path) -> None:
     line = json.dumps({"type": "agent.danced", "at": "2026-11-29T08:00:01Z", "data": {}})
     done = trialledger("replay", "--log", _write(tmp_path, [good[0], line]))
     assert done.returncode == 2 and "line 2: unknown event type 'agent.danced'" in done.stderr
+
+
+def test_a_policy_file_that_raises_is_one_line_not_a_difference(tmp_path: Path) -> None:
+    broken = tmp_path / "broken_policy.py"
+    broken.write_text("raise RuntimeError('typo in my policy')\n")
+    done = trialledger("replay", "--log", str(EXAMPLES / "clean.jsonl"), "--policy-file",
+                       str(broken))
+    assert done.returncode == 2 and "typo in my policy" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_reader_that_leaves_early_is_not_an_error(tmp_path: Path) -> None:
+    import json as json_
+
+    log = [json_.loads(line) for line in (EXAMPLES / "clean.jsonl").read_text().splitlines()]
+    big = {"type": "codex.unknown", "at": log[2]["at"], "data": {"line": "x" * 400_000}}
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(json_.dumps(e) for e in [*log[:3], big, *log[3:]]) + "\n")
+    db = str(tmp_path / "t.db")
+    sid = trialledger("import", "--db", db, str(path)).stdout.strip()
+    done = subprocess.run(
+        f"{sys.executable} -m trialledger.cli export --db {db} --session {sid} | head -c 100",
+        shell=True, capture_output=True, text=True, cwd=ROOT, check=False, timeout=120)
+    assert done.stdout.startswith("{") and done.stderr == "", done.stderr

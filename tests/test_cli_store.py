@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -242,3 +243,38 @@ def test_sql_reads_a_path_with_uri_characters(capsys: Any, tmp_path: Path,
 def test_an_unsupported_database_url_is_one_line(capsys: Any, db: str) -> None:
     code, _, err = run(capsys, "ls", "--db", db)
     assert code == 2 and "not supported" in err and err.count("\n") == 1
+
+
+def _hostile(tmp_path: Path, examples: Path, kind: str) -> str:
+    """A log whose second-to-last line is hostile (or a path that is not a log)."""
+    if kind == "dev-zero":
+        return "/dev/zero"
+    good = (examples / "clean.jsonl").read_bytes().splitlines()
+    path = tmp_path / f"{kind}.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)
+        return str(path)
+    bad = {"invalid-utf8": b'{"type": "codex.unknown", "at": "2026-11-29T08:00:09Z", '
+                           b'"data": {"line": "\xff\xfe"}}',
+           "deep": b'{"type": "codex.unknown", "at": "2026-11-29T08:00:09Z", "data": '
+                   + b'{"line": "x", "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
+           "int128": b'{"type": "usage.native", "at": "2026-11-29T08:00:09Z", "data": '
+                     b'{"total": {"input_tokens": 340282366920938463463374607431768211456, '
+                     b'"output_tokens": 1, "total_tokens": 2}, "last": null}}',
+           "surrogate": b'{"type": "codex.unknown", "at": "2026-11-29T08:00:09Z", '
+                        b'"data": {"line": "\\ud800"}}'}[kind]
+    path.write_bytes(b"\n".join([*good[:-1], bad, good[-1]]) + b"\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["invalid-utf8", "deep", "int128", "surrogate", "dev-zero",
+                                  "fifo"])
+def test_hostile_logs_are_one_line_and_store_nothing(
+        capsys: Any, tmp_path: Path, examples: Path, kind: str) -> None:
+    log = _hostile(tmp_path, examples, kind)
+    db = str(tmp_path / "t.db")
+    code, _, err = run(capsys, "import", "--db", db, log)
+    assert code == 2 and err.count("\n") == 1, err
+    assert not Path(db).exists()  # refused before the store was even opened
+    code, _, err = run(capsys, "replay", "--log", log)
+    assert code == 2 and err.count("\n") == 1, err

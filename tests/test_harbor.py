@@ -155,3 +155,49 @@ def test_import_harbor_twice_is_a_no_op_and_prints_a_table(
     assert code == 0 and "4 trials imported; 3 agree with Harbor's verdict" in out
     code, out = _run(capsys, "sql", "--db", db, "--json", "SELECT count(*) AS n FROM sessions")
     assert json.loads(out) == [{"n": 4}]
+
+
+def test_links_out_of_the_job_are_never_followed(
+        capsys: Any, tmp_path: Path, job: tuple[Path, dict[str, str]]) -> None:
+    folder, ids = job
+    canary = tmp_path / "host-secret.txt"
+    canary.write_text('{"type":"item.completed","item":{"id":"x","type":"agent_message",'
+                      '"text":"canary-host-secret"}}\n')
+    codex = folder / "hello__Qq11Ww2" / "agent" / "codex.txt"
+    codex.unlink()
+    codex.symlink_to(canary)  # the agent's harness pointed its log at a host file
+    (folder / "linked-trial").symlink_to(folder / "hello__Qq11Ww2")  # a trial twice
+    db = str(tmp_path / "t.db")
+    code, _ = _run(capsys, "import-harbor", "--db", db, str(folder))
+    assert code == 0
+    views = anyio.run(_views, db, ids)
+    clean = views["clean"]
+    assert "canary-host-secret" not in clean.model_dump_json()
+    assert ("unsafe_agent_file" in [g.code for g in clean.observations.gaps])
+
+    async def count() -> int:
+        async with await Ledger.open(db) as ledger:
+            return len(await ledger.sessions())
+    assert anyio.run(count) == len(ids)  # the linked folder is not a second trial
+
+
+@pytest.mark.parametrize("broken", ["not json {", "[1, 2]", '{"started_at": "yesterday"}',
+                                    "link"])
+def test_a_malformed_trial_refuses_the_whole_job_naming_it(
+        capsys: Any, tmp_path: Path, job: tuple[Path, dict[str, str]], broken: str) -> None:
+    folder, _ = job
+    result = folder / "flaky__Rr22Tt3" / "result.json"
+    if broken == "link":
+        result.unlink()
+        result.symlink_to("/etc/hostname")
+    else:
+        result.write_text(broken)
+    db = str(tmp_path / "t.db")
+    code = main(["import-harbor", "--db", db, str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and "flaky__Rr22Tt3" in err and err.count("\n") == 1, err
+
+    async def count() -> int:
+        async with await Ledger.open(db) as ledger:
+            return len(await ledger.sessions())
+    assert anyio.run(count) == 0  # nothing of the job was stored

@@ -167,3 +167,32 @@ async def test_without_bwrap_the_run_falls_back_to_a_process_group(tmp_path: Pat
     launched = next(e for e in ran.view.events if e.type == "agent.launched").data
     assert launched.isolation == "process-group"
     assert ran.view.decision.rule == "completed" and ran.view.rewards == {"reward": 1.0}
+
+
+async def test_a_bwrap_that_cannot_create_the_sandbox_is_a_lost_sandbox(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    # bwrap passes the one-time check, then fails to set up this sandbox (as a full /tmp or
+    # a namespace limit would make it): one line, sandbox.lost, retried.
+    from tests.runs import make_task, run_task
+    from trialledger.adapters.demo.endpoint import message as reply
+
+    real = subprocess.run(["which", "bwrap"], capture_output=True, text=True).stdout.strip()
+    import shutil
+    import tempfile
+
+    bin_dir = Path(tempfile.mkdtemp(prefix="fake-bwrap-"))  # outside pytest's 0700 tree
+    fake = bin_dir / "bwrap"
+    fake.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = --info-fd ] && '
+                    f'{{ echo "bwrap: Creating new namespace failed: No space left on device" '
+                    f'>&2; exit 1; }}; done\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    bin_dir.chmod(0o755)  # the sandbox user runs it (the one-time check)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    try:
+        ran = await run_task(str(tmp_path / "t.db"), task, [reply()])
+    finally:
+        shutil.rmtree(bin_dir)
+    d = ran.view.decision
+    assert (d.rule, d.action) == ("sandbox_lost", "retry")
+    assert "No space left on device" in d.error and "\n" not in d.error

@@ -90,6 +90,7 @@ class LocalRun:
         self._stderr_size = 0
         self._stderr_cut = False
         self.forwarders: Forwarders | None = None  # allow_internet = false
+        self._stderr_closed = anyio.Event()
 
     def info(self) -> dict[str, Any]:
         """bwrap's `--info-fd` report: the sandboxed init's host pid and namespaces."""
@@ -136,6 +137,7 @@ class LocalRun:
             while self._stderr_size - len(self._stderr[0]) >= STDERR_KEEP:
                 self._stderr_size -= len(self._stderr.popleft())
                 self._stderr_cut = True
+        self._stderr_closed.set()
 
     def stderr_tail(self) -> tuple[str, bool]:
         """The collected stderr's end and whether anything was cut."""
@@ -149,7 +151,17 @@ class LocalRun:
         with contextlib.suppress(BlockingIOError):
             while len(data) < REPORT_LIMIT and (chunk := os.read(self._status_fd, 4096)):
                 data += chunk
-        return _status_of(data, self.process.returncode)
+        status = _status_of(data, self.process.returncode)
+        if (status.return_code is None and status.spawned and self.isolation == "bwrap"
+                and "child-pid" not in self.info()):
+            # bwrap itself failed before the sandbox existed: nothing of the agent ran
+            with anyio.move_on_after(1):  # its reason is on stderr, still being read
+                await self._stderr_closed.wait()
+            tail, _ = self.stderr_tail()
+            reason = tail.strip().splitlines()[-1][:300] if tail.strip() else "no reason given"
+            return ExitStatus(None, f"bwrap could not create the sandbox: {reason}",
+                              spawned=False)
+        return status
 
     def _signal_init(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
