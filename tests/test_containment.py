@@ -19,7 +19,7 @@ from trialledger.adapters.codex.install import codex_install
 from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.demo.samples import executable
 from trialledger.adapters.sandbox.base import SandboxRefused
-from trialledger.adapters.sandbox.identity import sandbox_user
+from trialledger.adapters.sandbox.identity import PROCESS_LIMIT, sandbox_user
 from trialledger.adapters.sandbox.local import LocalSandbox
 
 pytestmark = pytest.mark.anyio
@@ -65,7 +65,7 @@ async def test_the_agent_is_never_host_root(tmp_path: Path, kept: list[LocalSand
               "cat /etc/shadow >/dev/null 2>&1 && echo READ shadow; "
               "unshare -U true 2>/dev/null && echo NESTED userns; "
               "grep -E '^Cap(Eff|Prm|Bnd)' /proc/self/status; "
-              "awk '{print \"MAP\", $1}' /proc/self/uid_map; "
+              "awk '{print \"MAP\", $1}' /proc/self/uid_map; echo NPROC $(ulimit -u); "
               "cp /usr/bin/true suid-probe && chmod 4755 suid-probe; echo done")
     ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()])
     out = output(ran)
@@ -74,6 +74,7 @@ async def test_the_agent_is_never_host_root(tmp_path: Path, kept: list[LocalSand
     assert all(line.split()[1] == "0" * 16 for line in out.splitlines()
                if line.startswith("Cap")), out
     assert all(line != "MAP 0" for line in out.splitlines()), "uid 0 exists inside"
+    assert f"NPROC {PROCESS_LIMIT}" in out  # a fork bomb meets a limit, not the host's
     (sandbox,) = kept
     probe = os.stat(sandbox.host_work / "suid-probe")
     assert probe.st_uid == sandbox_user().uid != 0  # the setuid file is not root's on the host

@@ -24,6 +24,7 @@ from pathlib import Path
 from trialledger.adapters.sandbox.base import SandboxRefused
 
 SANDBOX_USER = "trialledger-sandbox"
+PROCESS_LIMIT = 8192  # RLIMIT_NPROC of the dedicated sandbox user (cgroups are not ours)
 INIT_SOURCE = Path(__file__).with_name("init.c")
 
 
@@ -40,11 +41,13 @@ class SandboxUser:
         return os.geteuid() != self.uid
 
     def setpriv(self) -> list[str]:
-        """The argv prefix that drops to this user (no groups, no new privileges)."""
+        """The argv prefix that drops to this user (no groups, no new privileges) under a
+        process limit: the dedicated user's processes and threads, all sessions together,
+        stay below `PROCESS_LIMIT`, so a fork bomb in a sandbox cannot exhaust the host."""
         if not self.switches:
             return []
         return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups",
-                "--no-new-privs", "--"]
+                "--no-new-privs", "--", "prlimit", f"--nproc={PROCESS_LIMIT}", "--"]
 
 
 def sandbox_user(uid: int | None = None) -> SandboxUser:
