@@ -1,0 +1,71 @@
+"""docs/SPEC.md is the project's own contract: every event type and data field the code
+knows, every setting and every SQL view column appears in it; nothing points outside."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from sqlalchemy import inspect
+
+from trialledger.core import EVENT_TYPES, Settings
+from trialledger.core.events import Cause, Decision, Usage
+from trialledger.store.projections import TABLES
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = (ROOT / "docs" / "SPEC.md").read_text(encoding="utf-8")
+WORDS = set(re.findall(r"[A-Za-z_][A-Za-z0-9_.]*", SPEC))
+
+
+def test_every_event_type_and_field_is_specified() -> None:
+    missing = []
+    for kind, model in EVENT_TYPES.items():
+        if f"`{kind}`" not in SPEC:
+            missing.append(kind)
+        data = model.model_fields["data"].annotation
+        for field in getattr(data, "model_fields", {}):
+            if field not in WORDS:
+                missing.append(f"{kind}.{field}")
+    for model in (Decision, Cause, Usage):
+        missing += [f"{model.__name__}.{f}" for f in model.model_fields if f not in WORDS]
+    assert missing == []
+
+
+def test_every_setting_is_specified() -> None:
+    assert [name for name in Settings.model_fields if f"`{name}`" not in SPEC] == []
+
+
+def test_every_sql_view_column_is_specified(tmp_path: Path) -> None:
+    import anyio
+
+    from trialledger.store import Ledger
+    from trialledger.store.engine import make_engines
+
+    async def columns() -> dict[str, list[str]]:
+        db = str(tmp_path / "t.db")
+        async with await Ledger.open(db):
+            pass
+        engines = make_engines(db)
+        try:
+            async with engines.reader.connect() as conn:
+                def read(c: object) -> dict[str, list[str]]:
+                    found = inspect(c)
+                    names = [*found.get_view_names(), *TABLES, "events"]  # type: ignore[attr-defined]
+                    return {n: [col["name"] for col in found.get_columns(n)]  # type: ignore
+                            for n in names if n not in ("decision_log",)}
+                return await conn.run_sync(read)
+        finally:
+            await engines.dispose()
+
+    views = anyio.run(columns)
+    assert {"outcomes", "decisions", "sessions", "tool_calls", "gaps", "rewards"} <= set(views)
+    missing = [f"{view}.{col}" for view, cols in views.items() for col in cols
+               if col not in WORDS]
+    assert missing == []
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    tracked = subprocess.run(["git", "grep", "-l", "../shared", "--", ":!*.lock"], cwd=ROOT,
+                             capture_output=True, text=True, check=False).stdout.split()
+    assert [path for path in tracked if path != "tests/test_docs.py"] == []
