@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets as tokens
 import shutil
 import socket
 import subprocess
@@ -28,8 +29,9 @@ from trialledger.adapters import capture
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
 from trialledger.adapters.codex.install import codex_install
 from trialledger.adapters.codex.stream import stream_events
+from trialledger.adapters.proxy import Upstream
 from trialledger.adapters.sandbox.local import LocalSandbox, sweep_stale_sessions
-from trialledger.adapters.sandbox.network import Routes
+from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.task import Task
 from trialledger.core import SessionView, redact, scrub, validate_seed
@@ -212,6 +214,14 @@ class SessionRunner:
             self._trial_key = uuid.uuid4().hex[:12]
         session_id = str(uuid.uuid4())
         settings_raw = {**self.task.settings, **self.options.overrides}
+        token = f"tl-session-{tokens.token_urlsafe(24)}"  # Codex's key: the proxy's alone
+        network = Network(
+            Upstream(self.options.model_base_url, token=token,
+                     authorization=(f"Bearer {self.options.api_key}"
+                                    if self.options.api_key else None)),
+            [str(g["url"]) for g in self.options.grants
+             if g.get("kind") == "mcp" and g.get("url")],
+            isolated=not self.task.allow_internet)
         sandbox = LocalSandbox(
             session_key=session_id,
             workdir=str(settings_raw.get("workdir", "/app")),
@@ -224,14 +234,11 @@ class SessionRunner:
             raise_oom_score_adj=bool(settings_raw.get("raise_oom_score_adj", False)),
             verifier_root=str(settings_raw.get("verifier_root", "agent")),
             sandbox_uid=self.options.sandbox_uid,
-            routes=None if self.task.allow_internet else Routes(
-                [self.options.model_base_url,
-                 *(str(g["url"]) for g in self.options.grants
-                   if g.get("kind") == "mcp" and g.get("url"))]),
+            network=network,
         )
         try:
             valid = self._seed(attempt, retry_of, sandbox)
-            seeded = await self.ledger.start(valid, session_id=session_id)
+            seeded = await self.ledger.start(valid, session_id=session_id, secrets=[token])
             recorder = _Recorder(self.ledger, session_id, seeded.head_seq)
             try:
                 await self._drive(recorder, sandbox, valid, seeded.secrets)
@@ -241,21 +248,27 @@ class SessionRunner:
                         await recorder.add("session.closed", {"reason": "cancelled"})
             return SessionResult(session_id, await self.ledger.view(session_id))
         finally:
+            with anyio.CancelScope(shield=True):
+                await network.aclose()
             sandbox.discard()
 
     async def _drive(self, rec: _Recorder, sandbox: LocalSandbox, valid: ValidSeed,
                      secrets: Sequence[str]) -> None:
         settings = valid.data.settings
-        reach = sandbox.routes.inside_url if sandbox.routes is not None else str
+        network = sandbox.network
+        assert network is not None
+        if not network.isolated:
+            await network.open_on_host()
         text, digest = render(codex_config(model=self.options.model,
                                            base_url=self.options.model_base_url,
-                                           settings=settings, grants=valid.grants, reach=reach))
+                                           settings=settings, grants=valid.grants,
+                                           reach=network.inside_url))
         config = sandbox.session_dir / "config.toml"
         config.write_text(text, encoding="utf-8")
         os.chown(config, sandbox.user.uid, sandbox.user.gid)
         argv = [sandbox.codex_argv0, "exec", "--json", "--skip-git-repo-check",
                 "--dangerously-bypass-approvals-and-sandbox", "-C", sandbox.agent_workdir, "-"]
-        env = agent_env(settings, self.task, sandbox, self.options.api_key)
+        env = agent_env(settings, self.task, sandbox, network.model_token)
         try:
             run = await sandbox.launch(argv, env=env, stdin=self.task.instruction.encode())
         except OSError as error:

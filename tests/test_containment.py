@@ -301,16 +301,32 @@ async def test_without_internet_only_the_endpoint_and_the_mcp_grant_are_reachabl
     assert ran.view.rewards == {"reward": 1.0}
 
 
-async def test_without_internet_an_https_endpoint_is_refused_before_seeding(
-        tmp_path: Path) -> None:
-    from trialledger.adapters.runner import RunOptions, SessionRunner
-    from trialledger.store import Ledger
+async def test_without_internet_an_https_endpoint_is_reached_through_the_runners_tls(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ssl
+    import subprocess
 
+    from trialledger.adapters.demo.endpoint import ScriptedEndpoint
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the runner trusts this endpoint
     task = make_task(tmp_path / "task", test_sh="exit 0\n",
                      toml="[environment]\nallow_internet = false\n")
-    async with await Ledger.open(str(tmp_path / "t.db")) as ledger:
-        runner = SessionRunner(ledger, task, RunOptions(
-            model_base_url="https://api.example.com/v1", model="m", codex_bin=codex_path()))
-        with pytest.raises(SandboxRefused, match="model proxy"):
-            await runner.run_session()
-        assert await ledger.sessions() == []
+    with ScriptedEndpoint([shell("echo inside"), message()], tls=server) as endpoint:
+        from trialledger.adapters.runner import RunOptions, SessionRunner
+        from trialledger.store import Ledger
+
+        async with await Ledger.open(str(tmp_path / "t.db")) as ledger:
+            result = await SessionRunner(ledger, task, RunOptions(
+                model_base_url=endpoint.url, model="m", codex_bin=codex_path(),
+                api_key="sk-real-key-never-inside")).run_session()
+    assert result.view.decision.rule == "completed" and len(endpoint.requests) == 2
+    # The endpoint got the real key from the runner; Codex only ever held its token.
+    assert {h.get("Authorization") for h in endpoint.headers} == {
+        "Bearer sk-real-key-never-inside"}
+    assert result.view.rewards == {"reward": 1.0}

@@ -10,6 +10,7 @@ Every request body is kept in `requests`.
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -100,8 +101,10 @@ def sse_events(reply: Reply, n: int) -> list[dict[str, Any]]:
 class ScriptedEndpoint:
     """The endpoint; use as a context manager. `url` is the provider's base URL."""
 
-    def __init__(self, script: list[Reply]) -> None:
+    def __init__(self, script: list[Reply], *, tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: serve https with this server context (the URL then names `localhost`)."""
         self.script = list(script)
+        self.tls = tls
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self._lock = threading.Lock()
@@ -127,12 +130,17 @@ class ScriptedEndpoint:
                 endpoint._answer(self, reply, n)
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+        port = self._server.server_address[1]
+        if self.tls is not None:
+            return f"https://localhost:{port}/v1"
+        return f"http://127.0.0.1:{port}/v1"
 
     def _answer(self, handler: BaseHTTPRequestHandler, reply: Reply, n: int) -> None:
         if reply.kind == "hang":

@@ -50,7 +50,7 @@ from trialledger.adapters.sandbox.base import (
     VerifierRun,
 )
 from trialledger.adapters.sandbox.identity import SandboxUser, ensure_init, sandbox_user
-from trialledger.adapters.sandbox.network import Forwarders, Routes
+from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class LocalSandbox:
         raise_oom_score_adj: bool = False,
         verifier_root: str = "agent",
         sandbox_uid: int | None = None,
-        routes: Routes | None = None,
+        network: Network | None = None,
     ) -> None:
         self.workdir = workdir
         user = sandbox_user(sandbox_uid) if use_bwrap is not False else None
@@ -186,10 +186,10 @@ class LocalSandbox:
             raise SandboxRefused("workdir / needs a per-session overlay, which needs bwrap "
                                  "(apt-get install bubblewrap); refusing to let the agent "
                                  "write to the host's root")
-        if routes is not None and not bwrap:
+        if network is not None and network.isolated and not bwrap:
             raise SandboxRefused("allow_internet = false needs a private network namespace, "
                                  "which needs bwrap (apt-get install bubblewrap)")
-        self.routes = routes
+        self.network = network
         if verifier_root == "pristine" and self.overlay:
             raise SandboxRefused("verifier_root = pristine needs a workdir other than /")
         self.verifier_root = verifier_root
@@ -305,7 +305,7 @@ class LocalSandbox:
                 "--cap-drop", "ALL", "--uid", str(self.user.uid), "--gid", str(self.user.gid),
                 "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--new-session"]
-        if self.routes is not None:  # only the forwarders opened later are reachable
+        if self.network is not None and self.network.isolated:  # only our proxies answer
             args += ["--unshare-net"]
         if block_fd is not None:
             args += ["--block-fd", str(block_fd)]
@@ -370,7 +370,8 @@ class LocalSandbox:
         bwrap = self.isolation == "bwrap"
         status_r, status_w = os.pipe()
         info_r, info_w = os.pipe() if bwrap else (None, None)
-        forwarding = bwrap and role == "agent" and self.routes is not None
+        forwarding = (bwrap and role == "agent" and self.network is not None
+                      and self.network.isolated)
         block_r, block_w = os.pipe() if forwarding else (None, None)
         inner = self._init(command, status_w)
         argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, verifier_logs=verifier_logs,
@@ -400,14 +401,13 @@ class LocalSandbox:
         return run
 
     async def _open_network(self, run: LocalRun, block_w: int) -> None:
-        """Open the forwarders inside the sandbox's network, then let bwrap go on."""
-        assert self.routes is not None
+        """Open the proxies inside the sandbox's network, then let bwrap go on."""
+        assert self.network is not None
         try:
             pid = (await anyio.to_thread.run_sync(run.info)).get("child-pid")
             if not isinstance(pid, int):
                 raise OSError("bwrap reported no child pid for the network namespace")
-            run.forwarders = Forwarders()
-            await run.forwarders.start(pid, self.routes.routes)
+            await self.network.open_inside(pid)
             os.write(block_w, b"x")
         except BaseException:
             await run.aclose()

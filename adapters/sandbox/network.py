@@ -1,18 +1,17 @@
-"""`allow_internet = false` (SPEC §11): the sandbox gets a private network namespace whose
-only reachable addresses are loopback forwarders to the model endpoint and the granted
-MCP servers.
+"""How the sandbox reaches the model endpoint and its MCP grants (SPEC §11, §14).
 
-bwrap starts with `--unshare-net --block-fd`: before the agent runs, a short-lived thread
-of the runner enters that namespace (`setns`, which changes only the calling thread),
-opens one listening socket per route on `127.0.0.1`, and leaves; the sockets stay in the
-sandbox's namespace while the runner serves them from the host's, copying bytes to the
-real upstream. Nothing runs inside the sandbox for this, and nothing else is reachable.
+The model endpoint is always reached through the session's proxy (`adapters/proxy.py`),
+which holds the real API key. With `allow_internet = false` the sandbox gets a private
+network namespace: bwrap starts with `--unshare-net --block-fd`; before the agent runs, a
+short-lived thread of the runner enters that namespace (`setns`, which changes only the
+calling thread), opens one listening socket per route on `127.0.0.1`, and leaves; the
+sockets stay in the sandbox's namespace while the runner's proxies serve them from the
+host's, speaking TLS upstream where the upstream is https. Nothing runs inside the
+sandbox for this, and nothing else is reachable.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -22,51 +21,90 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
+from trialledger.adapters.proxy import SessionProxy, Upstream
 from trialledger.adapters.sandbox.base import SandboxRefused
 
 CLONE_NEWNET = 0x40000000
-CHUNK = 64 * 1024
 
 
 @dataclass(frozen=True)
 class Route:
-    """A loopback port inside the sandbox and the upstream it reaches."""
+    """A loopback port the sandbox reaches and the upstream behind it."""
 
-    inside_port: int
-    host: str
     port: int
+    upstream: Upstream
 
 
-class Routes:
-    """The upstreams a network-less sandbox may reach, and how their URLs read inside."""
+class Network:
+    """How a session's sandbox reaches the outside: the model endpoint always through its
+    proxy (which holds the real key); with `isolated` (allow_internet = false) a private
+    network namespace where those proxies, and one per MCP grant, are all there is."""
 
-    def __init__(self, urls: Sequence[str]) -> None:
+    def __init__(self, model: Upstream, grant_urls: Sequence[str] = (), *,
+                 isolated: bool = False) -> None:
+        self.isolated = isolated
         self.routes: list[Route] = []
-        self._inside: dict[tuple[str, int], int] = {}
-        for url in urls:
-            self._add(url)
+        self._ports: dict[tuple[str, int], int] = {}
+        self._add(model)
+        for url in grant_urls if isolated else ():
+            self._add(Upstream(url))
+        self._proxies: list[SessionProxy] = []
 
-    def _add(self, url: str) -> None:
+    @staticmethod
+    def _key(url: str) -> tuple[str, int]:
         parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise SandboxRefused(
-                f"allow_internet = false forwards plain http:// upstreams only; {url!r} "
-                "needs the model proxy (SPEC §14), which is not built yet")
-        key = (parts.hostname, parts.port or 80)
-        if key in self._inside:
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise SandboxRefused(f"cannot route the sandbox to {url!r}: an http(s) URL is "
+                                 "needed")
+        return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+
+    def _add(self, upstream: Upstream) -> None:
+        key = self._key(upstream.base_url)
+        if key in self._ports:
             return
-        taken = {r.inside_port for r in self.routes}
-        inside = key[1]
-        while inside in taken:
-            inside += 1
-        self._inside[key] = inside
-        self.routes.append(Route(inside, *key))
+        # Inside a private namespace every port is free: keep the upstream's where we can.
+        port = key[1] if self.isolated else 0
+        taken = {r.port for r in self.routes}
+        while self.isolated and port in taken:
+            port += 1
+        self._ports[key] = port
+        self.routes.append(Route(port, upstream))
+
+    @property
+    def model_token(self) -> str | None:
+        """The token Codex presents to the model's proxy (in place of the real key)."""
+        return self.routes[0].upstream.token
 
     def inside_url(self, url: str) -> str:
-        """`url` as the sandbox reaches it: through its loopback forwarder."""
+        """`url` as the sandbox reaches it: through its loopback proxy."""
         parts = urlsplit(url)
-        port = self._inside[(parts.hostname or "", parts.port or 80)]
-        return urlunsplit(parts._replace(netloc=f"127.0.0.1:{port}"))
+        port = self._ports.get(self._key(url))
+        if port is None:
+            return url  # not routed: reached directly (the host's network)
+        return urlunsplit(parts._replace(scheme="http", netloc=f"127.0.0.1:{port}"))
+
+    async def open_on_host(self) -> None:
+        """Shared network: start the proxies on loopback ports of the host now."""
+        for index, route in enumerate(self.routes):
+            proxy = SessionProxy(route.upstream)
+            self._proxies.append(proxy)
+            port = await proxy.start()
+            self._ports[self._key(route.upstream.base_url)] = port
+            self.routes[index] = Route(port, route.upstream)
+
+    async def open_inside(self, namespace_pid: int) -> None:
+        """Isolated: start the proxies on sockets opened inside the sandbox's network."""
+        listeners = listen_inside(namespace_pid, [r.port for r in self.routes])
+        for route, listener in zip(self.routes, listeners, strict=True):
+            proxy = SessionProxy(route.upstream)
+            self._proxies.append(proxy)
+            await proxy.start(listener)
+
+    async def aclose(self) -> None:
+        """Stop every proxy of the session."""
+        for proxy in self._proxies:
+            await proxy.aclose()
+        self._proxies.clear()
 
 
 _libc: ctypes.CDLL | None = None
@@ -107,58 +145,3 @@ def listen_inside(namespace_pid: int, ports: Sequence[int]) -> list[socket.socke
             listener.close()
         raise failure[0]
     return made
-
-
-class Forwarders:
-    """Serves the sandbox's listening sockets, each connection copied to its upstream."""
-
-    def __init__(self) -> None:
-        self._servers: list[asyncio.Server] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self, namespace_pid: int, routes: Sequence[Route]) -> None:
-        """Open the routes' ports inside the namespace and start forwarding."""
-        listeners = listen_inside(namespace_pid, [r.inside_port for r in routes])
-        for route, listener in zip(routes, listeners, strict=True):
-            self._servers.append(await asyncio.start_server(
-                lambda r, w, route=route: self._connect(r, w, route), sock=listener))
-
-    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       route: Route) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        try:
-            up_reader, up_writer = await asyncio.open_connection(route.host, route.port)
-        except OSError:
-            writer.close()
-            return
-        try:
-            await asyncio.gather(_copy(reader, up_writer), _copy(up_reader, writer))
-        finally:
-            for side in (writer, up_writer):
-                side.close()
-            if task is not None:
-                self._tasks.discard(task)
-
-    async def aclose(self) -> None:
-        """Stop listening and drop every forwarded connection."""
-        for server in self._servers:
-            server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        for server in self._servers:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 2)
-        self._servers.clear()
-
-
-async def _copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-    try:
-        while chunk := await source.read(CHUNK):
-            sink.write(chunk)
-            await sink.drain()
-        if sink.can_write_eof():
-            sink.write_eof()
-    except (ConnectionError, OSError):
-        sink.close()

@@ -16,7 +16,6 @@ import anyio
 from anyio.abc import Process
 
 from trialledger.adapters.sandbox.base import ExitStatus
-from trialledger.adapters.sandbox.network import Forwarders
 
 STDERR_KEEP = 64 * 1024
 LINE_LIMIT = 1024 * 1024  # a Codex stdout line over this is cut (SPEC §11)
@@ -89,7 +88,6 @@ class LocalRun:
         self._stderr: deque[bytes] = deque()
         self._stderr_size = 0
         self._stderr_cut = False
-        self.forwarders: Forwarders | None = None  # allow_internet = false
         self._stderr_closed = anyio.Event()
 
     def info(self) -> dict[str, Any]:
@@ -187,8 +185,6 @@ class LocalRun:
             if self.process.returncode is None:
                 self.process.kill()
             await self.process.aclose()
-            if self.forwarders is not None:
-                await self.forwarders.aclose()
         for fd in (self._status_fd, self._info_fd):
             if fd is not None:
                 with contextlib.suppress(OSError):
