@@ -31,6 +31,8 @@ from trialledger.core.events import (
     ItemCompleted,
     ItemStarted,
     ItemUpdated,
+    ModelCall,
+    ModelCallData,
     OutcomeDecided,
     SandboxLost,
     SandboxProbed,
@@ -52,6 +54,7 @@ from trialledger.core.events import (
 from trialledger.core.machine import STATES, Session, State
 from trialledger.core.observations import Observations, ToolCall
 from trialledger.core.policy import V1, Policy, get_policy, register_policy
+from trialledger.core.policy_v3 import V3
 from trialledger.core.redact import redact, scrub, scrub_data
 from trialledger.core.replay import Divergence, Replayer, SessionView, replay
 from trialledger.core.seed import Grant, ValidSeed, validate_seed
@@ -62,6 +65,7 @@ __all__ = [
     "NS",
     "STATES",
     "V1",
+    "V3",
     "AgentExited",
     "AgentLaunched",
     "AgentStderr",
@@ -82,6 +86,8 @@ __all__ = [
     "ItemCompleted",
     "ItemStarted",
     "ItemUpdated",
+    "ModelCall",
+    "ModelCallData",
     "Observations",
     "OutcomeDecided",
     "Policy",

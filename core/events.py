@@ -18,8 +18,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     TypeAdapter,
     ValidationError,
+    model_serializer,
 )
 
 from trialledger.core.errors import BadEvent
@@ -137,6 +139,39 @@ class AgentLaunchedData(_Data):
     oom_score_adj: int | None = None
     isolation: Literal["bwrap", "process-group", "external"]  # external: an imported run
     runner_id: str
+    # Schema 2 (SPEC §12, §14); absent from a schema-1 event, which then dumps as written.
+    environment: dict[str, Any] | None = None  # {kind: host|image|rootfs, ref, digest}
+    limits: dict[str, Any] | None = None
+    model_proxy: bool | None = None  # the session's model calls went through our proxy
+
+    @model_serializer(mode="wrap")
+    def _as_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped: dict[str, Any] = handler(self)
+        for key in SCHEMA_2_LAUNCH_FIELDS:
+            if dumped.get(key) is None:
+                dumped.pop(key, None)
+        return dumped
+
+
+SCHEMA_2_LAUNCH_FIELDS = ("environment", "limits", "model_proxy")
+
+
+class ModelCallData(_Data):
+    """One request Codex made through the session's model proxy (SPEC §14)."""
+
+    call: Annotated[int, Field(ge=1)]
+    method: str
+    path: str
+    started_at: Timestamp
+    ended_at: Timestamp | None = None  # the event's `at`
+    http_status: int | None = None
+    error: str | None = None  # an upstream transport error, or `client_closed`
+    completed: bool = False  # the stream reached `response.completed`
+    last_byte_at: Timestamp | None = None  # when the endpoint last sent anything
+    response_id: str | None = None
+    model: str | None = None
+    usage: Usage | None = None
+    output: list[str] = Field(default_factory=list)
 
 
 class AgentStderrData(_Data):
@@ -256,6 +291,11 @@ class AgentStderr(_Envelope):
     data: AgentStderrData
 
 
+class ModelCall(_Envelope):
+    type: Literal["model.call"] = "model.call"
+    data: ModelCallData
+
+
 class AgentExited(_Envelope):
     type: Literal["agent.exited"] = "agent.exited"
     data: AgentExitedData
@@ -365,6 +405,7 @@ Event: TypeAlias = Annotated[
     SessionSeeded
     | AgentLaunched
     | AgentStderr
+    | ModelCall
     | AgentExited
     | CleanupReported
     | SandboxLost

@@ -30,7 +30,8 @@ SAME = "same"  # the event leaves the state as it is
 BY_ACTION = "by-action"  # `outcome.decided`: the target follows the decision's action
 
 EVIDENCE = (CODEX_STREAM_TYPES - {"turn.started"}) | {
-    "usage.native", "agent.stderr", "agent.exited", "cleanup.reported", "gap.recorded"
+    "usage.native", "agent.stderr", "agent.exited", "cleanup.reported", "gap.recorded",
+    "model.call"
 }
 LATE = EVIDENCE | {"turn.started", "archive.copied", "archive.skipped"}
 # A session only leaves running for failed-live or graded once both of these are in the log,

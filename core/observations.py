@@ -9,7 +9,6 @@ from pydantic import BaseModel, ConfigDict
 
 from trialledger.core.events import Decision, Event, GapRecorded, GapRecordedData, SessionSeeded
 from trialledger.core.policy import Policy
-from trialledger.core.usage import recover_usage
 
 Gap = GapRecordedData
 ITEM_EVENTS = ("item.started", "item.updated", "item.completed")
@@ -207,8 +206,9 @@ def derived_gaps(
     if closed and not final:
         gaps.append(Gap(code="agent_activation_interrupted",
                         detail="the session closed before a final decision"))
-    gaps += recover_usage(events)[1]
+    gaps += policy.usage_of(events)[1]
     gaps += policy.warning_gaps(facts)
+    gaps += policy.gaps_of(facts)
     gaps += [
         Gap(code="tool_start_unavailable", detail=f"item {item_id} completed with no item.started")
         for item_id in tools.unstarted()

@@ -16,6 +16,7 @@ from trialledger.core.errors import PolicyNameTaken, UnknownPolicy
 from trialledger.core.events import (
     CODEX_STREAM_TYPES,
     AgentExited,
+    AgentLaunched,
     AgentStderr,
     Cause,
     CleanupReported,
@@ -25,11 +26,14 @@ from trialledger.core.events import (
     ItemCompleted,
     ItemStarted,
     ItemUpdated,
+    ModelCall,
+    ModelCallData,
     SandboxLost,
     SandboxProbed,
     SessionSeeded,
     StreamError,
     TurnFailed,
+    Usage,
 )
 from trialledger.core.redact import redact
 from trialledger.core.usage import recover_usage
@@ -38,6 +42,12 @@ Action = Literal["verify", "retry", "probe"]
 Status = Literal["completed", "incomplete", "failed"]
 Gap = GapRecordedData
 STREAM_TYPES = CODEX_STREAM_TYPES - {"codex.unknown"}  # SPEC §2.2's types
+
+
+def is_responses_call(call: ModelCallData) -> bool:
+    """A `POST …/responses` model call: the ones v3 weighs (SPEC §14)."""
+    return call.method.upper() == "POST" and call.path.split("?", 1)[0].rstrip("/").endswith(
+        "/responses")
 
 # Markers of a row: a token (not a value) says "take it from the facts or the outcome table".
 COMPUTED: Literal["computed"] = "computed"  # status: as computed from the run
@@ -70,6 +80,10 @@ class Facts:
     probe: SandboxProbed | None
     stderr_tail: str | None
     reconnecting: str | None  # the Reconnecting... message the run was in when it ended
+    # §14: what the session's model proxy saw (empty / False without one)
+    model_proxy: bool = False
+    calls: tuple[ModelCallData, ...] = ()  # POST …/responses calls, by `call`
+    asked_model: str | None = None
 
 
 def _matcher(*patterns: str) -> re.Pattern[str]:
@@ -207,6 +221,8 @@ class Policy:
         "stream disconnected before completion: Incomplete response returned, "
         "reason: max_output_tokens"
     )
+    usage_of: Callable[[Sequence[Event]], tuple[Usage | None, list[Gap]]] = recover_usage
+    gaps_of: Callable[[Facts], list[Gap]] = lambda facts: []  # gaps only this version derives
 
     # --- inputs ----------------------------------------------------------------------------
 
@@ -230,6 +246,9 @@ class Policy:
         last_turn = None
         exited = cleanup = lost = probe = stderr = None
         verify_after_error = False
+        model_proxy = False
+        asked_model = None
+        calls: list[ModelCallData] = []
         last_stream: Event | None = None  # the last Codex stream event before agent.exited
         for event in events:
             if exited is None and event.type in STREAM_TYPES:
@@ -261,6 +280,11 @@ class Policy:
                 stderr = event
             elif isinstance(event, SessionSeeded):
                 verify_after_error = event.data.settings.verify_after_agent_error
+                asked_model = event.data.model
+            elif isinstance(event, AgentLaunched):
+                model_proxy = bool(event.data.model_proxy)
+            elif isinstance(event, ModelCall) and is_responses_call(event.data):
+                calls.append(event.data)
             if event.type in ("turn.started", "turn.completed", "turn.failed"):
                 last_turn = event.type
                 turn_started = turn_started or event.type == "turn.started"
@@ -309,6 +333,9 @@ class Policy:
             probe=probe,
             stderr_tail=stderr.data.tail if stderr else None,
             reconnecting=reconnecting,
+            model_proxy=model_proxy,
+            calls=tuple(sorted(calls, key=lambda c: c.call)),
+            asked_model=asked_model,
         )
 
     # --- the decision ----------------------------------------------------------------------
@@ -333,7 +360,7 @@ class Policy:
             status = "incomplete" if facts.timed_out else "failed"
         else:
             status = rule.status
-        usage, _ = recover_usage(events)
+        usage, _ = self.usage_of(events)
         return Decision(
             policy=self.name,
             rule=rule.name,
@@ -383,6 +410,12 @@ V2 = Policy(name="v2", rules=V2_RULES)
 BUILT_IN = frozenset({"v1", "v2", "v3"})
 POLICIES: dict[str, Policy] = {V1.name: V1, V2.name: V2}
 DEFAULT_POLICY = V2.name  # for sessions seeded without one (SPEC §3 "Which policy")
+
+
+def register_built_in(policy: Policy) -> Policy:
+    """Register one of the built-in versions (only this module family does)."""
+    POLICIES[policy.name] = policy
+    return policy
 
 
 def register_policy(policy: Policy) -> Policy:

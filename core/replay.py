@@ -30,7 +30,6 @@ from trialledger.core.machine import Session, State
 from trialledger.core.observations import Observations, observe
 from trialledger.core.policy import Policy
 from trialledger.core.seed import seal_seed
-from trialledger.core.usage import recover_usage
 
 Outcome = Literal["retry", "verify", "unverified", "interrupted", "pending"]
 
@@ -89,7 +88,7 @@ def view_of(session: Session, *, unapplied: Iterable[Event] = (),
         outcome=outcome_of(session),
         decision=session.decisions[-1] if session.decisions else None,
         decisions=list(session.decisions),
-        usage=recover_usage(events)[0],
+        usage=session.policy.usage_of(events)[0],
         rewards=rewards,
         observations=observe(
             events, session.decisions, closed=session.state == "closed", policy=session.policy

@@ -62,6 +62,11 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "item.completed": {"item": {"id": "item_3", "type": "agent_message", "text": "hi"}},
     "stream.error": {"message": "Reconnecting... 1/5 (x)"},
     "codex.unknown": {"line": "??"},
+    "model.call": {"call": 1, "method": "POST", "path": "/v1/responses",
+                   "started_at": "2026-11-29T09:59:59Z", "ended_at": "2026-11-29T10:00:00Z",
+                   "http_status": 200, "error": None, "completed": True,
+                   "response_id": "resp_1", "model": "m", "usage": None,
+                   "output": ["message"]},
     "outcome.decided": {
         "policy": "v1", "rule": "completed", "action": "verify", "status": "completed",
         "http_status": 200, "error": None, "cause": None, "incomplete_reason": None,
@@ -117,6 +122,11 @@ def event_data(draw: st.DrawFn, kind: str) -> dict[str, Any]:
                 "detail": draw(TEXT)}
     if kind == "session.closed":
         return {"reason": draw(st.sampled_from(["normal", "cancelled", "recovered"]))}
+    if kind == "model.call":
+        status = draw(st.sampled_from([200, 429, 500, None]))
+        return {**SAMPLES["model.call"], "call": draw(st.integers(1, 5)),
+                "http_status": status, "completed": status == 200 and draw(st.booleans()),
+                "error": None if status else draw(st.sampled_from(["refused", "client_closed"]))}
     raise AssertionError(kind)
 
 
