@@ -13,11 +13,15 @@ the sandbox. No HTTP is parsed by hand here.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
 import socket
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -27,7 +31,84 @@ from aiohttp import web
 DROPPED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                      "te", "trailer", "transfer-encoding", "upgrade", "host",
                      "content-length", "accept-encoding"})
-CHUNK = 64 * 1024
+
+
+class StreamObserver:
+    """What a model call's answer says, read from its server-sent events as they pass:
+    `response.completed`, the response's id, model, usage and output item types. Bounded:
+    an event over `EVENT_LIMIT` bytes is skipped, never buffered further."""
+
+    EVENT_LIMIT = 4 * 2**20
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+        self._skipping = False
+        self.completed = False
+        self.response_id: str | None = None
+        self.model: str | None = None
+        self.usage: dict[str, int | None] | None = None
+        self.output: list[str] = []
+
+    def feed(self, chunk: bytes) -> None:
+        """Take the next bytes of the answer."""
+        self._pending += chunk.replace(b"\r\n", b"\n")
+        while (end := self._pending.find(b"\n\n")) != -1:
+            block = bytes(self._pending[:end])
+            del self._pending[:end + 2]
+            if self._skipping:
+                self._skipping = False
+                continue
+            self._event(block)
+        if len(self._pending) > self.EVENT_LIMIT:
+            self._pending.clear()
+            self._skipping = True
+
+    def _event(self, block: bytes) -> None:
+        data = b"\n".join(line[5:].lstrip() for line in block.split(b"\n")
+                          if line.startswith(b"data:"))
+        try:
+            event = json.loads(data)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(event, dict):
+            return
+        kind = event.get("type")
+        response = event.get("response") if isinstance(event.get("response"), dict) else {}
+        if isinstance(response.get("id"), str):
+            self.response_id = response["id"]
+        if isinstance(response.get("model"), str):
+            self.model = response["model"]
+        item = event.get("item")
+        if kind == "response.output_item.done" and isinstance(item, dict):
+            name = item.get("name")
+            self.output.append(f"function_call:{name}" if item.get("type") == "function_call"
+                               and isinstance(name, str) else str(item.get("type")))
+        if kind == "response.completed":
+            self.completed = True
+            self.usage = _usage(response.get("usage"))
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
+        else None
+
+
+def _usage(raw: object) -> dict[str, int | None] | None:
+    """The Responses API's usage in SPEC §4's fields (None when it has none usable)."""
+    if not isinstance(raw, dict):
+        return None
+    inputs, outputs = _count(raw.get("input_tokens")), _count(raw.get("output_tokens"))
+    if inputs is None or outputs is None:
+        return None
+    details_in = raw.get("input_tokens_details") or {}
+    details_out = raw.get("output_tokens_details") or {}
+    return {"input_tokens": inputs,
+            "cached_input_tokens": _count(details_in.get("cached_tokens"))
+            if isinstance(details_in, dict) else None,
+            "output_tokens": outputs,
+            "reasoning_output_tokens": _count(details_out.get("reasoning_tokens"))
+            if isinstance(details_out, dict) else None,
+            "total_tokens": inputs + outputs}
 
 
 @dataclass(frozen=True)
@@ -45,20 +126,43 @@ class Upstream:
         return urlunsplit(base._replace(path="", query="", fragment="")) + path_qs
 
 
-class SessionProxy:
-    """One loopback listener forwarding to one upstream, for one session's life."""
+CallSink = Callable[[str, dict[str, Any]], Awaitable[None]]  # (ended_at, model.call data)
 
-    def __init__(self, upstream: Upstream, *, path_prefix: str = "") -> None:
+
+def _utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _transport_error(error: BaseException) -> str:
+    """The upstream transport failure as SPEC §14 names it."""
+    if isinstance(error, aiohttp.ClientConnectorDNSError):
+        return "dns"
+    if isinstance(error, aiohttp.ClientSSLError | ssl.SSLError):
+        return "tls"
+    if isinstance(error, TimeoutError | aiohttp.ServerTimeoutError):
+        return "timeout"
+    if isinstance(error, aiohttp.ClientConnectorError | ConnectionRefusedError):
+        return "refused"
+    return "reset"
+
+
+class SessionProxy:
+    """One loopback listener forwarding to one upstream, for one session's life; with a
+    `sink`, every request is reported as a `model.call` (never its body or headers)."""
+
+    def __init__(self, upstream: Upstream, *, sink: CallSink | None = None) -> None:
         self.upstream = upstream
-        self.path_prefix = path_prefix
+        self.sink = sink
         self._runner: web.ServerRunner | None = None
         self._client: aiohttp.ClientSession | None = None
+        self._calls = 0
+        self._reports: set[asyncio.Task[None]] = set()
         self.port: int | None = None
 
     async def start(self, listener: socket.socket | None = None) -> int:
         """Serve on `listener` (a bound socket), else on a free loopback port; the port."""
         server = web.Server(self._forward, access_log=None)
-        self._runner = web.ServerRunner(server, handle_signals=False)
+        self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         if listener is None:
             listener = socket.create_server(("127.0.0.1", 0))
@@ -81,6 +185,21 @@ class SessionProxy:
     async def _forward(self, request: web.BaseRequest) -> web.StreamResponse:
         if not self._authorized(request):
             return web.Response(status=401, text="trialledger proxy: not this session's token")
+        self._calls += 1
+        call = {"call": self._calls, "method": request.method, "path": request.path_qs,
+                "started_at": _utc_now(), "http_status": None, "error": None,
+                "last_byte_at": None}
+        observer = StreamObserver()
+        try:
+            return await self._relay(request, call, observer)
+        except asyncio.CancelledError:
+            call["error"] = call["error"] or "client_closed"
+            raise
+        finally:
+            self._report(call, observer)
+
+    async def _relay(self, request: web.BaseRequest, call: dict[str, Any],
+                     observer: StreamObserver) -> web.StreamResponse:
         assert self._client is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in DROPPED}
         headers["Accept-Encoding"] = "identity"
@@ -93,30 +212,58 @@ class SessionProxy:
                 request.method, self.upstream.url_for(request.path_qs), headers=headers,
                 data=body, allow_redirects=False)
         except (aiohttp.ClientError, OSError, TimeoutError) as error:
-            return web.Response(status=502, text=f"trialledger proxy: upstream unreachable "
-                                                 f"({type(error).__name__})")
+            call["error"] = _transport_error(error)
+            if request.transport is not None:  # as if the endpoint itself were unreachable
+                request.transport.abort()
+            return web.Response(status=502)
         try:
+            call["http_status"] = upstream.status
             answer = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for key, value in upstream.headers.items():
                 if key.lower() not in DROPPED:
                     answer.headers.add(key, value)
             await answer.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await answer.write(chunk)
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, OSError, TimeoutError) as error:
+                    call["error"] = _transport_error(error)
+                    raise ConnectionResetError from None
+                if not chunk:
+                    break
+                call["last_byte_at"] = _utc_now()
+                observer.feed(chunk)
+                try:
+                    await answer.write(chunk)
+                except (ConnectionError, RuntimeError):
+                    call["error"] = "client_closed"
+                    raise
             await answer.write_eof()
             return answer
-        except (aiohttp.ClientError, ConnectionError) as error:
-            raise web.HTTPBadGateway(text=f"upstream broke off ({type(error).__name__})"
-                                     ) from None
         finally:
             upstream.release()
 
+    def _report(self, call: dict[str, Any], observer: StreamObserver) -> None:
+        if self.sink is None:
+            return
+        ended = _utc_now()
+        data = {**call, "ended_at": ended, "completed": observer.completed,
+                "response_id": observer.response_id, "model": observer.model,
+                "usage": observer.usage, "output": observer.output}
+        task = asyncio.ensure_future(self.sink(ended, data))  # survives the handler's end
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
     async def aclose(self) -> None:
-        """Stop serving and drop the upstream connections."""
+        """Stop serving (open calls end `client_closed`), report every call, disconnect."""
         if self._runner is not None:
             await self._runner.cleanup()
+            self._runner = None
+        if self._reports:
+            await asyncio.gather(*self._reports, return_exceptions=True)
         if self._client is not None:
             await self._client.close()
+            self._client = None
 
 
 async def start_all(proxies: Sequence[tuple[SessionProxy, socket.socket | None]]

@@ -125,10 +125,15 @@ class _Recorder:
         self.ledger, self.session_id, self.head = ledger, session_id, head
         self.action: str | None = None
         self.closed = False
+        self._lock = anyio.Lock()  # Codex's stdout and the model proxy append concurrently
 
     async def append(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
         if not events:
             return []
+        async with self._lock:
+            return await self._append(events)
+
+    async def _append(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
         stored = await self.ledger.append(self.session_id, events, expected_seq=self.head)
         self.head = stored[-1].event.seq or self.head
         for item in stored:
@@ -186,7 +191,9 @@ class SessionRunner:
             "instruction": self.task.instruction,
             "agent": {"name": "codex", "version": codex_version(self.codex)},
             "model": self.options.model,
-            "settings": {**self.task.settings, **self.options.overrides},
+            # Our runner records every model call, so its sessions are decided under v3
+            # (SPEC §14) unless the caller names another policy.
+            "settings": {"policy": "v3", **self.task.settings, **self.options.overrides},
             "grants": list(self.options.grants),
         }
         return validate_seed(seed, private_roots=sandbox.private_roots,
@@ -257,6 +264,11 @@ class SessionRunner:
         settings = valid.data.settings
         network = sandbox.network
         assert network is not None
+
+        async def record_call(at: str, data: dict[str, Any]) -> None:
+            await rec.append([{"type": "model.call", "at": at, "data": data}])
+
+        network.model_sink = record_call
         if not network.isolated:
             await network.open_on_host()
         text, digest = render(codex_config(model=self.options.model,
@@ -276,11 +288,13 @@ class SessionRunner:
             await rec.add("session.closed", {"reason": "normal"})
             return
         try:
-            await rec.add("agent.launched", {
+            await rec.append([{"type": "agent.launched", "at": now(), "schema": 2, "data": {
                 "argv": argv, "workdir": settings.workdir, "env_keys": sorted(env),
                 "config_sha256": digest, "oom_score_adj": sandbox.oom_score_adj,
                 "isolation": sandbox.isolation, "runner_id": self.options.runner_id,
-            })
+                "environment": {"kind": "host", "ref": None, "digest": None},
+                "model_proxy": True,
+            }}])
             await self._run_and_capture(rec, sandbox, run, settings, secrets)
         finally:
             with anyio.CancelScope(shield=True):
@@ -316,6 +330,9 @@ class SessionRunner:
             with anyio.move_on_after(self._left()):
                 await done_reading.wait()
             tg.cancel_scope.cancel()
+        if sandbox.network is not None:  # open calls end client_closed, before agent.exited
+            with anyio.CancelScope(shield=True):
+                await sandbox.network.aclose()
         await rec.append(self._stderr_event(run, secrets) + await self._usage_events(sandbox))
         if not status.spawned:  # the launch failed inside the sandbox: nothing ran
             await rec.add("sandbox.lost", {"detail": status.detail})

@@ -24,14 +24,17 @@ from sqlalchemy import and_, bindparam, column, delete, insert, table, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from trialledger.core import Decision, Event, Session, SessionSeeded
-from trialledger.core.events import GapRecordedData
+from trialledger.core.events import GapRecordedData, ModelCall, ModelCallData
 from trialledger.core.observations import ToolTraces, derived_gaps
 from trialledger.core.replay import outcome_of
 
 Row = dict[str, Any]
 SESSION_COLUMNS = ("session_id", "trial_id", "attempt", "retry_of", "task", "agent_name",
                    "agent_version", "model", "runner_id", "state", "outcome", "close_reason",
-                   "created_at", "closed_at", "head_seq", "head_hash")
+                   "created_at", "closed_at", "head_seq", "head_hash", "environment_ref",
+                   "environment_digest")
+MODEL_CALL_COLUMNS = ("session_id", "call", "method", "path", "started_at", "ended_at",
+                      "http_status", "error", "completed", "model", "total_tokens")
 DECISION_COLUMNS = ("session_id", "seq", "policy", "rule", "action", "status", "http_status",
                     "error", "cause_kind", "cause_message", "status_code", "incomplete_reason",
                     "reward_valid", "input_tokens", "cached_input_tokens", "output_tokens",
@@ -43,6 +46,7 @@ TABLES = {
                    "completed_at"),
     "gaps": ("session_id", "code", "detail"),
     "rewards": ("session_id", "name", "value"),
+    "model_calls": MODEL_CALL_COLUMNS,
     "outcomes": ("session_id", "policy", "rule", "action", "outcome", "status", "http_status",
                  "error", "cause_kind", "cause_message", "status_code", "incomplete_reason",
                  "reward_valid", "input_tokens", "cached_input_tokens", "output_tokens",
@@ -50,7 +54,7 @@ TABLES = {
 }
 T = {name: table(name, *(column(c) for c in columns)) for name, columns in TABLES.items()}
 SESSION_CHANGES = ("session_id", "state", "outcome", "close_reason", "closed_at", "head_seq",
-                   "head_hash")
+                   "head_hash", "environment_ref", "environment_digest")
 UPDATE_SESSION = text(
     "UPDATE sessions SET "
     + ", ".join(f"{c} = :{c}" for c in SESSION_CHANGES[1:])
@@ -80,7 +84,29 @@ def session_row(session: Session, *, head_hash: str) -> Row:
         "close_reason": closed.data.reason if closed else None,  # type: ignore[union-attr]
         "created_at": seed.at, "closed_at": closed.at if closed else None,
         "head_seq": session.head_seq, "head_hash": head_hash,
+        **_environment(session),
     }
+
+
+def _environment(session: Session) -> Row:
+    """The environment a schema-2 `agent.launched` names (null: the host, or none yet)."""
+    for event in session.events[1:]:
+        if event.type == "agent.launched":
+            environment = event.data.environment or {}  # type: ignore[union-attr]
+            return {"environment_ref": environment.get("ref"),
+                    "environment_digest": environment.get("digest")}
+        if event.type != "gap.recorded":  # the launch comes right after the seed's gaps
+            break
+    return {"environment_ref": None, "environment_digest": None}
+
+
+def model_call_row(session_id: str, at: str, call: ModelCallData) -> Row:
+    """One `model_calls` row."""
+    return {"session_id": session_id, "call": call.call, "method": call.method,
+            "path": call.path, "started_at": call.started_at, "ended_at": call.ended_at or at,
+            "http_status": call.http_status, "error": call.error,
+            "completed": int(call.completed), "model": call.model,
+            "total_tokens": call.usage.total_tokens if call.usage else None}
 
 
 def decision_row(session_id: str, seq: int, at: str, decision: Decision) -> Row:
@@ -149,6 +175,8 @@ class Changes:
             elif event.type == "outcome.decided":
                 self.add("decision_log", [decision_row(sid, event.seq or 0, event.at,
                                                        event.data)])  # type: ignore[arg-type]
+            elif isinstance(event, ModelCall):
+                self.add("model_calls", [model_call_row(sid, event.at, event.data)])
             elif event.type == "verification.recorded":
                 self.add("rewards", [{"session_id": sid, "name": name, "value": value}
                                      for name, value in event.data.rewards.items()])  # type: ignore[union-attr]

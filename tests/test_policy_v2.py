@@ -103,17 +103,21 @@ def test_a_built_in_policy_name_cannot_be_registered_again() -> None:
             register_policy(Policy(name=name))
 
 
+@pytest.mark.parametrize("policy", ["v2", "v3"])
 async def test_real_codex_against_a_refused_endpoint_until_timeout_is_retried(
-        tmp_path: Path) -> None:
+        tmp_path: Path, policy: str) -> None:
     from trialledger.adapters.runner import RunOptions, SessionRunner
 
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     async with await Ledger.open(str(tmp_path / "t.db")) as ledger:
         result = await SessionRunner(ledger, task, RunOptions(
             model_base_url="http://127.0.0.1:9/v1", model="m", codex_bin=codex_path(),
-            overrides={"timeout_s": 6}, grace_s=1.0)).run_session()
+            overrides={"timeout_s": 6, "policy": policy}, grace_s=1.0)).run_session()
     d = result.view.decision
-    assert (d.policy, d.rule, d.action) == ("v2", "endpoint_unreachable", "retry")
+    # Under v3 the claim holds because the proxy itself saw the connection refused.
+    assert (d.policy, d.rule, d.action) == (policy, "endpoint_unreachable", "retry")
+    calls = [e.data for e in result.view.events if e.type == "model.call"]
+    assert calls and all(c.error == "refused" for c in calls)
     assert d.error.startswith("Reconnecting...")
     assert "verification.recorded" not in [e.type for e in result.view.events]
 

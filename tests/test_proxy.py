@@ -3,8 +3,11 @@ added by the proxy, and answers stream through byte for byte."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import urllib.error
 import urllib.request
+from typing import Any
 
 import anyio
 import pytest
@@ -51,12 +54,45 @@ async def test_the_proxy_requires_the_token_and_adds_the_real_key() -> None:
     assert limited[0] == 429  # an upstream status passes through as it is
 
 
-async def test_an_unreachable_upstream_is_a_502_from_the_proxy() -> None:
-    proxy = SessionProxy(Upstream("http://127.0.0.1:9/v1", token="t"))
+async def test_an_unreachable_upstream_looks_unreachable_and_is_recorded_refused() -> None:
+    calls: list[dict[str, Any]] = []
+
+    async def sink(_at: str, data: dict[str, Any]) -> None:
+        calls.append(data)
+
+    proxy = SessionProxy(Upstream("http://127.0.0.1:9/v1", token="t"), sink=sink)
     port = await proxy.start()
     try:
-        code, body = await anyio.to_thread.run_sync(
-            post, f"http://127.0.0.1:{port}/v1/responses", "t")
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            await anyio.to_thread.run_sync(post, f"http://127.0.0.1:{port}/v1/responses", "t")
     finally:
         await proxy.aclose()
-    assert code == 502 and b"upstream unreachable" in body
+    (call,) = calls
+    assert (call["error"], call["http_status"], call["completed"]) == ("refused", None, False)
+
+
+async def test_every_call_is_recorded_from_the_stream_without_body_or_headers() -> None:
+    calls: list[dict[str, Any]] = []
+
+    async def sink(_at: str, data: dict[str, Any]) -> None:
+        calls.append(data)
+
+    with ScriptedEndpoint([message(usage=(12, 2, 10, 3)), status(429)]) as endpoint:
+        proxy = SessionProxy(Upstream(endpoint.url, token="sess-Qz9"), sink=sink)
+        port = await proxy.start()
+        url = f"http://127.0.0.1:{port}/v1/responses"
+        try:
+            for _ in range(2):
+                await anyio.to_thread.run_sync(post, url, "sess-Qz9")
+        finally:
+            await proxy.aclose()
+    first, second = sorted(calls, key=lambda c: c["call"])
+    assert (first["http_status"], first["completed"], first["response_id"]) == (
+        200, True, "resp_1")
+    assert first["usage"] == {"input_tokens": 12, "cached_input_tokens": 2,
+                              "output_tokens": 10, "reasoning_output_tokens": 3,
+                              "total_tokens": 22}
+    assert first["output"] == ["message"] and first["path"] == "/v1/responses"
+    assert (second["http_status"], second["completed"]) == (429, False)
+    shown = json.dumps(calls)
+    assert "sess-Qz9" not in shown and "stream" not in shown  # no header, no body

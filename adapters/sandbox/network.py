@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-from trialledger.adapters.proxy import SessionProxy, Upstream
+from trialledger.adapters.proxy import CallSink, SessionProxy, Upstream
 from trialledger.adapters.sandbox.base import SandboxRefused
 
 CLONE_NEWNET = 0x40000000
@@ -49,6 +49,7 @@ class Network:
         for url in grant_urls if isolated else ():
             self._add(Upstream(url))
         self._proxies: list[SessionProxy] = []
+        self.model_sink: CallSink | None = None  # records the model's calls (SPEC §14)
 
     @staticmethod
     def _key(url: str) -> tuple[str, int]:
@@ -86,22 +87,23 @@ class Network:
     async def open_on_host(self) -> None:
         """Shared network: start the proxies on loopback ports of the host now."""
         for index, route in enumerate(self.routes):
-            proxy = SessionProxy(route.upstream)
-            self._proxies.append(proxy)
-            port = await proxy.start()
+            port = await self._proxy(index, route).start()
             self._ports[self._key(route.upstream.base_url)] = port
             self.routes[index] = Route(port, route.upstream)
 
     async def open_inside(self, namespace_pid: int) -> None:
         """Isolated: start the proxies on sockets opened inside the sandbox's network."""
         listeners = listen_inside(namespace_pid, [r.port for r in self.routes])
-        for route, listener in zip(self.routes, listeners, strict=True):
-            proxy = SessionProxy(route.upstream)
-            self._proxies.append(proxy)
-            await proxy.start(listener)
+        for index, (route, listener) in enumerate(zip(self.routes, listeners, strict=True)):
+            await self._proxy(index, route).start(listener)
+
+    def _proxy(self, index: int, route: Route) -> SessionProxy:
+        proxy = SessionProxy(route.upstream, sink=self.model_sink if index == 0 else None)
+        self._proxies.append(proxy)
+        return proxy
 
     async def aclose(self) -> None:
-        """Stop every proxy of the session."""
+        """Stop every proxy of the session (each reports its open calls first)."""
         for proxy in self._proxies:
             await proxy.aclose()
         self._proxies.clear()
