@@ -63,7 +63,11 @@ class StreamObserver:
             self._pending.clear()
             self._skipping = True
 
+    WANTED = (b"response.completed", b"response.output_item.done", b"response.created")
+
     def _event(self, block: bytes) -> None:
+        if not any(kind in block for kind in self.WANTED):
+            return  # the bulk (text deltas) passes unparsed
         data = b"\n".join(line[5:].lstrip() for line in block.split(b"\n")
                           if line.startswith(b"data:"))
         try:

@@ -23,7 +23,7 @@ from typing import Any
 
 import anyio
 
-from bench import workload
+from bench import proxy, workload
 from trialledger.store import Ledger
 
 FULL = {"sessions": 1000, "events": 100_000, "rederive": 1_000_000, "query_sessions": 100_000,
@@ -263,6 +263,8 @@ def main() -> None:
     ingests = [f for f in figures if f.name == "streaming ingest"]
     if len(ingests) == 2:
         ratio("streaming ingest, large / small throughput", ingests[1], ingests[0])
+    print()
+    proxy.report(50 if args.quick else 200)  # against a direct call in the same run
 
 
 if __name__ == "__main__":

@@ -71,8 +71,11 @@ async def test_endpoint_failures_are_retried_with_cause_model_endpoint(
         db: str, task: Any, reply: Any) -> None:
     ran = await run_task(db, task, [reply], settings=FAST)
     d = ran.view.decision
-    assert (d.action, d.cause.kind, ran.view.outcome) == ("retry", "model_endpoint", "retry")
+    assert (d.policy, d.action, d.cause.kind, ran.view.outcome) == (
+        "v3", "retry", "model_endpoint", "retry")  # the proxy saw it: the claim holds
     assert "verification.recorded" not in [e.type for e in ran.view.events]
+    (call,) = [e.data for e in ran.view.events if e.type == "model.call"]
+    assert not call.completed and call.http_status == reply.status
 
 
 async def test_killed_mid_run_with_opt_in_is_probed_then_graded(
