@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -150,6 +151,19 @@ def _transport_error(error: BaseException) -> str:
     return "reset"
 
 
+# What happens to a call is its `model.call` record; aiohttp's own report of a handler
+# cancelled at shutdown (a call Codex left open) would only be noise on the console.
+_QUIET = logging.getLogger("trialledger.proxy.server")
+_QUIET.addHandler(logging.NullHandler())
+_QUIET.propagate = False
+
+
+def _drop(request: web.BaseRequest) -> None:
+    """Close the client's connection without an answer (what a dead endpoint does)."""
+    if request.transport is not None:
+        request.transport.abort()
+
+
 class SessionProxy:
     """One loopback listener forwarding to one upstream, for one session's life; with a
     `sink`, every request is reported as a `model.call` (never its body or headers)."""
@@ -165,7 +179,7 @@ class SessionProxy:
 
     async def start(self, listener: socket.socket | None = None) -> int:
         """Serve on `listener` (a bound socket), else on a free loopback port; the port."""
-        server = web.Server(self._forward, access_log=None)
+        server = web.Server(self._forward, access_log=None, logger=_QUIET)
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         if listener is None:
@@ -217,8 +231,7 @@ class SessionProxy:
                 data=body, allow_redirects=False)
         except (aiohttp.ClientError, OSError, TimeoutError) as error:
             call["error"] = _transport_error(error)
-            if request.transport is not None:  # as if the endpoint itself were unreachable
-                request.transport.abort()
+            _drop(request)  # as if the endpoint itself were unreachable
             return web.Response(status=502)
         try:
             call["http_status"] = upstream.status
@@ -232,7 +245,8 @@ class SessionProxy:
                     chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, OSError, TimeoutError) as error:
                     call["error"] = _transport_error(error)
-                    raise ConnectionResetError from None
+                    _drop(request)  # the endpoint broke off: so does our answer
+                    return answer
                 if not chunk:
                     break
                 call["last_byte_at"] = _utc_now()
@@ -241,7 +255,7 @@ class SessionProxy:
                     await answer.write(chunk)
                 except (ConnectionError, RuntimeError):
                     call["error"] = "client_closed"
-                    raise
+                    return answer
             await answer.write_eof()
             return answer
         finally:

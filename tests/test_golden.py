@@ -12,7 +12,7 @@ import pytest
 from tests.golden import GOLDEN
 from trialledger.core import parse_jsonl, replay
 
-FILES = sorted(GOLDEN.glob("*.jsonl"))
+FILES = sorted(GOLDEN.rglob("*.jsonl"))
 
 
 def _decisions(events: list[dict[str, Any]]) -> list[str]:
@@ -20,12 +20,18 @@ def _decisions(events: list[dict[str, Any]]) -> list[str]:
             for e in events if e["type"] == "outcome.decided"]
 
 
-def test_there_are_golden_transcripts_of_every_demo_sample() -> None:
-    tasks = {path.stem.rsplit("-", 1)[0] for path in FILES}
+@pytest.mark.parametrize("folder, policy", [(GOLDEN, "v1"), (GOLDEN / "v3", "v3")])
+def test_there_are_golden_transcripts_of_every_demo_sample(folder: Path, policy: str) -> None:
+    files = sorted(folder.glob("*.jsonl"))
+    tasks = {path.stem.rsplit("-", 1)[0] for path in files}
     assert tasks == {"clean", "shell-tool", "rate-limited", "killed-live", "timeout", "mcp-tool"}
+    policies = {json.loads(line)["data"]["policy"] for path in files
+                for line in path.read_text(encoding="utf-8").splitlines()
+                if '"outcome.decided"' in line}
+    assert policies == {policy}  # each replays under the policy it was recorded with
 
 
-@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(GOLDEN)) for p in FILES])
 def test_golden_transcript_rederives_every_decision(path: Path) -> None:
     with path.open(encoding="utf-8") as lines:
         recorded = [obj for _, obj in parse_jsonl(lines)]
@@ -41,7 +47,7 @@ def test_golden_transcript_rederives_every_decision(path: Path) -> None:
 
 
 def test_a_changed_decision_fails_with_a_readable_diff(tmp_path: Path) -> None:
-    path = next(p for p in FILES if p.stem.startswith("killed-live"))
+    path = next(p for p in sorted(GOLDEN.glob("*.jsonl")) if p.stem.startswith("killed-live"))
     lines = path.read_text(encoding="utf-8").splitlines()
     tampered = [json.loads(line) for line in lines]
     first = next(e for e in tampered if e["type"] == "outcome.decided")
