@@ -316,7 +316,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         moment = when(event.at)
         rows.append((event.seq, f"+{(moment - start).total_seconds():.3f}s",
                      f"{(moment - previous).total_seconds():.3f}s", event.type,
-                     _brief(event.data.model_dump(mode="json"))))
+                     _model_call(event.data) if event.type == "model.call"
+                     else _brief(event.data.model_dump(mode="json"))))
         previous = moment
     _table(["seq", "since start", "step", "type", "data"], rows)
     seed = view.events[0].data
@@ -339,6 +340,22 @@ def cmd_show(args: argparse.Namespace) -> int:
     if view.rewards is not None:
         out.print(f"rewards: {view.rewards}")
     return EXIT_OK
+
+
+def _model_call(call: Any) -> str:
+    """`call 2 POST /v1/responses → 429 (0.31 s)`: what the proxy saw of one model call."""
+    answer = str(call.http_status) if call.http_status is not None else "no answer"
+    how = ", ".join(part for part in (
+        "completed" if call.completed else "not completed", call.error,
+        f"{call.usage.total_tokens} tokens" if call.usage else None, call.model) if part)
+    took = ""
+    if call.ended_at:
+        from datetime import datetime
+
+        seconds = (datetime.fromisoformat(call.ended_at.replace("Z", "+00:00"))
+                   - datetime.fromisoformat(call.started_at.replace("Z", "+00:00")))
+        took = f" ({seconds.total_seconds():.2f} s)"
+    return f"call {call.call} {call.method} {call.path} → {answer}, {how}{took}"
 
 
 def _brief(value: Any, width: int = 90) -> str:

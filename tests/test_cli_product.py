@@ -71,6 +71,7 @@ def test_show_explains_which_rule_fired_on_which_event(demo: tuple[str, str]) ->
     assert "rule probed fired on seq" in done.stdout and "(sandbox.probed) → verify" in done.stdout
     # Killed mid-run: Codex reported no total, but under v3 the proxy's calls are the usage.
     assert "usage: 15 tokens" in done.stdout and "since start" in done.stdout
+    assert "call 1 POST /v1/responses → 200, completed, 15 tokens" in done.stdout
     as_json = json.loads(trialledger("show", "--db", db, killed["session_id"], "--json").stdout)
     assert as_json["outcome"] == "verify"
 
