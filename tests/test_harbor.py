@@ -110,6 +110,11 @@ def _run(capsys: Any, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
+async def _session_count(db: str) -> int:
+    async with await Ledger.open(db) as ledger:
+        return len(await ledger.sessions())
+
+
 async def _views(db: str, ids: dict[str, str]) -> dict[str, Any]:
     async with await Ledger.open(db) as ledger:
         return {name: await ledger.view(sid) for name, sid in ids.items()}
@@ -175,10 +180,7 @@ def test_links_out_of_the_job_are_never_followed(
     assert "canary-host-secret" not in clean.model_dump_json()
     assert ("unsafe_agent_file" in [g.code for g in clean.observations.gaps])
 
-    async def count() -> int:
-        async with await Ledger.open(db) as ledger:
-            return len(await ledger.sessions())
-    assert anyio.run(count) == len(ids)  # the linked folder is not a second trial
+    assert anyio.run(_session_count, db) == len(ids)  # the linked folder is no second trial
 
 
 @pytest.mark.parametrize("broken", ["not json {", "[1, 2]", '{"started_at": "yesterday"}',
@@ -196,8 +198,4 @@ def test_a_malformed_trial_refuses_the_whole_job_naming_it(
     code = main(["import-harbor", "--db", db, str(folder)])
     err = capsys.readouterr().err
     assert code == 2 and "flaky__Rr22Tt3" in err and err.count("\n") == 1, err
-
-    async def count() -> int:
-        async with await Ledger.open(db) as ledger:
-            return len(await ledger.sessions())
-    assert anyio.run(count) == 0  # nothing of the job was stored
+    assert anyio.run(_session_count, db) == 0  # nothing of the job was stored
