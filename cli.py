@@ -24,7 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from trialledger.core import BadEvent, IllegalTransition, TrialLedgerError, replay
 from trialledger.store import Ledger
-from trialledger.store.engine import DEFAULT_DB, make_engines, shown
+from trialledger.store.engine import DEFAULT_DB, make_engines, shown, sqlite_path
 from trialledger.store.migrate import current_revision, upgrade
 from trialledger.store.query import DEFAULT_TIMEOUT_S, run_query
 
@@ -165,11 +165,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     async def go() -> list[dict[str, Any]]:
         async with await Ledger.open(args.db, create=False) as ledger:
-            return await ledger.export(args.session)
+            return await ledger.export(await ledger.resolve(args.session))
 
     lines = anyio.run(go)
-    if not lines:
-        raise Refused(f"no session {args.session} in {shown(args.db)}")
     for line in lines:
         sys.stdout.write(json.dumps(line, ensure_ascii=False) + "\n")
     return EXIT_OK
@@ -299,7 +297,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     async def go() -> Any:
         async with await Ledger.open(args.db, create=False) as ledger:
-            return await ledger.view(args.session)
+            return await ledger.view(await ledger.resolve(args.session))
 
     view = anyio.run(go)
     if args.json:
@@ -356,6 +354,23 @@ def _model_call(call: Any) -> str:
                    - datetime.fromisoformat(call.started_at.replace("Z", "+00:00")))
         took = f" ({seconds.total_seconds():.2f} s)"
     return f"call {call.call} {call.method} {call.path} → {answer}, {how}{took}"
+
+
+def _disk_full(db: str, error: BaseException) -> str | None:
+    """"disk full" whatever words the driver found for it (SQLite says "disk I/O error"
+    when a few KiB are left)."""
+    import errno
+    import shutil
+
+    text = str(error)
+    if getattr(error, "errno", None) == errno.ENOSPC or "disk is full" in text:
+        return "disk full"
+    path = sqlite_path(db) if "://" not in db or db.startswith("sqlite") else None
+    if path is not None and "disk I/O error" in text:
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(os.path.dirname(path) or ".").free < 1024 * 1024:
+                return "disk full"
+    return None
 
 
 def _brief(value: Any, width: int = 90) -> str:
@@ -501,7 +516,9 @@ def cmd_import_harbor(args: argparse.Namespace) -> int:
 
 
 def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    table = Table(*columns)
+    table = Table()
+    for name in columns:  # folded, never cut with "…": an id must stay whole to be typed
+        table.add_column(name, overflow="fold")
     for row in rows:
         table.add_row(*("" if v is None else str(v) for v in row))
     out.print(table)
@@ -556,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("export", help="write a session's log as JSONL")
     _with_db(p)
-    p.add_argument("--session", required=True, help="the session id")
+    p.add_argument("--session", required=True,
+                   help="the session id, or a prefix only it starts with")
     p.set_defaults(handler=cmd_export)
 
     p = commands.add_parser("audit", help="verify every hash chain and head")
@@ -601,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("show", help="a session's timeline and decisions explained")
     _with_db(p)
-    p.add_argument("session", help="the session id")
+    p.add_argument("session", help="the session id, or a prefix only it starts with")
     p.add_argument("--json", action="store_true", help="the whole view as JSON")
     p.set_defaults(handler=cmd_show)
 
@@ -649,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except (OSError, SQLAlchemyError) as error:
-        reason = str(error).splitlines()[0]
+        reason = _disk_full(args.db, error) or str(error).splitlines()[0]
         print(f"trialledger: cannot use the database {shown(args.db)}: "
               f"{shown(args.db, reason)}", file=sys.stderr)
         return EXIT_BAD_INPUT

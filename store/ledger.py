@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from sqlalchemy import column, select, table, text
+from sqlalchemy import LargeBinary, column, select, table, text
+from sqlalchemy.exc import DBAPIError
 
 from trialledger.core import (
     BadEvent,
@@ -55,6 +56,30 @@ from trialledger.store.writer import EVENTS, Request, StoredEvent, Writer, now
 
 SESSIONS = table("sessions", *(column(c) for c in SESSION_COLUMNS))
 LIVE_STATES = ("seeded", "starting", "running", "failed-live")
+
+
+async def _storage_fault(conn: Any, dialect: str) -> str | None:
+    """The database's own check of its file (SQLite `integrity_check`); on PostgreSQL every
+    table of the store must still be readable through its catalog."""
+    if dialect == "sqlite":
+        found = [row[0] for row in (await conn.execute(
+            text("PRAGMA integrity_check(20)"))).all()]
+        return None if found == ["ok"] else "the database file is damaged: " + "; ".join(
+            str(line) for line in found[:3])
+    for name in ("events", "sessions", "decision_log", "outcomes", "model_calls"):
+        try:
+            await conn.execute(text(f"SELECT count(*) FROM {name}"))
+        except DBAPIError as error:
+            return f"table {name} cannot be read: {str(error.orig).splitlines()[0]}"
+    return None
+
+
+class AmbiguousSession(TrialLedgerError):
+    """A session id prefix that more than one session starts with."""
+
+    def __init__(self, prefix: str, candidates: Sequence[str]) -> None:
+        shown = ", ".join(candidates[:5]) + (", …" if len(candidates) > 5 else "")
+        super().__init__(f"{prefix!r} starts more than one session id: {shown}")
 
 
 class NoDatabase(TrialLedgerError):
@@ -336,27 +361,52 @@ class Ledger:
                 where.append(f"{column_name} = :{name}")
                 params[name] = value
         sql = ("SELECT s.session_id, s.task, s.trial_id, s.attempt, s.state, s.outcome, o.rule,"
-               " o.cause_kind, o.total_tokens, s.created_at FROM sessions s"
+               " o.cause_kind, o.total_tokens, s.created_at, s.runner_id FROM sessions s"
                " LEFT JOIN outcomes o ON o.session_id = s.session_id"
                f" WHERE {' AND '.join(where) or '1 = 1'} ORDER BY s.created_at, s.session_id")
         async with self._engines.reader.begin() as conn:
             return [dict(row._mapping) for row in await conn.execute(text(sql), params)]
+
+    async def resolve(self, prefix: str) -> str:
+        """The one session id that starts with `prefix` (`NoSession`, `AmbiguousSession`)."""
+        pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        async with self._engines.reader.begin() as conn:
+            found = [sid for (sid,) in (await conn.execute(text(
+                "SELECT session_id FROM sessions WHERE session_id LIKE :p ESCAPE '\\' "
+                "ORDER BY session_id LIMIT 6"), {"p": pattern})).all()]
+        if prefix in found or len(found) == 1:
+            return prefix if prefix in found else found[0]
+        if not found:
+            raise NoSession(prefix)
+        raise AmbiguousSession(prefix, found)
 
     async def export(self, session_id: str) -> list[dict[str, Any]]:
         """A session's log with every field (event fields plus position, recorded_at, hash)."""
         return [s.jsonl() for s in await self.events(session_id)]
 
     async def audit(self) -> AuditReport:
-        """Verify every session's hash chain and head; report the first fault."""
+        """Check the database's own structure, then every session's hash chain and head;
+        report the first fault (a damaged event is named by its session and seq)."""
         async with self._engines.reader.begin() as conn:
+            fault = await _storage_fault(conn, self.dialect)
+            if fault is not None:
+                return AuditReport(0, 0, fault)
             heads = {sid: (seq, digest) for sid, seq, digest in (await conn.execute(
                 select(SESSIONS.c.session_id, SESSIONS.c.head_seq, SESSIONS.c.head_hash)
                 .order_by(SESSIONS.c.session_id))).all()}
+            data_column = (EVENTS.c.data if self.dialect != "sqlite"  # bytes: decoded below
+                           else EVENTS.c.data.cast(LargeBinary))
             rows = (await conn.execute(
-                select(EVENTS.c.session_id, EVENTS.c.seq, EVENTS.c.data, EVENTS.c.hash)
+                select(EVENTS.c.session_id, EVENTS.c.seq, data_column, EVENTS.c.hash)
                 .order_by(EVENTS.c.session_id, EVENTS.c.seq))).all()
         by_session: dict[str, list[tuple[int, str, str]]] = {}
         for sid, seq, data, digest in rows:
+            if isinstance(data, bytes):
+                try:
+                    data = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    return AuditReport(len(heads), len(rows), f"session {sid}: event at seq "
+                                       f"{seq} is damaged (its stored text is not UTF-8)")
             by_session.setdefault(sid, []).append((seq, data, digest))
         for sid in sorted(set(by_session) | set(heads)):
             if sid not in heads:

@@ -278,3 +278,70 @@ def test_hostile_logs_are_one_line_and_store_nothing(
     assert not Path(db).exists()  # refused before the store was even opened
     code, _, err = run(capsys, "replay", "--log", log)
     assert code == 2 and err.count("\n") == 1, err
+
+
+def test_audit_names_an_event_whose_text_is_damaged(capsys: Any, tmp_path: Path,
+                                                     examples: Path) -> None:
+    import sqlite3
+
+    db = str(tmp_path / "t.db")
+    imported(capsys, db, examples, "clean")
+    with sqlite3.connect(db) as conn:  # bytes that are no UTF-8, as a bad sector leaves
+        conn.execute("UPDATE events SET data = CAST(X'7B22FF' AS TEXT) WHERE seq = 3")
+    code, _, err = run(capsys, "audit", "--db", db)
+    assert code == 1 and "seq 3 is damaged" in err and err.count("\n") == 1, err
+
+
+def test_audit_runs_the_database_integrity_check(capsys: Any, tmp_path: Path,
+                                                 examples: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "t.db"
+    imported(capsys, str(db), examples, "clean", "http_429")
+    with sqlite3.connect(db) as conn:
+        conn.execute("PRAGMA journal_mode = DELETE")  # one file to damage
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = "
+                            "'events_type'").fetchone()[0]
+    raw = bytearray(db.read_bytes())
+    start = (root - 1) * page
+    raw[start + 8:start + page] = b"\x00" * (page - 8)  # an index page's cells gone
+    db.write_bytes(bytes(raw))
+    code, _, err = run(capsys, "audit", "--db", str(db))
+    assert code == 1 and "damaged" in err, err
+
+
+def test_show_and_export_take_a_unique_prefix_and_name_the_candidates_otherwise(
+        capsys: Any, tmp_path: Path, examples: Path) -> None:
+    db = str(tmp_path / "t.db")
+    first, second = imported(capsys, db, examples, "clean", "http_429")
+    shared = next(i for i in range(len(first)) if first[i] != second[i])
+    code, out, err = run(capsys, "export", "--db", db, "--session", first[:shared + 1])
+    assert code == 0 and json.loads(out.splitlines()[0])["session_id"] == first, err
+    code, out, _ = run(capsys, "show", "--db", db, second[:shared + 1])
+    assert code == 0 and second in out
+    code, _, err = run(capsys, "show", "--db", db, first[:shared])  # both start so
+    assert code == 2 and first in err and second in err and err.count("\n") == 1
+    code, out, _ = run(capsys, "ls", "--db", db, "--json")
+    assert {row["runner_id"] for row in json.loads(out)} == {"runner-a"}
+
+
+def test_a_full_disk_says_disk_full(tmp_path: Path, examples: Path) -> None:
+    # A 200 KiB tmpfs in a private mount namespace of a child: no host setting changes.
+    import subprocess
+    import sys
+
+    lines = (examples / "clean.jsonl").read_text().splitlines()
+    big = {"type": "codex.unknown", "at": json.loads(lines[2])["at"],
+           "data": {"line": "x" * 300_000}}
+    log = tmp_path / "big.jsonl"
+    log.write_text("\n".join([*lines[:3], json.dumps(big), *lines[3:]]) + "\n")
+    small = tmp_path / "small"
+    small.mkdir()
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f'mount -t tmpfs -o size=200k tmpfs "$1" && exec "$2" -m trialledger.cli import '
+         f'--db "$1/t.db" "$3"', "sh", str(small), sys.executable, str(log)],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and done.stderr.strip().endswith("disk full"), done.stderr
+    assert done.stderr.count("\n") == 1
