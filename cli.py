@@ -203,9 +203,13 @@ def cmd_recover(args: argparse.Namespace) -> int:
     if not (args.runner or args.all):
         raise Refused("recover needs --runner ID, or --all for a single-machine store")
 
+    if args.force:
+        print("trialledger: --force: recovering even sessions whose runner is alive",
+              file=sys.stderr)
+
     async def go() -> list[str]:
         async with await Ledger.open(args.db) as ledger:
-            return await ledger.recover(args.runner, all_runners=args.all)
+            return await ledger.recover(args.runner, all_runners=args.all, force=args.force)
 
     recovered = anyio.run(go)
     from trialledger.adapters.sandbox.local import sweep_stale_sessions
@@ -638,7 +642,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("recover", help="close out sessions a runner left open")
     _with_db(p)
     p.add_argument("--runner", help="the runner id whose sessions to recover")
-    p.add_argument("--all", action="store_true", help="every runner (a single-machine store)")
+    p.add_argument("--all", action="store_true",
+                   help="every runner whose heartbeat is not fresh (a single-machine store)")
+    p.add_argument("--force", action="store_true",
+                   help="also sessions of runners that still beat (they may be running)")
     p.set_defaults(handler=cmd_recover)
     return parser
 

@@ -11,6 +11,8 @@ closes the session with reason `cancelled`. A `lost` session is retried as a new
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import os
 import secrets as tokens
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from sqlalchemy.exc import SQLAlchemyError
 
 from trialledger.adapters import capture
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
@@ -38,6 +41,7 @@ from trialledger.core import SessionView, redact, scrub, validate_seed
 from trialledger.core.seed import ValidSeed
 from trialledger.core.settings import Settings
 from trialledger.store import Ledger, StoredEvent
+from trialledger.store.ledger import HEARTBEAT_S
 from trialledger.store.writer import now
 
 PROBE_LIMIT_S = 10.0
@@ -216,7 +220,23 @@ class SessionRunner:
 
     async def run_session(self, *, attempt: int = 1, retry_of: str | None = None
                           ) -> SessionResult:
-        """One session: seed, run, capture, decide, probe, archive, verify, close."""
+        """One session: seed, run, capture, decide, probe, archive, verify, close — with a
+        heartbeat in the store all along, so `recover` leaves it alone."""
+        beating = asyncio.ensure_future(self._heartbeat())
+        try:
+            return await self._run_session(attempt=attempt, retry_of=retry_of)
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+
+    async def _heartbeat(self) -> None:
+        while True:
+            with contextlib.suppress(OSError, SQLAlchemyError):  # a blink: the next beat
+                await self.ledger.heartbeat(self.options.runner_id)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _run_session(self, *, attempt: int, retry_of: str | None) -> SessionResult:
         if not self._trial_key:
             self._trial_key = uuid.uuid4().hex[:12]
         session_id = str(uuid.uuid4())

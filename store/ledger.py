@@ -14,6 +14,7 @@ Writes go through one `store.writer.Writer`, which group-commits concurrent appe
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,11 @@ from trialledger.store.writer import EVENTS, Request, StoredEvent, Writer, now
 
 SESSIONS = table("sessions", *(column(c) for c in SESSION_COLUMNS))
 LIVE_STATES = ("seeded", "starting", "running", "failed-live")
+HEARTBEAT_S = 10.0  # how often a running runner says it is alive
+RUNNER_ALIVE_S = 3 * HEARTBEAT_S  # a heartbeat younger than this: the runner is alive
+# Seconds since the epoch in the database server's own clock.
+_DB_NOW = {"sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+           "postgresql": "extract(epoch from clock_timestamp())"}
 
 
 async def _storage_fault(conn: Any, dialect: str) -> str | None:
@@ -80,6 +86,10 @@ class AmbiguousSession(TrialLedgerError):
     def __init__(self, prefix: str, candidates: Sequence[str]) -> None:
         shown = ", ".join(candidates[:5]) + (", …" if len(candidates) > 5 else "")
         super().__init__(f"{prefix!r} starts more than one session id: {shown}")
+
+
+class RunnerAlive(TrialLedgerError):
+    """`recover` of a runner whose heartbeat is fresh (it is still running)."""
 
 
 class NoDatabase(TrialLedgerError):
@@ -239,19 +249,46 @@ class Ledger:
         closed = {"type": "session.closed", "at": at or now(), "data": {"reason": reason}}
         return await self.append(session_id, [closed])
 
-    async def recover(self, runner_id: str | None, *, all_runners: bool = False) -> list[str]:
+    async def heartbeat(self, runner_id: str) -> None:
+        """Say that `runner_id` is alive now (in the database's clock)."""
+        db_now = _DB_NOW[self.dialect]
+        async with self._engines.writer.begin() as conn:
+            await conn.execute(text(
+                f"INSERT INTO runners (runner_id, heartbeat, host, pid) "
+                f"VALUES (:r, {db_now}, :h, :p) ON CONFLICT (runner_id) "
+                f"DO UPDATE SET heartbeat = {db_now}, host = :h, pid = :p"),
+                {"r": runner_id, "h": socket.gethostname(), "p": os.getpid()})
+
+    async def live_runners(self, within_s: float = RUNNER_ALIVE_S) -> dict[str, float]:
+        """Runners whose heartbeat is younger than `within_s`: id → its age in seconds."""
+        async with self._engines.reader.begin() as conn:
+            rows = (await conn.execute(text(
+                f"SELECT runner_id, {_DB_NOW[self.dialect]} - heartbeat FROM runners"))).all()
+        return {rid: float(age) for rid, age in rows if float(age) < within_s}
+
+    async def recover(self, runner_id: str | None, *, all_runners: bool = False,
+                      force: bool = False) -> list[str]:
         """Close out the sessions a runner left open (SPEC: `recover`); return their ids.
 
         Live ones get `sandbox.lost` {detail: "harness restarted"} (so they are retried),
         then every one gets `session.closed` {reason: "recovered"}. Only `runner_id`'s
-        sessions are touched unless `all_runners` (a single-machine store).
+        sessions are touched unless `all_runners` (a single-machine store). A runner whose
+        heartbeat is fresh is alive: its id is refused (`RunnerAlive`) and `all_runners`
+        leaves its sessions alone, unless `force`.
         """
         if runner_id is None and not all_runners:
             raise ValueError("recover needs a runner_id, or all_runners=True")
+        alive = {} if force else await self.live_runners()
+        if runner_id is not None and not all_runners and runner_id in alive:
+            raise RunnerAlive(f"runner {runner_id} is alive (its heartbeat is "
+                              f"{alive[runner_id]:.0f} s old); pass --force to recover "
+                              "its sessions anyway")
         query = select(SESSIONS.c.session_id, SESSIONS.c.state).where(
             SESSIONS.c.state != "closed")
         if not all_runners:
             query = query.where(SESSIONS.c.runner_id == runner_id)
+        elif alive:
+            query = query.where(SESSIONS.c.runner_id.not_in(list(alive)))
         async with self._engines.reader.connect() as conn:
             rows = (await conn.execute(query.order_by(SESSIONS.c.session_id))).all()
         for sid, state in rows:

@@ -340,8 +340,8 @@ def test_a_full_disk_says_disk_full(tmp_path: Path, examples: Path) -> None:
     small.mkdir()
     done = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         f'mount -t tmpfs -o size=200k tmpfs "$1" && exec "$2" -m trialledger.cli import '
-         f'--db "$1/t.db" "$3"', "sh", str(small), sys.executable, str(log)],
+         'mount -t tmpfs -o size=200k tmpfs "$1" && exec "$2" -m trialledger.cli import '
+         '--db "$1/t.db" "$3"', "sh", str(small), sys.executable, str(log)],
         capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and done.stderr.strip().endswith("disk full"), done.stderr
     assert done.stderr.count("\n") == 1

@@ -61,3 +61,30 @@ def test_a_signal_closes_the_session_cancelled_and_removes_its_folder(
     leftover = subprocess.run(["pgrep", "-f", f"trialledger-{session_id[:8]}"],
                               capture_output=True, text=True, check=False).stdout
     assert leftover == ""
+
+
+def test_recover_leaves_a_running_runner_alone(tmp_path: Path) -> None:
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    db = tmp_path / "t.db"
+    cli = [sys.executable, "-m", "trialledger.cli"]
+    with ScriptedEndpoint([shell("sleep 60")]) as endpoint:
+        runner = subprocess.Popen(
+            [*cli, "run", str(task.folder), "--db", str(db), "--model-base-url", endpoint.url,
+             "--model", "m", "--codex-bin", codex_path(), "--runner-id", "busy-runner"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while (seen := _state(db)) is None or seen[1] != "running":
+                assert time.monotonic() < deadline, "the run never started"
+                time.sleep(0.1)
+            by_id = subprocess.run([*cli, "recover", "--db", str(db), "--runner", "busy-runner"],
+                                   capture_output=True, text=True, timeout=60, check=False)
+            every = subprocess.run([*cli, "recover", "--db", str(db), "--all"],
+                                   capture_output=True, text=True, timeout=60, check=False)
+            still = _state(db)
+        finally:
+            runner.send_signal(signal.SIGTERM)
+            runner.communicate(timeout=60)
+    assert by_id.returncode == 2 and "alive" in by_id.stderr
+    assert every.returncode == 0 and "0 sessions recovered" in every.stdout
+    assert still is not None and still[1] == "running"  # the live session was not closed

@@ -313,3 +313,21 @@ async def test_migrations_go_down_and_up(db: str) -> None:
     async with await Ledger.open(db) as ledger:
         assert await ledger.sessions() == []
         assert sid
+
+
+async def test_recover_leaves_a_live_runner_alone_unless_forced(db: str) -> None:
+    from tests.scenarios import SCENARIOS
+    from trialledger.store.ledger import RunnerAlive
+
+    async with await Ledger.open(db) as ledger:
+        for name in ("timeout", "http_429"):  # open sessions of runner-a
+            events = [e for e in SCENARIOS[name][0].events
+                      if e["type"] not in ("session.closed",)]
+            await ledger.import_log(events)
+        await ledger.heartbeat("runner-a")
+        assert set(await ledger.live_runners()) == {"runner-a"}
+        with pytest.raises(RunnerAlive, match="alive"):
+            await ledger.recover("runner-a")
+        assert await ledger.recover(None, all_runners=True) == []  # its sessions are live
+        assert len(await ledger.recover("runner-a", force=True)) >= 1
+        assert await ledger.live_runners(within_s=0.0) == {}  # a heartbeat ages
