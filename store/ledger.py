@@ -297,6 +297,11 @@ class Ledger:
             if state in LIVE_STATES:
                 events.append({"type": "sandbox.lost", "at": at,
                                "data": {"detail": "harness restarted"}})
+            elif state == "graded":  # decided gradable, but no verdict was recorded
+                events.append({"type": "gap.recorded", "at": at, "data": {
+                    "code": "verification_interrupted",
+                    "detail": "the runner stopped before the verifier's result was recorded; "
+                              "the trial needs another attempt"}})
             events.append({"type": "session.closed", "at": at, "data": {"reason": "recovered"}})
             await self.append(sid, events)
         return [sid for sid, _ in rows]

@@ -143,9 +143,11 @@ def test_recover_needs_a_runner_or_all(capsys: Any, tmp_path: Path, examples: Pa
     code, _, err = run(capsys, "recover", "--db", db)
     assert code == 2 and "--runner" in err
     assert SCENARIOS["clean"][0].events[0]["data"]["runner_id"] == "runner-a"
-    imported(capsys, db, examples, "timeout")  # graded, not closed
+    (sid,) = imported(capsys, db, examples, "timeout")  # graded, not closed
     code, out, _ = run(capsys, "recover", "--db", db, "--runner", "runner-a")
     assert code == 0 and "1 sessions recovered" in out
+    code, out, _ = run(capsys, "sql", "--db", db, "--json", "SELECT code FROM gaps")
+    assert {"code": "verification_interrupted"} in json.loads(out)  # said, not silent
 
 
 def test_out_of_date_database_names_the_upgrade(capsys: Any, tmp_path: Path) -> None:
