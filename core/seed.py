@@ -131,7 +131,12 @@ def _overlap(a: str, b: str) -> bool:
 
 
 def _pydantic_message(error: ValidationError) -> str:
-    first = error.errors()[0]
+    """The first problem; but every missing field at once (a user fixes them together)."""
+    errors = error.errors()
+    missing = [".".join(str(p) for p in e["loc"]) for e in errors if e["type"] == "missing"]
+    if len(missing) > 1:
+        return f"missing fields: {', '.join(missing)}"
+    first = errors[0]
     where = ".".join(str(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
     return f"{where}: {msg}" if where else msg

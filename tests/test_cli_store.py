@@ -143,7 +143,7 @@ def test_recover_needs_a_runner_or_all(capsys: Any, tmp_path: Path, examples: Pa
     code, _, err = run(capsys, "recover", "--db", db)
     assert code == 2 and "--runner" in err
     assert SCENARIOS["clean"][0].events[0]["data"]["runner_id"] == "runner-a"
-    (sid,) = imported(capsys, db, examples, "timeout")  # graded, not closed
+    imported(capsys, db, examples, "timeout")  # graded, not closed
     code, out, _ = run(capsys, "recover", "--db", db, "--runner", "runner-a")
     assert code == 0 and "1 sessions recovered" in out
     code, out, _ = run(capsys, "sql", "--db", db, "--json", "SELECT code FROM gaps")
