@@ -15,14 +15,14 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 
-from trialledger.core import BadEvent, IllegalTransition, TrialLedgerError, replay
+from trialledger.core import STATES, BadEvent, IllegalTransition, TrialLedgerError, replay
 from trialledger.store import Ledger
 from trialledger.store.engine import DEFAULT_DB, make_engines, shown, sqlite_path
 from trialledger.store.migrate import current_revision, upgrade
@@ -509,8 +509,8 @@ def cmd_import_harbor(args: argparse.Namespace) -> int:
         _print_json([{**a.__dict__, "agrees": a.agrees, "explanation": a.explanation}
                      for a in agreements])
         return EXIT_OK
-    _table(["trial", "harbor", "ours", "agree", "rewards", "why"], [
-        (a.trial, f"{a.harbor_exception or '-'} → {a.harbor_verdict}",
+    _table(["trial", "session", "harbor", "ours", "agree", "rewards", "why"], [
+        (a.trial, a.session_id, f"{a.harbor_exception or '-'} → {a.harbor_verdict}",
          f"{a.our_rule} → {a.our_action}", "yes" if a.agrees else "NO",
          "appended" if a.rewards_appended else "compared", a.explanation)
         for a in agreements])
@@ -543,12 +543,38 @@ def _with_sandbox_uid(p: argparse.ArgumentParser) -> None:
                         "(default: the trialledger-sandbox user that `setup` creates)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit 2 (SPEC §10), like every refusal."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("trialledger").strip()
+        where = f"{command}: " if command else ""
+        self.exit(EXIT_BAD_INPUT, f"trialledger: {where}{message} (see --help)\n")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trialledger")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser: one subcommand per SPEC §10 command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="trialledger", description="Record and judge sandboxed coding-agent trials."
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"trialledger {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = commands.add_parser("replay", help="re-derive outcomes from a log or a whole store")
     p.add_argument("--log", help="a session's JSONL event log")
@@ -600,7 +626,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="the model name to ask for")
     p.add_argument("--api-key-env", metavar="NAME", help="environment variable with the API key")
     p.add_argument("--grants", metavar="FILE.json", help="a JSON list of tool grants")
-    p.add_argument("--max-attempts", type=int, default=1, help="retry lost sessions up to N")
+    p.add_argument("--max-attempts", type=_positive, default=1,
+                   help="retry lost sessions up to N (at least 1)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="a setting (VALUE parsed as JSON, else a string); repeatable")
     p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
@@ -616,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("ls", help="list sessions with state, outcome and tokens")
     _with_db(p)
     p.add_argument("--task", help="only this task")
-    p.add_argument("--state", help="only this state (seeded … closed)")
+    p.add_argument("--state", choices=STATES, help="only this state")
     p.add_argument("--cause", help="only this cause kind (model_endpoint, …)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=cmd_ls)

@@ -41,4 +41,7 @@ def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
             raise LogUnreadable(f"{path} is {info.st_size} bytes, over the "
                                 f"{LOG_LIMIT // 2**20} MiB cap for one session's log")
         os.set_blocking(fd, True)
-        return list(parse_jsonl(_lines(handle)))
+        events = list(parse_jsonl(_lines(handle)))
+    if not events:
+        raise LogUnreadable(f"{path} is empty: a log holds at least its session.seeded")
+    return events

@@ -37,6 +37,8 @@ class Task:
     def load(cls, folder: Path) -> Task:
         """Read a task folder."""
         folder = folder.resolve()
+        if not folder.is_dir():
+            raise TaskInvalid(f"{folder}: no such task folder")
         instruction = folder / "instruction.md"
         if not instruction.is_file():
             raise TaskInvalid(f"{folder}: no instruction.md (the prompt)")

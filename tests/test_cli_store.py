@@ -347,3 +347,31 @@ def test_a_full_disk_says_disk_full(tmp_path: Path, examples: Path) -> None:
         capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and done.stderr.strip().endswith("disk full"), done.stderr
     assert done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["ls", "--state", "bogus"], "invalid choice"),
+    (["run", "/nonexistent-task", "--model-base-url", "http://127.0.0.1:9", "--model", "m"],
+     "no such task folder"),
+    (["run", ".", "--model-base-url", "http://x", "--model", "m", "--max-attempts", "0"],
+     "at least 1"),
+    (["no-such-command"], "invalid choice"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(capsys: Any, tmp_path: Path,
+                                               argv: list[str], says: str) -> None:
+    try:  # argparse's refusals exit; the command's own return
+        code = main([*argv, *(["--db", str(tmp_path / "t.db")] if argv[0] == "ls" else [])])
+    except SystemExit as stopped:
+        code = int(stopped.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and err.count("\n") == 1, err
+
+
+def test_version_and_an_empty_log(capsys: Any, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(["--version"])
+    assert stopped.value.code == 0 and capsys.readouterr().out.startswith("trialledger ")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    code, _, err = run(capsys, "replay", "--log", str(empty))
+    assert code == 2 and "is empty" in err
