@@ -485,7 +485,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _table(["task", "attempt", "outcome", "decisions", "cause", "tokens", "reward"],
            outcome_rows(results))
     for question, sql in QUESTIONS.items():
-        result = anyio.run(lambda sql=sql: run_query(args.db, sql))
+        result = anyio.run(run_query, args.db, sql)
         out.print(f"\n[bold]{question}[/bold]\n[dim]{' '.join(sql.split())}[/dim]")
         _table(result.columns, result.rows)
     out.print(f"\nExplore: trialledger ls --db {args.db}; trialledger show --db {args.db} ID")

@@ -78,7 +78,8 @@ class StreamObserver:
         if not isinstance(event, dict):
             return
         kind = event.get("type")
-        response = event.get("response") if isinstance(event.get("response"), dict) else {}
+        found = event.get("response")
+        response: dict[str, Any] = found if isinstance(found, dict) else {}
         if isinstance(response.get("id"), str):
             self.response_id = response["id"]
         if isinstance(response.get("model"), str):

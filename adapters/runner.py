@@ -142,7 +142,7 @@ class _Recorder:
         self.head = stored[-1].event.seq or self.head
         for item in stored:
             if item.event.type == "outcome.decided":
-                self.action = item.event.data.action  # type: ignore[union-attr]
+                self.action = item.event.data.action
             elif item.event.type == "session.closed":
                 self.closed = True
         return stored

@@ -81,7 +81,7 @@ def session_row(session: Session, *, head_hash: str) -> Row:
         "retry_of": data.retry_of, "task": data.task, "agent_name": data.agent.name,
         "agent_version": data.agent.version, "model": data.model, "runner_id": data.runner_id,
         "state": session.state, "outcome": outcome_of(session),
-        "close_reason": closed.data.reason if closed else None,  # type: ignore[union-attr]
+        "close_reason": closed.data.reason if closed else None,
         "created_at": seed.at, "closed_at": closed.at if closed else None,
         "head_seq": session.head_seq, "head_hash": head_hash,
         **_environment(session),
@@ -92,7 +92,7 @@ def _environment(session: Session) -> Row:
     """The environment a schema-2 `agent.launched` names (null: the host, or none yet)."""
     for event in session.events[1:]:
         if event.type == "agent.launched":
-            environment = event.data.environment or {}  # type: ignore[union-attr]
+            environment = event.data.environment or {}
             return {"environment_ref": environment.get("ref"),
                     "environment_digest": environment.get("digest")}
         if event.type != "gap.recorded":  # the launch comes right after the seed's gaps
@@ -140,7 +140,7 @@ def gaps_as_of_last_change(session: Session) -> list[GapRecordedData]:
         tools.feed(event)
     decisions = [e.data for e in prefix if e.type == "outcome.decided"]
     closed = bool(prefix) and prefix[-1].type == "session.closed"
-    return recorded + derived_gaps(prefix, decisions, tools,  # type: ignore[arg-type]
+    return recorded + derived_gaps(prefix, decisions, tools,
                                    closed=closed, policy=session.policy)
 
 
@@ -174,16 +174,16 @@ class Changes:
                 touched_tools[item_id] = None
             elif event.type == "outcome.decided":
                 self.add("decision_log", [decision_row(sid, event.seq or 0, event.at,
-                                                       event.data)])  # type: ignore[arg-type]
+                                                       event.data)])
             elif isinstance(event, ModelCall):
                 self.add("model_calls", [model_call_row(sid, event.at, event.data)])
             elif event.type == "verification.recorded":
                 self.add("rewards", [{"session_id": sid, "name": name, "value": value}
-                                     for name, value in event.data.rewards.items()])  # type: ignore[union-attr]
+                                     for name, value in event.data.rewards.items()])
         if session.decisions:
             last = next(e for e in reversed(session.events) if e.type == "outcome.decided")
             self.outcome_rewrites.append(sid)
-            outcome = decision_row(sid, 0, last.at, last.data)  # type: ignore[arg-type]
+            outcome = decision_row(sid, 0, last.at, last.data)
             del outcome["seq"]
             self.add("outcomes", [{**outcome, "outcome": row["outcome"]}])
         for item_id in touched_tools:
@@ -194,7 +194,7 @@ class Changes:
             self.gap_rewrites.append(sid)
             self.add("gaps", [gap_row(sid, g) for g in gaps_as_of_last_change(session)])
         else:
-            self.add("gaps", [gap_row(sid, e.data) for e in appended  # type: ignore[arg-type]
+            self.add("gaps", [gap_row(sid, e.data) for e in appended
                               if e.type == "gap.recorded"])
 
     async def write(self, conn: AsyncConnection) -> None:

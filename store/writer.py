@@ -235,9 +235,9 @@ class Writer:
             open_.session.load(stored.event)
             open_.projected.tools.feed(stored.event)
             open_.remember(stored)
-        for open_ in (self.open.get(sid) for sid in missing):
-            if open_ is not None:
-                open_.projected.gaps_at = open_.session.transition_seq
+        for known in (self.open.get(sid) for sid in missing):
+            if known is not None:
+                known.projected.gaps_at = known.session.transition_seq
 
     async def load(self, conn: AsyncConnection, session_id: str) -> OpenSession:
         """A session folded from its stored log (for reading and rebuilding)."""

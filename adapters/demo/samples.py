@@ -19,6 +19,7 @@ from typing import Any
 from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, message, shell, status, tool
 from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner, install_paths
 from trialledger.adapters.task import Task
+from trialledger.core import SessionSeeded
 from trialledger.store import Ledger
 
 QUESTIONS = {
@@ -142,12 +143,13 @@ async def run_demo(ledger: Ledger, *, codex: str, workdir: Path | None = None,
 
 def outcome_rows(results: Sequence[SessionResult]) -> list[tuple[str, ...]]:
     """The demo's outcomes table: one row per session."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for result in results:
         view = result.view
         d = view.decision
+        seed = view.events[0]
         rows.append((
-            view.events[0].data.task,  # type: ignore[union-attr]
+            seed.data.task if isinstance(seed, SessionSeeded) else "?",
             str(result.attempt),
             view.outcome,
             " → ".join(x.rule for x in view.decisions) or "-",

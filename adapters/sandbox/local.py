@@ -330,11 +330,11 @@ class LocalSandbox:
         mount("--tmpfs", None, "/tmp")
         mount("--ro-bind", self.init, INIT_INSIDE)
         if self.codex is not None and role == "agent":
-            for host, inside in self.codex.mounts():
-                mount("--ro-bind", self._stage(host, staged), inside)
+            for source, inside in self.codex.mounts():
+                mount("--ro-bind", self._stage(source, staged), inside)
         if role == "agent" or self.verifier_root == "agent":
-            for path in self.readonly_paths:
-                mount("--ro-bind", self._stage(path, staged), str(path))
+            for granted in self.readonly_paths:
+                mount("--ro-bind", self._stage(granted, staged), str(granted))
             mount("--bind", self.session_dir, str(self.session_dir))
         if not self.overlay:
             mount("--bind", self.host_work, self.workdir)

@@ -199,11 +199,11 @@ def _status_of(data: bytes, returncode: int | None) -> ExitStatus:
         report = {}
     if not isinstance(report, dict):
         report = {}
-    for key, make in (("exit", lambda n: ExitStatus(n)),
-                      ("signal", lambda n: ExitStatus(-n, f"killed by signal {n}"))):
+    for key in ("exit", "signal"):
         value = report.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 256:
-            return make(value)
+            return (ExitStatus(value) if key == "exit"
+                    else ExitStatus(-value, f"killed by signal {value}"))
     if isinstance(report.get("spawn_error"), str):
         return ExitStatus(None, f"the agent could not be spawned: {report['spawn_error'][:500]}",
                           spawned=False)
