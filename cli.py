@@ -26,7 +26,12 @@ from trialledger.core import STATES, BadEvent, IllegalTransition, TrialLedgerErr
 from trialledger.store import Ledger
 from trialledger.store.engine import DEFAULT_DB, make_engines, shown, sqlite_path
 from trialledger.store.migrate import current_revision, upgrade
-from trialledger.store.query import DEFAULT_TIMEOUT_S, run_query
+from trialledger.store.query import (
+    DEFAULT_TIMEOUT_S,
+    READER_ROLE,
+    create_reader_role,
+    run_query,
+)
 
 EXIT_OK, EXIT_FOUND, EXIT_BAD_INPUT = 0, 1, 2
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 132)
@@ -130,11 +135,17 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
         engines = make_engines(args.db)
         try:
             await upgrade(engines.writer)
-            return await current_revision(engines.writer)
+            revision = await current_revision(engines.writer)
         finally:
             await engines.dispose()
+        if args.create_readonly_role:
+            await create_reader_role(args.db, args.create_readonly_role)
+        return revision
 
     out.print(f"{shown(args.db)}: schema at revision {anyio.run(go)}")
+    if args.create_readonly_role:
+        out.print(f"read-only role {args.create_readonly_role}: `sql` runs as it; give "
+                  "analysts a login that is a member of it, never the store's own role")
     return EXIT_OK
 
 
@@ -190,7 +201,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def cmd_sql(args: argparse.Namespace) -> int:
     """Run one read-only, time-limited query."""
-    result = anyio.run(lambda: run_query(args.db, args.query, timeout_s=args.timeout))
+    result = anyio.run(lambda: run_query(args.db, args.query, timeout_s=args.timeout,
+                                         role=args.role))
     if args.json:
         _print_json(result.records())
     else:
@@ -485,7 +497,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _table(["task", "attempt", "outcome", "decisions", "cause", "tokens", "reward"],
            outcome_rows(results))
     for question, sql in QUESTIONS.items():
-        result = anyio.run(run_query, args.db, sql)
+        result = anyio.run(lambda sql=sql: run_query(args.db, sql, role=None))  # ours
         out.print(f"\n[bold]{question}[/bold]\n[dim]{' '.join(sql.split())}[/dim]")
         _table(result.columns, result.rows)
     out.print(f"\nExplore: trialledger ls --db {args.db}; trialledger show --db {args.db} ID")
@@ -592,6 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     db_commands = p.add_subparsers(dest="db_command", required=True)
     up = db_commands.add_parser("upgrade", help="build or migrate a database")
     _with_db(up)
+    up.add_argument("--create-readonly-role", metavar="NAME", nargs="?", const=READER_ROLE,
+                    help=f"PostgreSQL: also create a role that can only read the store "
+                         f"(default name {READER_ROLE}); `sql` runs as it")
     up.set_defaults(handler=cmd_db_upgrade)
 
     p = commands.add_parser("import", help="append one session's JSONL log")
@@ -617,6 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="rows as JSON objects")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds before the query is stopped (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--role", default=READER_ROLE,
+                   help=f"PostgreSQL: the read-only role the query runs as (default "
+                        f"{READER_ROLE}; `db upgrade --create-readonly-role` makes it)")
     p.set_defaults(handler=cmd_sql)
 
     p = commands.add_parser("run", help="run the real Codex CLI on a task in the local sandbox")

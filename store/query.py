@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sqlite3
 import time
 import urllib.parse
@@ -18,6 +19,7 @@ from trialledger.core.errors import TrialLedgerError
 from trialledger.store.engine import make_engines, sqlite_path
 
 DEFAULT_TIMEOUT_S = 10.0
+READER_ROLE = "trialledger_reader"
 MAX_TIMEOUT_S = 3600.0
 RESULT_BUDGET = 64 * 2**20  # bytes of values one query may return
 
@@ -101,11 +103,22 @@ def _sqlite_query(path: str, sql: str, timeout_s: float) -> QueryResult:
         conn.close()
 
 
-async def _postgres_query(db: str, sql: str, timeout_s: float) -> QueryResult:
+async def _postgres_query(db: str, sql: str, timeout_s: float, role: str | None
+                          ) -> QueryResult:
     engines = make_engines(db)
     try:
         async with engines.reader.connect() as conn:  # rolled back when it closes
             conn = await conn.execution_options(postgresql_readonly=True)
+            if role is not None:  # the query runs with the reader role's rights only
+                found = (await conn.execute(text(
+                    "SELECT pg_has_role(current_user, oid, 'MEMBER') FROM pg_roles "
+                    "WHERE rolname = :r"), {"r": role})).scalar()
+                if not found:
+                    raise QueryRefused(
+                        f"no read-only role {role} to run the query as: create it with "
+                        f"`trialledger db upgrade --db URL --create-readonly-role {role}` "
+                        "(and let analysts connect as it)")
+                await conn.execute(text(f'SET LOCAL ROLE "{check_role_name(role)}"'))
             limit_ms = max(1, int(timeout_s * 1000))  # 0 would mean no limit
             await conn.execute(text(f"SET LOCAL statement_timeout = {limit_ms}"))
             result = await conn.exec_driver_sql(sql)
@@ -121,12 +134,47 @@ async def _postgres_query(db: str, sql: str, timeout_s: float) -> QueryResult:
         await engines.dispose()
 
 
-async def run_query(db: str, sql: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> QueryResult:
+async def run_query(db: str, sql: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    role: str | None = READER_ROLE) -> QueryResult:
     """Run one read-only statement against a store; refuse writes, files, overlong queries
-    and results over the byte budget."""
+    and results over the byte budget. On PostgreSQL it runs as `role` (a read-only role
+    `create_reader_role` made; None: as the connecting user, for trusted queries)."""
     if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
         raise QueryRefused(f"--timeout must be more than 0 and at most {MAX_TIMEOUT_S:g} s")
     path = sqlite_path(db)
     if path is not None:
         return await anyio.to_thread.run_sync(_sqlite_query, path, sql, timeout_s)
-    return await _postgres_query(db, sql, timeout_s)
+    return await _postgres_query(db, sql, timeout_s, role)
+
+
+def check_role_name(name: str) -> str:
+    """A role name we put into SQL: lowercase letters, digits and `_` only."""
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", name):
+        raise QueryRefused(f"role name {name!r}: use lowercase letters, digits and _")
+    return name
+
+
+async def create_reader_role(db: str, name: str = READER_ROLE) -> None:
+    """A PostgreSQL role that can read every table and view of the store and nothing else
+    (no writes, no functions of other roles' backends, no server programs); the
+    connecting user becomes a member, so `sql` can run as it."""
+    role = check_role_name(name)
+    engines = make_engines(db)
+    try:
+        if engines.dialect != "postgresql":
+            raise QueryRefused("--create-readonly-role is for PostgreSQL (a SQLite `sql` "
+                               "opens the file read-only)")
+        async with engines.writer.begin() as conn:
+            exists = (await conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"),
+                                         {"r": role})).scalar()
+            if not exists:
+                await conn.execute(text(f'CREATE ROLE "{role}" NOLOGIN NOINHERIT'))
+            for statement in (
+                f'GRANT USAGE ON SCHEMA public TO "{role}"',
+                f'GRANT SELECT ON ALL TABLES IN SCHEMA public TO "{role}"',
+                f'ALTER DEFAULT PRIVILEGES IN SCHEMA public GRANT SELECT ON TABLES TO "{role}"',
+                f'GRANT "{role}" TO CURRENT_USER',
+            ):
+                await conn.execute(text(statement))
+    finally:
+        await engines.dispose()

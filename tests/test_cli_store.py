@@ -114,12 +114,24 @@ def test_sql_reads_views_as_table_or_json_and_refuses_writes(
 def test_sql_on_postgresql_is_read_only_and_time_limited(capsys: Any, postgres: Any) -> None:
     db = postgres.create_database()
     assert run(capsys, "db", "upgrade", "--db", db)[0] == 0
+    code, _, err = run(capsys, "sql", "--db", db, "SELECT 1")
+    assert code == 2 and "--create-readonly-role" in err  # never as the store's own role
+    assert run(capsys, "db", "upgrade", "--db", db, "--create-readonly-role")[0] == 0
     code, out, _ = run(capsys, "sql", "--db", db, "--json", "SELECT count(*) AS n FROM outcomes")
     assert (code, json.loads(out)) == (0, [{"n": 0}])
     code, _, err = run(capsys, "sql", "--db", db, "DELETE FROM events")
     assert code == 2 and "read-only" in err
     code, _, err = run(capsys, "sql", "--db", db, "--timeout", "0.2", "SELECT pg_sleep(5)")
     assert code == 2 and "past its 0.2 s limit" in err
+    # What the store's own (here: super) user could do, the reader role cannot.
+    for attack in ("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                   "WHERE pid <> pg_backend_pid()",
+                   "COPY (SELECT 1) TO PROGRAM 'true'",
+                   "SELECT pg_read_file('/etc/hostname')"):
+        code, _, err = run(capsys, "sql", "--db", db, attack)
+        assert code == 2 and any(word in err for word in (
+            "permission denied", "must be superuser", "must be a superuser", "read-only")), (
+            attack, err)
 
 
 def test_replay_diff_lists_sessions_a_new_policy_decides_otherwise(
