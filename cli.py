@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -24,7 +25,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from trialledger.core import STATES, BadEvent, IllegalTransition, TrialLedgerError, replay
 from trialledger.store import Ledger
-from trialledger.store.engine import DEFAULT_DB, make_engines, shown, sqlite_path
+from trialledger.store.engine import DEFAULT_DB, make_engines, shown
+from trialledger.store.ledger import StoreUnavailable, disk_full
 from trialledger.store.migrate import current_revision, upgrade
 from trialledger.store.query import (
     DEFAULT_TIMEOUT_S,
@@ -372,23 +374,6 @@ def _model_call(call: Any) -> str:
     return f"call {call.call} {call.method} {call.path} → {answer}, {how}{took}"
 
 
-def _disk_full(db: str, error: BaseException) -> str | None:
-    """"disk full" whatever words the driver found for it (SQLite says "disk I/O error"
-    when a few KiB are left)."""
-    import errno
-    import shutil
-
-    text = str(error)
-    if getattr(error, "errno", None) == errno.ENOSPC or "disk is full" in text:
-        return "disk full"
-    path = sqlite_path(db) if "://" not in db or db.startswith("sqlite") else None
-    if path is not None and "disk I/O error" in text:
-        with contextlib.suppress(OSError):
-            if shutil.disk_usage(os.path.dirname(path) or ".").free < 1024 * 1024:
-                return "disk full"
-    return None
-
-
 def _brief(value: Any, width: int = 90) -> str:
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     text = text.replace("\n", " ")
@@ -497,7 +482,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _table(["task", "attempt", "outcome", "decisions", "cause", "tokens", "reward"],
            outcome_rows(results))
     for question, sql in QUESTIONS.items():
-        result = anyio.run(lambda sql=sql: run_query(args.db, sql, role=None))  # ours
+        result = anyio.run(functools.partial(run_query, args.db, sql, role=None))  # ours
         out.print(f"\n[bold]{question}[/bold]\n[dim]{' '.join(sql.split())}[/dim]")
         _table(result.columns, result.rows)
     out.print(f"\nExplore: trialledger ls --db {args.db}; trialledger show --db {args.db} ID")
@@ -718,10 +703,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except (OSError, SQLAlchemyError) as error:
-        reason = _disk_full(args.db, error) or str(error).splitlines()[0]
-        print(f"trialledger: cannot use the database {shown(args.db)}: "
-              f"{shown(args.db, reason)}", file=sys.stderr)
+    except SQLAlchemyError as error:  # outside the store's boundary (db upgrade)
+        print(f"trialledger: {StoreUnavailable.of(args.db, error)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as error:
+        print(f"trialledger: {disk_full(getattr(args, 'db', ''), error) or error}",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
     assert isinstance(code, int)
     return code

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from sqlalchemy.exc import SQLAlchemyError
 
 from trialledger.adapters import capture
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
@@ -41,7 +40,7 @@ from trialledger.core import SessionView, redact, scrub, validate_seed
 from trialledger.core.seed import ValidSeed
 from trialledger.core.settings import Settings
 from trialledger.store import Ledger, StoredEvent
-from trialledger.store.ledger import HEARTBEAT_S
+from trialledger.store.ledger import HEARTBEAT_S, StoreUnavailable
 from trialledger.store.writer import now
 
 PROBE_LIMIT_S = 10.0
@@ -232,7 +231,7 @@ class SessionRunner:
 
     async def _heartbeat(self) -> None:
         while True:
-            with contextlib.suppress(OSError, SQLAlchemyError):  # a blink: the next beat
+            with contextlib.suppress(StoreUnavailable):  # a blink: the next beat
                 await self.ledger.heartbeat(self.options.runner_id)
             await asyncio.sleep(HEARTBEAT_S)
 

@@ -7,9 +7,10 @@ from trialledger.store.ledger import (
     NoDatabase,
     NoSession,
     Seeded,
+    StoreUnavailable,
 )
 from trialledger.store.migrate import SchemaOutOfDate
 from trialledger.store.writer import StoredEvent
 
 __all__ = ["AmbiguousSession", "AuditReport", "Ledger", "NoDatabase", "NoSession",
-           "SchemaOutOfDate", "Seeded", "StoredEvent"]
+           "SchemaOutOfDate", "Seeded", "StoreUnavailable", "StoredEvent"]

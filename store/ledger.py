@@ -13,16 +13,19 @@ Writes go through one `store.writer.Writer`, which group-commits concurrent appe
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
 import socket
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import anyio
 from sqlalchemy import LargeBinary, column, select, table, text
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from trialledger.core import (
     BadEvent,
@@ -49,6 +52,7 @@ from trialledger.store.engine import (
     Engines,
     Synchronous,
     make_engines,
+    shown,
     sqlite_path,
 )
 from trialledger.store.migrate import ensure_current
@@ -84,8 +88,54 @@ class AmbiguousSession(TrialLedgerError):
     """A session id prefix that more than one session starts with."""
 
     def __init__(self, prefix: str, candidates: Sequence[str]) -> None:
-        shown = ", ".join(candidates[:5]) + (", …" if len(candidates) > 5 else "")
-        super().__init__(f"{prefix!r} starts more than one session id: {shown}")
+        listed = ", ".join(candidates[:5]) + (", …" if len(candidates) > 5 else "")
+        super().__init__(f"{prefix!r} starts more than one session id: {listed}")
+
+
+class StoreUnavailable(TrialLedgerError):
+    """The database could not be used (unreachable, locked past its wait, full, damaged):
+    the driver's error, in one line, with any password masked."""
+
+    @classmethod
+    def of(cls, db: str, error: BaseException) -> StoreUnavailable:
+        reason = disk_full(db, error) or shown(db, str(error).strip().splitlines()[0]
+                                               if str(error).strip() else type(error).__name__)
+        return cls(f"cannot use the database {shown(db)}: {reason}")
+
+
+def disk_full(db: str, error: BaseException) -> str | None:
+    """"disk full", whatever words the driver found for it (SQLite says "disk I/O error"
+    when only a few KiB are left)."""
+    text = str(error)
+    if getattr(error, "errno", None) == errno.ENOSPC or "disk is full" in text:
+        return "disk full"
+    path = sqlite_path(db) if "://" not in db or db.startswith("sqlite") else None
+    if path is not None and "disk I/O error" in text:
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(os.path.dirname(path) or ".").free < 1024 * 1024:
+                return "disk full"
+    return None
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _guarded(method: Callable[Concatenate[Ledger, P], Coroutine[Any, Any, R]]
+             ) -> Callable[Concatenate[Ledger, P], Coroutine[Any, Any, R]]:
+    """The store's boundary: a driver's error leaves it as `StoreUnavailable`."""
+
+    async def call(self: Ledger, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await method(self, *args, **kwargs)
+        except TrialLedgerError:
+            raise
+        except (SQLAlchemyError, OSError) as error:
+            raise StoreUnavailable.of(self.db, error) from error
+
+    call.__name__, call.__qualname__, call.__doc__ = (method.__name__, method.__qualname__,
+                                                      method.__doc__)
+    return call
 
 
 class RunnerAlive(TrialLedgerError):
@@ -166,8 +216,10 @@ class Ledger:
         engines = make_engines(db, sqlite_synchronous=sqlite_synchronous)
         try:
             await ensure_current(engines.writer, db=db)
-        except BaseException:
+        except BaseException as error:
             await engines.dispose()
+            if isinstance(error, SQLAlchemyError | OSError):
+                raise StoreUnavailable.of(db, error) from error
             raise
         return cls(engines, db=db, policy=get_policy(policy))
 
@@ -467,3 +519,10 @@ class Ledger:
             sids = [sid for (sid,) in (await conn.execute(
                 select(EVENTS.c.session_id).distinct().order_by(EVENTS.c.session_id))).all()]
         return await self._writer.rebuild(sids)
+
+
+# Every public method of the store raises `StoreUnavailable` for a driver's error.
+for _name in ("seed", "start", "append", "close", "heartbeat", "live_runners", "recover",
+              "import_log", "events", "view", "tail", "sessions", "listing", "resolve",
+              "export", "audit", "rebuild_projections"):
+    setattr(Ledger, _name, _guarded(getattr(Ledger, _name)))

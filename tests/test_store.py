@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -331,3 +332,22 @@ async def test_recover_leaves_a_live_runner_alone_unless_forced(db: str) -> None
         assert await ledger.recover(None, all_runners=True) == []  # its sessions are live
         assert len(await ledger.recover("runner-a", force=True)) >= 1
         assert await ledger.live_runners(within_s=0.0) == {}  # a heartbeat ages
+
+
+async def test_driver_errors_leave_the_store_as_store_unavailable(tmp_path: Path) -> None:
+    import socket
+
+    from trialledger.store import StoreUnavailable
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    try:
+        with pytest.raises(StoreUnavailable, match=r"postgresql://u:\*\*\*@127\.0\.0\.1"):
+            await Ledger.open(f"postgresql://u:Sekrit-pw@127.0.0.1:{port}/db")
+    finally:
+        closed.close()
+    folder = tmp_path / "a-folder.db"
+    folder.mkdir()  # a path that cannot be a database file
+    with pytest.raises(StoreUnavailable, match="cannot use the database"):
+        await Ledger.open(str(folder))
