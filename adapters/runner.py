@@ -129,6 +129,11 @@ class _Recorder:
         self.action: str | None = None
         self.closed = False
         self._lock = anyio.Lock()  # Codex's stdout and the model proxy append concurrently
+        self.capture_deadline = math.inf  # set when the agent ends (SPEC §8's budget)
+
+    def left(self) -> float:
+        """Seconds of this session's capture budget left."""
+        return max(0.0, self.capture_deadline - anyio.current_time())
 
     async def append(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
         if not events:
@@ -182,6 +187,7 @@ class SessionRunner:
         self.ledger, self.task, self.options = ledger, task, options
         self.codex = find_codex(options.codex_bin)
         self.install = codex_install(self.codex)
+        self._trial_key = uuid.uuid4().hex[:12]  # run_session's sessions share one trial
         _sweep_once()
 
     def _seed(self, attempt: int, retry_of: str | None, sandbox: LocalSandbox) -> ValidSeed:
@@ -201,8 +207,6 @@ class SessionRunner:
         }
         return validate_seed(seed, private_roots=sandbox.private_roots,
                              resolve=os.path.realpath, api_key=self.options.api_key)
-
-    _trial_key = ""
 
     async def run_trial(self) -> list[SessionResult]:
         """Run the task, retrying `lost` sessions as new attempts up to `max_attempts`."""
@@ -236,8 +240,6 @@ class SessionRunner:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _run_session(self, *, attempt: int, retry_of: str | None) -> SessionResult:
-        if not self._trial_key:
-            self._trial_key = uuid.uuid4().hex[:12]
         session_id = str(uuid.uuid4())
         settings_raw = {**self.task.settings, **self.options.overrides}
         token = f"tl-session-{tokens.token_urlsafe(24)}"  # Codex's key: the proxy's alone
@@ -345,25 +347,22 @@ class SessionRunner:
             if timed_out:
                 await run.stop(self.options.grace_s)
             status = await run.wait()
-            self._capture_deadline = anyio.current_time() + settings.session_close_timeout_s
-            with anyio.move_on_after(self._left()):
+            rec.capture_deadline = anyio.current_time() + settings.session_close_timeout_s
+            with anyio.move_on_after(rec.left()):
                 await done_reading.wait()
             tg.cancel_scope.cancel()
         if sandbox.network is not None:  # open calls end client_closed, before agent.exited
             with anyio.CancelScope(shield=True):
                 await sandbox.network.aclose()
-        await rec.append(self._stderr_event(run, secrets) + await self._usage_events(sandbox))
+        await rec.append(self._stderr_event(run, secrets)
+                         + await self._usage_events(rec, sandbox))
         if not status.spawned:  # the launch failed inside the sandbox: nothing ran
             await rec.add("sandbox.lost", {"detail": status.detail})
             return
         await rec.add("agent.exited", {"return_code": status.return_code, "timed_out": timed_out})
-        report = await sandbox.confirm_cleanup(run, max(0.1, min(CLEANUP_LIMIT_S, self._left())))
+        report = await sandbox.confirm_cleanup(run, max(0.1, min(CLEANUP_LIMIT_S, rec.left())))
         await rec.add("cleanup.reported", {"confirmed": report.confirmed, "error": report.error})
 
-    _capture_deadline = math.inf
-
-    def _left(self) -> float:
-        return max(0.0, self._capture_deadline - anyio.current_time())
 
     @staticmethod
     def _stderr_event(run: LocalRun, secrets: Sequence[str]) -> list[dict[str, Any]]:
@@ -375,9 +374,10 @@ class SessionRunner:
         return [{"type": "agent.stderr", "at": now(),
                  "data": {"tail": redacted, "truncated": truncated}}]
 
-    async def _usage_events(self, sandbox: LocalSandbox) -> list[dict[str, Any]]:
+    async def _usage_events(self, rec: _Recorder, sandbox: LocalSandbox
+                            ) -> list[dict[str, Any]]:
         tree = sandbox.agent_files(sandbox.session_dir)
-        with anyio.move_on_after(self._left()) as scope:
+        with anyio.move_on_after(rec.left()) as scope:
             return await anyio.to_thread.run_sync(
                 lambda: capture.usage_events(tree, at=now()), abandon_on_cancel=True)
         if scope.cancelled_caught:
@@ -386,7 +386,7 @@ class SessionRunner:
         return []
 
     async def _probe(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings) -> None:
-        result = await sandbox.probe(max(0.1, min(PROBE_LIMIT_S, self._left())),
+        result = await sandbox.probe(max(0.1, min(PROBE_LIMIT_S, rec.left())),
                                      command=self.options.probe_command)
         await rec.add("sandbox.probed", {"alive": result.alive, "detail": result.detail})
 
@@ -398,7 +398,7 @@ class SessionRunner:
         if not (await anyio.to_thread.run_sync(capture.rollouts, tree, "rollout-*"))[0]:
             await rec.add("archive.skipped", {"reason": "no_source", "detail": None})
             return
-        limit = self._left() - 1.0
+        limit = rec.left() - 1.0
         if limit <= 0:
             await rec.add("archive.skipped", {"reason": "no_time", "detail": None})
             return
