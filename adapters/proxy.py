@@ -28,6 +28,8 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 from aiohttp import web
 
+REQUEST_LIMIT = 256 * 2**20  # bytes of one request body
+
 # Hop-by-hop headers (RFC 9110 §7.6.1) and what the proxy sets itself.
 DROPPED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                      "te", "trailer", "transfer-encoding", "upgrade", "host",
@@ -181,6 +183,11 @@ class SessionProxy:
     async def start(self, listener: socket.socket | None = None) -> int:
         """Serve on `listener` (a bound socket), else on a free loopback port; the port."""
         server = web.Server(self._forward, access_log=None, logger=_QUIET)
+        # A Responses request carries the whole conversation: far more than aiohttp's
+        # default 1 MiB body cap, so the cap is Codex-sized (still bounded).
+        server.request_factory = lambda message, payload, protocol, writer, task: (
+            web.BaseRequest(message, payload, protocol, writer, task,
+                            asyncio.get_running_loop(), client_max_size=REQUEST_LIMIT))
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         if listener is None:

@@ -96,3 +96,24 @@ async def test_every_call_is_recorded_from_the_stream_without_body_or_headers() 
     assert (second["http_status"], second["completed"]) == (429, False)
     shown = json.dumps(calls)
     assert "sess-Qz9" not in shown and "stream" not in shown  # no header, no body
+
+
+async def test_a_long_conversation_passes_whole() -> None:
+    # A Responses request carries the whole conversation, often megabytes of it.
+    with ScriptedEndpoint([message()]) as endpoint:
+        proxy = SessionProxy(Upstream(endpoint.url, token="t"))
+        port = await proxy.start()
+        big = json.dumps({"model": "m", "input": "x" * 5_000_000, "stream": True}).encode()
+
+        def send() -> int:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/responses", data=big, method="POST",
+                headers={"Authorization": "Bearer t", "Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                return int(answer.status)
+
+        try:
+            assert await anyio.to_thread.run_sync(send) == 200
+        finally:
+            await proxy.aclose()
+    assert len(endpoint.requests[0]["input"]) == 5_000_000
