@@ -36,7 +36,7 @@ from trialledger.adapters.sandbox.local import LocalSandbox, sweep_stale_session
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.task import Task
-from trialledger.core import SessionView, redact, scrub, validate_seed
+from trialledger.core import ConcurrencyConflict, SessionView, redact, scrub, validate_seed
 from trialledger.core.seed import ValidSeed
 from trialledger.core.settings import Settings
 from trialledger.store import Ledger, StoredEvent
@@ -44,6 +44,7 @@ from trialledger.store.ledger import HEARTBEAT_S, StoreUnavailable
 from trialledger.store.writer import now
 
 PROBE_LIMIT_S = 10.0
+STORE_RETRY_S = 120.0  # how long appends wait out a store that is unavailable
 CLEANUP_LIMIT_S = 10.0
 
 
@@ -101,6 +102,7 @@ class RunOptions:
     protected_paths: Sequence[Path] = ()  # never mounted (the store's file, say)
     grace_s: float = 5.0
     probe_command: Sequence[str] = ("true",)
+    store_retry_s: float = STORE_RETRY_S  # appends retry this long through a store's blink
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,10 @@ class SessionResult:
 class _Recorder:
     """Appends one session's events in order, tracking its head and last decision."""
 
-    def __init__(self, ledger: Ledger, session_id: str, head: int) -> None:
+    def __init__(self, ledger: Ledger, session_id: str, head: int, *,
+                 store_retry_s: float = STORE_RETRY_S) -> None:
         self.ledger, self.session_id, self.head = ledger, session_id, head
+        self.store_retry_s = store_retry_s
         self.action: str | None = None
         self.closed = False
         self._lock = anyio.Lock()  # Codex's stdout and the model proxy append concurrently
@@ -142,7 +146,22 @@ class _Recorder:
             return await self._append(events)
 
     async def _append(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
-        stored = await self.ledger.append(self.session_id, events, expected_seq=self.head)
+        """Append, riding out a store that blinks: retried with backoff for up to
+        `store_retry_s` while later events wait in order behind the lock."""
+        deadline, pause = anyio.current_time() + self.store_retry_s, 0.25
+        while True:
+            try:
+                stored = await self.ledger.append(self.session_id, events,
+                                                  expected_seq=self.head)
+                break
+            except StoreUnavailable:
+                if anyio.current_time() + pause > deadline:
+                    raise
+                await anyio.sleep(pause)
+                pause = min(pause * 2, 5.0)
+            except ConcurrencyConflict:
+                stored = await self._committed(events)  # acknowledged in the blink, or not
+                break
         self.head = stored[-1].event.seq or self.head
         for item in stored:
             if item.event.type == "outcome.decided":
@@ -150,6 +169,15 @@ class _Recorder:
             elif item.event.type == "session.closed":
                 self.closed = True
         return stored
+
+    async def _committed(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
+        """After a lost acknowledgement: the events, if the store holds them after our head
+        (a commit that landed while its answer did not); else the conflict stands."""
+        after = await self.ledger.events(self.session_id, after_seq=self.head)
+        if [s.event.type for s in after[:len(events)]] != [e["type"] for e in events]:
+            raise ConcurrencyConflict(self.session_id, self.head,
+                                      after[-1].event.seq or self.head if after else self.head)
+        return after
 
     async def add(self, kind: str, data: Mapping[str, Any]) -> list[StoredEvent]:
         return await self.append([{"type": kind, "at": now(), "data": dict(data)}])
@@ -267,7 +295,8 @@ class SessionRunner:
         try:
             valid = self._seed(attempt, retry_of, sandbox)
             seeded = await self.ledger.start(valid, session_id=session_id, secrets=[token])
-            recorder = _Recorder(self.ledger, session_id, seeded.head_seq)
+            recorder = _Recorder(self.ledger, session_id, seeded.head_seq,
+                                 store_retry_s=self.options.store_retry_s)
             try:
                 await self._drive(recorder, sandbox, valid, seeded.secrets)
             finally:

@@ -151,6 +151,8 @@ def make_engines(db: str, *, sqlite_synchronous: Synchronous = "FULL") -> Engine
             reader=_sqlite_engine(url, begin="BEGIN", synchronous=sqlite_synchronous),
             url=url.render_as_string(hide_password=True),
         )
-    writer = create_async_engine(url, pool_size=2)
-    return Engines(writer=writer, reader=create_async_engine(url, pool_size=4),
+    # pre_ping: a connection that died with a server restart is replaced, not used.
+    writer = create_async_engine(url, pool_size=2, pool_pre_ping=True)
+    return Engines(writer=writer,
+                   reader=create_async_engine(url, pool_size=4, pool_pre_ping=True),
                    url=url.render_as_string(hide_password=True))

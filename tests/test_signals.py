@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.runs import codex_path, make_task
-from trialledger.adapters.demo.endpoint import ScriptedEndpoint, shell
+from trialledger.adapters.demo.endpoint import ScriptedEndpoint, message, shell
 
 
 def _state(db: Path) -> tuple[str, str] | None:
@@ -88,3 +88,37 @@ def test_recover_leaves_a_running_runner_alone(tmp_path: Path) -> None:
     assert by_id.returncode == 2 and "alive" in by_id.stderr
     assert every.returncode == 0 and "0 sessions recovered" in every.stdout
     assert still is not None and still[1] == "running"  # the live session was not closed
+
+
+def test_a_store_locked_past_its_busy_timeout_loses_nothing(tmp_path: Path) -> None:
+    # Another process holds SQLite's write lock for 35 s (past the 30 s busy timeout)
+    # while Codex works: the runner's appends wait it out, in order, and the run ends well.
+    import sqlite3
+
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    db = tmp_path / "t.db"
+    with ScriptedEndpoint([shell("sleep 2; echo worked"), message()]) as endpoint:
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "trialledger.cli", "run", str(task.folder), "--db", str(db),
+             "--model-base-url", endpoint.url, "--model", "m", "--codex-bin", codex_path()],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while (seen := _state(db)) is None or seen[1] != "running":
+                assert time.monotonic() < deadline, "the run never started"
+                time.sleep(0.05)
+            holder = sqlite3.connect(db, timeout=60, isolation_level=None)
+            holder.execute("BEGIN IMMEDIATE")  # the write lock, held
+            time.sleep(35)
+            holder.execute("COMMIT")
+            holder.close()
+            out, err = runner.communicate(timeout=120)
+        finally:
+            if runner.poll() is None:
+                runner.kill()
+    assert runner.returncode == 0, err
+    assert out.split()[1] == "verify"
+    with sqlite3.connect(db) as conn:
+        kinds = [r[0] for r in conn.execute("SELECT type FROM events ORDER BY seq")]
+    assert kinds.count("item.completed") >= 2 and kinds[-1] == "session.closed"
+    assert "verification.recorded" in kinds
