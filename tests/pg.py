@@ -12,6 +12,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,17 @@ class PostgresServer:
                         "-d", "postgres", "-qc", f"CREATE DATABASE {name}"],
                        check=True, env=env, capture_output=True)
         return self.url(name)
+
+    def restart(self, down_s: float) -> None:
+        """Stop the server at once (every connection dies), wait, start it again."""
+        data = str(self.folder / "data")
+        self._run("pg_ctl", "-D", data, "-m", "immediate", "-w", "stop")
+        time.sleep(down_s)
+        options = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1"
+        done = self._run("pg_ctl", "-D", data, "-o", options,
+                         "-l", str(self.folder / "server.log"), "-w", "start")
+        if done.returncode:
+            raise RuntimeError(f"pg_ctl start failed: {done.stderr}")
 
     def stop(self) -> None:
         self._run("pg_ctl", "-D", str(self.folder / "data"), "-m", "immediate", "stop")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,3 +123,22 @@ def test_a_store_locked_past_its_busy_timeout_loses_nothing(tmp_path: Path) -> N
         kinds = [r[0] for r in conn.execute("SELECT type FROM events ORDER BY seq")]
     assert kinds.count("item.completed") >= 2 and kinds[-1] == "session.closed"
     assert "verification.recorded" in kinds
+
+
+def test_a_postgresql_restart_mid_run_loses_nothing(tmp_path: Path, postgres: Any) -> None:
+    db = postgres.create_database()
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    with ScriptedEndpoint([shell("sleep 4; echo worked"), message()]) as endpoint:
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "trialledger.cli", "run", str(task.folder), "--db", db,
+             "--model-base-url", endpoint.url, "--model", "m", "--codex-bin", codex_path()],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(3)  # Codex is running its tool call
+            postgres.restart(down_s=5)  # every connection of the runner dies
+            out, err = runner.communicate(timeout=180)
+        finally:
+            if runner.poll() is None:
+                runner.kill()
+    assert runner.returncode == 0, err
+    assert out.split()[1] == "verify", out
