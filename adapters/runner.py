@@ -134,6 +134,7 @@ class _Recorder:
         self.closed = False
         self._lock = anyio.Lock()  # Codex's stdout and the model proxy append concurrently
         self.capture_deadline = math.inf  # set when the agent ends (SPEC §8's budget)
+        self.captured = False  # stderr and usage were taken (normally, or after a stop)
 
     def left(self) -> float:
         """Seconds of this session's capture budget left."""
@@ -350,6 +351,8 @@ class SessionRunner:
             with anyio.CancelScope(shield=True):
                 await run.stop(0.5)
                 await run.aclose()
+                if not rec.captured:  # stopped (a signal): capture anyway, in the budget
+                    await self._capture_after_stop(rec, sandbox, run, settings, secrets)
         if rec.action == "probe":
             await self._probe(rec, sandbox, settings)
         await self._archive(rec, sandbox, settings, secrets)
@@ -383,6 +386,7 @@ class SessionRunner:
         if sandbox.network is not None:  # open calls end client_closed, before agent.exited
             with anyio.CancelScope(shield=True):
                 await sandbox.network.aclose()
+        rec.captured = True
         await rec.append(self._stderr_event(run, secrets)
                          + await self._usage_events(rec, sandbox))
         if not status.spawned:  # the launch failed inside the sandbox: nothing ran
@@ -392,6 +396,18 @@ class SessionRunner:
         report = await sandbox.confirm_cleanup(run, max(0.1, min(CLEANUP_LIMIT_S, rec.left())))
         await rec.add("cleanup.reported", {"confirmed": report.confirmed, "error": report.error})
 
+
+    async def _capture_after_stop(self, rec: _Recorder, sandbox: LocalSandbox, run: LocalRun,
+                                  settings: Settings, secrets: Sequence[str]) -> None:
+        """What a stopped run still gives: its model calls, stderr tail and native usage,
+        within the capture budget; a store that is gone by then loses only these."""
+        rec.captured = True
+        rec.capture_deadline = anyio.current_time() + settings.session_close_timeout_s
+        with anyio.move_on_after(rec.left()), contextlib.suppress(StoreUnavailable):
+            if sandbox.network is not None:
+                await sandbox.network.aclose()
+            await rec.append(self._stderr_event(run, secrets)
+                             + await self._usage_events(rec, sandbox))
 
     @staticmethod
     def _stderr_event(run: LocalRun, secrets: Sequence[str]) -> list[dict[str, Any]]:

@@ -58,6 +58,7 @@ def test_a_signal_closes_the_session_cancelled_and_removes_its_folder(
         kinds = [r[0] for r in conn.execute("SELECT type FROM events ORDER BY seq")]
     assert (state, reason) == ("closed", "cancelled")
     assert "item.started" in kinds  # the evidence captured before the signal is kept
+    assert "agent.stderr" in kinds and "model.call" in kinds, ",".join(kinds)  # after it too
     assert not list(Path("/tmp").glob(f"trialledger-{session_id[:8]}-*"))
     leftover = subprocess.run(["pgrep", "-f", f"trialledger-{session_id[:8]}"],
                               capture_output=True, text=True, check=False).stdout
