@@ -38,3 +38,43 @@ def test_the_command_runs_from_the_installed_package(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "trialledger.cli", "--help"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and "replay" in done.stdout, done.stderr
+
+
+def test_a_second_distribution_with_core_and_cli_neither_replaces_nor_removes_ours(
+        tmp_path: Path) -> None:
+    # A fresh venv holding our wheel and another distribution that ships a top-level
+    # `core` package and `cli.py` (as many projects do); uninstalling it keeps ours whole.
+    root = Path(__file__).resolve().parent.parent
+    other = tmp_path / "other"
+    (other / "core").mkdir(parents=True)
+    (other / "core" / "__init__.py").write_text("MINE = 'other'\n")
+    (other / "cli.py").write_text("MINE = 'other'\n")
+    (other / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "other-tool"\nversion = "1.0"\n'
+        '[tool.setuptools]\npackages = ["core"]\npy-modules = ["cli"]\n')
+    venv = tmp_path / "venv"
+    python = str(venv / "bin" / "python")
+
+    def sh(*argv: str) -> str:  # (run away from this checkout, whose core/ is not installed)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False,
+                              cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    sh(sys.executable, "-m", "venv", "--without-pip", str(venv))
+    pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q"]
+    sh(*pip, "--no-deps", str(root), str(other))
+    site = sh(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
+    ours = sorted(p.relative_to(site).as_posix()
+                  for p in Path(site, "trialledger").rglob("*.py"))
+    probe = ("import core, cli, importlib.util as u; "
+             "print(core.MINE, cli.MINE, u.find_spec('trialledger.core').origin, "
+             "u.find_spec('trialledger.cli').origin)")
+    mine_core, mine_cli, our_core, our_cli = sh(python, "-c", probe).split()
+    assert (mine_core, mine_cli) == ("other", "other")
+    assert our_core.endswith("trialledger/core/__init__.py") and our_cli.endswith(
+        "trialledger/cli.py")
+    sh(sys.executable, "-m", "pip", "--python", python, "uninstall", "-q", "-y", "other-tool")
+    assert sorted(p.relative_to(site).as_posix()
+                  for p in Path(site, "trialledger").rglob("*.py")) == ours
