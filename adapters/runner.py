@@ -37,6 +37,7 @@ from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.task import Task
 from trialledger.core import ConcurrencyConflict, SessionView, redact, scrub, validate_seed
+from trialledger.core.errors import TrialLedgerError
 from trialledger.core.seed import ValidSeed
 from trialledger.core.settings import Settings
 from trialledger.store import Ledger, StoredEvent
@@ -48,7 +49,7 @@ STORE_RETRY_S = 120.0  # how long appends wait out a store that is unavailable
 CLEANUP_LIMIT_S = 10.0
 
 
-class CodexNotFound(Exception):
+class CodexNotFound(TrialLedgerError):
     """No Codex CLI to run (the message says how to install it)."""
 
 

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trialledger.core.errors import TrialLedgerError
 
-class TaskInvalid(Exception):
+
+class TaskInvalid(TrialLedgerError):
     """A task folder that cannot be run (the message says what is missing)."""
 
 

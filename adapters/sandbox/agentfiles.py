@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from trialledger.core.errors import TrialLedgerError
+
 REWARD_LIMIT = 64 * 1024
 ROLLOUT_LINE_LIMIT = 1024 * 1024
 ROLLOUT_FILE_LIMIT = 256 * 1024 * 1024
@@ -34,7 +36,7 @@ _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
-class UnsafeAgentFile(Exception):
+class UnsafeAgentFile(TrialLedgerError):
     """A file the agent controls broke a reading rule (the message: its path and the rule)."""
 
     def __init__(self, path: str, rule: str) -> None:

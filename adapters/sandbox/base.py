@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from trialledger.core.errors import TrialLedgerError
+
 SUPERVISOR_ENV = "TRIALLEDGER_SUPERVISOR"
 
 
-class SandboxRefused(Exception):
+class SandboxRefused(TrialLedgerError):
     """The sandbox cannot run this session as configured (the message says why)."""
 
 
