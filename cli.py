@@ -289,8 +289,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
         raise Refused(str(error)) from None
     for result in results:
-        out.print(f"{result.session_id} {result.outcome}")
-    return EXIT_OK
+        if args.json:
+            print(json.dumps(_session_summary(result.view)), flush=True)
+        else:
+            out.print(f"{result.session_id} {result.outcome}")
+    final = results[-1].view if results else None
+    scored = (final is not None and final.outcome == "verify" and final.decision is not None
+              and final.decision.reward_valid)
+    return EXIT_OK if scored else EXIT_FOUND  # SPEC §10: 1 when the trial is left unscored
+
+
+def _session_summary(view: Any) -> dict[str, Any]:
+    """One session of `run --json`: how it ended and why."""
+    d = view.decision
+    return {"session_id": view.session_id, "outcome": view.outcome,
+            "attempt": view.events[0].data.attempt, "rule": d.rule if d else None,
+            "cause": d.cause.kind if d and d.cause else None,
+            "reward_valid": d.reward_valid if d else None, "rewards": view.rewards,
+            "total_tokens": view.usage.total_tokens if view.usage else None}
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -635,6 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a setting (VALUE parsed as JSON, else a string); repeatable")
     p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
     p.add_argument("--runner-id", help="this runner's id (default: host-pid)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per session (outcome, rule, cause, rewards, tokens)")
     _with_sandbox_uid(p)
     p.set_defaults(handler=cmd_run)
 

@@ -338,3 +338,23 @@ async def test_an_unusable_archive_folder_is_skipped_and_the_verifier_still_runs
     assert skipped.reason == "error"
     assert ran.view.outcome == "verify" and ran.view.rewards == {"reward": 1.0}
     assert ran.view.events[-1].data.reason == "normal"
+
+
+def test_run_exits_1_when_the_trial_is_left_unscored_and_speaks_json(
+        tmp_path: Path, task: Any) -> None:
+    import json
+    import subprocess
+    import sys
+
+    with ScriptedEndpoint([status(429)]) as endpoint:  # retried until attempts run out
+        done = subprocess.run(
+            [sys.executable, "-m", "trialledger.cli", "run",
+             str(task.folder), "--db", str(tmp_path / "cli.db"), "--json",
+             "--model-base-url", endpoint.url, "--model", "test-model",
+             "--codex-bin", codex_path(), "--max-attempts", "2",
+             "--set", "request_max_retries=0", "--set", "stream_max_retries=0"],
+            capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1, done.stderr  # SPEC §10: a trial left unscored
+    sessions = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(s["attempt"], s["outcome"], s["rule"], s["cause"]) for s in sessions] == [
+        (1, "retry", "reported", "model_endpoint"), (2, "retry", "reported", "model_endpoint")]
