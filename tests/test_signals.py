@@ -3,11 +3,13 @@ closed `cancelled` with its evidence, its folder (grant tokens) removed, 128+N."
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,29 +30,43 @@ def _state(db: Path) -> tuple[str, str] | None:
     return (row[0], row[1]) if row else None
 
 
+@contextlib.contextmanager
+def running(db: str | Path, task_folder: Path, endpoint_url: str, *extra: str,
+            wait: bool = True) -> Iterator[subprocess.Popen[str]]:
+    """`trialledger run` in its own process, returned once its session is running (with
+    `wait`); killed at the end if it is still alive."""
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "trialledger.cli", "run", str(task_folder), "--db", str(db),
+         "--model-base-url", endpoint_url, "--model", "m", "--codex-bin", codex_path(),
+         *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while wait and ((seen := _state(Path(db))) is None or seen[1] != "running"):
+            assert time.monotonic() < deadline, "the run never started"
+            assert runner.poll() is None, runner.communicate()
+            time.sleep(0.05)
+        yield runner
+    finally:
+        if runner.poll() is None:  # stopped as an operator would, killed if it hangs
+            runner.send_signal(signal.SIGTERM)
+            try:
+                runner.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                runner.kill()
+                runner.communicate()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_signal_closes_the_session_cancelled_and_removes_its_folder(
         tmp_path: Path, signum: signal.Signals) -> None:
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     db = tmp_path / "t.db"
-    with ScriptedEndpoint([shell("sleep 60")]) as endpoint:
-        runner = subprocess.Popen(
-            [sys.executable, "-m", "trialledger.cli", "run", str(task.folder), "--db", str(db),
-             "--model-base-url", endpoint.url, "--model", "m", "--codex-bin", codex_path()],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + 60
-            while (seen := _state(db)) is None or seen[1] != "running":
-                assert time.monotonic() < deadline, "the run never started"
-                assert runner.poll() is None, runner.communicate()
-                time.sleep(0.1)
-            session_id = seen[0]
-            time.sleep(1.0)  # the tool call is running
-            runner.send_signal(signum)
-            _, err = runner.communicate(timeout=60)
-        finally:
-            if runner.poll() is None:
-                runner.kill()
+    with ScriptedEndpoint([shell("sleep 60")]) as endpoint, \
+            running(db, task.folder, endpoint.url) as runner:
+        session_id = (_state(db) or ("", ""))[0]
+        time.sleep(1.0)  # the tool call is running
+        runner.send_signal(signum)
+        _, err = runner.communicate(timeout=60)
     assert runner.returncode == 128 + signum, err
     assert len(err.strip().splitlines()) == 1 and "interrupted" in err
     with sqlite3.connect(db) as conn:
@@ -69,24 +85,13 @@ def test_recover_leaves_a_running_runner_alone(tmp_path: Path) -> None:
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     db = tmp_path / "t.db"
     cli = [sys.executable, "-m", "trialledger.cli"]
-    with ScriptedEndpoint([shell("sleep 60")]) as endpoint:
-        runner = subprocess.Popen(
-            [*cli, "run", str(task.folder), "--db", str(db), "--model-base-url", endpoint.url,
-             "--model", "m", "--codex-bin", codex_path(), "--runner-id", "busy-runner"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + 60
-            while (seen := _state(db)) is None or seen[1] != "running":
-                assert time.monotonic() < deadline, "the run never started"
-                time.sleep(0.1)
-            by_id = subprocess.run([*cli, "recover", "--db", str(db), "--runner", "busy-runner"],
-                                   capture_output=True, text=True, timeout=60, check=False)
-            every = subprocess.run([*cli, "recover", "--db", str(db), "--all"],
-                                   capture_output=True, text=True, timeout=60, check=False)
-            still = _state(db)
-        finally:
-            runner.send_signal(signal.SIGTERM)
-            runner.communicate(timeout=60)
+    with ScriptedEndpoint([shell("sleep 60")]) as endpoint, \
+            running(db, task.folder, endpoint.url, "--runner-id", "busy-runner"):
+        by_id = subprocess.run([*cli, "recover", "--db", str(db), "--runner", "busy-runner"],
+                               capture_output=True, text=True, timeout=60, check=False)
+        every = subprocess.run([*cli, "recover", "--db", str(db), "--all"],
+                               capture_output=True, text=True, timeout=60, check=False)
+        still = _state(db)
     assert by_id.returncode == 2 and "alive" in by_id.stderr
     assert every.returncode == 0 and "0 sessions recovered" in every.stdout
     assert still is not None and still[1] == "running"  # the live session was not closed
@@ -99,25 +104,14 @@ def test_a_store_locked_past_its_busy_timeout_loses_nothing(tmp_path: Path) -> N
 
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     db = tmp_path / "t.db"
-    with ScriptedEndpoint([shell("sleep 2; echo worked"), message()]) as endpoint:
-        runner = subprocess.Popen(
-            [sys.executable, "-m", "trialledger.cli", "run", str(task.folder), "--db", str(db),
-             "--model-base-url", endpoint.url, "--model", "m", "--codex-bin", codex_path()],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + 60
-            while (seen := _state(db)) is None or seen[1] != "running":
-                assert time.monotonic() < deadline, "the run never started"
-                time.sleep(0.05)
-            holder = sqlite3.connect(db, timeout=60, isolation_level=None)
-            holder.execute("BEGIN IMMEDIATE")  # the write lock, held
-            time.sleep(35)
-            holder.execute("COMMIT")
-            holder.close()
-            out, err = runner.communicate(timeout=120)
-        finally:
-            if runner.poll() is None:
-                runner.kill()
+    with ScriptedEndpoint([shell("sleep 2; echo worked"), message()]) as endpoint, \
+            running(db, task.folder, endpoint.url) as runner:
+        holder = sqlite3.connect(db, timeout=60, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")  # the write lock, held
+        time.sleep(35)
+        holder.execute("COMMIT")
+        holder.close()
+        out, err = runner.communicate(timeout=120)
     assert runner.returncode == 0, err
     assert out.split()[1] == "verify"
     with sqlite3.connect(db) as conn:
@@ -129,17 +123,10 @@ def test_a_store_locked_past_its_busy_timeout_loses_nothing(tmp_path: Path) -> N
 def test_a_postgresql_restart_mid_run_loses_nothing(tmp_path: Path, postgres: Any) -> None:
     db = postgres.create_database()
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
-    with ScriptedEndpoint([shell("sleep 4; echo worked"), message()]) as endpoint:
-        runner = subprocess.Popen(
-            [sys.executable, "-m", "trialledger.cli", "run", str(task.folder), "--db", db,
-             "--model-base-url", endpoint.url, "--model", "m", "--codex-bin", codex_path()],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            time.sleep(3)  # Codex is running its tool call
-            postgres.restart(down_s=5)  # every connection of the runner dies
-            out, err = runner.communicate(timeout=180)
-        finally:
-            if runner.poll() is None:
-                runner.kill()
+    with ScriptedEndpoint([shell("sleep 4; echo worked"), message()]) as endpoint, \
+            running(db, task.folder, endpoint.url, wait=False) as runner:
+        time.sleep(3)  # Codex is running its tool call
+        postgres.restart(down_s=5)  # every connection of the runner dies
+        out, err = runner.communicate(timeout=180)
     assert runner.returncode == 0, err
     assert out.split()[1] == "verify", out
