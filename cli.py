@@ -207,6 +207,12 @@ def cmd_sql(args: argparse.Namespace) -> int:
                                          role=args.role))
     if args.json:
         _print_json(result.records())
+    elif args.csv:
+        import csv
+
+        writer = csv.writer(sys.stdout)
+        writer.writerow(result.columns)
+        writer.writerows(result.rows)
     else:
         _table(result.columns, result.rows)
     return EXIT_OK
@@ -630,7 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("sql", help="run one read-only, time-limited query")
     _with_db(p)
     p.add_argument("query", help="one SQL statement (SELECT …)")
-    p.add_argument("--json", action="store_true", help="rows as JSON objects")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="rows as JSON objects")
+    shape.add_argument("--csv", action="store_true", help="rows as CSV with a header")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds before the query is stopped (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--role", default=READER_ROLE,

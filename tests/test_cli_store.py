@@ -387,3 +387,16 @@ def test_version_and_an_empty_log(capsys: Any, tmp_path: Path) -> None:
     empty.write_text("")
     code, _, err = run(capsys, "replay", "--log", str(empty))
     assert code == 2 and "is empty" in err
+
+
+def test_sql_writes_csv_with_a_header(capsys: Any, tmp_path: Path, examples: Path) -> None:
+    import csv
+    import io
+
+    db = str(tmp_path / "t.db")
+    imported(capsys, db, examples, "clean", "http_429")
+    code, out, _ = run(capsys, "sql", "--db", db, "--csv",
+                       "SELECT task, attempt, outcome FROM sessions ORDER BY outcome")
+    rows = list(csv.reader(io.StringIO(out)))
+    assert code == 0 and rows[0] == ["task", "attempt", "outcome"] and len(rows) == 3
+    assert {row[2] for row in rows[1:]} == {"retry", "pending"}
