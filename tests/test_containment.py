@@ -180,10 +180,15 @@ async def test_an_unsafe_rollout_is_a_gap_never_its_content(
 
 async def test_the_archive_is_private_and_scrubbed(tmp_path: Path) -> None:
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
-    ran = await run_task(str(tmp_path / "t.db"), task, [message()], api_key="sk-archive-key-123",
+    # The tool prints Codex's key (the session's proxy token): the rollout records it.
+    ran = await run_task(str(tmp_path / "t.db"), task,
+                         [shell("echo key=$TRIALLEDGER_MODEL_API_KEY"), message()],
+                         api_key="sk-archive-key-123",
                          settings={"sandbox_logs_dir": str(tmp_path / "archive")})
     files = [p for p in (tmp_path / "archive").rglob("*") if p.is_file()]
     assert files and all(p.stat().st_mode & 0o777 == 0o600 for p in files)
+    archived = "".join(p.read_text(errors="replace") for p in files)
+    assert "key=[redacted]" in archived and "tl-session-" not in archived
     folders = [p for p in (tmp_path / "archive" / ran.view.session_id).rglob("*") if p.is_dir()]
     assert all(p.stat().st_mode & 0o777 == 0o700 for p in folders)
 
