@@ -27,6 +27,7 @@ from trialledger.core import scrub
 
 ROLLOUTS = "sessions"
 ROLLOUT_PATTERNS = ("rollout-*.jsonl", "rollout-*.jsonl.zst")
+MAX_ROLLOUTS = 64
 
 
 def _gap(error: UnsafeAgentFile, at: str) -> dict[str, Any]:
@@ -34,8 +35,16 @@ def _gap(error: UnsafeAgentFile, at: str) -> dict[str, Any]:
 
 
 def rollouts(tree: AgentTree, pattern: str) -> tuple[list[str], list[UnsafeAgentFile]]:
-    """The rollout files under CODEX_HOME/sessions (relative paths) and what was refused."""
-    return tree.find(ROLLOUTS, pattern)
+    """The rollout files under CODEX_HOME/sessions (relative paths) and what was refused.
+
+    At most `MAX_ROLLOUTS` are read: each is capped, and so is their number, so what an
+    agent plants there cannot make the capture read without end (one session writes one).
+    """
+    files, refused = tree.find(ROLLOUTS, pattern)
+    if len(files) > MAX_ROLLOUTS:
+        refused.append(UnsafeAgentFile(ROLLOUTS, f"{len(files)} rollout files, over the cap "
+                                                 f"of {MAX_ROLLOUTS}; the rest not read"))
+    return files[:MAX_ROLLOUTS], refused
 
 
 def _text_lines(tree: AgentTree, path: str, refused: list[UnsafeAgentFile]

@@ -124,3 +124,16 @@ def test_any_stdout_bytes_become_valid_events(raw: bytes) -> None:
         for event in stream_events(line, "2026-11-30T00:00:00Z"):
             parsed = parse_event(event)
             parsed.model_dump_json().encode("utf-8")  # storable: no lone surrogate
+
+
+def test_the_number_of_rollouts_read_is_capped(tree: AgentTree) -> None:
+    from trialledger.adapters.capture import MAX_ROLLOUTS, rollouts, usage_events
+
+    day = tree.root / "sessions" / "2026"
+    day.mkdir()
+    for n in range(MAX_ROLLOUTS + 5):  # an agent's flood of planted rollouts
+        (day / f"rollout-{n:04d}.jsonl").write_text("{}\n")
+    files, refused = rollouts(tree, "rollout-*.jsonl")
+    assert len(files) == MAX_ROLLOUTS and "over the cap" in refused[-1].rule
+    gaps = [e["data"]["code"] for e in usage_events(tree, at="2026-11-30T00:00:00Z")]
+    assert gaps == ["unsafe_agent_file"]
