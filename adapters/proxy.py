@@ -28,6 +28,8 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 from aiohttp import web
 
+from trialledger.core.usage import token_count
+
 REQUEST_LIMIT = 256 * 2**20  # bytes of one request body
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and what the proxy sets itself.
@@ -96,25 +98,20 @@ class StreamObserver:
             self.usage = _usage(response.get("usage"))
 
 
-def _count(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
-        else None
-
-
 def _usage(raw: object) -> dict[str, int | None] | None:
     """The Responses API's usage in SPEC §4's fields (None when it has none usable)."""
     if not isinstance(raw, dict):
         return None
-    inputs, outputs = _count(raw.get("input_tokens")), _count(raw.get("output_tokens"))
+    inputs, outputs = token_count(raw.get("input_tokens")), token_count(raw.get("output_tokens"))
     if inputs is None or outputs is None:
         return None
     details_in = raw.get("input_tokens_details") or {}
     details_out = raw.get("output_tokens_details") or {}
     return {"input_tokens": inputs,
-            "cached_input_tokens": _count(details_in.get("cached_tokens"))
+            "cached_input_tokens": token_count(details_in.get("cached_tokens"))
             if isinstance(details_in, dict) else None,
             "output_tokens": outputs,
-            "reasoning_output_tokens": _count(details_out.get("reasoning_tokens"))
+            "reasoning_output_tokens": token_count(details_out.get("reasoning_tokens"))
             if isinstance(details_out, dict) else None,
             "total_tokens": inputs + outputs}
 

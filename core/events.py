@@ -504,7 +504,7 @@ def event_dict(event: _Envelope) -> dict[str, Any]:
 
 
 MAX_DEPTH = 64
-_SURROGATE = re.compile("[\ud800-\udfff]")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's \\ud800 escapes let these through
 _INT64 = range(-(2**63), 2**63)
 
 
@@ -513,7 +513,7 @@ def _storable(value: Any, depth: int = 0) -> str | None:
     if depth > MAX_DEPTH:
         return f"nested deeper than {MAX_DEPTH} levels"
     if isinstance(value, str):
-        return "a lone surrogate (\\ud800–\\udfff) in a string" if _SURROGATE.search(value) \
+        return "a lone surrogate (\\ud800–\\udfff) in a string" if LONE_SURROGATE.search(value) \
             else None
     if isinstance(value, int) and not isinstance(value, bool):
         return None if value in _INT64 else "an integer beyond 64 bits"

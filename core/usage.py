@@ -22,12 +22,13 @@ PARTIAL = Gap(
 )
 
 
-def _count(value: Any) -> int | None:
+def token_count(value: Any) -> int | None:
+    """A token count as reported: a non-negative integer, else None (unknown)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _positive(usage: dict[str, Any], key: str, gap_code: str) -> tuple[int | None, list[Gap]]:
-    value = _count(usage.get(key))
+    value = token_count(usage.get(key))
     if value:
         return value, []
     return None, [Gap(code=gap_code, detail=f"turn.completed reported {key}={usage.get(key)!r}")]
@@ -36,8 +37,8 @@ def _positive(usage: dict[str, Any], key: str, gap_code: str) -> tuple[int | Non
 def _from_turn_completed(usage: dict[str, Any] | None) -> tuple[Usage, list[Gap]] | None:
     if usage is None:
         return None
-    input_tokens = _count(usage.get("input_tokens"))
-    output_tokens = _count(usage.get("output_tokens"))
+    input_tokens = token_count(usage.get("input_tokens"))
+    output_tokens = token_count(usage.get("output_tokens"))
     if input_tokens is None or output_tokens is None:
         return None
     cached, cached_gaps = _positive(usage, "cached_input_tokens", "cached_token_usage_unavailable")

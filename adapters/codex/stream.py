@@ -13,13 +13,12 @@ kept as `codex.unknown` with its first MiB plus gap `codex_line_truncated`.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from trialledger.adapters.sandbox.process import CutLine
 from trialledger.core import BadEvent, parse_event
-from trialledger.core.events import CODEX_STREAM_TYPES
+from trialledger.core.events import CODEX_STREAM_TYPES, LONE_SURROGATE
 
 RENAMED = {"error": "stream.error"}  # Codex's top-level error line
 # Codex's own type names: ours, less the two that are ours alone.
@@ -42,7 +41,6 @@ class StreamRecord:
         return out
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 MAX_DEPTH = 64  # deeper JSON is kept as an unknown line (Codex's never nests like that)
@@ -53,7 +51,7 @@ def _repaired(value: Any, depth: int = 0) -> Any:
     if depth > MAX_DEPTH:
         raise ValueError("nested too deep")
     if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
+        return LONE_SURROGATE.sub("\ufffd", value)
     if isinstance(value, list):
         return [_repaired(v, depth + 1) for v in value]
     if isinstance(value, dict):
@@ -74,7 +72,7 @@ def stream_events(line: bytes | CutLine, at: str) -> list[dict[str, Any]]:
 
 def parse_stream_line(line: str) -> StreamRecord:
     """Map one `codex exec --json` stdout line (without its newline) to a record."""
-    line = _SURROGATE.sub("\ufffd", line)
+    line = LONE_SURROGATE.sub("\ufffd", line)
     try:
         obj = _repaired(json.loads(line))
     except (ValueError, RecursionError):

@@ -14,8 +14,6 @@ rule, never its content).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import fnmatch
 import os
@@ -24,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from trialledger.adapters.sandbox.identity import libc
 from trialledger.core.errors import TrialLedgerError
 
 REWARD_LIMIT = 64 * 1024
@@ -234,27 +233,23 @@ class AgentTree:
         return _fs_identity(self.uid, self.gid if self.gid is not None else self.uid)
 
 
-_libc: ctypes.CDLL | None = None
-
 
 @contextlib.contextmanager
 def _fs_identity(uid: int, gid: int) -> Iterator[None]:
     """This thread's fs uid/gid for the block (the kernel drops the fs capabilities with
     them, and restores them when fs uid 0 comes back)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    before_uid, before_gid = _libc.setfsuid(-1), _libc.setfsgid(-1)
-    _libc.setfsgid(gid)
-    _libc.setfsuid(uid)
-    if _libc.setfsuid(-1) != uid or _libc.setfsgid(-1) != gid:
-        _libc.setfsuid(before_uid)
-        _libc.setfsgid(before_gid)
+    c = libc()
+    before_uid, before_gid = c.setfsuid(-1), c.setfsgid(-1)
+    c.setfsgid(gid)
+    c.setfsuid(uid)
+    if c.setfsuid(-1) != uid or c.setfsgid(-1) != gid:
+        c.setfsuid(before_uid)
+        c.setfsgid(before_gid)
         raise PermissionError(f"cannot take fs uid {uid} for reading the agent's files")
     try:
         yield
     finally:
-        _libc.setfsuid(before_uid)
-        _libc.setfsgid(before_gid)
-        if _libc.setfsuid(-1) != before_uid:  # never leave a thread with the agent's rights
+        c.setfsuid(before_uid)
+        c.setfsgid(before_gid)
+        if c.setfsuid(-1) != before_uid:  # never leave a thread with the agent's rights
             raise SystemExit("could not restore the fs uid after reading the agent's files")

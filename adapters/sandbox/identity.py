@@ -11,6 +11,9 @@ use) into a cache folder keyed by the source's hash, and mounted read-only.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import grp
 import hashlib
 import os
@@ -93,6 +96,12 @@ def create_sandbox_user() -> tuple[SandboxUser, bool]:
         raise SandboxRefused(f"useradd {SANDBOX_USER} failed: {done.stderr.strip()}")
     entry = pwd.getpwnam(SANDBOX_USER)
     return SandboxUser(entry.pw_uid, entry.pw_gid), True
+
+
+@functools.cache
+def libc() -> ctypes.CDLL:
+    """The C library, for the calls Python's os module lacks (setfsuid, setns)."""
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 def _cache_dir() -> Path:

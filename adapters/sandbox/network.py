@@ -13,7 +13,6 @@ sandbox for this, and nothing else is reachable.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import socket
 import threading
@@ -23,6 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from trialledger.adapters.proxy import CallSink, SessionProxy, Upstream
 from trialledger.adapters.sandbox.base import SandboxRefused
+from trialledger.adapters.sandbox.identity import libc
 
 CLONE_NEWNET = 0x40000000
 
@@ -109,15 +109,9 @@ class Network:
         self._proxies.clear()
 
 
-_libc: ctypes.CDLL | None = None
-
-
 def listen_inside(namespace_pid: int, ports: Sequence[int]) -> list[socket.socket]:
     """Listening sockets on 127.0.0.1 in the network namespace of `namespace_pid`."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc = _libc
+    c = libc()
     made: list[socket.socket] = []
     failure: list[BaseException] = []
 
@@ -125,7 +119,7 @@ def listen_inside(namespace_pid: int, ports: Sequence[int]) -> list[socket.socke
         try:
             fd = os.open(f"/proc/{namespace_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
-                if libc.setns(fd, CLONE_NEWNET) != 0:
+                if c.setns(fd, CLONE_NEWNET) != 0:
                     raise OSError(ctypes.get_errno(), "setns into the sandbox's network")
             finally:
                 os.close(fd)
