@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import weakref
 from pathlib import Path
 
 from alembic import command
@@ -67,13 +70,23 @@ async def downgrade(engine: AsyncEngine, revision: str) -> None:
     await _run(engine, lambda config: command.downgrade(config, revision))
 
 
+# alembic runs a revision through its process-global `context`: two migrations at once in
+# one process (two stores opened together) would apply one's operations on the other's
+# connection. One at a time per event loop, and across threads.
+_loop_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+    weakref.WeakKeyDictionary())
+_thread_lock = threading.Lock()
+
+
 async def _run(engine: AsyncEngine, step: object) -> None:
     def in_sync(connection: Connection) -> None:
         config = alembic_config()
         config.attributes["connection"] = connection
-        step(config)  # type: ignore[operator]
+        with _thread_lock:
+            step(config)  # type: ignore[operator]
 
-    async with engine.begin() as conn:
+    lock = _loop_locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+    async with lock, engine.begin() as conn:
         await conn.run_sync(in_sync)
 
 

@@ -351,3 +351,20 @@ async def test_driver_errors_leave_the_store_as_store_unavailable(tmp_path: Path
     folder.mkdir()  # a path that cannot be a database file
     with pytest.raises(StoreUnavailable, match="cannot use the database"):
         await Ledger.open(str(folder))
+
+
+async def test_new_stores_opened_together_in_one_process_are_each_built(tmp_path: Path
+                                                                       ) -> None:
+    """alembic's context is process-global: concurrent builds must not cross connections."""
+    opened: list[int] = []
+
+    async def one(n: int) -> None:
+        async with await Ledger.open(str(tmp_path / f"s{n}.db")) as ledger:
+            seeded = await ledger.seed(seed_data())
+            opened.append(seeded.head_seq)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for n in range(4):
+                tg.start_soon(one, n)
+    assert opened == [1, 1, 1, 1]
