@@ -285,12 +285,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
 
     async def go() -> list[Any]:
-        task = Task.load(Path(args.task_dir))
         await check_endpoint(args.model_base_url, api_key)  # before anything is seeded
         async with await Ledger.open(args.db) as ledger:
-            return await SessionRunner(ledger, task, options).run_trial()
+            return await SessionRunner(ledger, task, options, environment).run_trial()
 
     try:
+        task = Task.load(Path(args.task_dir))
+        environment = _prepared(task, args)  # before anything is seeded (§12)
         results = anyio.run(until_signalled, go)
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
         raise Refused(str(error)) from None
@@ -303,6 +304,40 @@ def cmd_run(args: argparse.Namespace) -> int:
     scored = (final is not None and final.outcome == "verify" and final.decision is not None
               and final.decision.reward_valid)
     return EXIT_OK if scored else EXIT_FOUND  # SPEC §10: 1 when the trial is left unscored
+
+
+def _prepared(task: Any, args: argparse.Namespace) -> Any:
+    """The task's environment, built and unpacked into the cache (EnvironmentUnavailable:
+    one line naming what is missing; nothing seeded)."""
+    from trialledger.adapters.environment import HOST, Cache, prepare
+    from trialledger.adapters.sandbox.identity import sandbox_user
+
+    if task.source is None:
+        return HOST
+    owner = sandbox_user(args.sandbox_uid).uid if os.geteuid() == 0 else None
+    return prepare(task.source, Cache(args.cache_dir), owner=owner, engine=args.engine)
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """List or remove unpacked task environments (docs/SPEC.md §12)."""
+    from trialledger.adapters.environment import Cache
+
+    cache = Cache(args.cache_dir)
+    if args.cache_command == "ls":
+        entries = cache.entries()
+        if args.json:
+            for e in entries:
+                print(json.dumps({"digest": e.digest, "kind": e.kind, "ref": e.ref,
+                                  "bytes": e.size, "created": e.created}))
+        else:
+            _table(["digest", "kind", "ref", "MB", "created"],
+                   [[e.digest, e.kind, e.ref, f"{e.size / 1e6:.1f}", e.created]
+                    for e in entries])
+        return EXIT_OK
+    removed = cache.prune(args.digest or ())
+    out.print(f"removed {len(removed)} cache entr{'y' if len(removed) == 1 else 'ies'} "
+              f"({sum(e.size for e in removed) / 1e6:.1f} MB) from {cache.folder}")
+    return EXIT_OK
 
 
 def _session_summary(view: Any) -> dict[str, Any]:
@@ -562,6 +597,12 @@ def _with_sandbox_uid(p: argparse.ArgumentParser) -> None:
                         "(default: the trialledger-sandbox user that `setup` creates)")
 
 
+def _with_cache(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", type=Path, metavar="DIR",
+                   help="unpacked task environments (default $XDG_CACHE_HOME/trialledger, "
+                        "else ~/.cache/trialledger)")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line and exit 2 (SPEC §10), like every refusal."""
 
@@ -662,7 +703,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="one JSON object per session (outcome, rule, cause, rewards, tokens)")
     _with_sandbox_uid(p)
+    _with_cache(p)
+    p.add_argument("--engine", choices=("podman", "docker"),
+                   help="the container engine for docker_image and Dockerfile tasks "
+                        "(default: podman when installed, else docker)")
     p.set_defaults(handler=cmd_run)
+
+    p = commands.add_parser("cache", help="list or remove unpacked task environments")
+    cache_commands = p.add_subparsers(dest="cache_command", required=True)
+    ls = cache_commands.add_parser("ls", help="every unpacked environment")
+    _with_cache(ls)
+    ls.add_argument("--json", action="store_true", help="one JSON object per entry")
+    ls.set_defaults(handler=cmd_cache)
+    prune = cache_commands.add_parser("prune", help="remove entries (all, or those named)")
+    _with_cache(prune)
+    prune.add_argument("digest", nargs="*", help="digests (or unique prefixes) to remove")
+    prune.set_defaults(handler=cmd_cache)
 
     p = commands.add_parser("setup", help="create the sandbox user (as root), build the "
                                           "sandbox init, check that bwrap can sandbox")

@@ -31,6 +31,7 @@ from trialledger.adapters import capture
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
 from trialledger.adapters.codex.install import codex_install
 from trialledger.adapters.codex.stream import stream_events
+from trialledger.adapters.environment import HOST, Environment, resolve_inside
 from trialledger.adapters.proxy import Upstream
 from trialledger.adapters.sandbox.local import LocalSandbox, sweep_stale_sessions
 from trialledger.adapters.sandbox.network import Network
@@ -102,7 +103,7 @@ class RunOptions:
     sandbox_uid: int | None = None  # when root: the agent's uid (default trialledger-sandbox)
     protected_paths: Sequence[Path] = ()  # never mounted (the store's file, say)
     grace_s: float = 5.0
-    probe_command: Sequence[str] = ("true",)
+    probe_command: Sequence[str] | None = None  # None: our init's own probe
     store_retry_s: float = STORE_RETRY_S  # appends retry this long through a store's blink
 
 
@@ -198,10 +199,14 @@ def _sweep_once() -> None:
 
 def agent_env(settings: Settings, task: Task, sandbox: LocalSandbox, api_key: str | None
               ) -> dict[str, str]:
-    """SPEC §5: the allowlist (or the sandbox's base environment), then the harness's own."""
-    env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL") if k in os.environ}
+    """docs/SPEC.md §5: the allowlist (or the sandbox's base environment: over an image,
+    the image's Env and its user's HOME), then the harness's own."""
+    env = sandbox.base_env()  # PATH (the image's over an image), LANG, LC_ALL
     env["HOME"] = str(sandbox.session_dir)
     if settings.inherit_sandbox_environment:
+        if (image := sandbox.image) is not None:
+            env.update(dict(image.env))
+            env["HOME"] = image.home
         env.update(task.env)  # the variables the task declares; never the harness's own
     if (helpers := sandbox.codex_path_dir) is not None:
         env["PATH"] = f"{env.get('PATH', '/usr/bin:/bin')}:{helpers}"
@@ -213,8 +218,10 @@ def agent_env(settings: Settings, task: Task, sandbox: LocalSandbox, api_key: st
 class SessionRunner:
     """Runs one session of a task from seed to close."""
 
-    def __init__(self, ledger: Ledger, task: Task, options: RunOptions) -> None:
+    def __init__(self, ledger: Ledger, task: Task, options: RunOptions,
+                 environment: Environment = HOST) -> None:
         self.ledger, self.task, self.options = ledger, task, options
+        self.environment = environment  # prepared before any session (environment.prepare)
         self.codex = find_codex(options.codex_bin)
         self.install = codex_install(self.codex)
         self._trial_key = uuid.uuid4().hex[:12]  # run_session's sessions share one trial
@@ -232,11 +239,31 @@ class SessionRunner:
             "model": self.options.model,
             # Our runner records every model call, so its sessions are decided under v3
             # (SPEC §14) unless the caller names another policy.
-            "settings": {"policy": "v3", **self.task.settings, **self.options.overrides},
+            "settings": {"policy": "v3", **self._settings()},
             "grants": list(self.options.grants),
         }
+        root = self.environment.root
+        resolve = ((lambda path: resolve_inside(root, path)) if root is not None
+                   else os.path.realpath)
         return validate_seed(seed, private_roots=sandbox.private_roots,
-                             resolve=os.path.realpath, api_key=self.options.api_key)
+                             resolve=resolve, api_key=self.options.api_key)
+
+    def _settings(self) -> dict[str, Any]:
+        """The task's settings under the caller's, with the workdir made explicit: an
+        explicit one wins, else the image's WorkingDir (or /), else /app on the host."""
+        raw = {**self.task.settings, **self.options.overrides}
+        if raw.get("workdir") is None:
+            raw["workdir"] = self.environment.workdir if self.environment.root else "/app"
+        return raw
+
+    def _limits(self) -> dict[str, Any] | None:
+        """`agent.launched.limits`: what the task asked for; not enforced (no cgroup v2
+        delegation is used yet), which the `limits_not_enforced` gap then says."""
+        if not self.task.limits:
+            return None
+        requested = {key: self.task.limits.get(key) for key in ("cpus", "memory_mb", "pids")}
+        return {"requested": requested, "enforced": False,
+                "reason": "cgroup v2 limits are not applied by this runner yet"}
 
     async def run_trial(self) -> list[SessionResult]:
         """Run the task, retrying `lost` sessions as new attempts up to `max_attempts`."""
@@ -271,7 +298,7 @@ class SessionRunner:
 
     async def _run_session(self, *, attempt: int, retry_of: str | None) -> SessionResult:
         session_id = str(uuid.uuid4())
-        settings_raw = {**self.task.settings, **self.options.overrides}
+        settings_raw = self._settings()
         token = f"tl-session-{tokens.token_urlsafe(24)}"  # Codex's key: the proxy's alone
         network = Network(
             Upstream(self.options.model_base_url, token=token,
@@ -282,7 +309,7 @@ class SessionRunner:
             isolated=not self.task.allow_internet)
         sandbox = LocalSandbox(
             session_key=session_id,
-            workdir=str(settings_raw.get("workdir", "/app")),
+            workdir=str(settings_raw["workdir"]),
             workspace=self.task.workspace,
             tests=self.task.tests,
             codex=self.install,
@@ -293,6 +320,7 @@ class SessionRunner:
             verifier_root=str(settings_raw.get("verifier_root", "agent")),
             sandbox_uid=self.options.sandbox_uid,
             network=network,
+            environment=self.environment,
         )
         try:
             valid = self._seed(attempt, retry_of, sandbox)
@@ -344,7 +372,7 @@ class SessionRunner:
                 "argv": argv, "workdir": settings.workdir, "env_keys": sorted(env),
                 "config_sha256": digest, "oom_score_adj": sandbox.oom_score_adj,
                 "isolation": sandbox.isolation, "runner_id": self.options.runner_id,
-                "environment": {"kind": "host", "ref": None, "digest": None},
+                "environment": self.environment.record(), "limits": self._limits(),
                 "model_proxy": True,
             }}])
             await self._run_and_capture(rec, sandbox, run, settings, secrets)

@@ -2,20 +2,30 @@
 
     instruction.md   the prompt
     task.toml        optional: [agent] timeout_sec, [verifier] timeout_sec,
-                     [environment] workdir, env (variables the task declares) and
-                     allow_internet (false: only the model endpoint and MCP grants)
+                     [environment] workdir, env (variables the task declares),
+                     allow_internet (false: only the model endpoint and MCP grants),
+                     one of docker_image / image_archive / rootfs (§12), build_timeout_sec,
+                     cpus, memory_mb, pids
+    environment/Dockerfile  optional: the task's image, built when no source is named
     workspace/       optional: copied into a fresh workdir
     tests/test.sh    the verifier
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source, SourceKind
 from trialledger.core.errors import TrialLedgerError
+
+SOURCE_KINDS: dict[str, SourceKind] = {
+    "docker_image": "docker_image", "image_archive": "image_archive", "rootfs": "rootfs"}
+SOURCES = tuple(SOURCE_KINDS)
+LIMITS = ("cpus", "memory_mb", "pids")
 
 
 class TaskInvalid(TrialLedgerError):
@@ -34,6 +44,8 @@ class Task:
     settings: dict[str, Any] = field(default_factory=dict)  # from task.toml
     env: dict[str, str] = field(default_factory=dict)
     allow_internet: bool = True  # false: only the model endpoint and MCP grants
+    source: Source | None = None  # None: the host environment
+    limits: dict[str, float] = field(default_factory=dict)  # requested cpus/memory_mb/pids
 
     @classmethod
     def load(cls, folder: Path) -> Task:
@@ -68,6 +80,8 @@ class Task:
             settings=settings,
             env={str(k): str(v) for k, v in environment.get("env", {}).items()},
             allow_internet=_flag(environment, "allow_internet", folder),
+            source=_source(environment, folder),
+            limits=_limits(environment, folder),
         )
 
 
@@ -76,3 +90,41 @@ def _flag(table: dict[str, Any], key: str, folder: Path) -> bool:
     if not isinstance(value, bool):
         raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {key} must be true or false")
     return value
+
+
+def _source(table: dict[str, Any], folder: Path) -> Source | None:
+    """The one environment source a task names (docs/SPEC.md §12), paths kept inside."""
+    named = [key for key in SOURCES if key in table]
+    dockerfile = (folder / "environment" / "Dockerfile").is_file()
+    if len(named) > 1:
+        raise TaskInvalid(f"{folder / 'task.toml'}: [environment] names {' and '.join(named)}; "
+                          f"a task has at most one environment source")
+    timeout = table.get("build_timeout_sec", BUILD_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise TaskInvalid(f"{folder / 'task.toml'}: [environment] build_timeout_sec must be "
+                          f"a positive number")
+    if not named:
+        return Source("dockerfile", "Dockerfile", folder, float(timeout)) if dockerfile else None
+    kind = named[0]
+    value = table[kind]
+    if not isinstance(value, str) or not value:
+        raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {kind} must be a string")
+    source = Source(SOURCE_KINDS[kind], value, folder, float(timeout))
+    if kind != "docker_image":
+        inside = Path(os.path.normpath(folder / value))
+        if Path(value).is_absolute() or not inside.is_relative_to(folder):
+            raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {kind} {value!r} must "
+                              f"be a path inside the task folder")
+    return source
+
+
+def _limits(table: dict[str, Any], folder: Path) -> dict[str, float]:
+    limits = {}
+    for key in LIMITS:
+        if key in table:
+            value = table[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {key} must be a "
+                                  f"positive number")
+            limits[key] = value
+    return limits

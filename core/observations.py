@@ -213,4 +213,16 @@ def derived_gaps(
         Gap(code="tool_start_unavailable", detail=f"item {item_id} completed with no item.started")
         for item_id in tools.unstarted()
     ]
+    for event in events:
+        limits = getattr(event.data, "limits", None) if event.type == "agent.launched" else None
+        if limits and not limits.get("enforced"):
+            gaps.append(_unenforced(limits))
     return gaps
+
+
+def _unenforced(limits: dict[str, Any]) -> Gap:
+    """`limits_not_enforced`: what was asked for and why the host could not enforce it."""
+    asked = ", ".join(f"{k}={v}" for k, v in sorted((limits.get("requested") or {}).items())
+                      if v is not None)
+    return Gap(code="limits_not_enforced",
+               detail=f"{asked}: {limits.get('reason') or 'not enforced'}")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.pg import PostgresServer
+from trialledger.adapters.sandbox.local import LocalSandbox
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +33,13 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return str(tmp_path / "trials.db")
     server: PostgresServer = request.getfixturevalue("postgres")
     return server.create_database()
+
+
+@pytest.fixture
+def kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[LocalSandbox]]:
+    """Sandboxes outlive their session so a test can look at what the agent left."""
+    sandboxes: list[LocalSandbox] = []
+    monkeypatch.setattr(LocalSandbox, "discard", lambda self: sandboxes.append(self))
+    yield sandboxes
+    for sandbox in sandboxes:
+        shutil.rmtree(sandbox.root, ignore_errors=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 from trialledger.adapters.demo import samples
 from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint
+from trialledger.adapters.environment import HOST, Environment
 from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner, install_paths
 from trialledger.adapters.task import Task
 from trialledger.store import Ledger
@@ -73,12 +74,14 @@ def _options(endpoint: ScriptedEndpoint, settings: dict[str, Any] | None,
 
 async def run_task(db: str, task: Task, script: Sequence[Reply], *,
                    settings: dict[str, Any] | None = None, codex_bin: str | None = None,
-                   extra_paths: Sequence[Path] = (), **options: Any) -> Ran:
-    """Run one session of a task against a scripted endpoint."""
+                   extra_paths: Sequence[Path] = (), environment: Environment = HOST,
+                   **options: Any) -> Ran:
+    """Run one session of a task (in its prepared environment) against a scripted endpoint."""
     with ScriptedEndpoint(list(script)) as endpoint:
         async with await Ledger.open(db) as ledger:
             opts = _options(endpoint, settings, codex_bin, extra_paths, **options)
-            return Ran(await SessionRunner(ledger, task, opts).run_session(), endpoint)
+            runner = SessionRunner(ledger, task, opts, environment)
+            return Ran(await runner.run_session(), endpoint)
 
 
 async def run_trial(db: str, task: Task, script: Sequence[Reply], *,

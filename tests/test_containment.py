@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +23,6 @@ from trialledger.adapters.sandbox.local import LocalSandbox
 
 pytestmark = pytest.mark.anyio
 CANARY = "canary-7f3e-host-secret"
-
-
-@pytest.fixture
-def kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[LocalSandbox]]:
-    """Sandboxes outlive their session so a test can look at what the agent left."""
-    sandboxes: list[LocalSandbox] = []
-    monkeypatch.setattr(LocalSandbox, "discard", lambda self: sandboxes.append(self))
-    yield sandboxes
-    for sandbox in sandboxes:
-        shutil.rmtree(sandbox.root, ignore_errors=True)
 
 
 @pytest.fixture

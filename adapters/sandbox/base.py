@@ -91,8 +91,10 @@ class Sandbox(Protocol):
         """Wait (bounded) until every process of the run is gone."""
         ...
 
-    async def probe(self, timeout_s: float, command: Sequence[str] = ("true",)) -> ProbeResult:
-        """Whether `true` runs in a fresh sandbox in the workdir within the limit."""
+    async def probe(self, timeout_s: float, command: Sequence[str] | None = None
+                    ) -> ProbeResult:
+        """Whether a process (our init, by default) runs in a fresh sandbox in the workdir
+        within the limit."""
         ...
 
     async def verify(self, timeout_s: float) -> VerifierRun:

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import anyio
 
 from trialledger.adapters.codex.install import CodexInstall
+from trialledger.adapters.environment import HOST, Environment, resolve_inside
 from trialledger.adapters.sandbox.agentfiles import AgentTree
 from trialledger.adapters.sandbox.base import (
     SUPERVISOR_ENV,
@@ -66,7 +67,7 @@ _warned_no_bwrap = False
 # staged source bound read-only onto its mount point, then the command (which drops to
 # the sandbox user). Paths come as arguments, never inside the script text.
 STAGE_SCRIPT = """set -e
-if [ "$1" != - ]; then mount -t overlay overlay -o "$1" "$2"; fi
+if [ "$1" != - ]; then mount -t overlay overlay -o nodev,nosuid,"$1" "$2"; fi
 shift 2
 while [ "$1" != -- ]; do mount --bind -o ro "$1" "$2"; shift 2; done
 shift
@@ -173,15 +174,22 @@ class LocalSandbox:
         verifier_root: str = "agent",
         sandbox_uid: int | None = None,
         network: Network | None = None,
+        environment: Environment = HOST,
     ) -> None:
         self.workdir = workdir
+        self.environment = environment
+        self.image = environment if environment.root is not None else None
         user = sandbox_user(sandbox_uid) if use_bwrap is not False else None
         bwrap = user is not None and (use_bwrap or bwrap_available(user))
         if use_bwrap and user is not None and (problem := bwrap_problem(user)):
             raise SandboxRefused(problem)
         self.isolation = "bwrap" if bwrap else "process-group"
         self.user = user if bwrap and user else SandboxUser(os.geteuid(), os.getegid())
-        self.overlay = workdir == "/"
+        self.overlay = workdir == "/" or self.image is not None
+        if self.image is not None and not bwrap:
+            problem = bwrap_problem(user) if user is not None else "bwrap was turned off"
+            raise SandboxRefused(f"the task's {environment.kind} environment needs bwrap, "
+                                 f"which cannot sandbox here: {problem}")
         if self.overlay and not bwrap:
             raise SandboxRefused("workdir / needs a per-session overlay, which needs bwrap "
                                  "(apt-get install bubblewrap); refusing to let the agent "
@@ -191,7 +199,8 @@ class LocalSandbox:
                                  "which needs bwrap (apt-get install bubblewrap)")
         self.network = network
         if verifier_root == "pristine" and self.overlay:
-            raise SandboxRefused("verifier_root = pristine needs a workdir other than /")
+            raise SandboxRefused("verifier_root = pristine needs a workdir other than / and "
+                                 "the host environment (not built for images yet)")
         self.verifier_root = verifier_root
         self.init = ensure_init()
         self.codex = codex
@@ -217,12 +226,22 @@ class LocalSandbox:
         self.stage = self.root / "stage"
         for folder in (self.session_dir, self.host_work, self.stage):
             folder.mkdir()
-        if workspace is not None and workspace.is_dir():
-            shutil.copytree(workspace, self.host_work, dirs_exist_ok=True, symlinks=True)
         self.private_roots = (str(self.session_dir), PRIVATE)
         if self.overlay:
             for name in ("upper", "overlay-work", "merged"):
                 (self.root / name).mkdir()
+        copy_to = self.host_work
+        if self.image is not None:
+            # Over an image the workdir is made in the session's layer (as a container
+            # runtime makes it: a WORKDIR need not exist in the image), where the
+            # workspace then goes; a workdir behind an image symlink is made where it leads.
+            assert self.image.root is not None
+            inside = resolve_inside(self.image.root, self.workdir)
+            copy_to = self.root / "upper" / inside.lstrip("/")
+            if not (self.image.root / inside.lstrip("/")).is_dir():
+                copy_to.mkdir(parents=True, exist_ok=True)
+        if workspace is not None and workspace.is_dir():
+            shutil.copytree(workspace, copy_to, dirs_exist_ok=True, symlinks=True)
         if self.user.switches:
             self.root.chmod(0o711)  # the sandbox user may pass, not list
             for folder in (self.session_dir, self.host_work):
@@ -271,7 +290,8 @@ class LocalSandbox:
         if not self.overlay and not staged:
             return []
         if self.overlay:
-            options = (f"lowerdir={self.host_work},upperdir={self.root / 'upper'},"
+            lower = self.image.root if self.image is not None else self.host_work
+            options = (f"lowerdir={lower},upperdir={self.root / 'upper'},"
                        f"workdir={self.root / 'overlay-work'}")
             if os.geteuid() != 0:
                 options += ",userxattr"
@@ -301,8 +321,12 @@ class LocalSandbox:
                verifier_logs: Path | None = None, block_fd: int | None = None) -> list[str]:
         # --as-pid-1: our init is the namespace's PID 1, so it gets the signals we forward
         # and the namespace dies when it exits.
+        # Over an image the agent is the image's User inside (files the sandbox uid owns on
+        # the host are that user's); on the host it is always the sandbox uid.
+        uid, gid = ((self.image.uid, self.image.gid) if self.image is not None
+                    else (self.user.uid, self.user.gid))
         args = ["bwrap", "--die-with-parent", "--unshare-user", "--disable-userns",
-                "--cap-drop", "ALL", "--uid", str(self.user.uid), "--gid", str(self.user.gid),
+                "--cap-drop", "ALL", "--uid", str(uid), "--gid", str(gid),
                 "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--new-session"]
         if self.network is not None and self.network.isolated:  # only our proxies answer
@@ -319,7 +343,7 @@ class LocalSandbox:
 
         if self.overlay:
             args += ["--bind", str(self.root / "merged"), "/"]
-        for path in SYSTEM_PATHS:
+        for path in SYSTEM_PATHS if self.image is None else ():
             if os.path.islink(path):
                 mount("--symlink", os.readlink(path), path, whole=True)
             elif os.path.isdir(path):
@@ -459,15 +483,30 @@ class LocalSandbox:
             report = await self.confirm_cleanup(self._agent, 2.0)
         return report.confirmed
 
-    async def probe(self, timeout_s: float, command: Sequence[str] = ("true",)) -> ProbeResult:
-        """Alive when `true` runs in a fresh sandbox in the workdir within the limit."""
+    async def probe(self, timeout_s: float, command: Sequence[str] | None = None
+                    ) -> ProbeResult:
+        """Alive when a process runs in a fresh sandbox in the workdir within the limit: by
+        default our own init (`--probe`), so no program of the environment is needed."""
+        if command is None:
+            command = [INIT_INSIDE if self.isolation == "bwrap" else str(self.init), "--probe"]
+            name = "the init probe"
+        else:
+            name = f"`{' '.join(command)}`"
         code, timed_out = await self._run_bounded(list(command), timeout_s,
-                                                  env=_minimal_env(), role="probe")
+                                                  env=self.base_env(), role="probe")
         if timed_out:
-            return ProbeResult(False, f"`true` did not finish within {timeout_s:g} s")
+            return ProbeResult(False, f"{name} did not finish within {timeout_s:g} s")
         if code != 0:
-            return ProbeResult(False, f"`true` exited with {code}")
-        return ProbeResult(True, "`true` ran in the workdir")
+            return ProbeResult(False, f"{name} exited with {code}")
+        return ProbeResult(True, f"{name} ran in the workdir")
+
+    def base_env(self) -> dict[str, str]:
+        """The probe's and verifier's environment: PATH (the image's, over an image), LANG
+        and LC_ALL."""
+        env = _minimal_env()
+        if self.image is not None:
+            env["PATH"] = self.image.path
+        return env
 
     async def verify(self, timeout_s: float) -> VerifierRun:
         """Run `bash /tests/test.sh` in the workdir (tests at /tests, fresh /logs/verifier),
@@ -480,8 +519,10 @@ class LocalSandbox:
         if not await self._agent_gone():
             return VerifierRun(None, False, logs, "agent processes outlived the run")
         if self.isolation == "bwrap":
-            command = ["bash", "/tests/test.sh"]
-            env = {**_minimal_env(), "TRIALLEDGER_VERIFIER_DIR": "/logs/verifier"}
+            # An image without bash (busybox) runs the script with its sh.
+            shell = "bash" if self.image is None or self.image.has("bash") else "sh"
+            command = [shell, "/tests/test.sh"]
+            env = {**self.base_env(), "TRIALLEDGER_VERIFIER_DIR": "/logs/verifier"}
         else:
             tests = self.tests or Path("/nonexistent")
             command = ["bash", str(tests / "test.sh")]

@@ -1,0 +1,502 @@
+"""Task environments (docs/SPEC.md §12): images and root filesystems, prepared before any
+session and unpacked once per digest into a cache that sessions only read.
+
+Sources (`task.toml` `[environment]`, at most one):
+    docker_image = "REF"      podman or docker storage: `image inspect` + `save`
+    image_archive = "PATH"    an OCI archive or docker-archive tarball
+    rootfs = "PATH"           a root filesystem folder or tarball
+    environment/Dockerfile    built with the engine, tagged by its context's sha256
+
+Images go through the well-kept tools: `skopeo copy` into an OCI layout, then `umoci unpack
+--rootless` (layers, whiteouts and the image's `User` looked up in its `/etc/passwd`);
+root filesystems through GNU tar. Every cache entry is then made rootless: owned by the
+sandbox uid, no setuid/setgid bits, no device nodes (the overlay is also `nodev,nosuid`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from trialledger.core.errors import TrialLedgerError
+
+Kind = Literal["host", "image", "rootfs"]
+SourceKind = Literal["docker_image", "image_archive", "rootfs", "dockerfile"]
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+BUILD_TIMEOUT_S = 600.0
+TOOL_TIMEOUT_S = 600.0
+META = "environment.json"
+
+
+class EnvironmentUnavailable(TrialLedgerError):
+    """A task's environment cannot be prepared (the message names what is missing)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a task's environment comes from (`task.toml` `[environment]`)."""
+
+    kind: SourceKind
+    value: str  # the REF, or the path relative to the task folder ("Dockerfile")
+    folder: Path  # the task folder
+    build_timeout_s: float = BUILD_TIMEOUT_S
+
+    @property
+    def path(self) -> Path:
+        """The source's file or folder (archive, rootfs, or the Dockerfile's context)."""
+        if self.kind == "dockerfile":
+            return self.folder / "environment"
+        return self.folder / self.value
+
+
+@dataclass(frozen=True)
+class Environment:
+    """A prepared environment: what the sandbox mounts and what the records name."""
+
+    kind: Kind = "host"
+    ref: str | None = None
+    digest: str | None = None  # sha256:<hex>
+    root: Path | None = None  # the cache entry's root filesystem (read-only to sessions)
+    env: tuple[tuple[str, str], ...] = ()  # the image's Env
+    workdir: str = "/"  # the image's WorkingDir, else /
+    uid: int = 0  # the image's User inside the sandbox
+    gid: int = 0
+    home: str = "/root"
+
+    def record(self) -> dict[str, Any]:
+        """`agent.launched.environment`."""
+        return {"kind": self.kind, "ref": self.ref, "digest": self.digest}
+
+    @property
+    def path(self) -> str:
+        """The image's PATH (the default one when its Env has none)."""
+        return dict(self.env).get("PATH", DEFAULT_PATH)
+
+    def has(self, program: str) -> bool:
+        """Whether the pristine root has `/usr/bin/<program>` or `/bin/<program>`."""
+        assert self.root is not None
+        candidates = [self.root / "usr" / "bin" / program]
+        if (self.root / "bin").is_dir() and not (self.root / "bin").is_symlink():
+            candidates.append(self.root / "bin" / program)
+        return any(os.path.lexists(c) for c in candidates)
+
+
+HOST = Environment()
+
+
+def resolve_inside(root: Path, path: str, *, hops: int = 40) -> str:
+    """`path` resolved as a chroot into `root` would: symlinks followed inside `root`,
+    never out of it (the seed checks a workdir this way, docs/SPEC.md §5)."""
+    done: list[str] = []
+    todo = [p for p in path.split("/") if p and p != "."]
+    while todo:
+        part = todo.pop(0)
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        here = root.joinpath(*done, part)
+        if here.is_symlink() and hops > 0:
+            hops -= 1
+            target = os.readlink(here)
+            if target.startswith("/"):
+                done = []
+            todo = [p for p in target.split("/") if p and p != "."] + todo
+            continue
+        done.append(part)
+    return "/" + "/".join(done)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cache entry (for `cache ls`)."""
+
+    digest: str
+    kind: str
+    ref: str
+    size: int
+    created: str
+    folder: Path = field(compare=False)
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/trialledger`, else `~/.cache/trialledger`."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "trialledger"
+
+
+def pick_engine(choice: str | None = None) -> str:
+    """podman when installed (preferred), else docker; `choice` forces one."""
+    for engine in [choice] if choice else ["podman", "docker"]:
+        if engine and shutil.which(engine):
+            return engine
+    wanted = choice or "podman or docker"
+    raise EnvironmentUnavailable(f"no container engine: {wanted} is not installed "
+                                 f"(apt-get install podman)")
+
+
+def _tool(argv: Sequence[str], what: str, *, timeout: float = TOOL_TIMEOUT_S) -> str:
+    """Run a tool; its stdout, or one line saying what failed."""
+    if shutil.which(argv[0]) is None:
+        raise EnvironmentUnavailable(f"{what}: {argv[0]} is not installed "
+                                     f"(apt-get install {argv[0]})")
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, check=False,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise EnvironmentUnavailable(f"{what}: {argv[0]} ran past {timeout:g} s") from None
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        said = lines[-1].strip() if lines else f"exit {done.returncode}"
+        raise EnvironmentUnavailable(f"{what}: {said[-300:]}")
+    return done.stdout
+
+
+class Cache:
+    """Unpacked environments, one folder per digest, filled once under a file lock."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = (folder or default_cache_dir()).absolute()
+
+    @property
+    def _entries(self) -> Path:
+        return self.folder / "environments"
+
+    def _prepare_folders(self) -> None:
+        for folder in (self.folder, self._entries, self.folder / "refs"):
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    @contextlib.contextmanager
+    def _locked(self, name: str) -> Iterator[None]:
+        self._prepare_folders()
+        fd = os.open(self._entries / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def lookup(self, digest: str) -> Environment | None:
+        """The unpacked entry of `digest`, if complete."""
+        meta = self._entries / digest.removeprefix("sha256:") / META
+        try:
+            data = json.loads(meta.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return Environment(
+            kind=data["kind"], ref=data["ref"], digest=data["digest"],
+            root=meta.parent / "rootfs", env=tuple((k, v) for k, v in data["env"]),
+            workdir=data["workdir"], uid=data["uid"], gid=data["gid"], home=data["home"])
+
+    def fill(self, digest: str, unpack: Callable[[Path], Environment], *, owner: int | None
+             ) -> Environment:
+        """The entry of `digest`, unpacked by `unpack(scratch)` unless another process did
+        (or does, while we wait for its lock). `unpack` leaves `scratch/rootfs`."""
+        hexa = digest.removeprefix("sha256:")
+        with self._locked(hexa):
+            found = self.lookup(digest)
+            if found is not None:
+                return found
+            target = self._entries / hexa
+            shutil.rmtree(target, ignore_errors=True)  # an interrupted fill
+            scratch = Path(tempfile.mkdtemp(prefix=f".{hexa[:12]}-", dir=self._entries))
+            try:
+                made = unpack(scratch)
+                rootless(scratch / "rootfs", owner)
+                meta = {**asdict(made), "root": None, "env": [list(p) for p in made.env],
+                        "size": _tree_size(scratch / "rootfs"),
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                (scratch / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+                os.rename(scratch, target)
+            except BaseException:
+                shutil.rmtree(scratch, ignore_errors=True)
+                raise
+            found = self.lookup(digest)
+            assert found is not None
+            return found
+
+    # A small index from a source file's identity to its digest, so a second process finds
+    # an archive's entry without reading the archive again.
+    def remembered(self, key: str) -> str | None:
+        with contextlib.suppress(OSError):
+            return (self.folder / "refs" / key).read_text(encoding="utf-8").strip()
+        return None
+
+    def remember(self, key: str, digest: str) -> None:
+        self._prepare_folders()
+        scratch = self.folder / "refs" / f".{key}.{os.getpid()}"
+        scratch.write_text(digest, encoding="utf-8")
+        os.replace(scratch, self.folder / "refs" / key)
+
+    def entries(self) -> list[Entry]:
+        """Every complete entry, newest first."""
+        found = []
+        for meta in self._entries.glob(f"*/{META}") if self._entries.is_dir() else []:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                data = json.loads(meta.read_text(encoding="utf-8"))
+                found.append(Entry(data["digest"], data["kind"], data["ref"], data["size"],
+                                   data["created"], meta.parent))
+        return sorted(found, key=lambda e: e.created, reverse=True)
+
+    def prune(self, digests: Sequence[str] = ()) -> list[Entry]:
+        """Remove the entries named (every entry when none is), each under its lock."""
+        removed = []
+        for entry in self.entries():
+            if digests and not any(entry.digest.removeprefix("sha256:").startswith(
+                    d.removeprefix("sha256:")) for d in digests):
+                continue
+            with self._locked(entry.digest.removeprefix("sha256:")):
+                shutil.rmtree(entry.folder, ignore_errors=True)
+            removed.append(entry)
+        if not digests:
+            shutil.rmtree(self.folder / "refs", ignore_errors=True)
+            shutil.rmtree(self.folder / "packed", ignore_errors=True)
+        return removed
+
+
+def rootless(root: Path, owner: int | None) -> None:
+    """Make an unpacked tree safe to lend: no device nodes, no setuid/setgid bits, and
+    (when `owner` is given) every entry owned by the sandbox uid."""
+    def paths() -> Iterator[str]:
+        yield str(root)
+        for folder, dirs, files in os.walk(root):
+            yield from (os.path.join(folder, name) for name in [*dirs, *files])
+
+    for path in paths():
+        info = os.lstat(path)
+        if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
+            os.unlink(path)
+            continue
+        if owner is not None:
+            os.lchown(path, owner, owner)
+        if not stat.S_ISLNK(info.st_mode) and info.st_mode & (stat.S_ISUID | stat.S_ISGID):
+            os.chmod(path, stat.S_IMODE(info.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+
+
+def _tree_size(root: Path) -> int:
+    total = 0
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
+
+
+def _file_key(path: Path) -> str:
+    info = path.stat()
+    identity = f"{path.resolve()}\0{info.st_size}\0{info.st_mtime_ns}\0{info.st_ino}"
+    return hashlib.sha256(identity.encode()).hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return f"sha256:{digest.hexdigest()}"
+
+
+# --- images ------------------------------------------------------------------------------
+
+def _to_layout(archive: Path, layout: Path, what: str) -> None:
+    """Copy an OCI archive or a docker-archive into an OCI layout with skopeo."""
+    problems = []
+    for transport in ("oci-archive", "docker-archive"):
+        try:
+            _tool(["skopeo", "copy", "--quiet", f"{transport}:{archive}", f"oci:{layout}:image"],
+                  what)
+            return
+        except EnvironmentUnavailable as error:
+            if "not installed" in str(error):
+                raise
+            problems.append(str(error).removeprefix(f"{what}: "))
+    raise EnvironmentUnavailable(f"{what}: neither an OCI archive nor a docker-archive "
+                                 f"({problems[-1]})")
+
+
+def _config_digest(layout: Path) -> str:
+    """The image config digest an OCI layout's only manifest names."""
+    index = json.loads((layout / "index.json").read_text(encoding="utf-8"))
+    digest = index["manifests"][0]["digest"]
+    blob = layout / "blobs" / "sha256" / digest.removeprefix("sha256:")
+    return str(json.loads(blob.read_text(encoding="utf-8"))["config"]["digest"])
+
+
+def _unpack_layout(layout: Path, scratch: Path, kind: Kind, ref: str, digest: str,
+                   what: str) -> Environment:
+    """`umoci unpack --rootless`, then the runtime config umoci derived from the image."""
+    bundle = scratch / "bundle"
+    _tool(["umoci", "unpack", "--rootless", "--image", f"{layout}:image", str(bundle)], what)
+    config = json.loads((bundle / "config.json").read_text(encoding="utf-8"))
+    process = config.get("process", {})
+    env = [item.split("=", 1) for item in process.get("env", []) if "=" in item]
+    user = process.get("user", {})
+    os.rename(bundle / "rootfs", scratch / "rootfs")
+    shutil.rmtree(bundle)
+    values = dict((k, v) for k, v in env)
+    return Environment(kind=kind, ref=ref, digest=digest,
+                       env=tuple((k, v) for k, v in env),
+                       workdir=str(process.get("cwd") or "/"),
+                       uid=int(user.get("uid", 0)), gid=int(user.get("gid", 0)),
+                       home=values.get("HOME", "/"))
+
+
+def prepare_archive(archive: Path, ref: str, cache: Cache, owner: int | None, *,
+                    digest: str | None = None) -> Environment:
+    """An OCI or docker archive, by its config digest (known already for an engine's
+    image; else remembered per file, or found by copying the archive into a layout)."""
+    what = f"image_archive {ref}"
+    if not archive.is_file():
+        raise EnvironmentUnavailable(f"{what}: no such file")
+    key = _file_key(archive)
+    digest = digest or cache.remembered(key)
+    if digest is not None and (found := cache.lookup(digest)) is not None:
+        return found
+    with tempfile.TemporaryDirectory(prefix="trialledger-image-") as work:
+        layout = Path(work) / "layout"
+        _to_layout(archive, layout, what)
+        digest = digest or _config_digest(layout)
+        cache.remember(key, digest)
+        known = digest
+        return cache.fill(digest, lambda scratch: _unpack_layout(
+            layout, scratch, "image", ref, known, what), owner=owner)
+
+
+def prepare_engine_image(ref: str, engine: str, cache: Cache, owner: int | None, *,
+                         shown: str | None = None) -> Environment:
+    """An image in podman's or docker's storage: inspected, then saved only on a miss."""
+    what = f"docker_image {shown or ref}"
+    ident = _tool([engine, "image", "inspect", "--format", "{{.Id}}", ref], what).strip()
+    digest = ident if ident.startswith("sha256:") else f"sha256:{ident}"
+    if (found := cache.lookup(digest)) is not None:
+        return found
+    with tempfile.TemporaryDirectory(prefix="trialledger-save-") as work:
+        archive = Path(work) / "image.tar"
+        save = [engine, "save", "-o", str(archive), ref]
+        if engine == "podman":
+            save[2:2] = ["--format", "oci-archive"]
+        _tool(save, what)
+        made = prepare_archive(archive, shown or ref, cache, owner, digest=digest)
+    return made
+
+
+def context_digest(context: Path) -> str:
+    """The sha256 of a build context: every path, its mode and its bytes, sorted."""
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(context):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(folder) / name
+            info = path.lstat()
+            digest.update(f"{path.relative_to(context)}\0{stat.S_IMODE(info.st_mode)}\0"
+                          .encode())
+            if stat.S_ISLNK(info.st_mode):
+                digest.update(os.readlink(path).encode())
+            elif stat.S_ISREG(info.st_mode):
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | None
+                       ) -> Environment:
+    """Build `environment/Dockerfile` once per context digest, then use it as an image."""
+    context = source.path
+    tag = f"localhost/trialledger-build:{context_digest(context)[:32]}"
+    exists = subprocess.run([engine, "image", "exists" if engine == "podman" else "inspect",
+                             tag], capture_output=True, check=False).returncode == 0
+    if not exists:
+        build = [engine, "build", "-t", tag, "-f", str(context / "Dockerfile"), str(context)]
+        if engine == "podman":
+            build[2:2] = ["--isolation", "chroot"]
+        _tool(build, "environment/Dockerfile build", timeout=source.build_timeout_s)
+    return prepare_engine_image(tag, engine, cache, owner, shown="Dockerfile")
+
+
+# --- root filesystems ---------------------------------------------------------------------
+
+def _pack(folder: Path, cache: Cache) -> Path:
+    """A rootfs folder as a sorted, mtime-0, numeric-owner tar in the cache."""
+    cache._prepare_folders()
+    (cache.folder / "packed").mkdir(exist_ok=True, mode=0o700)
+    fd, name = tempfile.mkstemp(prefix=".pack-", suffix=".tar", dir=cache.folder / "packed")
+    os.close(fd)
+    _tool(["tar", "--sort=name", "--mtime=@0", "--numeric-owner", "--format=gnu",
+           "-C", str(folder), "-cf", name, "."], f"rootfs {folder.name}")
+    return Path(name)
+
+
+def _passwd(root: Path, uid: int) -> str:
+    """The home folder of `uid` in a root's /etc/passwd (/ when none)."""
+    with contextlib.suppress(OSError):
+        passwd = root / "etc" / "passwd"
+        if not passwd.is_symlink():
+            for line in passwd.read_text(encoding="utf-8", errors="replace").splitlines():
+                fields = line.split(":")
+                if len(fields) >= 6 and fields[2] == str(uid):
+                    return fields[5] or "/"
+    return "/"
+
+
+def prepare_rootfs(path: Path, ref: str, cache: Cache, owner: int | None) -> Environment:
+    """A root filesystem folder (packed first) or tarball, by the tarball's sha256."""
+    what = f"rootfs {ref}"
+    packed = None
+    if path.is_dir():
+        packed = _pack(path, cache)
+        tarball = packed
+    elif path.is_file():
+        tarball = path
+    else:
+        raise EnvironmentUnavailable(f"{what}: no such folder or tarball")
+    try:
+        key = _file_key(tarball)
+        digest = (None if packed else cache.remembered(key)) or _sha256_file(tarball)
+        if packed is None:
+            cache.remember(key, digest)
+        else:
+            os.replace(packed, cache.folder / "packed" / f"{digest.removeprefix('sha256:')}.tar")
+            tarball = packed = cache.folder / "packed" / f"{digest.removeprefix('sha256:')}.tar"
+
+        def unpack(scratch: Path) -> Environment:
+            (scratch / "rootfs").mkdir()
+            _tool(["tar", "-xf", str(tarball), "-C", str(scratch / "rootfs"),
+                   "--no-same-owner", "--delay-directory-restore"], what)
+            home = _passwd(scratch / "rootfs", 0)
+            return Environment(kind="rootfs", ref=ref, digest=digest,
+                               env=(("PATH", DEFAULT_PATH),), workdir="/", home=home)
+
+        return cache.lookup(digest) or cache.fill(digest, unpack, owner=owner)
+    finally:
+        if packed is not None and packed.name.startswith(".pack-"):
+            packed.unlink(missing_ok=True)
+
+
+def prepare(source: Source | None, cache: Cache, *, owner: int | None,
+            engine: str | None = None) -> Environment:
+    """Resolve, build and unpack a task's environment before any session is seeded."""
+    if source is None:
+        return HOST
+    if source.kind == "docker_image":
+        made = prepare_engine_image(source.value, pick_engine(engine), cache, owner)
+    elif source.kind == "dockerfile":
+        made = prepare_dockerfile(source, pick_engine(engine), cache, owner)
+    elif source.kind == "image_archive":
+        made = prepare_archive(source.path, source.value, cache, owner)
+    else:
+        made = prepare_rootfs(source.path, source.value, cache, owner)
+    # One entry serves every source of the same digest; the record names this task's.
+    return dataclasses.replace(made, ref=source.value)

@@ -1,0 +1,92 @@
+"""Task environments (SPEC §12): sandbox start over a cached image beside the host-root
+sandbox in the same run, the first unpack of the Debian test image, and how long a second
+process takes to find that image cached.
+
+    python -m bench.images [--starts 100]
+
+Needs the image tools `.ci/run` installs (podman, skopeo, umoci, mmdebstrap) and, as root,
+the sandbox user (`trialledger setup`). The Debian image is the tests' own (tests/images.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+from tests import images
+from trialledger.adapters.environment import HOST, Cache, Environment, prepare_archive
+from trialledger.adapters.sandbox.identity import sandbox_user
+from trialledger.adapters.sandbox.local import LocalSandbox
+
+
+def _p(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+async def _starts(environment: Environment, workdir: str, n: int) -> list[float]:
+    """Milliseconds per start of `true` (our init's probe) in a fresh sandbox: the session's
+    folders, the overlay and bwrap included."""
+    timings = []
+    for index in range(n):
+        start = time.perf_counter()
+        sandbox = LocalSandbox(session_key=f"bench-{index:04d}", workdir=workdir,
+                               environment=environment)
+        try:
+            result = await sandbox.probe(10)
+            assert result.alive, result.detail
+        finally:
+            sandbox.discard()
+        timings.append((time.perf_counter() - start) * 1000)
+    return timings
+
+
+def _second_process(archive: Path, cache: Path) -> float:
+    """Milliseconds a fresh process takes to find the archive's entry (import excluded)."""
+    code = ("import sys, time; from pathlib import Path; "
+            "from trialledger.adapters.environment import Cache, prepare_archive; "
+            "t = time.perf_counter(); "
+            "prepare_archive(Path(sys.argv[1]), 'image.tar', Cache(Path(sys.argv[2])), None); "
+            "print((time.perf_counter() - t) * 1000)")
+    done = subprocess.run([sys.executable, "-c", code, str(archive), str(cache)],
+                          capture_output=True, text=True, check=True)
+    return float(done.stdout.strip())
+
+
+def report(starts: int) -> None:
+    owner = sandbox_user().uid if os.geteuid() == 0 else None
+    os.environ["CONTAINERS_STORAGE_CONF"] = str(images.storage_conf())
+    with tempfile.TemporaryDirectory(prefix="bench-images-") as work:
+        archive = images.oci_archive(images.DEBIAN_REF, Path(work) / "image.tar")
+        cache = Cache(Path(work) / "cache")
+        begin = time.perf_counter()
+        debian = prepare_archive(archive, "image.tar", cache, owner)
+        unpack_s = time.perf_counter() - begin
+        size_mb = sum(e.size for e in cache.entries()) / 1e6
+        found_ms = [_second_process(archive, cache.folder) for _ in range(5)]
+        host = anyio.run(_starts, HOST, "/app", starts)
+        image = anyio.run(_starts, debian, "/", starts)
+    print(f"{'sandbox start (probe)':<34} {'p50 ms':>8} {'p95 ms':>8}")
+    print(f"{'host root (workdir /app)':<34} {_p(host, 50):8.1f} {_p(host, 95):8.1f}")
+    print(f"{'Debian image overlay (workdir /)':<34} {_p(image, 50):8.1f} {_p(image, 95):8.1f}")
+    print(f"first unpack of the Debian image ({size_mb:.0f} MB): {unpack_s:.1f} s")
+    print(f"a second process finds it cached: {statistics.median(found_ms):.1f} ms (median of 5)")
+    print(f"ratio image_start_p50/host_start_p50 {_p(image, 50) / _p(host, 50):.2f}")
+    print(f"ratio image_start_p95/host_start_p95 {_p(image, 95) / _p(host, 95):.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--starts", type=int, default=100)
+    report(parser.parse_args().starts)
+
+
+if __name__ == "__main__":
+    main()
