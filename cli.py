@@ -14,7 +14,8 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -256,12 +257,9 @@ def _parse_set(pairs: Sequence[str]) -> dict[str, Any]:
     return settings
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    """Run the real Codex CLI on a task in the local sandbox; print each session's outcome."""
-    from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
-    from trialledger.adapters.runner import CodexNotFound, RunOptions, SessionRunner
-    from trialledger.adapters.sandbox.base import SandboxRefused
-    from trialledger.adapters.task import Task, TaskInvalid
+def _run_options(args: argparse.Namespace) -> Any:
+    """`run`'s options (shared by `job run`): the key, grants, settings and runner."""
+    from trialledger.adapters.runner import RunOptions
 
     api_key = None
     if args.api_key_env:
@@ -276,13 +274,24 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise Refused(f"--grants {args.grants}: {error}") from None
         if not isinstance(grants, list):
             raise Refused(f"--grants {args.grants}: expected a JSON list of grants")
-    options = RunOptions(
+    return RunOptions(
         model_base_url=args.model_base_url, model=args.model, api_key=api_key, grants=grants,
         overrides=_parse_set(args.set or []), codex_bin=args.codex_bin,
         max_attempts=args.max_attempts, sandbox_uid=args.sandbox_uid,
         protected_paths=_store_files(args.db),
         **({"runner_id": args.runner_id} if args.runner_id else {}),
     )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run the real Codex CLI on a task in the local sandbox; print each session's outcome."""
+    from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
+    from trialledger.adapters.runner import CodexNotFound, SessionRunner
+    from trialledger.adapters.sandbox.base import SandboxRefused
+    from trialledger.adapters.task import Task, TaskInvalid
+
+    options = _run_options(args)
+    api_key = options.api_key
 
     async def go() -> list[Any]:
         await check_endpoint(args.model_base_url, api_key)  # before anything is seeded
@@ -337,6 +346,125 @@ def cmd_cache(args: argparse.Namespace) -> int:
     removed = cache.prune(args.digest or ())
     out.print(f"removed {len(removed)} cache entr{'y' if len(removed) == 1 else 'ies'} "
               f"({sum(e.size for e in removed) / 1e6:.1f} MB) from {cache.folder}")
+    return EXIT_OK
+
+
+def cmd_job_run(args: argparse.Namespace) -> int:
+    """Create or resume a job and work its queue here; one line per finished trial, then
+    the summary. Exit 0 when every trial ended with a final decision, 1 when one did not."""
+    from trialledger.adapters.environment import Cache
+    from trialledger.adapters.jobs import JobRunner, TrialDone, load_tasks
+    from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
+    from trialledger.adapters.runner import CodexNotFound
+    from trialledger.adapters.sandbox.base import SandboxRefused
+    from trialledger.adapters.sandbox.identity import sandbox_user
+    from trialledger.adapters.task import TaskInvalid
+
+    options = _run_options(args)
+    started = time.monotonic()
+    finished: list[TrialDone] = []
+
+    def said(done: TrialDone) -> None:
+        finished.append(done)
+        if args.json:
+            print(json.dumps({"trial_id": done.trial_id, "task": done.task, "k": done.k_index,
+                              "outcome": done.outcome, "reward": done.reward,
+                              "sessions": done.sessions}), flush=True)
+        else:
+            reward = "" if done.reward is None else f" reward {done.reward:g}"
+            out.print(f"{done.task} k={done.k_index} {done.outcome}{reward} "
+                      f"({len(done.sessions)} session{'s' * (len(done.sessions) != 1)}, "
+                      f"{time.monotonic() - started:.0f} s)", highlight=False)
+
+    holder: list[Any] = []
+
+    async def go() -> dict[str, Any]:
+        await check_endpoint(args.model_base_url, options.api_key)
+        async with await Ledger.open(args.db) as ledger:
+            runner = JobRunner(
+                ledger, args.name, tasks, options, k=args.k, concurrency=args.n,
+                lease_s=args.lease_s, cache=Cache(args.cache_dir), engine=args.engine,
+                owner=sandbox_user(args.sandbox_uid).uid if os.geteuid() == 0 else None,
+                on_trial=said)
+            holder.append(runner)
+            await runner.run()
+            return await _job_summary(ledger, args.name)
+
+    def stop() -> None:
+        if holder:
+            holder[0].stop_claiming()
+        print(f"trialledger: stopping: no new trials; running ones get {args.grace:g} s "
+              f"(a second Ctrl-C cancels them now)", file=sys.stderr)
+
+    try:
+        tasks = load_tasks([Path(p) for p in args.tasks], args.include or (),
+                           args.exclude or ())
+        summary = anyio.run(lambda: until_signalled(go, stop=stop, grace_s=args.grace))
+    except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
+        raise Refused(str(error)) from None
+    _print_job(summary, as_json=False)
+    return EXIT_OK if _all_decided(summary) else EXIT_FOUND
+
+
+async def _job_summary(ledger: Ledger, name: str) -> dict[str, Any]:
+    from trialledger.store.jobs import Jobs
+
+    jobs = Jobs(ledger)
+    return {"job": name, "tasks": await jobs.tasks(name), "trials": await jobs.trials(name),
+            "environment_failed": await jobs.failures(name)}
+
+
+def _all_decided(summary: Mapping[str, Any]) -> bool:
+    """Every trial ended scored or with a final decision (none unscored, none failed)."""
+    return all(t["scored"] == 1 or (t["state"] == "done" and t["outcome"] == "verify")
+               for t in summary["trials"]) and not summary["environment_failed"]
+
+
+def _print_job(summary: Mapping[str, Any], *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary, default=str))
+        return
+    rows = []
+    for t in summary["tasks"]:
+        rows.append([t["task"], t["trials"], t["scored"],
+                     "" if t["mean_reward"] is None else f"{t['mean_reward']:.3f}",
+                     "" if t["pass_at_k"] is None else f"{t['pass_at_k']:.3f}", t["retries"],
+                     t["total_tokens"] or 0, t["unknown_usage"],
+                     f"{t['wall_s'] or 0:.0f}"])
+    _table(["task", "trials", "scored", "mean reward", "pass@k", "retries", "tokens",
+            "unknown usage", "wall s"], rows)
+    for task, why in summary["environment_failed"].items():
+        out.print(f"{task}: environment_failed: {why}", highlight=False)
+
+
+def cmd_job_show(args: argparse.Namespace) -> int:
+    """A job's summary from the store: per task, and each trial with --json."""
+
+    async def go() -> dict[str, Any]:
+        async with await Ledger.open(args.db, create=False) as ledger:
+            return await _job_summary(ledger, args.name)
+
+    _print_job(anyio.run(go), as_json=args.json)
+    return EXIT_OK
+
+
+def cmd_job_ls(args: argparse.Namespace) -> int:
+    """Every job with its trials by queue state."""
+    from trialledger.store.jobs import Jobs
+
+    async def go() -> list[dict[str, Any]]:
+        async with await Ledger.open(args.db, create=False) as ledger:
+            return await Jobs(ledger).names()
+
+    rows = anyio.run(go)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return EXIT_OK
+    _table(["job", "k", "trials", "queued", "running", "done", "environment failed",
+            "created"],
+           [[r["job"], r["k"], r["trials"], r.get("queued", 0), r.get("running", 0),
+             r.get("done", 0), r.get("environment_failed", 0), r["created_at"]] for r in rows])
     return EXIT_OK
 
 
@@ -448,10 +576,12 @@ class Interrupted(Exception):
 T = TypeVar("T")
 
 
-async def until_signalled(work: Callable[[], Awaitable[T]]) -> T:
+async def until_signalled(work: Callable[[], Awaitable[T]], *,
+                          stop: Callable[[], None] | None = None, grace_s: float = 0.0) -> T:
     """Run `work`; SIGINT, SIGTERM and SIGHUP (docker, systemd, Kubernetes, Slurm) all
     cancel it the same way — its cleanup runs, the agent is stopped, the session closed
-    `cancelled`, its folder removed — and then raise `Interrupted`."""
+    `cancelled`, its folder removed — and then raise `Interrupted`. With `stop`, the
+    first signal calls it and cancels only after `grace_s` (a second one at once)."""
     done: list[T] = []
     caught: list[int] = []
     failed: list[Exception] = []  # raised after the group, so it is never an ExceptionGroup
@@ -462,8 +592,15 @@ async def until_signalled(work: Callable[[], Awaitable[T]]) -> T:
                                             signal.SIGHUP) as signals:
                 async for signum in signals:
                     caught.append(signum)
-                    tg.cancel_scope.cancel()
-                    return
+                    if stop is None or len(caught) > 1:
+                        tg.cancel_scope.cancel()
+                        return
+                    stop()
+                    tg.start_soon(cancel_after_grace)
+
+        async def cancel_after_grace() -> None:
+            await anyio.sleep(grace_s)
+            tg.cancel_scope.cancel()
 
         tg.start_soon(watch)
         try:
@@ -597,6 +734,28 @@ def _with_sandbox_uid(p: argparse.ArgumentParser) -> None:
                         "(default: the trialledger-sandbox user that `setup` creates)")
 
 
+def _with_run_options(p: argparse.ArgumentParser, *, json_help: str) -> None:
+    """What `run` and `job run` share: the store, the endpoint, grants, settings, the
+    sandbox and the environment cache."""
+    _with_db(p)
+    p.add_argument("--model-base-url", required=True, help="the Responses endpoint's base URL")
+    p.add_argument("--model", required=True, help="the model name to ask for")
+    p.add_argument("--api-key-env", metavar="NAME", help="environment variable with the API key")
+    p.add_argument("--grants", metavar="FILE.json", help="a JSON list of tool grants")
+    p.add_argument("--max-attempts", type=_positive, default=1,
+                   help="sessions per trial at most: a retry decision runs another, up to N")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="a setting (VALUE parsed as JSON, else a string); repeatable")
+    p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
+    p.add_argument("--runner-id", help="this runner's id (default: host-pid)")
+    p.add_argument("--json", action="store_true", help=json_help)
+    _with_sandbox_uid(p)
+    _with_cache(p)
+    p.add_argument("--engine", choices=("podman", "docker"),
+                   help="the container engine for docker_image and Dockerfile tasks "
+                        "(default: podman when installed, else docker)")
+
+
 def _with_cache(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, metavar="DIR",
                    help="unpacked task environments (default $XDG_CACHE_HOME/trialledger, "
@@ -689,25 +848,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("run", help="run the real Codex CLI on a task in the local sandbox")
     p.add_argument("task_dir", help="instruction.md, task.toml, workspace/, tests/test.sh")
-    _with_db(p)
-    p.add_argument("--model-base-url", required=True, help="the Responses endpoint's base URL")
-    p.add_argument("--model", required=True, help="the model name to ask for")
-    p.add_argument("--api-key-env", metavar="NAME", help="environment variable with the API key")
-    p.add_argument("--grants", metavar="FILE.json", help="a JSON list of tool grants")
-    p.add_argument("--max-attempts", type=_positive, default=1,
-                   help="retry lost sessions up to N (at least 1)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="a setting (VALUE parsed as JSON, else a string); repeatable")
-    p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
-    p.add_argument("--runner-id", help="this runner's id (default: host-pid)")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object per session (outcome, rule, cause, rewards, tokens)")
-    _with_sandbox_uid(p)
-    _with_cache(p)
-    p.add_argument("--engine", choices=("podman", "docker"),
-                   help="the container engine for docker_image and Dockerfile tasks "
-                        "(default: podman when installed, else docker)")
+    _with_run_options(p, json_help="one JSON object per session (outcome, rule, cause, "
+                                   "rewards, tokens)")
     p.set_defaults(handler=cmd_run)
+
+    p = commands.add_parser("job", help="run a benchmark: tasks × k trials, resumable")
+    job_commands = p.add_subparsers(dest="job_command", required=True)
+    jr = job_commands.add_parser("run", help="create or resume a job and work its queue here")
+    jr.add_argument("name", help="the job's name (its identity in the store)")
+    jr.add_argument("tasks", nargs="+", metavar="TASK_OR_DATASET",
+                    help="task folders, or folders whose subfolders are tasks")
+    jr.add_argument("-k", type=_positive, default=1, help="trials per task (default 1)")
+    jr.add_argument("-n", type=_positive, default=1, help="sessions at once (default 1)")
+    jr.add_argument("--include", action="append", metavar="GLOB", help="task names to run")
+    jr.add_argument("--exclude", action="append", metavar="GLOB", help="task names to skip")
+    jr.add_argument("--lease-s", type=float, default=60.0,
+                    help="a held trial's lease, renewed every third of it (default 60)")
+    jr.add_argument("--grace", type=float, default=30.0,
+                    help="on SIGINT/SIGTERM: seconds running trials get before they are "
+                         "cancelled (default 30)")
+    _with_run_options(jr, json_help="one JSON object per finished trial")
+    jr.set_defaults(handler=cmd_job_run)
+    js = job_commands.add_parser("show", help="a job's summary: per task, trials with --json")
+    js.add_argument("name")
+    _with_db(js)
+    js.add_argument("--json", action="store_true", help="tasks, trials and failures as JSON")
+    js.set_defaults(handler=cmd_job_show)
+    jl = job_commands.add_parser("ls", help="every job with its trials by state")
+    _with_db(jl)
+    jl.add_argument("--json", action="store_true", help="one JSON object per job")
+    jl.set_defaults(handler=cmd_job_ls)
 
     p = commands.add_parser("cache", help="list or remove unpacked task environments")
     cache_commands = p.add_subparsers(dest="cache_command", required=True)

@@ -227,9 +227,10 @@ class SessionRunner:
         self._trial_key = uuid.uuid4().hex[:12]  # run_session's sessions share one trial
         _sweep_once()
 
-    def _seed(self, attempt: int, retry_of: str | None, sandbox: LocalSandbox) -> ValidSeed:
+    def _seed(self, attempt: int, retry_of: str | None, sandbox: LocalSandbox,
+              trial_id: str | None) -> ValidSeed:
         seed = {
-            "trial_id": f"{self.task.name}:{self._trial_key}",
+            "trial_id": trial_id or f"{self.task.name}:{self._trial_key}",
             "attempt": attempt,
             "retry_of": retry_of,
             "runner_id": self.options.runner_id,
@@ -278,13 +279,15 @@ class SessionRunner:
             retry_of = result.session_id
         return results
 
-    async def run_session(self, *, attempt: int = 1, retry_of: str | None = None
-                          ) -> SessionResult:
+    async def run_session(self, *, attempt: int = 1, retry_of: str | None = None,
+                          trial_id: str | None = None) -> SessionResult:
         """One session: seed, run, capture, decide, probe, archive, verify, close — with a
-        heartbeat in the store all along, so `recover` leaves it alone."""
+        heartbeat in the store all along, so `recover` leaves it alone. `trial_id`: the
+        trial it belongs to (a job's), else this runner's current trial."""
         beating = asyncio.ensure_future(self._heartbeat())
         try:
-            return await self._run_session(attempt=attempt, retry_of=retry_of)
+            return await self._run_session(attempt=attempt, retry_of=retry_of,
+                                           trial_id=trial_id)
         finally:
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -296,7 +299,8 @@ class SessionRunner:
                 await self.ledger.heartbeat(self.options.runner_id)
             await asyncio.sleep(HEARTBEAT_S)
 
-    async def _run_session(self, *, attempt: int, retry_of: str | None) -> SessionResult:
+    async def _run_session(self, *, attempt: int, retry_of: str | None,
+                           trial_id: str | None) -> SessionResult:
         session_id = str(uuid.uuid4())
         settings_raw = self._settings()
         token = f"tl-session-{tokens.token_urlsafe(24)}"  # Codex's key: the proxy's alone
@@ -323,7 +327,7 @@ class SessionRunner:
             environment=self.environment,
         )
         try:
-            valid = self._seed(attempt, retry_of, sandbox)
+            valid = self._seed(attempt, retry_of, sandbox, trial_id)
             seeded = await self.ledger.start(valid, session_id=session_id, secrets=[token])
             recorder = _Recorder(self.ledger, session_id, seeded.head_seq,
                                  store_retry_s=self.options.store_retry_s)

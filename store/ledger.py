@@ -21,7 +21,7 @@ import socket
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import anyio
 from sqlalchemy import LargeBinary, column, select, table, text
@@ -121,11 +121,18 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _guarded(method: Callable[Concatenate[Ledger, P], Coroutine[Any, Any, R]]
-             ) -> Callable[Concatenate[Ledger, P], Coroutine[Any, Any, R]]:
+class _OfStore(Protocol):
+    db: str
+
+
+S = TypeVar("S", bound=_OfStore)
+
+
+def _guarded(method: Callable[Concatenate[S, P], Coroutine[Any, Any, R]]
+             ) -> Callable[Concatenate[S, P], Coroutine[Any, Any, R]]:
     """The store's boundary: a driver's error leaves it as `StoreUnavailable`."""
 
-    async def call(self: Ledger, /, *args: P.args, **kwargs: P.kwargs) -> R:
+    async def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return await method(self, *args, **kwargs)
         except TrialLedgerError:
@@ -343,6 +350,22 @@ class Ledger:
             query = query.where(SESSIONS.c.runner_id.not_in(list(alive)))
         async with self._engines.reader.connect() as conn:
             rows = (await conn.execute(query.order_by(SESSIONS.c.session_id))).all()
+        await self._close_out([(sid, state) for sid, state in rows])
+        return [sid for sid, _ in rows]
+
+    async def recover_sessions(self, session_ids: Sequence[str]) -> list[str]:
+        """Close out these sessions where still open, as `recover` does (a job's new owner
+        of a trial whose lease expired); return those it closed."""
+        if not session_ids:
+            return []
+        query = select(SESSIONS.c.session_id, SESSIONS.c.state).where(
+            SESSIONS.c.state != "closed", SESSIONS.c.session_id.in_(list(session_ids)))
+        async with self._engines.reader.connect() as conn:
+            rows = (await conn.execute(query.order_by(SESSIONS.c.session_id))).all()
+        await self._close_out([(sid, state) for sid, state in rows])
+        return [sid for sid, _ in rows]
+
+    async def _close_out(self, rows: Sequence[tuple[str, str]]) -> None:
         for sid, state in rows:
             at = now()
             events: list[dict[str, Any]] = []
@@ -356,7 +379,6 @@ class Ledger:
                               "the trial needs another attempt"}})
             events.append({"type": "session.closed", "at": at, "data": {"reason": "recovered"}})
             await self.append(sid, events)
-        return [sid for sid, _ in rows]
 
     async def import_log(self, events: Iterable[Mapping[str, Any]],
                          *, secrets: Iterable[str] = ()) -> str:

@@ -101,9 +101,18 @@ def sse_events(reply: Reply, n: int) -> list[dict[str, Any]]:
 class ScriptedEndpoint:
     """The endpoint; use as a context manager. `url` is the provider's base URL."""
 
-    def __init__(self, script: list[Reply], *, tls: ssl.SSLContext | None = None) -> None:
-        """`tls`: serve https with this server context (the URL then names `localhost`)."""
+    def __init__(self, script: list[Reply], *, tls: ssl.SSLContext | None = None,
+                 routes: dict[str, list[Reply]] | None = None,
+                 turns: dict[str, list[Reply]] | None = None) -> None:
+        """`tls`: serve https with this server context (the URL then names `localhost`).
+        `routes`: a request whose body contains a marker gets that marker's script, in the
+        order such requests arrive (the last reply repeats); `turns`: by the number of tool
+        results the request carries (each session walks the script from its start, however
+        sessions interleave); others get `script`."""
+        self.turns = {marker: list(replies) for marker, replies in (turns or {}).items()}
         self.script = list(script)
+        self.routes = {marker: list(replies) for marker, replies in (routes or {}).items()}
+        self.routed: dict[str, list[Reply]] = {marker: [] for marker in self.routes}
         self.tls = tls
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
@@ -126,7 +135,7 @@ class ScriptedEndpoint:
                         endpoint.requests.append({"raw": body.decode(errors="replace")})
                     endpoint.headers.append(dict(self.headers))
                     n = len(endpoint.requests)
-                    reply = endpoint.script[min(n, len(endpoint.script)) - 1]
+                    reply = endpoint._reply(body, n)
                 endpoint._answer(self, reply, n)
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -134,6 +143,17 @@ class ScriptedEndpoint:
             self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _reply(self, body: bytes, n: int) -> Reply:
+        for marker, replies in self.turns.items():
+            if marker.encode() in body:
+                return replies[min(body.count(b'"function_call_output"'), len(replies) - 1)]
+        for marker, replies in self.routes.items():
+            if marker.encode() in body:
+                served = self.routed[marker]
+                served.append(replies[min(len(served), len(replies) - 1)])
+                return served[-1]
+        return self.script[min(n, len(self.script)) - 1]
 
     @property
     def url(self) -> str:

@@ -1,0 +1,242 @@
+"""Running a job (docs/SPEC.md §13): tasks × k trials, `concurrency` sessions at a time,
+resumable, each trial held under a lease while it runs.
+
+A trial runs sessions (attempt 1, 2, … chained by `retry_of`) until one ends with a final
+decision (`verify` or `unverified`) or `max_attempts` sessions have counted. What the trial
+did next is read from the store each time — the sessions of its trial id — so a resumed
+job, or a worker that took a trial over, continues exactly where the last one stopped:
+open sessions are first recovered (`sandbox.lost`, evidence kept), and a session closed
+`cancelled` or `recovered` without a verdict gives the trial another attempt that does not
+count toward `max_attempts` (a harness failure, not the agent's or the endpoint's).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import hashlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
+from trialledger.adapters.runner import RunOptions, SessionRunner
+from trialledger.adapters.task import Task, TaskInvalid
+from trialledger.store import Ledger
+from trialledger.store.jobs import Claim, JobRefused, Jobs
+
+log = logging.getLogger(__name__)
+LEASE_S = 60.0
+FINAL = ("verify", "unverified")
+
+
+def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
+               exclude: Sequence[str] = ()) -> list[Task]:
+    """Task folders, or dataset folders whose subfolders are tasks; filtered by globs on the
+    task name (a folder's base name); two tasks of one name are refused."""
+    folders: list[Path] = []
+    for path in paths:
+        if (path / "instruction.md").is_file():
+            folders.append(path)
+        elif path.is_dir():
+            inside = sorted(p for p in path.iterdir() if (p / "instruction.md").is_file())
+            if not inside:
+                raise TaskInvalid(f"{path}: neither a task (no instruction.md) nor a dataset "
+                                  f"(no subfolder with one)")
+            folders.extend(inside)
+        else:
+            raise TaskInvalid(f"{path}: no such task or dataset folder")
+    chosen: dict[str, Task] = {}
+    for folder in folders:
+        name = folder.resolve().name
+        if include and not any(fnmatch.fnmatchcase(name, glob) for glob in include):
+            continue
+        if any(fnmatch.fnmatchcase(name, glob) for glob in exclude):
+            continue
+        if name in chosen:
+            raise TaskInvalid(f"two tasks are named {name} ({chosen[name].folder} and "
+                              f"{folder.resolve()}); a job's task names must be unique")
+        chosen[name] = Task.load(folder)
+    if not chosen:
+        raise TaskInvalid("no task left to run (check the paths and --include/--exclude)")
+    return [chosen[name] for name in sorted(chosen)]
+
+
+def grant_fingerprint(grant: Mapping[str, Any]) -> dict[str, Any]:
+    """What a job stores of a grant: its name, kind, required flag and a hash of the rest
+    (url and headers) — never the headers themselves."""
+    rest = json.dumps({k: grant.get(k) for k in ("url", "headers")}, sort_keys=True)
+    return {"name": grant.get("name"), "kind": grant.get("kind"),
+            "required": bool(grant.get("required")),
+            "fingerprint": hashlib.sha256(rest.encode()).hexdigest()[:16]}
+
+
+def job_config(options: RunOptions, k: int, max_attempts: int) -> dict[str, Any]:
+    """The configuration a job is created with and resumed under (no secrets, no paths,
+    no endpoint URL: those may change between machines and resumes)."""
+    return {"model": options.model, "settings": dict(options.overrides),
+            "grants": [grant_fingerprint(g) for g in options.grants],
+            "k": k, "max_attempts": max_attempts}
+
+
+@dataclass
+class TrialDone:
+    """What a finished trial reports to the progress display."""
+
+    trial_id: str
+    task: str
+    k_index: int
+    outcome: str  # the final session's outcome (pending when none ran)
+    sessions: list[str]
+    reward: float | None = None
+
+
+@dataclass
+class JobRunner:
+    """Works one job's queue on this machine: `concurrency` trials at a time."""
+
+    ledger: Ledger
+    name: str
+    tasks: Sequence[Task]
+    options: RunOptions
+    k: int = 1
+    concurrency: int = 1
+    lease_s: float = LEASE_S
+    cache: Cache = field(default_factory=Cache)
+    engine: str | None = None
+    owner: int | None = None  # the sandbox uid entries are made for (root runner)
+    on_trial: Callable[[TrialDone], Awaitable[None] | None] | None = None
+    environments: dict[str, Environment] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # task → why its environment failed
+    _stopping: anyio.Event = field(default_factory=anyio.Event)
+
+    def __post_init__(self) -> None:
+        self.jobs = Jobs(self.ledger)
+        self.by_name = {task.name: task for task in self.tasks}
+        self.max_attempts = max(1, self.options.max_attempts)
+
+    def stop_claiming(self) -> None:
+        """Finish the trials running now, start no other (the first SIGINT/SIGTERM)."""
+        self._stopping.set()
+
+    async def run(self) -> list[dict[str, Any]]:
+        """Create or resume the job, prepare each task's environment once, work the queue;
+        the `job_tasks` rows at the end."""
+        await self.jobs.define(self.name, job_config(self.options, self.k, self.max_attempts),
+                               [(t.name, str(t.folder)) for t in self.tasks])
+        await self.prepare_environments()
+        async with anyio.create_task_group() as tg:
+            for _ in range(max(1, self.concurrency)):
+                tg.start_soon(self._work)
+        return await self.jobs.tasks(self.name)
+
+    async def prepare_environments(self) -> None:
+        """Each task's environment, before any of its trials is claimed; a task whose
+        environment fails is `environment_failed` (with the reason) and none of it runs."""
+        for task in self.tasks:
+            try:
+                env = await anyio.to_thread.run_sync(functools.partial(
+                    prepare, task.source, self.cache, owner=self.owner, engine=self.engine))
+            except EnvironmentUnavailable as error:
+                self.failed[task.name] = str(error)
+                await self.jobs.environment_failed(self.name, task.name, str(error))
+                continue
+            self.environments[task.name] = env
+            await self.jobs.requeue_environment(self.name, task.name)
+
+    async def _work(self) -> None:
+        ready = sorted(self.environments)
+        while not self._stopping.is_set():
+            claim = await self.jobs.claim(self.name, self.options.runner_id, self.lease_s,
+                                          tasks=ready)
+            if claim is None:
+                return
+            await self._hold(claim)
+
+    async def _hold(self, claim: Claim) -> None:
+        """Run a claimed trial while renewing its lease; a lease that cannot be renewed for
+        2/3 of its length stops the trial (another worker may take it over)."""
+        settled = False
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._renew, claim, tg.cancel_scope)
+                done = await self._trial(claim)
+                tg.cancel_scope.cancel()
+            settled = await self.jobs.settle(claim, "done")
+            if settled and self.on_trial is not None:
+                said = self.on_trial(done)
+                if said is not None:
+                    await said
+        finally:
+            if not settled:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                    await self.jobs.settle(claim, "queued")  # released for the next claim
+
+    async def _renew(self, claim: Claim, trial: anyio.CancelScope) -> None:
+        last_ok = anyio.current_time()
+        while True:
+            await anyio.sleep(self.lease_s / 3)
+            try:
+                if not await self.jobs.renew(claim, self.lease_s):
+                    log.warning("trial %s was taken over; stopping its session", claim.trial_id)
+                    trial.cancel()
+                    return
+                last_ok = anyio.current_time()
+            except Exception as error:  # the store blinked: keep trying until 2/3 lease
+                if anyio.current_time() - last_ok > 2 * self.lease_s / 3:
+                    log.warning("lease of trial %s not renewed (%s); stopping its session",
+                                claim.trial_id, error)
+                    trial.cancel()
+                    return
+
+    async def _trial(self, claim: Claim) -> TrialDone:
+        task = self.by_name[claim.task]
+        runner = SessionRunner(self.ledger, task, self.options, self.environments[claim.task])
+        while True:
+            sessions = await self.ledger.sessions(trial_id=claim.trial_id)
+            still_open = [s["session_id"] for s in sessions if s["state"] != "closed"]
+            if still_open:  # left by a runner that died holding this trial
+                await self.ledger.recover_sessions(still_open)
+                sessions = await self.ledger.sessions(trial_id=claim.trial_id)
+            last = sessions[-1] if sessions else None
+            # A harness failure (cancelled, or recovered after a crash) never uses up one
+            # of the trial's attempts.
+            counted = sum(1 for s in sessions
+                          if s["close_reason"] not in ("cancelled", "recovered"))
+            final = last is not None and last["outcome"] in FINAL and not (
+                last["close_reason"] == "recovered" and last["outcome"] != "verify")
+            if final or counted >= self.max_attempts:
+                return await self._done(claim, sessions)
+            await runner.run_session(attempt=(int(last["attempt"]) + 1) if last else 1,
+                                     retry_of=last["session_id"] if last else None,
+                                     trial_id=claim.trial_id)
+
+    async def _done(self, claim: Claim, sessions: list[dict[str, Any]]) -> TrialDone:
+        outcome = sessions[-1]["outcome"] if sessions else "pending"
+        reward = None
+        if sessions:
+            view = await self.ledger.view(sessions[-1]["session_id"])
+            rewards = view.rewards or {}
+            reward = rewards.get("reward", next(iter(rewards.values()), None))
+        return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome,
+                         [s["session_id"] for s in sessions], reward)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float | None:
+    """The unbiased pass@k estimator 1 − C(n−c, k)/C(n, k) (None when n < k)."""
+    if n < k:
+        return None
+    if n - c < k:
+        return 1.0
+    fail = 1.0
+    for i in range(k):
+        fail *= (n - c - i) / (n - i)
+    return 1.0 - fail
+
+
+__all__ = ["JobRefused", "JobRunner", "TrialDone", "job_config", "load_tasks", "pass_at_k"]

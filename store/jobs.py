@@ -1,0 +1,259 @@
+"""Jobs in the store (docs/SPEC.md §13): the job's configuration, its queue of trials and
+their leases. Everything a trial produced stays in its sessions' events; the queue only
+says which trials a job has and who holds one.
+
+A claim is one transaction: the first trial that is queued, or running under a lease that
+expired in the database's clock (or, on this host, held by a process that is gone), is
+given a fresh lease token. PostgreSQL picks it with `FOR UPDATE SKIP LOCKED`, so workers
+never wait on each other; SQLite has one writer, which serialises claims by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+
+from trialledger.core.errors import TrialLedgerError
+from trialledger.store.ledger import _DB_NOW, Ledger, _guarded
+from trialledger.store.writer import now
+
+NAMESPACE = uuid.UUID("6f0c35f4-5d52-4c1e-9a0b-7d1f6a0f7b11")  # trial ids of jobs
+TRIAL_COLUMNS = ("job", "trial_id", "task", "k_index", "state", "attempts", "final_session_id",
+                 "outcome", "reward", "scored", "input_tokens", "output_tokens",
+                 "total_tokens", "unknown_usage", "wall_s")
+TASK_COLUMNS = ("job", "task", "trials", "scored", "mean_reward", "pass_at_k", "retries",
+                "total_tokens", "unknown_usage", "wall_s")
+
+
+class JobRefused(TrialLedgerError):
+    """A job that cannot be created or resumed as asked (the message says why)."""
+
+
+class NoJob(JobRefused):
+    """No job of that name in the store."""
+
+
+def trial_id(job: str, task: str, k_index: int) -> str:
+    """`uuid5(NS, "<job>:<task>:<k>")`: the same trial on every machine and every resume."""
+    return str(uuid.uuid5(NAMESPACE, f"{job}:{task}:{k_index}"))
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A trial a worker holds until it finishes, releases it or its lease expires."""
+
+    trial_id: str
+    task: str
+    k_index: int
+    task_dir: str
+    token: str
+
+
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    return sorted(key for key in set(old) | set(new) if old.get(key) != new.get(key))
+
+
+class Jobs:
+    """A store's jobs (shares the ledger's engines)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger, self.db = ledger, ledger.db
+        self._engines = ledger._engines
+        self._now = _DB_NOW[ledger.dialect]
+        self.postgres = ledger.dialect == "postgresql"
+
+    async def define(self, name: str, config: Mapping[str, Any],
+                     tasks: Sequence[tuple[str, str]]) -> bool:
+        """Create the job, or check a resumed one: the same configuration but for `k`, which
+        may grow (new trials are queued), never shrink. `tasks` are (name, folder) pairs; a
+        task's folder may move. Returns whether the job was new."""
+        k, attempts = int(config["k"]), int(config["max_attempts"])
+        stored = json.dumps(dict(config), sort_keys=True, separators=(",", ":"))
+        async with self._engines.writer.begin() as conn:
+            row = (await conn.execute(text("SELECT config, k FROM jobs WHERE name = :n"),
+                                      {"n": name})).first()
+            if row is None:
+                await conn.execute(text(
+                    "INSERT INTO jobs (name, config, k, max_attempts, created_at) "
+                    "VALUES (:n, :c, :k, :m, :t)"),
+                    {"n": name, "c": stored, "k": k, "m": attempts, "t": now()})
+            else:
+                old = json.loads(row[0])
+                changed = [f for f in _differences(old, config) if f != "k"]
+                if changed:
+                    raise JobRefused(f"job {name} was created with another configuration: "
+                                     f"{', '.join(changed)} differ (start a new job)")
+                if k < int(row[1]):
+                    raise JobRefused(f"job {name} has k = {row[1]}; a smaller -k {k} would "
+                                     f"drop trials (a larger one adds them)")
+                if k > int(row[1]):
+                    await conn.execute(text("UPDATE jobs SET k = :k, config = :c WHERE name = :n"),
+                                       {"k": k, "c": stored, "n": name})
+            known = {tid for (tid,) in (await conn.execute(
+                text("SELECT trial_id FROM job_queue WHERE job = :n"), {"n": name})).all()}
+            for task, folder in tasks:
+                for index in range(k):
+                    tid = trial_id(name, task, index)
+                    if tid in known:
+                        await conn.execute(text(
+                            "UPDATE job_queue SET task_dir = :d WHERE trial_id = :t"),
+                            {"d": folder, "t": tid})
+                        continue
+                    await conn.execute(text(
+                        "INSERT INTO job_queue (trial_id, job, task, k_index, task_dir, state) "
+                        "VALUES (:t, :j, :task, :i, :d, 'queued')"),
+                        {"t": tid, "j": name, "task": task, "i": index, "d": folder})
+        return row is None
+
+    async def config(self, name: str) -> dict[str, Any]:
+        async with self._engines.reader.begin() as conn:
+            row = (await conn.execute(text("SELECT config FROM jobs WHERE name = :n"),
+                                      {"n": name})).first()
+        if row is None:
+            raise NoJob(f"no job named {name}")
+        return dict(json.loads(row[0]))
+
+    async def claim(self, job: str | None, runner_id: str, lease_s: float,
+                    tasks: Sequence[str] | None = None) -> Claim | None:
+        """Take the next trial that is queued or whose lease expired (None: none left)."""
+        token = uuid.uuid4().hex
+        where = ["(q.state = 'queued' OR (q.state = 'running' AND q.lease_expires < "
+                 f"{self._now}))"]
+        params: dict[str, Any] = {"tok": token, "r": runner_id, "lease": lease_s}
+        if job is not None:
+            where.append("q.job = :job")
+            params["job"] = job
+        if tasks is not None:
+            where.append("q.task IN (" + ", ".join(f":t{i}" for i in range(len(tasks))) + ")")
+            params.update({f"t{i}": task for i, task in enumerate(tasks)})
+            if not tasks:
+                return None
+        pick = (f"SELECT q.trial_id FROM job_queue q WHERE {' AND '.join(where)} "
+                f"ORDER BY q.k_index, q.task LIMIT 1")
+        if self.postgres:
+            pick += " FOR UPDATE SKIP LOCKED"
+        async with self._engines.writer.begin() as conn:
+            await self._release_orphans(conn)
+            row = (await conn.execute(text(pick), params)).first()
+            if row is None:
+                return None
+            params["tid"] = row[0]
+            await conn.execute(text(
+                f"UPDATE job_queue SET state = 'running', lease_token = :tok, runner_id = :r, "
+                f"lease_expires = {self._now} + :lease WHERE trial_id = :tid"), params)
+            got = (await conn.execute(text(
+                "SELECT trial_id, task, k_index, task_dir FROM job_queue WHERE trial_id = :tid"),
+                params)).one()
+        return Claim(got[0], got[1], int(got[2]), got[3], token)
+
+    async def _release_orphans(self, conn: Any) -> None:
+        """Leases held by processes of this host that are gone expire at once (a killed
+        `job run` resumed on the same machine need not wait out its lease)."""
+        host = socket.gethostname()
+        rows = (await conn.execute(text(
+            "SELECT q.trial_id, q.runner_id FROM job_queue q WHERE q.state = 'running'"))).all()
+        for tid, runner in rows:
+            pid = _own_host_pid(runner or "", host)
+            if pid is not None and not _alive(pid):
+                await conn.execute(text(
+                    "UPDATE job_queue SET lease_expires = 0 WHERE trial_id = :t"), {"t": tid})
+
+    async def renew(self, claim: Claim, lease_s: float) -> bool:
+        """Extend the lease; False when it is no longer ours (taken over)."""
+        async with self._engines.writer.begin() as conn:
+            done = await conn.execute(text(
+                f"UPDATE job_queue SET lease_expires = {self._now} + :lease "
+                "WHERE trial_id = :t AND lease_token = :tok AND state = 'running'"),
+                {"lease": lease_s, "t": claim.trial_id, "tok": claim.token})
+        return bool(done.rowcount)
+
+    async def settle(self, claim: Claim, state: str) -> bool:
+        """End our hold: `done`, or `queued` to release the trial to whoever claims next."""
+        async with self._engines.writer.begin() as conn:
+            done = await conn.execute(text(
+                "UPDATE job_queue SET state = :s, lease_token = NULL, lease_expires = NULL "
+                "WHERE trial_id = :t AND lease_token = :tok"),
+                {"s": state, "t": claim.trial_id, "tok": claim.token})
+        return bool(done.rowcount)
+
+    async def environment_failed(self, job: str, task: str, reason: str) -> None:
+        """Mark every unfinished trial of a task whose environment cannot be prepared."""
+        async with self._engines.writer.begin() as conn:
+            await conn.execute(text(
+                "UPDATE job_queue SET state = 'environment_failed', detail = :d, "
+                "lease_token = NULL, lease_expires = NULL "
+                "WHERE job = :j AND task = :t AND state <> 'done'"),
+                {"d": reason, "j": job, "t": task})
+
+    async def requeue_environment(self, job: str, task: str) -> None:
+        """A task whose environment failed before gets its trials back on a new run."""
+        async with self._engines.writer.begin() as conn:
+            await conn.execute(text(
+                "UPDATE job_queue SET state = 'queued', detail = NULL "
+                "WHERE job = :j AND task = :t AND state = 'environment_failed'"),
+                {"j": job, "t": task})
+
+    async def trials(self, job: str) -> list[dict[str, Any]]:
+        """Rows of `job_trials`, by task and k index."""
+        return await self._rows("SELECT * FROM job_trials WHERE job = :j "
+                                "ORDER BY task, k_index", job)
+
+    async def tasks(self, job: str) -> list[dict[str, Any]]:
+        """Rows of `job_tasks`, by task."""
+        return await self._rows("SELECT * FROM job_tasks WHERE job = :j ORDER BY task", job)
+
+    async def failures(self, job: str) -> dict[str, str]:
+        """Tasks whose environment failed → why."""
+        rows = await self._rows("SELECT DISTINCT task, detail FROM job_queue WHERE job = :j "
+                                "AND state = 'environment_failed'", job)
+        return {r["task"]: r["detail"] for r in rows}
+
+    async def names(self) -> list[dict[str, Any]]:
+        """Every job with its trial counts by queue state."""
+        async with self._engines.reader.begin() as conn:
+            rows = (await conn.execute(text(
+                "SELECT j.name, j.k, j.created_at, q.state, COUNT(*) FROM jobs j "
+                "JOIN job_queue q ON q.job = j.name GROUP BY j.name, j.k, j.created_at, q.state "
+                "ORDER BY j.created_at, j.name"))).all()
+        found: dict[str, dict[str, Any]] = {}
+        for name, k, created, state, count in rows:
+            entry = found.setdefault(name, {"job": name, "k": k, "created_at": created,
+                                            "trials": 0})
+            entry[state] = int(count)
+            entry["trials"] += int(count)
+        return list(found.values())
+
+    async def _rows(self, sql: str, job: str) -> list[dict[str, Any]]:
+        async with self._engines.reader.begin() as conn:
+            if (await conn.execute(text("SELECT 1 FROM jobs WHERE name = :j"),
+                                   {"j": job})).first() is None:
+                raise NoJob(f"no job named {job}")
+            return [dict(r._mapping) for r in await conn.execute(text(sql), {"j": job})]
+
+
+def _own_host_pid(runner_id: str, host: str) -> int | None:
+    """The pid in a default runner id (`<host>-<pid>`) of this host, else None."""
+    prefix, _, pid = runner_id.rpartition("-")
+    return int(pid) if prefix == host and pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+for _name in ("define", "config", "claim", "renew", "settle", "environment_failed",
+              "requeue_environment", "trials", "tasks", "failures", "names"):
+    setattr(Jobs, _name, _guarded(getattr(Jobs, _name)))

@@ -1,0 +1,227 @@
+"""Jobs (docs/SPEC.md §13) with the real Codex CLI through a scripted endpoint, on SQLite:
+tasks × k trials run concurrently, each decided once, summarised by the SQL views,
+resumed after a SIGKILL, and refused when the configuration changes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.runs import codex_path, make_task
+from trialledger import cli
+from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, message, shell, status
+from trialledger.adapters.jobs import pass_at_k
+from trialledger.store.jobs import trial_id
+
+TASKS = {  # name: (test.sh, the endpoint's replies to this task's requests)
+    "clean-a": ("exit 0\n", [message("done")]),
+    "clean-b": ("exit 0\n", [message("done")]),
+    "clean-c": ("exit 0\n", [message("done")]),
+    "fails": ("exit 1\n", [message("I give up")]),
+    "flaky": ("exit 0\n", [status(429), message("after a retry")]),
+    "tool": ("grep -q hello out.txt\n", [shell("echo hello > out.txt"), message("wrote it")]),
+}
+BY_TURN = {"tool"}  # replies chosen by the session's turn, not by arrival
+SETTINGS = ["--set", "request_max_retries=0", "--set", "stream_max_retries=0"]
+
+
+def dataset(root: Path) -> Path:
+    """A dataset folder: one subfolder per task, each prompt carrying a routing marker."""
+    for name, (test_sh, _) in TASKS.items():
+        make_task(root / name, instruction=f"[task {name}] do the task", test_sh=test_sh)
+    return root
+
+
+@pytest.fixture
+def endpoint() -> Iterator[ScriptedEndpoint]:
+    routes: dict[str, list[Reply]] = {f"[task {n}]": r for n, (_, r) in TASKS.items()
+                                      if n not in BY_TURN}
+    turns = {f"[task {n}]": TASKS[n][1] for n in BY_TURN}
+    with ScriptedEndpoint([message("unrouted")], routes=routes, turns=turns) as server:
+        yield server
+
+
+def job_args(db: Path, url: str, *extra: str) -> list[str]:
+    return ["--db", str(db), "--model-base-url", url, "--model", "m", "--codex-bin",
+            codex_path(), *SETTINGS, *extra]
+
+
+def rows(db: Path, sql: str) -> list[dict[str, Any]]:
+    with sqlite3.connect(db) as conn:
+        conn.row_factory = sqlite3.Row
+        return [dict(r) for r in conn.execute(sql)]
+
+
+def test_a_job_decides_every_trial_once_and_its_summary_is_the_sql(
+        tmp_path: Path, endpoint: ScriptedEndpoint, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "jobs.db"
+    code = cli.main(["job", "run", "bench", str(dataset(tmp_path / "data")), "-k", "2",
+                     "-n", "3", "--max-attempts", "2", *job_args(db, endpoint.url)])
+    printed = capsys.readouterr().out
+    assert code == 0  # every trial decided: "fails" is scored with reward 0
+    trials = rows(db, "SELECT * FROM job_trials ORDER BY task, k_index")
+    assert [(t["task"], t["k_index"]) for t in trials] == [
+        (name, k) for name in sorted(TASKS) for k in range(2)]
+    assert all(t["trial_id"] == trial_id("bench", t["task"], t["k_index"]) for t in trials)
+    assert all(t["state"] == "done" and t["outcome"] == "verify" for t in trials), trials
+    sessions = rows(db, "SELECT * FROM sessions")
+    finals = [s for s in sessions if s["outcome"] == "verify"]
+    assert sorted(s["trial_id"] for s in finals) == sorted(t["trial_id"] for t in trials)
+    retried = [s for s in sessions if s["outcome"] == "retry"]
+    assert len(retried) == sum(r.kind == "status" for r in endpoint.routed["[task flaky]"])
+    assert retried and all(s["task"] == "flaky" for s in retried)
+    for first in retried:  # each 429 retried as a new session naming it
+        (second,) = [s for s in sessions if s["retry_of"] == first["session_id"]]
+        assert (second["trial_id"], second["attempt"]) == (first["trial_id"], 2)
+    tasks = {t["task"]: t for t in rows(db, "SELECT * FROM job_tasks")}
+    for name, task in tasks.items():
+        mine = [t for t in trials if t["task"] == name]
+        by_hand = [t["reward"] for t in mine if t["scored"]]
+        assert task["trials"] == 2 and task["scored"] == len(by_hand)
+        assert task["mean_reward"] == pytest.approx(sum(by_hand) / len(by_hand))
+        expected = pass_at_k(len(by_hand), sum(r >= 1 for r in by_hand), 2)
+        assert task["pass_at_k"] == pytest.approx(expected)
+        assert task["retries"] == sum(1 for s in retried if s["task"] == name)
+    assert tasks["fails"]["pass_at_k"] == 0.0 and tasks["clean-a"]["pass_at_k"] == 1.0
+    assert "fails k=0 verify reward 0" in printed
+
+
+def test_the_exit_code_says_whether_every_trial_was_scored(
+        tmp_path: Path, endpoint: ScriptedEndpoint, capsys: pytest.CaptureFixture[str]) -> None:
+    data = dataset(tmp_path / "data")
+    db = tmp_path / "jobs.db"
+    assert cli.main(["job", "run", "ok", str(data), "--include", "clean-*", "-n", "2",
+                     *job_args(db, endpoint.url)]) == 0
+    assert cli.main(["job", "show", "ok", "--db", str(db), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert sorted(t["task"] for t in shown["tasks"]) == ["clean-a", "clean-b", "clean-c"]
+    assert all(t["scored"] == 1 and t["reward"] == 1.0 for t in shown["trials"])
+
+
+def test_a_changed_configuration_is_refused_naming_the_field(
+        tmp_path: Path, endpoint: ScriptedEndpoint, capsys: pytest.CaptureFixture[str]) -> None:
+    data = dataset(tmp_path / "data")
+    db = tmp_path / "jobs.db"
+    assert cli.main(["job", "run", "j", str(data / "clean-a"), *job_args(db, endpoint.url)]) == 0
+    capsys.readouterr()
+    before = rows(db, "SELECT COUNT(*) AS n FROM events")
+    changed = job_args(db, endpoint.url)
+    changed[changed.index("m")] = "another-model"
+    assert cli.main(["job", "run", "j", str(data / "clean-a"), *changed]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model differ" in err, err
+    assert rows(db, "SELECT COUNT(*) AS n FROM events") == before
+    assert cli.main(["job", "run", "j", str(data / "clean-a"), *job_args(db, endpoint.url),
+                     "-k", "2"]) == 0  # a larger k adds trials
+    assert len(rows(db, "SELECT * FROM job_trials WHERE job = 'j'")) == 2
+    assert cli.main(["job", "show", "nope", "--db", str(db)]) == 2
+    assert capsys.readouterr().err.strip() == "trialledger: no job named nope"
+
+
+def test_a_killed_job_resumes_with_nothing_lost_or_run_twice(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    for n in range(3):
+        make_task(data / f"slow-{n}", instruction=f"[task slow-{n}] build it",
+                  test_sh="test -f built.txt\n")
+    db = tmp_path / "jobs.db"
+    script = [shell("sleep 4; echo built > built.txt"), message("built")]
+    turns = {f"[task slow-{n}]": script for n in range(3)}
+    with ScriptedEndpoint([message("unrouted")], turns=turns) as endpoint:
+        argv = [sys.executable, "-m", "trialledger.cli", "job", "run", "resume", str(data),
+                "-n", "2", *job_args(db, endpoint.url)]
+        first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with contextlib.suppress(sqlite3.OperationalError):  # not built yet
+                    if rows(db, "SELECT 1 FROM tool_calls LIMIT 1"):
+                        break  # an agent is mid-tool-call
+                time.sleep(0.2)
+            else:
+                pytest.fail("no session reached its tool call within 60 s")
+            first.send_signal(signal.SIGKILL)
+            first.wait(timeout=30)
+        finally:
+            if first.poll() is None:
+                first.kill()
+        assert cli.main(["job", "run", "resume", str(data), "-n", "2",
+                         *job_args(db, endpoint.url)]) == 0
+    sessions = rows(db, "SELECT * FROM sessions")
+    recovered = [s for s in sessions if s["close_reason"] == "recovered"]
+    assert recovered, "the killed run's sessions were recovered"
+    for s in recovered:
+        kinds = [r["type"] for r in rows(db, f"SELECT type FROM events WHERE session_id = "
+                                              f"'{s['session_id']}' ORDER BY seq")]
+        assert "sandbox.lost" in kinds and "item.started" in kinds  # evidence kept
+    finals: dict[str, int] = {}
+    for s in sessions:
+        if s["outcome"] == "verify":
+            finals[s["trial_id"]] = finals.get(s["trial_id"], 0) + 1
+    assert sorted(finals.values()) == [1, 1, 1]  # every trial decided exactly once
+    assert all(s["state"] == "closed" for s in sessions)
+    assert cli.main(["audit", "--db", str(db)]) == 0
+
+
+@given(st.integers(0, 30), st.integers(0, 30), st.integers(1, 10))
+def test_pass_at_k_is_the_unbiased_estimator(n: int, c: int, k: int) -> None:
+    c = min(c, n)
+    expected = None if n < k else 1 - math.comb(n - c, k) / math.comb(n, k)
+    got = pass_at_k(n, c, k)
+    assert (got is None) == (expected is None)
+    if expected is not None:
+        assert got == pytest.approx(expected)
+
+
+def test_task_names_must_be_unique_and_present(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    make_task(tmp_path / "a" / "same", test_sh="exit 0\n")
+    make_task(tmp_path / "b" / "same", test_sh="exit 0\n")
+    code = cli.main(["job", "run", "dup", str(tmp_path / "a"), str(tmp_path / "b"),
+                     "--db", str(tmp_path / "j.db"), "--model-base-url", "http://127.0.0.1:9",
+                     "--model", "m"])
+    assert code == 2 and "two tasks are named same" in capsys.readouterr().err
+    assert not (tmp_path / "j.db").exists()
+    assert os.path.isdir(tmp_path / "a")
+
+
+@pytest.mark.anyio
+async def test_the_job_views_agree_on_both_databases(db: str) -> None:
+    """job_trials / job_tasks over imported sessions: scored, mean reward, pass@k by hand."""
+    from tests.scenarios import CLEAN, run
+    from trialledger.store import Ledger
+    from trialledger.store.jobs import Jobs
+
+    async with await Ledger.open(db) as ledger:
+        jobs = Jobs(ledger)
+        config = {"model": "m", "settings": {}, "grants": [], "k": 2, "max_attempts": 1}
+        await jobs.define("j", {**config, "k": 3}, [("t", "/tasks/t")])
+        for index, reward in enumerate([1.0, 0.0, 0.0]):
+            log = run(CLEAN, 0)
+            log.events[0]["data"].update(trial_id=trial_id("j", "t", index), task="t")
+            log.add("verification.recorded", {"rewards": {"reward": reward}, "detail": None})
+            log.add("session.closed", {"reason": "normal"})
+            await ledger.import_log(log.events)
+        (task,) = await jobs.tasks("j")
+        trials = await jobs.trials("j")
+    assert [t["scored"] for t in trials] == [1, 1, 1]
+    assert [t["reward"] for t in trials] == [1.0, 0.0, 0.0]
+    assert task["mean_reward"] == pytest.approx(1 / 3)
+    assert task["pass_at_k"] == pytest.approx(1 - math.comb(2, 3) / math.comb(3, 3))  # k=3
+    assert task["pass_at_k"] == pytest.approx(pass_at_k(3, 1, 3))
+    assert (task["trials"], task["scored"], task["retries"]) == (3, 3, 0)
+    assert task["total_tokens"] is not None and task["wall_s"] > 0
