@@ -225,3 +225,45 @@ async def test_the_job_views_agree_on_both_databases(db: str) -> None:
     assert task["pass_at_k"] == pytest.approx(pass_at_k(3, 1, 3))
     assert (task["trials"], task["scored"], task["retries"]) == (3, 3, 0)
     assert task["total_tokens"] is not None and task["wall_s"] > 0
+
+
+def test_sigterm_cancels_running_trials_releases_them_and_resume_completes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    for n in range(2):
+        make_task(data / f"long-{n}", instruction=f"[task long-{n}] build it",
+                  test_sh="test -f built.txt\n")
+    db = tmp_path / "jobs.db"
+    turns = {f"[task long-{n}]": [shell("sleep 30; echo built > built.txt"), message("ok")]
+             for n in range(2)}
+    with ScriptedEndpoint([message("unrouted")], turns=turns) as endpoint:
+        argv = [sys.executable, "-m", "trialledger.cli", "job", "run", "stop", str(data),
+                "-n", "2", "--grace", "1", *job_args(db, endpoint.url)]
+        first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with contextlib.suppress(sqlite3.OperationalError):
+                    if len(rows(db, "SELECT 1 FROM tool_calls")) == 2:
+                        break  # both agents are in their long tool call
+                time.sleep(0.2)
+            else:
+                pytest.fail("the agents did not reach their tool calls within 60 s")
+            first.send_signal(signal.SIGTERM)
+            _, err = first.communicate(timeout=60)
+        finally:
+            if first.poll() is None:
+                first.kill()
+        assert first.returncode == 143 and "Traceback" not in err, err
+        queue = rows(db, "SELECT state, lease_token FROM job_queue")
+        assert queue == [{"state": "queued", "lease_token": None}] * 2  # released
+        cancelled = rows(db, "SELECT * FROM sessions WHERE close_reason = 'cancelled'")
+        assert len(cancelled) == 2 and all(s["state"] == "closed" for s in cancelled)
+        endpoint.turns.update({f"[task long-{n}]": [shell("echo built > built.txt"),
+                                                    message("ok")] for n in range(2)})
+        assert cli.main(["job", "run", "stop", str(data), "-n", "2",
+                         *job_args(db, endpoint.url)]) == 0
+    trials = rows(db, "SELECT * FROM job_trials")
+    assert [(t["scored"], t["reward"]) for t in trials] == [(1, 1.0), (1, 1.0)]
+    assert all(t["attempts"] == 2 for t in trials)  # the cancelled one, then the scored one
