@@ -353,20 +353,100 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     """Create or resume a job and work its queue here; one line per finished trial, then
     the summary. Exit 0 when every trial ended with a final decision, 1 when one did not."""
     from trialledger.adapters.environment import Cache
-    from trialledger.adapters.jobs import JobRunner, TrialDone, load_tasks
+    from trialledger.adapters.jobs import JobRunner, load_tasks
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.runner import CodexNotFound
     from trialledger.adapters.sandbox.base import SandboxRefused
-    from trialledger.adapters.sandbox.identity import sandbox_user
     from trialledger.adapters.task import TaskInvalid
 
     options = _run_options(args)
-    started = time.monotonic()
-    finished: list[TrialDone] = []
+    said = _trial_printer(args.json)
+    holder: list[Any] = []
 
-    def said(done: TrialDone) -> None:
-        finished.append(done)
-        if args.json:
+    async def go() -> dict[str, Any]:
+        await check_endpoint(args.model_base_url, options.api_key)
+        async with await Ledger.open(args.db) as ledger:
+            runner = JobRunner(
+                ledger, args.name, tasks, options, k=args.k, concurrency=args.n,
+                lease_s=args.lease_s, cache=Cache(args.cache_dir), engine=args.engine,
+                owner=_owner(args), on_trial=said)
+            holder.append(runner)
+            await runner.run()
+            return await _job_summary(ledger, args.name)
+
+    try:
+        tasks = load_tasks([Path(p) for p in args.tasks], args.include or (),
+                           args.exclude or ())
+        summary = anyio.run(lambda: until_signalled(go, stop=_stopper(holder, args.grace),
+                                                    grace_s=args.grace))
+    except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
+        raise Refused(str(error)) from None
+    _print_job(summary, as_json=False)
+    return EXIT_OK if _all_decided(summary) else EXIT_FOUND
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Work queued trials of any job (or `--job`) from this machine until none is left."""
+    from trialledger.adapters.environment import Cache
+    from trialledger.adapters.jobs import worker_runner
+    from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
+    from trialledger.adapters.runner import CodexNotFound
+    from trialledger.adapters.sandbox.base import SandboxRefused
+    from trialledger.adapters.task import TaskInvalid
+    from trialledger.store.jobs import Jobs
+
+    args.model, args.set, args.max_attempts = "from-the-job", [], 1  # the job's own apply
+    options = _run_options(args)
+    said = _trial_printer(args.json)
+    holder: list[Any] = []
+
+    async def go() -> int:
+        await check_endpoint(args.model_base_url, options.api_key)
+        worked = 0
+        async with await Ledger.open(args.db, create=False) as ledger:
+            names = [args.job] if args.job else await Jobs(ledger).pending()
+            for name in names:
+                runner = await worker_runner(
+                    ledger, name, options, concurrency=args.n, lease_s=args.lease_s,
+                    cache=Cache(args.cache_dir), engine=args.engine, owner=_owner(args),
+                    on_trial=said)
+                holder[:] = [runner]
+                await runner.run(define=False)
+                worked += 1
+        return worked
+
+    try:
+        worked = anyio.run(lambda: until_signalled(go, stop=_stopper(holder, args.grace),
+                                                   grace_s=args.grace))
+    except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
+        raise Refused(str(error)) from None
+    print(f"trialledger: worker done: {worked} job{'s' * (worked != 1)} without queued "
+          f"trials left", file=sys.stderr)
+    return EXIT_OK
+
+
+def _owner(args: argparse.Namespace) -> int | None:
+    """The uid cache entries are made for: the sandbox user when we are root."""
+    from trialledger.adapters.sandbox.identity import sandbox_user
+
+    return sandbox_user(args.sandbox_uid).uid if os.geteuid() == 0 else None
+
+
+def _stopper(holder: list[Any], grace_s: float) -> Callable[[], None]:
+    def stop() -> None:
+        if holder:
+            holder[0].stop_claiming()
+        print(f"trialledger: stopping: no new trials; running ones get {grace_s:g} s "
+              f"(a second signal cancels them now)", file=sys.stderr)
+    return stop
+
+
+def _trial_printer(as_json: bool) -> Callable[[Any], None]:
+    """One line (or JSON object) per finished trial."""
+    started = time.monotonic()
+
+    def said(done: Any) -> None:
+        if as_json:
             print(json.dumps({"trial_id": done.trial_id, "task": done.task, "k": done.k_index,
                               "outcome": done.outcome, "reward": done.reward,
                               "sessions": done.sessions}), flush=True)
@@ -376,34 +456,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
                       f"({len(done.sessions)} session{'s' * (len(done.sessions) != 1)}, "
                       f"{time.monotonic() - started:.0f} s)", highlight=False)
 
-    holder: list[Any] = []
-
-    async def go() -> dict[str, Any]:
-        await check_endpoint(args.model_base_url, options.api_key)
-        async with await Ledger.open(args.db) as ledger:
-            runner = JobRunner(
-                ledger, args.name, tasks, options, k=args.k, concurrency=args.n,
-                lease_s=args.lease_s, cache=Cache(args.cache_dir), engine=args.engine,
-                owner=sandbox_user(args.sandbox_uid).uid if os.geteuid() == 0 else None,
-                on_trial=said)
-            holder.append(runner)
-            await runner.run()
-            return await _job_summary(ledger, args.name)
-
-    def stop() -> None:
-        if holder:
-            holder[0].stop_claiming()
-        print(f"trialledger: stopping: no new trials; running ones get {args.grace:g} s "
-              f"(a second Ctrl-C cancels them now)", file=sys.stderr)
-
-    try:
-        tasks = load_tasks([Path(p) for p in args.tasks], args.include or (),
-                           args.exclude or ())
-        summary = anyio.run(lambda: until_signalled(go, stop=stop, grace_s=args.grace))
-    except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
-        raise Refused(str(error)) from None
-    _print_job(summary, as_json=False)
-    return EXIT_OK if _all_decided(summary) else EXIT_FOUND
+    return said
 
 
 async def _job_summary(ledger: Ledger, name: str) -> dict[str, Any]:
@@ -874,6 +927,26 @@ def build_parser() -> argparse.ArgumentParser:
     _with_db(js)
     js.add_argument("--json", action="store_true", help="tasks, trials and failures as JSON")
     js.set_defaults(handler=cmd_job_show)
+    p = commands.add_parser("worker", help="work queued trials of jobs (any machine; "
+                                           "PostgreSQL for several)")
+    _with_db(p)
+    p.add_argument("--job", help="only this job (default: every job with queued trials)")
+    p.add_argument("-n", type=_positive, default=1, help="sessions at once (default 1)")
+    p.add_argument("--model-base-url", required=True, help="the Responses endpoint's base URL")
+    p.add_argument("--api-key-env", metavar="NAME", help="environment variable with the API key")
+    p.add_argument("--grants", metavar="FILE.json",
+                   help="the job's grants with their secrets (must match the job's)")
+    p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
+    p.add_argument("--runner-id", help="this worker's id (default: host-pid)")
+    p.add_argument("--lease-s", type=float, default=60.0, help="lease of a held trial")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM: seconds running trials get (default 30)")
+    p.add_argument("--json", action="store_true", help="one JSON object per finished trial")
+    _with_sandbox_uid(p)
+    _with_cache(p)
+    p.add_argument("--engine", choices=("podman", "docker"), help="the container engine")
+    p.set_defaults(handler=cmd_worker)
+
     jl = job_commands.add_parser("ls", help="every job with its trials by state")
     _with_db(jl)
     jl.add_argument("--json", action="store_true", help="one JSON object per job")

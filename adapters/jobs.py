@@ -12,6 +12,7 @@ count toward `max_attempts` (a harness failure, not the agent's or the endpoint'
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import hashlib
@@ -124,11 +125,14 @@ class JobRunner:
         """Finish the trials running now, start no other (the first SIGINT/SIGTERM)."""
         self._stopping.set()
 
-    async def run(self) -> list[dict[str, Any]]:
-        """Create or resume the job, prepare each task's environment once, work the queue;
+    async def run(self, *, define: bool = True) -> list[dict[str, Any]]:
+        """Create or resume the job (`define`; a worker joins one as it is), prepare each
+        task's environment once, work the queue until no trial is left queued or held;
         the `job_tasks` rows at the end."""
-        await self.jobs.define(self.name, job_config(self.options, self.k, self.max_attempts),
-                               [(t.name, str(t.folder)) for t in self.tasks])
+        if define:
+            await self.jobs.define(self.name,
+                                   job_config(self.options, self.k, self.max_attempts),
+                                   [(t.name, str(t.folder)) for t in self.tasks])
         await self.prepare_environments()
         async with anyio.create_task_group() as tg:
             for _ in range(max(1, self.concurrency)):
@@ -150,13 +154,19 @@ class JobRunner:
             await self.jobs.requeue_environment(self.name, task.name)
 
     async def _work(self) -> None:
+        """Claim and run trials; when none is claimable but some are held by others, wait
+        (their holder may die: its lease then expires and the trial is taken over)."""
         ready = sorted(self.environments)
         while not self._stopping.is_set():
             claim = await self.jobs.claim(self.name, self.options.runner_id, self.lease_s,
                                           tasks=ready)
-            if claim is None:
+            if claim is not None:
+                await self._hold(claim)
+            elif await self.jobs.held(self.name, tasks=ready):
+                with anyio.move_on_after(min(5.0, self.lease_s / 3)):
+                    await self._stopping.wait()
+            else:
                 return
-            await self._hold(claim)
 
     async def _hold(self, claim: Claim) -> None:
         """Run a claimed trial while renewing its lease; a lease that cannot be renewed for
@@ -225,6 +235,28 @@ class JobRunner:
             reward = rewards.get("reward", next(iter(rewards.values()), None))
         return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome,
                          [s["session_id"] for s in sessions], reward)
+
+
+async def worker_runner(ledger: Ledger, name: str, base: RunOptions, **kwargs: Any
+                        ) -> JobRunner:
+    """A runner joining job `name` as it was created: its model, settings, grants (whose
+    fingerprints must match the worker's own `--grants`) and attempts from the store, the
+    endpoint and secrets from the worker, its tasks from the folders the job recorded."""
+    jobs = Jobs(ledger)
+    config = await jobs.config(name)
+    mine = [grant_fingerprint(g) for g in base.grants]
+    if mine != config["grants"]:
+        raise JobRefused(f"job {name} was created with other grants than this worker's "
+                         f"--grants (names, kinds, urls or headers differ)")
+    options = dataclasses.replace(base, model=config["model"], overrides=config["settings"],
+                                  max_attempts=int(config["max_attempts"]))
+    tasks = []
+    for task, folder in await jobs.task_folders(name):
+        if not (Path(folder) / "instruction.md").is_file():
+            raise TaskInvalid(f"job {name}: task {task}'s folder {folder} is not on this "
+                              f"machine (run the worker where the task folders are)")
+        tasks.append(Task.load(Path(folder)))
+    return JobRunner(ledger, name, tasks, options, k=int(config["k"]), **kwargs)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float | None:

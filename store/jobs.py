@@ -200,6 +200,27 @@ class Jobs:
                 "WHERE job = :j AND task = :t AND state = 'environment_failed'"),
                 {"j": job, "t": task})
 
+    async def held(self, job: str, tasks: Sequence[str] | None = None) -> int:
+        """How many trials of `job` (of `tasks`) are held under a lease now."""
+        sql = "SELECT task FROM job_queue WHERE job = :j AND state = 'running'"
+        async with self._engines.reader.begin() as conn:
+            found = [t for (t,) in (await conn.execute(text(sql), {"j": job})).all()]
+        return sum(1 for t in found if tasks is None or t in tasks)
+
+    async def task_folders(self, job: str) -> list[tuple[str, str]]:
+        """Each task of `job` with the folder its trials were last queued from."""
+        rows = await self._rows("SELECT task, MAX(task_dir) AS task_dir FROM job_queue "
+                                "WHERE job = :j GROUP BY task ORDER BY task", job)
+        return [(r["task"], r["task_dir"]) for r in rows]
+
+    async def pending(self) -> list[str]:
+        """Jobs with a trial queued or held, oldest first."""
+        async with self._engines.reader.begin() as conn:
+            return [name for (name,) in (await conn.execute(text(
+                "SELECT j.name FROM jobs j WHERE EXISTS (SELECT 1 FROM job_queue q WHERE "
+                "q.job = j.name AND q.state IN ('queued', 'running')) "
+                "ORDER BY j.created_at, j.name"))).all()]
+
     async def trials(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_trials`, by task and k index."""
         return await self._rows("SELECT * FROM job_trials WHERE job = :j "
@@ -255,5 +276,6 @@ def _alive(pid: int) -> bool:
 
 
 for _name in ("define", "config", "claim", "renew", "settle", "environment_failed",
-              "requeue_environment", "trials", "tasks", "failures", "names"):
+              "requeue_environment", "held", "task_folders", "pending", "trials", "tasks",
+              "failures", "names"):
     setattr(Jobs, _name, _guarded(getattr(Jobs, _name)))

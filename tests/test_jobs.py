@@ -5,6 +5,7 @@ resumed after a SIGKILL, and refused when the configuration changes."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -139,7 +140,7 @@ def test_a_killed_job_resumes_with_nothing_lost_or_run_twice(
         make_task(data / f"slow-{n}", instruction=f"[task slow-{n}] build it",
                   test_sh="test -f built.txt\n")
     db = tmp_path / "jobs.db"
-    script = [shell("sleep 4; echo built > built.txt"), message("built")]
+    script = [shell("sleep 8; echo built > built.txt"), message("built")]
     turns = {f"[task slow-{n}]": script for n in range(3)}
     with ScriptedEndpoint([message("unrouted")], turns=turns) as endpoint:
         argv = [sys.executable, "-m", "trialledger.cli", "job", "run", "resume", str(data),
@@ -149,7 +150,10 @@ def test_a_killed_job_resumes_with_nothing_lost_or_run_twice(
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 with contextlib.suppress(sqlite3.OperationalError):  # not built yet
-                    if rows(db, "SELECT 1 FROM tool_calls LIMIT 1"):
+                    mid = rows(db, "SELECT s.session_id FROM tool_calls t JOIN sessions s ON "
+                                   "s.session_id = t.session_id WHERE t.completed_at IS NULL "
+                                   "AND s.state = 'running'")
+                    if mid:
                         break  # an agent is mid-tool-call
                 time.sleep(0.2)
             else:
@@ -162,12 +166,12 @@ def test_a_killed_job_resumes_with_nothing_lost_or_run_twice(
         assert cli.main(["job", "run", "resume", str(data), "-n", "2",
                          *job_args(db, endpoint.url)]) == 0
     sessions = rows(db, "SELECT * FROM sessions")
-    recovered = [s for s in sessions if s["close_reason"] == "recovered"]
-    assert recovered, "the killed run's sessions were recovered"
-    for s in recovered:
-        kinds = [r["type"] for r in rows(db, f"SELECT type FROM events WHERE session_id = "
-                                              f"'{s['session_id']}' ORDER BY seq")]
-        assert "sandbox.lost" in kinds and "item.started" in kinds  # evidence kept
+    recovered = {s["session_id"] for s in sessions if s["close_reason"] == "recovered"}
+    killed = mid[0]["session_id"]
+    assert killed in recovered, "the session killed mid-tool-call was recovered"
+    kinds = [r["type"] for r in rows(db, f"SELECT type FROM events WHERE session_id = "
+                                          f"'{killed}' ORDER BY seq")]
+    assert "sandbox.lost" in kinds and "item.started" in kinds  # its evidence kept
     finals: dict[str, int] = {}
     for s in sessions:
         if s["outcome"] == "verify":
@@ -267,3 +271,89 @@ def test_sigterm_cancels_running_trials_releases_them_and_resume_completes(
     trials = rows(db, "SELECT * FROM job_trials")
     assert [(t["scored"], t["reward"]) for t in trials] == [(1, 1.0), (1, 1.0)]
     assert all(t["attempts"] == 2 for t in trials)  # the cancelled one, then the scored one
+
+
+def test_workers_on_postgresql_take_over_a_dead_workers_trial(
+        tmp_path: Path, postgres: Any) -> None:
+    """`job run` and two `worker`s share a job; one worker is SIGKILLed while its agent runs;
+    its lease expires and another takes the trial over. Checked from the event log."""
+    db = postgres.create_database()
+    data = tmp_path / "data"
+    for n in range(4):
+        make_task(data / f"w-{n}", instruction=f"[task w-{n}] build it",
+                  test_sh="test -f built.txt\n")
+    turns = {f"[task w-{n}]": [shell("sleep 3; echo built > built.txt"), message("ok")]
+             for n in range(4)}
+    common = ["--lease-s", "3", "--codex-bin", codex_path()]
+    procs: dict[str, subprocess.Popen[str]] = {}
+    with ScriptedEndpoint([message("unrouted")], turns=turns) as endpoint:
+        def start(name: str, *argv: str) -> None:
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "trialledger.cli", *argv, "--db", db,
+                 "--model-base-url", endpoint.url, "--runner-id", name, *common],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+        try:
+            start("leader", "job", "run", "shared", str(data), "--model", "m", *SETTINGS)
+            worker = ["worker", "--job", "shared"]
+            held: list[Any] = []
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not held:
+                with contextlib.suppress(Exception):
+                    held = _pg_rows(db, "SELECT 1 FROM jobs")
+                time.sleep(0.2)
+            assert held, "the job was not created within 60 s"
+            start("doomed", *worker)
+            start("helper", *worker)
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                running = _pg_rows(db, "SELECT s.session_id FROM sessions s JOIN tool_calls t "
+                                       "ON t.session_id = s.session_id WHERE s.runner_id = "
+                                       "'doomed' AND s.state = 'running'")
+                if running:
+                    break
+                time.sleep(0.1)
+            else:
+                pytest.fail("the doomed worker never ran an agent")
+            procs["doomed"].send_signal(signal.SIGKILL)
+            for name in ("leader", "helper"):
+                _, err = procs[name].communicate(timeout=180)
+                assert procs[name].returncode == 0, (name, err)
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+    sessions = _pg_rows(db, "SELECT session_id, trial_id, runner_id, outcome, close_reason "
+                            "FROM sessions")
+    finals = sorted(s[1] for s in sessions if s[3] == "verify")
+    assert finals == sorted({s[1] for s in sessions}) and len(finals) == 4  # once each
+    taken = [s for s in sessions if s[2] == "doomed"]
+    assert taken and all(s[4] == "recovered" for s in taken)  # recovered by its taker
+    # No two live sessions of one trial at any moment: a trial's sessions never overlap in
+    # the global order of events (each one's first event comes after the last one closed).
+    spans = _pg_rows(db, "SELECT s.trial_id, MIN(e.position), MAX(e.position) FROM events e "
+                         "JOIN sessions s ON s.session_id = e.session_id "
+                         "GROUP BY s.trial_id, s.session_id ORDER BY s.trial_id, 2")
+    for (trial_a, _, end_a), (trial_b, start_b, _) in itertools.pairwise(spans):
+        if trial_a == trial_b:
+            assert start_b > end_a, f"two live sessions of trial {trial_a}"
+    queue = _pg_rows(db, "SELECT state FROM job_queue")
+    assert [q[0] for q in queue] == ["done"] * 4
+
+
+def _pg_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
+    """Rows of a query on the test PostgreSQL (asyncpg via the store's own engine URL)."""
+    import anyio
+    from sqlalchemy import text as sql_text
+
+    from trialledger.store.engine import make_engines
+
+    async def go() -> list[tuple[Any, ...]]:
+        engines = make_engines(url)
+        try:
+            async with engines.reader.connect() as conn:
+                return [tuple(r) for r in (await conn.execute(sql_text(sql))).all()]
+        finally:
+            await engines.dispose()
+
+    return anyio.run(go)
