@@ -56,6 +56,15 @@ def endpoint() -> Iterator[ScriptedEndpoint]:
         yield server
 
 
+def builders(data: Path, prefix: str, count: int, command: str) -> dict[str, list[Reply]]:
+    """`count` tasks whose verifier wants built.txt; the endpoint's replies by turn: run
+    `command` (which builds it), then finish."""
+    for n in range(count):
+        make_task(data / f"{prefix}-{n}", instruction=f"[task {prefix}-{n}] build it",
+                  test_sh="test -f built.txt\n")
+    return {f"[task {prefix}-{n}]": [shell(command), message("built")] for n in range(count)}
+
+
 def job_args(db: Path, url: str, *extra: str) -> list[str]:
     return ["--db", str(db), "--model-base-url", url, "--model", "m", "--codex-bin",
             codex_path(), *SETTINGS, *extra]
@@ -136,12 +145,8 @@ def test_a_changed_configuration_is_refused_naming_the_field(
 def test_a_killed_job_resumes_with_nothing_lost_or_run_twice(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "data"
-    for n in range(3):
-        make_task(data / f"slow-{n}", instruction=f"[task slow-{n}] build it",
-                  test_sh="test -f built.txt\n")
+    turns = builders(data, "slow", 3, "sleep 8; echo built > built.txt")
     db = tmp_path / "jobs.db"
-    script = [shell("sleep 8; echo built > built.txt"), message("built")]
-    turns = {f"[task slow-{n}]": script for n in range(3)}
     with ScriptedEndpoint([message("unrouted")], turns=turns) as endpoint:
         argv = [sys.executable, "-m", "trialledger.cli", "job", "run", "resume", str(data),
                 "-n", "2", *job_args(db, endpoint.url)]
@@ -234,12 +239,8 @@ async def test_the_job_views_agree_on_both_databases(db: str) -> None:
 def test_sigterm_cancels_running_trials_releases_them_and_resume_completes(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "data"
-    for n in range(2):
-        make_task(data / f"long-{n}", instruction=f"[task long-{n}] build it",
-                  test_sh="test -f built.txt\n")
+    turns = builders(data, "long", 2, "sleep 30; echo built > built.txt")
     db = tmp_path / "jobs.db"
-    turns = {f"[task long-{n}]": [shell("sleep 30; echo built > built.txt"), message("ok")]
-             for n in range(2)}
     with ScriptedEndpoint([message("unrouted")], turns=turns) as endpoint:
         argv = [sys.executable, "-m", "trialledger.cli", "job", "run", "stop", str(data),
                 "-n", "2", "--grace", "1", *job_args(db, endpoint.url)]
@@ -279,11 +280,7 @@ def test_workers_on_postgresql_take_over_a_dead_workers_trial(
     its lease expires and another takes the trial over. Checked from the event log."""
     db = postgres.create_database()
     data = tmp_path / "data"
-    for n in range(4):
-        make_task(data / f"w-{n}", instruction=f"[task w-{n}] build it",
-                  test_sh="test -f built.txt\n")
-    turns = {f"[task w-{n}]": [shell("sleep 3; echo built > built.txt"), message("ok")]
-             for n in range(4)}
+    turns = builders(data, "w", 4, "sleep 3; echo built > built.txt")
     common = ["--lease-s", "3", "--codex-bin", codex_path()]
     procs: dict[str, subprocess.Popen[str]] = {}
     with ScriptedEndpoint([message("unrouted")], turns=turns) as endpoint:
