@@ -354,3 +354,20 @@ def _pg_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
             await engines.dispose()
 
     return anyio.run(go)
+
+
+def test_a_task_whose_environment_fails_is_counted_never_run(
+        tmp_path: Path, endpoint: ScriptedEndpoint, capsys: pytest.CaptureFixture[str]) -> None:
+    data = dataset(tmp_path / "data")
+    make_task(data / "broken", instruction="[task broken] x", test_sh="exit 0\n",
+              toml='[environment]\nimage_archive = "missing.tar"\n')
+    db = tmp_path / "jobs.db"
+    code = cli.main(["job", "run", "env", str(data), "--include", "clean-a", "--include",
+                     "broken", *job_args(db, endpoint.url)])
+    assert code == 1  # a trial ended unscored: its environment failed
+    assert "broken: environment_failed: image_archive missing.tar: no such file" in (
+        capsys.readouterr().out)
+    trials = {t["task"]: t for t in rows(db, "SELECT * FROM job_trials")}
+    assert trials["broken"]["state"] == "environment_failed"
+    assert trials["broken"]["attempts"] == 0 and trials["clean-a"]["scored"] == 1
+    assert not rows(db, "SELECT 1 FROM sessions WHERE task = 'broken'")
