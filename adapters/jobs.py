@@ -28,7 +28,7 @@ import anyio
 from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
 from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.task import Task, TaskInvalid
-from trialledger.store import Ledger
+from trialledger.store import LeaseLost, Ledger
 from trialledger.store.jobs import Claim, JobRefused, Jobs
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,14 @@ class JobRunner:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._renew, claim, tg.cancel_scope)
-                done = await self._trial(claim)
+                try:
+                    done = await self._trial(claim)
+                except BaseException as error:
+                    if not _only(error, LeaseLost):
+                        raise
+                    log.warning("trial %s was taken over; leaving it", claim.trial_id)
+                    tg.cancel_scope.cancel()  # taken over: another holder's trial now
+                    return
                 tg.cancel_scope.cancel()
             settled = await self.jobs.settle(claim, "done")
             if settled and self.on_trial is not None:
@@ -224,7 +231,7 @@ class JobRunner:
                 return await self._done(claim, sessions)
             await runner.run_session(attempt=(int(last["attempt"]) + 1) if last else 1,
                                      retry_of=last["session_id"] if last else None,
-                                     trial_id=claim.trial_id)
+                                     trial_id=claim.trial_id, lease=claim.token)
 
     async def _done(self, claim: Claim, sessions: list[dict[str, Any]]) -> TrialDone:
         outcome = sessions[-1]["outcome"] if sessions else "pending"
@@ -257,6 +264,13 @@ async def worker_runner(ledger: Ledger, name: str, base: RunOptions, **kwargs: A
                               f"machine (run the worker where the task folders are)")
         tasks.append(Task.load(Path(folder)))
     return JobRunner(ledger, name, tasks, options, k=int(config["k"]), **kwargs)
+
+
+def _only(error: BaseException, kind: type[BaseException]) -> bool:
+    """Whether `error` is `kind`, or a group of nothing else (from a task group)."""
+    if isinstance(error, BaseExceptionGroup):
+        return error.split(kind)[1] is None
+    return isinstance(error, kind)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float | None:

@@ -41,9 +41,9 @@ from trialledger.core import ConcurrencyConflict, SessionView, redact, scrub, va
 from trialledger.core.errors import TrialLedgerError
 from trialledger.core.seed import ValidSeed
 from trialledger.core.settings import Settings
-from trialledger.store import Ledger, StoredEvent
+from trialledger.store import LeaseLost, Ledger, StoredEvent
 from trialledger.store.ledger import HEARTBEAT_S, StoreUnavailable
-from trialledger.store.writer import now
+from trialledger.store.writer import Fence, now
 
 PROBE_LIMIT_S = 10.0
 STORE_RETRY_S = 120.0  # how long appends wait out a store that is unavailable
@@ -129,9 +129,10 @@ class _Recorder:
     """Appends one session's events in order, tracking its head and last decision."""
 
     def __init__(self, ledger: Ledger, session_id: str, head: int, *,
-                 store_retry_s: float = STORE_RETRY_S) -> None:
+                 store_retry_s: float = STORE_RETRY_S, fence: Fence | None = None) -> None:
         self.ledger, self.session_id, self.head = ledger, session_id, head
         self.store_retry_s = store_retry_s
+        self.fence = fence  # a job trial's lease: every append checks it
         self.action: str | None = None
         self.closed = False
         self._lock = anyio.Lock()  # Codex's stdout and the model proxy append concurrently
@@ -155,7 +156,7 @@ class _Recorder:
         while True:
             try:
                 stored = await self.ledger.append(self.session_id, events,
-                                                  expected_seq=self.head)
+                                                  expected_seq=self.head, fence=self.fence)
                 break
             except StoreUnavailable:
                 if anyio.current_time() + pause > deadline:
@@ -280,14 +281,18 @@ class SessionRunner:
         return results
 
     async def run_session(self, *, attempt: int = 1, retry_of: str | None = None,
-                          trial_id: str | None = None) -> SessionResult:
+                          trial_id: str | None = None, lease: str | None = None
+                          ) -> SessionResult:
         """One session: seed, run, capture, decide, probe, archive, verify, close — with a
         heartbeat in the store all along, so `recover` leaves it alone. `trial_id`: the
-        trial it belongs to (a job's), else this runner's current trial."""
+        trial it belongs to (a job's), else this runner's current trial; `lease`: that
+        job trial's lease token, which fences every append (`LeaseLost` once taken over:
+        the new holder recovers the session)."""
         beating = asyncio.ensure_future(self._heartbeat())
         try:
-            return await self._run_session(attempt=attempt, retry_of=retry_of,
-                                           trial_id=trial_id)
+            return await self._run_session(
+                attempt=attempt, retry_of=retry_of, trial_id=trial_id,
+                fence=(trial_id, lease) if trial_id is not None and lease is not None else None)
         finally:
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -300,7 +305,7 @@ class SessionRunner:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _run_session(self, *, attempt: int, retry_of: str | None,
-                           trial_id: str | None) -> SessionResult:
+                           trial_id: str | None, fence: Fence | None) -> SessionResult:
         session_id = str(uuid.uuid4())
         settings_raw = self._settings()
         token = f"tl-session-{tokens.token_urlsafe(24)}"  # Codex's key: the proxy's alone
@@ -328,14 +333,16 @@ class SessionRunner:
         )
         try:
             valid = self._seed(attempt, retry_of, sandbox, trial_id)
-            seeded = await self.ledger.start(valid, session_id=session_id, secrets=[token])
+            seeded = await self.ledger.start(valid, session_id=session_id, secrets=[token],
+                                             fence=fence)
             recorder = _Recorder(self.ledger, session_id, seeded.head_seq,
-                                 store_retry_s=self.options.store_retry_s)
+                                 store_retry_s=self.options.store_retry_s, fence=fence)
             try:
                 await self._drive(recorder, sandbox, valid, seeded.secrets)
             finally:
                 if not recorder.closed:
-                    with anyio.CancelScope(shield=True):
+                    # A lost lease: the trial's new holder recovers this session.
+                    with anyio.CancelScope(shield=True), contextlib.suppress(LeaseLost):
                         await recorder.add("session.closed", {"reason": "cancelled"})
             return SessionResult(session_id, await self.ledger.view(session_id))
         finally:

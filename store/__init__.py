@@ -10,7 +10,7 @@ from trialledger.store.ledger import (
     StoreUnavailable,
 )
 from trialledger.store.migrate import SchemaOutOfDate
-from trialledger.store.writer import StoredEvent
+from trialledger.store.writer import LeaseLost, StoredEvent
 
-__all__ = ["AmbiguousSession", "AuditReport", "Ledger", "NoDatabase", "NoSession",
+__all__ = ["AmbiguousSession", "AuditReport", "LeaseLost", "Ledger", "NoDatabase", "NoSession",
            "SchemaOutOfDate", "Seeded", "StoreUnavailable", "StoredEvent"]

@@ -57,7 +57,7 @@ from trialledger.store.engine import (
 )
 from trialledger.store.migrate import ensure_current
 from trialledger.store.projections import SESSION_COLUMNS
-from trialledger.store.writer import EVENTS, Request, StoredEvent, Writer, now
+from trialledger.store.writer import EVENTS, Fence, Request, StoredEvent, Writer, now
 
 SESSIONS = table("sessions", *(column(c) for c in SESSION_COLUMNS))
 LIVE_STATES = ("seeded", "starting", "running", "failed-live")
@@ -270,8 +270,10 @@ class Ledger:
         return await self.start(valid, session_id=session_id, secrets=secrets, at=at)
 
     async def start(self, valid: ValidSeed, *, session_id: str | None = None,
-                    secrets: Iterable[str] = (), at: str | None = None) -> Seeded:
-        """Start a session from an already validated seed (see `seed`)."""
+                    secrets: Iterable[str] = (), at: str | None = None,
+                    fence: Fence | None = None) -> Seeded:
+        """Start a session from an already validated seed (see `seed`); `fence`: only
+        while that job trial's lease is the caller's (else `LeaseLost`)."""
         all_secrets = tuple(dict.fromkeys([*valid.secrets, *(s for s in secrets if s)]))
         at = at or now()
         data = valid.data.model_dump(mode="json")
@@ -283,7 +285,7 @@ class Ledger:
         sid = session_id or str(uuid.uuid4())
         events = self._prepare(raw, all_secrets)
         stored = await self._writer.submit(Request(sid, events, 0, secrets=all_secrets,
-                                                   new_id=session_id is None))
+                                                   new_id=session_id is None, fence=fence))
         return Seeded(sid, stored, all_secrets)
 
     async def append(
@@ -292,15 +294,19 @@ class Ledger:
         events: Sequence[Mapping[str, Any] | Event],
         *,
         expected_seq: int | None = None,
+        fence: Fence | None = None,
     ) -> list[StoredEvent]:
         """Append events to a session, all or nothing; return them and any decision they caused.
 
         `expected_seq` is the head seq the caller last saw: a stale one raises
         `ConcurrencyConflict`. An event whose `event_id` is already stored with the same
         content is a no-op returning the original; with other content, `EventIdConflict`.
+        `fence` (trial id, lease token): the append commits only while that job trial's
+        lease is this token, checked in the same transaction (else `LeaseLost`).
         """
         prepared = self._prepare(events, self._writer.secrets.get(session_id, ()))
-        return await self._writer.submit(Request(session_id, prepared, expected_seq))
+        return await self._writer.submit(Request(session_id, prepared, expected_seq,
+                                                 fence=fence))
 
     async def close(self, session_id: str, reason: str = "normal", *,
                     at: str | None = None) -> list[StoredEvent]:

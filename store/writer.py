@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import anyio
-from sqlalchemy import Column, Integer, MetaData, Table, Text, delete, func, select
+from sqlalchemy import Column, Integer, MetaData, Table, Text, delete, func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from trialledger.core import (
@@ -92,6 +92,14 @@ class OpenSession:
         self.stored.append(stored)
 
 
+class LeaseLost(TrialLedgerError):
+    """An append fenced by a job trial's lease that is no longer the caller's (the trial
+    was taken over): nothing appended."""
+
+
+Fence = tuple[str, str]  # (trial_id, lease token): appends only while the lease is this one
+
+
 @dataclass(eq=False)
 class Request:
     """One caller's append, waiting for the commit that carries it."""
@@ -102,6 +110,7 @@ class Request:
     secrets: tuple[str, ...] | None = None  # set when the request seeds the session
     new_id: bool = False  # the session id was just made up: nothing to load
     derived: bool = False  # a whole log the machine just derived, decisions included
+    fence: Fence | None = None  # a job trial's lease, checked in the commit's transaction
     result: list[StoredEvent] | None = None
     error: BaseException | None = None
     done: bool = False
@@ -180,9 +189,14 @@ class Writer:
                 await self._catch_up(conn)
                 await self._load_missing(conn, batch)
                 foreign = await self._foreign_ids(conn, batch)
+                held = await self._leases(conn, batch)
                 recorded_at = now()
                 for request in batch:
                     try:
+                        if request.fence is not None and held.get(request.fence[0]) != \
+                                request.fence[1]:
+                            raise LeaseLost(f"trial {request.fence[0]} is no longer held by "
+                                            f"this runner (its lease was taken over)")
                         request.result = self._apply(request, recorded_at, foreign, touched)
                     except TrialLedgerError as error:
                         request.error = error
@@ -250,6 +264,19 @@ class Writer:
             open_.session.load(stored.event)
             open_.remember(stored)
         return open_
+
+    async def _leases(self, conn: AsyncConnection, batch: list[Request]) -> dict[str, str]:
+        """The lease token each fenced trial holds now, read in the commit's transaction
+        (PostgreSQL: `FOR SHARE`, so a takeover waits for this commit)."""
+        trials = sorted({r.fence[0] for r in batch if r.fence is not None})
+        if not trials:
+            return {}
+        names = ", ".join(f":t{i}" for i in range(len(trials)))
+        sql = f"SELECT trial_id, lease_token FROM job_queue WHERE trial_id IN ({names})"
+        if conn.dialect.name == "postgresql":
+            sql += " FOR SHARE"
+        rows = await conn.execute(text(sql), {f"t{i}": t for i, t in enumerate(trials)})
+        return {tid: token for tid, token in rows.all() if token is not None}
 
     async def _foreign_ids(self, conn: AsyncConnection, batch: list[Request]) -> dict[str, str]:
         """Caller-given event ids already stored in *other* sessions (id → session)."""

@@ -163,7 +163,9 @@ async def test_an_unsafe_rollout_is_a_gap_never_its_content(
     assert not any(CANARY in p.read_text(errors="replace")
                    for p in (tmp_path / "archive").rglob("*") if p.is_file())
     assert "unsafe_agent_file" in [code for code, _ in gaps(ran)], gaps(ran)
-    assert ran.view.state == "closed" and ran.view.outcome == "verify"
+    assert ran.view.state == "closed" and ran.view.outcome == "verify", (
+        ran.view.decision, [e.data for e in ran.view.events if e.type in (
+            "agent.stderr", "agent.exited", "model.call")])
     assert ran.view.usage.total_tokens is not None  # Codex's own stream still counts
 
 

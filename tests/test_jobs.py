@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -371,3 +372,39 @@ def test_a_task_whose_environment_fails_is_counted_never_run(
     assert trials["broken"]["state"] == "environment_failed"
     assert trials["broken"]["attempts"] == 0 and trials["clean-a"]["scored"] == 1
     assert not rows(db, "SELECT 1 FROM sessions WHERE task = 'broken'")
+
+
+@pytest.mark.anyio
+async def test_appends_are_fenced_by_the_trials_lease(db: str) -> None:
+    """Once a trial is taken over, its old holder's appends are refused, in the append's own
+    transaction, and nothing of theirs is stored; the new holder's go through."""
+    from tests.scenarios import CLEAN, run
+    from trialledger.core import validate_seed
+    from trialledger.store import LeaseLost, Ledger
+    from trialledger.store.jobs import Jobs
+
+    async with await Ledger.open(db) as ledger:
+        jobs = Jobs(ledger)
+        config = {"model": "m", "settings": {}, "grants": [], "k": 1, "max_attempts": 1}
+        await jobs.define("f", config, [("t", "/tasks/t")])
+        old = await jobs.claim("f", "old-holder", 0.2)
+        assert old is not None
+        log = run(CLEAN, 0)
+        log.events[0]["data"].update(trial_id=old.trial_id, task="t")
+        seeded = await ledger.start(validate_seed(log.events[0]["data"]),
+                                    fence=(old.trial_id, old.token))
+        await ledger.append(seeded.session_id, log.events[1:3],
+                            fence=(old.trial_id, old.token))
+        await anyio.sleep(0.5)  # the old holder's lease expires
+        new = await jobs.claim("f", "new-holder", 60)
+        assert new is not None and new.trial_id == old.trial_id and new.token != old.token
+        with pytest.raises(LeaseLost):
+            await ledger.append(seeded.session_id, log.events[3:5],
+                                fence=(old.trial_id, old.token))
+        with pytest.raises(LeaseLost):
+            await ledger.start(validate_seed(log.events[0]["data"]),
+                               fence=(old.trial_id, old.token))
+        assert len(await ledger.events(seeded.session_id)) == 3  # nothing of theirs after
+        assert len(await ledger.sessions(trial_id=old.trial_id)) == 1
+        await ledger.append(seeded.session_id, log.events[3:5], fence=(new.trial_id, new.token))
+        assert len(await ledger.events(seeded.session_id)) == 5
