@@ -371,7 +371,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
                 lease_s=args.lease_s, cache=Cache(args.cache_dir), engine=args.engine,
                 owner=_owner(args), on_trial=said)
             holder.append(runner)
-            await runner.run()
+            await _with_live(ledger, args.name, not args.json, runner.run)
             return await _job_summary(ledger, args.name)
 
     try:
@@ -411,7 +411,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                     cache=Cache(args.cache_dir), engine=args.engine, owner=_owner(args),
                     on_trial=said)
                 holder[:] = [runner]
-                await runner.run(define=False)
+                await _with_live(ledger, name, not args.json,
+                                 functools.partial(runner.run, define=False))
                 worked += 1
         return worked
 
@@ -423,6 +424,59 @@ def cmd_worker(args: argparse.Namespace) -> int:
     print(f"trialledger: worker done: {worked} job{'s' * (worked != 1)} without queued "
           f"trials left", file=sys.stderr)
     return EXIT_OK
+
+
+def progress_text(counts: Mapping[str, Any]) -> str:
+    """The live display's line: a job's trials by state, and its retries by cause."""
+    retries = ", ".join(f"{cause} ×{n}" for cause, n in counts["retries"].items()) or "none"
+    failed = counts.get("environment_failed", 0)
+    return (f"queued {counts['queued']} · running {counts['running']} · done "
+            f"{counts['done']}{f' · environment failed {failed}' if failed else ''} · "
+            f"retries: {retries}")
+
+
+async def _with_live(ledger: Ledger, job: str, wanted: bool,
+                     work: Callable[[], Awaitable[T]]) -> T:
+    """`work`, under a live rich display of the job's progress when stdout is a terminal
+    (queued / running / done, retries by cause, elapsed, ETA), refreshed from the store."""
+    if not (wanted and out.is_terminal):
+        return await work()
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from trialledger.store.jobs import Jobs
+
+    jobs = Jobs(ledger)
+    done: list[T] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=out) as bar:
+        shown = bar.add_task(f"job {job}", total=None)
+
+        async def refresh() -> None:
+            with contextlib.suppress(TrialLedgerError):  # a blink: the next refresh
+                counts = await jobs.progress(job)
+                total = sum(counts[k] for k in ("queued", "running", "done",
+                                                "environment_failed"))
+                bar.update(shown, description=progress_text(counts), total=total,
+                           completed=counts["done"] + counts["environment_failed"])
+
+        async def poll() -> None:
+            while True:
+                await refresh()
+                await anyio.sleep(1.0)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(poll)
+            done.append(await work())
+            tg.cancel_scope.cancel()
+        await refresh()  # the final state
+    return done[0]
 
 
 def _owner(args: argparse.Namespace) -> int | None:

@@ -221,6 +221,24 @@ class Jobs:
                 "q.job = j.name AND q.state IN ('queued', 'running')) "
                 "ORDER BY j.created_at, j.name"))).all()]
 
+    async def progress(self, job: str) -> dict[str, Any]:
+        """Trials by queue state, and the retries so far by cause (the live display)."""
+        counts: dict[str, Any] = {"queued": 0, "running": 0, "done": 0,
+                                  "environment_failed": 0}
+        async with self._engines.reader.begin() as conn:
+            for state, n in (await conn.execute(text(
+                    "SELECT state, COUNT(*) FROM job_queue WHERE job = :j GROUP BY state"),
+                    {"j": job})).all():
+                counts[state] = int(n)
+            causes = (await conn.execute(text(
+                "SELECT COALESCE(o.cause_kind, o.rule), COUNT(*) FROM job_queue q "
+                "JOIN sessions s ON s.trial_id = q.trial_id "
+                "JOIN outcomes o ON o.session_id = s.session_id "
+                "WHERE q.job = :j AND o.action = 'retry' GROUP BY COALESCE(o.cause_kind, "
+                "o.rule) ORDER BY 2 DESC"), {"j": job})).all()
+        counts["retries"] = {str(cause): int(n) for cause, n in causes}
+        return counts
+
     async def trials(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_trials`, by task and k index."""
         return await self._rows("SELECT * FROM job_trials WHERE job = :j "
@@ -276,6 +294,7 @@ def _alive(pid: int) -> bool:
 
 
 for _name in ("define", "config", "claim", "renew", "settle", "environment_failed",
-              "requeue_environment", "held", "task_folders", "pending", "trials", "tasks",
+              "requeue_environment", "held", "task_folders", "pending", "progress", "trials",
+              "tasks",
               "failures", "names"):
     setattr(Jobs, _name, _guarded(getattr(Jobs, _name)))

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -408,3 +409,45 @@ async def test_appends_are_fenced_by_the_trials_lease(db: str) -> None:
         assert len(await ledger.sessions(trial_id=old.trial_id)) == 1
         await ledger.append(seeded.session_id, log.events[3:5], fence=(new.trial_id, new.token))
         assert len(await ledger.events(seeded.session_id)) == 5
+
+
+def test_on_a_terminal_the_progress_is_shown_live(tmp_path: Path,
+                                                  endpoint: ScriptedEndpoint) -> None:
+    """Through a real pseudo-terminal: the rich display shows trials by state and the
+    retries by cause, refreshed from the store."""
+    import pty
+
+    data = dataset(tmp_path / "data")
+    db = tmp_path / "jobs.db"
+    leader, follower = pty.openpty()
+    argv = [sys.executable, "-m", "trialledger.cli", "job", "run", "tty", str(data),
+            "--include", "flaky", "--include", "clean-a", "--max-attempts", "2",
+            *job_args(db, endpoint.url)]
+    env = {**os.environ, "TERM": "xterm", "COLUMNS": "160"}
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+                            env=env)
+    os.close(follower)
+    shown = b""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: the run is over
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert proc.wait(timeout=30) == 0
+    text = shown.decode(errors="replace")
+    assert "running 1" in text and "done 2" in text, text[-2000:]
+    assert re.search(r"retries: \S+ ×1", text), text[-2000:]  # the 429, by its cause
+
+
+def test_the_progress_line_says_states_and_retries_by_cause() -> None:
+    from trialledger.cli import progress_text
+
+    line = progress_text({"queued": 3, "running": 2, "done": 5, "environment_failed": 1,
+                          "retries": {"http_429": 2, "lost": 1}})
+    assert line == ("queued 3 · running 2 · done 5 · environment failed 1 · "
+                    "retries: http_429 ×2, lost ×1")
