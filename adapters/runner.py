@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import os
 import secrets as tokens
@@ -65,7 +66,17 @@ def find_codex(explicit: str | None = None) -> str:
 
 
 def codex_version(codex: str) -> str:
-    """The version `codex --version` prints (`codex-cli 0.171.0` → `0.171.0`)."""
+    """The version `codex --version` prints (`codex-cli 0.171.0` → `0.171.0`), asked once
+    per binary (its path and modification time): asking costs a process start."""
+    try:
+        stamp = os.stat(os.path.realpath(codex)).st_mtime_ns
+    except OSError:
+        return "unknown"
+    return _asked_version(codex, stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _asked_version(codex: str, _stamp: int) -> str:
     try:
         done = subprocess.run([codex, "--version"], capture_output=True, check=False,
                               timeout=30)

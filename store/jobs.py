@@ -124,8 +124,7 @@ class Jobs:
                     tasks: Sequence[str] | None = None) -> Claim | None:
         """Take the next trial that is queued or whose lease expired (None: none left)."""
         token = uuid.uuid4().hex
-        where = ["(q.state = 'queued' OR (q.state = 'running' AND q.lease_expires < "
-                 f"{self._now}))"]
+        where = ["1 = 1"]
         params: dict[str, Any] = {"tok": token, "r": runner_id, "lease": lease_s}
         if job is not None:
             where.append("q.job = :job")
@@ -135,22 +134,28 @@ class Jobs:
             params.update({f"t{i}": task for i, task in enumerate(tasks)})
             if not tasks:
                 return None
-        pick = (f"SELECT q.trial_id FROM job_queue q WHERE {' AND '.join(where)} "
-                f"ORDER BY q.k_index, q.task LIMIT 1")
-        if self.postgres:
-            pick += " FOR UPDATE SKIP LOCKED"
+        # Queued trials first, k-major (every task's first trial before any second one), by
+        # the (job, state, k_index, task) index; then a running one whose lease expired.
+        # One UPDATE … RETURNING takes it: PostgreSQL skips rows other claimers hold.
+        lock = " FOR UPDATE SKIP LOCKED" if self.postgres else ""
+        picks = [f"SELECT q.trial_id FROM job_queue q WHERE {' AND '.join(where)} AND "
+                 f"q.state = 'queued' ORDER BY q.k_index, q.task LIMIT 1{lock}",
+                 f"SELECT q.trial_id FROM job_queue q WHERE {' AND '.join(where)} AND "
+                 f"q.state = 'running' AND q.lease_expires < {self._now} "
+                 f"ORDER BY q.k_index, q.task LIMIT 1{lock}"]
         async with self._engines.writer.begin() as conn:
             await self._release_orphans(conn)
-            row = (await conn.execute(text(pick), params)).first()
-            if row is None:
+            got = None
+            for pick in picks:
+                got = (await conn.execute(text(
+                    f"UPDATE job_queue SET state = 'running', lease_token = :tok, "
+                    f"runner_id = :r, lease_expires = {self._now} + :lease "
+                    f"WHERE trial_id = ({pick}) "
+                    f"RETURNING trial_id, task, k_index, task_dir"), params)).first()
+                if got is not None:
+                    break
+            if got is None:
                 return None
-            params["tid"] = row[0]
-            await conn.execute(text(
-                f"UPDATE job_queue SET state = 'running', lease_token = :tok, runner_id = :r, "
-                f"lease_expires = {self._now} + :lease WHERE trial_id = :tid"), params)
-            got = (await conn.execute(text(
-                "SELECT trial_id, task, k_index, task_dir FROM job_queue WHERE trial_id = :tid"),
-                params)).one()
         return Claim(got[0], got[1], int(got[2]), got[3], token)
 
     async def _release_orphans(self, conn: Any) -> None:
