@@ -11,8 +11,6 @@ never wait on each other; SQLite has one writer, which serialises claims by itse
 from __future__ import annotations
 
 import json
-import os
-import socket
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +19,7 @@ from typing import Any
 from sqlalchemy import text
 
 from trialledger.core.errors import TrialLedgerError
-from trialledger.store.ledger import _DB_NOW, Ledger, _guarded
+from trialledger.store.ledger import _DB_NOW, Ledger, _guarded, gone_from_this_host
 from trialledger.store.writer import now
 
 NAMESPACE = uuid.UUID("6f0c35f4-5d52-4c1e-9a0b-7d1f6a0f7b11")  # trial ids of jobs
@@ -161,12 +159,10 @@ class Jobs:
     async def _release_orphans(self, conn: Any) -> None:
         """Leases held by processes of this host that are gone expire at once (a killed
         `job run` resumed on the same machine need not wait out its lease)."""
-        host = socket.gethostname()
         rows = (await conn.execute(text(
             "SELECT q.trial_id, q.runner_id FROM job_queue q WHERE q.state = 'running'"))).all()
         for tid, runner in rows:
-            pid = _own_host_pid(runner or "", host)
-            if pid is not None and not _alive(pid):
+            if gone_from_this_host(runner or ""):
                 await conn.execute(text(
                     "UPDATE job_queue SET lease_expires = 0 WHERE trial_id = :t"), {"t": tid})
 
@@ -280,22 +276,6 @@ class Jobs:
                                    {"j": job})).first() is None:
                 raise NoJob(f"no job named {job}")
             return [dict(r._mapping) for r in await conn.execute(text(sql), {"j": job})]
-
-
-def _own_host_pid(runner_id: str, host: str) -> int | None:
-    """The pid in a default runner id (`<host>-<pid>`) of this host, else None."""
-    prefix, _, pid = runner_id.rpartition("-")
-    return int(pid) if prefix == host and pid.isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 for _name in ("define", "config", "claim", "renew", "settle", "environment_failed",

@@ -145,6 +145,21 @@ def _guarded(method: Callable[Concatenate[S, P], Coroutine[Any, Any, R]]
     return call
 
 
+def gone_from_this_host(runner_id: str) -> bool:
+    """Whether a default runner id (`<host>-<pid>`) names a process of this host that no
+    longer exists: its heartbeat may still look fresh, but it is dead."""
+    prefix, _, pid = runner_id.rpartition("-")
+    if prefix != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 class RunnerAlive(TrialLedgerError):
     """`recover` of a runner whose heartbeat is fresh (it is still running)."""
 
@@ -343,7 +358,9 @@ class Ledger:
         """
         if runner_id is None and not all_runners:
             raise ValueError("recover needs a runner_id, or all_runners=True")
-        alive = {} if force else await self.live_runners()
+        alive = {} if force else {runner: age for runner, age in
+                                  (await self.live_runners()).items()
+                                  if not gone_from_this_host(runner)}
         if runner_id is not None and not all_runners and runner_id in alive:
             raise RunnerAlive(f"runner {runner_id} is alive (its heartbeat is "
                               f"{alive[runner_id]:.0f} s old); pass --force to recover "

@@ -130,3 +130,57 @@ def test_a_postgresql_restart_mid_run_loses_nothing(tmp_path: Path, postgres: An
         out, err = runner.communicate(timeout=180)
     assert runner.returncode == 0, err
     assert out.split()[1] == "verify", out
+
+
+SLOW_ARCHIVE = """
+import sys, time
+from trialledger.adapters import runner
+from trialledger import cli
+
+def slow(tree, target, secrets):  # the archive, one file every 0.3 s
+    for n in range(100):
+        (target / f"part-{n:03d}").write_text("x")
+        time.sleep(0.3)
+    raise AssertionError("the copy outlived its runner")
+
+runner.copy_archive = slow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_runner_killed_mid_archive_writes_nothing_after_and_recover_names_it(
+        tmp_path: Path) -> None:
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    db, archive = tmp_path / "t.db", tmp_path / "archive"
+    script = tmp_path / "slow_archive.py"
+    script.write_text(SLOW_ARCHIVE)
+    with ScriptedEndpoint([message()]) as endpoint:
+        runner = subprocess.Popen(
+            [sys.executable, str(script), "run", str(task.folder), "--db", str(db),
+             "--model-base-url", endpoint.url, "--model", "m", "--codex-bin", codex_path(),
+             "--set", f"sandbox_logs_dir={archive}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while not list(archive.glob("*/part-001")):
+                assert time.monotonic() < deadline, "the archive never started"
+                assert runner.poll() is None, "the runner ended before its archive"
+                time.sleep(0.05)
+            runner.send_signal(signal.SIGKILL)
+            runner.wait(timeout=30)
+        finally:
+            if runner.poll() is None:
+                runner.kill()
+    written = sorted(archive.rglob("part-*"))
+    time.sleep(1.5)  # a copy that outlived the runner would write 5 more files
+    assert sorted(archive.rglob("part-*")) == written
+    seen = _state(db)
+    assert seen is not None and seen[1] == "graded"  # decided verify, verdict not recorded
+    done = subprocess.run([sys.executable, "-m", "trialledger.cli", "recover", "--db", str(db),
+                           "--all"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    with sqlite3.connect(db) as conn:
+        gaps = conn.execute("SELECT code FROM gaps").fetchall()
+        closed = conn.execute("SELECT state, close_reason FROM sessions").fetchone()
+    assert ("verification_interrupted",) in gaps  # why it has no verdict: a re-run is due
+    assert closed == ("closed", "recovered")
