@@ -647,6 +647,13 @@ def cmd_show(args: argparse.Namespace) -> int:
         out.print(f"gap {gap.code}: {_brief(gap.detail or '')}")
     if view.rewards is not None:
         out.print(f"rewards: {view.rewards}")
+    for event in view.events:  # what the verifier printed (schema 2)
+        for stream in ("stdout", "stderr"):
+            said = getattr(event.data, f"{stream}_tail", None) if event.type.startswith(
+                "verification.") else None
+            if said:
+                out.print(f"verifier {stream} (tail):", highlight=False)
+                out.print(said.rstrip("\n"), markup=False, highlight=False)
     return EXIT_OK
 
 

@@ -408,7 +408,7 @@ class SessionRunner:
             await self._probe(rec, sandbox, settings)
         await self._archive(rec, sandbox, settings, secrets)
         if rec.action == "verify":
-            await self._verify(rec, sandbox, settings)
+            await self._verify(rec, sandbox, settings, secrets)
         await rec.add("session.closed", {"reason": "normal"})
 
     async def _run_and_capture(self, rec: _Recorder, sandbox: LocalSandbox, run: LocalRun,
@@ -515,7 +515,8 @@ class SessionRunner:
                           for refused in result.refused])
         await rec.add("archive.copied", {"files": result.files, "bytes": result.size})
 
-    async def _verify(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings) -> None:
+    async def _verify(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings,
+                      secrets: Sequence[str]) -> None:
         if sandbox.tests is None:
             await rec.add("verification.failed",
                           {"reason": "error", "detail": "the task has no tests/test.sh"})
@@ -527,7 +528,19 @@ class SessionRunner:
         tree = sandbox.agent_files(run.logs)
         found = await anyio.to_thread.run_sync(capture.read_reward, tree, run.return_code,
                                                run.timed_out)
-        await rec.append([{"type": kind, "at": now(), "data": data} for kind, data in found])
+        output = verifier_output(run.stdout, run.stderr, secrets)
+        await rec.append([
+            {"type": kind, "at": now(), "data": {**data, **output}, "schema": 2}
+            if kind.startswith("verification.") and output else
+            {"type": kind, "at": now(), "data": data} for kind, data in found])
+
+
+def verifier_output(stdout: str, stderr: str, secrets: Sequence[str]) -> dict[str, str]:
+    """Schema 2 of a verification event: the verifier's stdout and stderr tails, redacted
+    as `agent.stderr` is (scrubbed, lines cut, the last 2,000 characters; empty ones left
+    out)."""
+    return {name: redact(text, secrets) for name, text in
+            (("stdout_tail", stdout), ("stderr_tail", stderr)) if text.strip()}
 
 
 def copy_archive(tree: Any, target: Path, secrets: Sequence[str]) -> capture.ArchiveResult:

@@ -213,12 +213,29 @@ class ArchiveSkippedData(_Data):
     detail: str | None = None
 
 
-class VerificationRecordedData(_Data):
+class _VerifierOutput(_Data):
+    """Schema 2 of the verification events: the verifier's stdout and stderr tails
+    (redacted, at most 2,000 characters each); absent from a schema-1 event, which then
+    dumps as written."""
+
+    stdout_tail: str | None = None
+    stderr_tail: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _as_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped: dict[str, Any] = handler(self)
+        for key in ("stdout_tail", "stderr_tail"):
+            if dumped.get(key) is None:
+                dumped.pop(key, None)
+        return dumped
+
+
+class VerificationRecordedData(_VerifierOutput):
     rewards: dict[str, FiniteNumber]
     detail: str | None = None
 
 
-class VerificationFailedData(_Data):
+class VerificationFailedData(_VerifierOutput):
     reason: Literal["timeout", "no_reward", "bad_reward", "error"]
     detail: str | None = None
 

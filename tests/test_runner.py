@@ -358,3 +358,29 @@ def test_run_exits_1_when_the_trial_is_left_unscored_and_speaks_json(
     sessions = [json.loads(line) for line in done.stdout.splitlines()]
     assert [(s["attempt"], s["outcome"], s["rule"], s["cause"]) for s in sessions] == [
         (1, "retry", "reported", "model_endpoint"), (2, "retry", "reported", "model_endpoint")]
+
+
+async def test_the_verifiers_output_is_kept_redacted_and_shown(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Schema 2 of the verification events: the verifier's stdout and stderr tails, each
+    redacted of the session's secrets and bounded, whatever the verifier printed."""
+    from trialledger import cli
+
+    secret = "sk-verifier-visible-key-1234"
+    task = make_task(tmp_path / "task", test_sh=(
+        "for i in $(seq 1 3000); do echo \"line $i of a long log\"; done\n"
+        f"echo 'FAILED test_parse: expected 3, got 4 (key {secret})'\n"
+        "echo 'warning: slow test' >&2\nexit 1\n"))
+    db = tmp_path / "t.db"
+    ran = await run_task(str(db), task, [message()], api_key=secret)
+    (verdict,) = [e for e in ran.view.events if e.type == "verification.recorded"]
+    assert verdict.schema_ == 2 and verdict.data.rewards == {"reward": 0.0}
+    out, err = verdict.data.stdout_tail, verdict.data.stderr_tail
+    assert out.rstrip().endswith("expected 3, got 4 (key [redacted])") and secret not in out
+    assert 0 < len(out) <= 2000 and "line 3000 of a long log" in out
+    assert err.strip() == "warning: slow test"
+    assert await anyio.to_thread.run_sync(
+        cli.main, ["show", ran.result.session_id, "--db", str(db)]) == 0
+    shown = capsys.readouterr().out
+    assert "verifier stdout (tail):" in shown and "expected 3, got 4" in shown
+    assert secret not in shown

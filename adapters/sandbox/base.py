@@ -49,6 +49,8 @@ class VerifierRun:
     timed_out: bool
     logs: Path
     error: str | None = None
+    stdout: str = ""  # the end of what the verifier printed (at most a few KiB each)
+    stderr: str = ""
 
 
 class AgentRun(Protocol):

@@ -528,18 +528,23 @@ class LocalSandbox:
             command = ["bash", str(tests / "test.sh")]
             env = {**_minimal_env(), "TRIALLEDGER_VERIFIER_DIR": str(logs),
                    "TRIALLEDGER_TESTS_DIR": str(tests)}
+        tails = (_Tail(), _Tail())
         code, timed_out = await self._run_bounded(command, timeout_s, env=env, role="verifier",
-                                                  verifier_logs=logs)
-        return VerifierRun(code, timed_out, logs)
+                                                  verifier_logs=logs, tails=tails)
+        return VerifierRun(code, timed_out, logs, stdout=tails[0].text(),
+                           stderr=tails[1].text())
 
     async def _run_bounded(self, command: list[str], timeout_s: float, *,
                            env: Mapping[str, str], role: Role,
-                           verifier_logs: Path | None = None) -> tuple[int | None, bool]:
+                           verifier_logs: Path | None = None,
+                           tails: tuple[_Tail, _Tail] | None = None
+                           ) -> tuple[int | None, bool]:
         run = await self._spawn(command, env=env, role=role, verifier_logs=verifier_logs)
+        out, err = tails or (None, None)
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_drain, run.process.stdout)
-                tg.start_soon(_drain, run.process.stderr)
+                tg.start_soon(_drain, run.process.stdout, out)
+                tg.start_soon(_drain, run.process.stderr, err)
                 with anyio.move_on_after(timeout_s) as scope:
                     status = await run.wait()
                 if scope.cancelled_caught:
@@ -583,10 +588,26 @@ def _minimal_env() -> dict[str, str]:
     return {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL") if k in os.environ}
 
 
-async def _drain(stream: Any) -> None:
+class _Tail:
+    """The last bytes of a stream (bounded whatever the stream's length)."""
+
+    LIMIT = 8192
+
+    def __init__(self) -> None:
+        self.kept = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self.kept = (self.kept + chunk)[-self.LIMIT:]
+
+    def text(self) -> str:
+        return self.kept.decode("utf-8", errors="replace")
+
+
+async def _drain(stream: Any, tail: _Tail | None = None) -> None:
     if stream is not None:
-        async for _ in stream:
-            pass
+        async for chunk in stream:
+            if tail is not None:
+                tail.feed(chunk)
 
 
 def _pids_where(matches: Callable[[str], bool]) -> list[int]:
