@@ -70,3 +70,26 @@ def test_nothing_points_outside_the_repository() -> None:
     tracked = subprocess.run(["git", "grep", "-l", outside, "--", ":!*.lock"], cwd=ROOT,
                              capture_output=True, text=True, check=False).stdout.split()
     assert tracked == []
+
+
+def test_the_datasette_metadata_describes_every_view_and_hides_the_rest(tmp_path: Path
+                                                                       ) -> None:
+    """docs/datasette-metadata.json: each table or view a migrated store has is either
+    described or hidden, and every column it names exists."""
+    import json
+    import sqlite3
+
+    from trialledger import cli
+
+    db = tmp_path / "trials.db"
+    assert cli.main(["db", "upgrade", "--db", str(db)]) == 0
+    with sqlite3.connect(db) as conn:
+        schema = {name: {row[1] for row in conn.execute(f"PRAGMA table_info({name})")}
+                  for (name,) in conn.execute(
+                      "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")}
+    meta = json.loads((ROOT / "docs" / "datasette-metadata.json").read_text())
+    tables = meta["databases"]["trials"]["tables"]
+    assert set(tables) == set(schema)
+    for name, entry in tables.items():
+        assert entry.get("hidden") or entry.get("description"), name
+        assert set(entry.get("columns", {})) <= schema[name], name
