@@ -366,3 +366,43 @@ async def test_requested_limits_are_recorded_and_their_absence_said(tmp_path: Pa
     gaps = [g for g in ran.view.observations.gaps if g.code == "limits_not_enforced"]
     assert len(gaps) == 1 and "cpus=2" in (gaps[0].detail or "")
     assert launched(ran).environment == {"kind": "host", "ref": None, "digest": None}
+
+
+@pytest.mark.parametrize("root, reward", [("agent", 0.0), ("pristine", 1.0)])
+async def test_a_pristine_verifier_sees_the_image_as_it_was_and_the_agents_workdir(
+        tmp_path: Path, cache: Cache, root: str, reward: float) -> None:
+    folder = tmp_path / "task"
+    test_sh = ("test -f /work/result.txt && test ! -e /etc/planted-by-agent && "
+               "grep -q agent:x:1000 /etc/passwd && echo 1 > /logs/verifier/reward.txt || "
+               "echo 0 > /logs/verifier/reward.txt\n")
+    task = make_task(folder, test_sh=test_sh,
+                     toml=f'[environment]\ndocker_image = "{images.BUSYBOX_REF}"\n')
+    images.podman_image(images.BUSYBOX_REF)
+    env = prepare(task.source, cache, owner=owner())
+    attack = ("echo done > /work/result.txt; echo x > /etc/planted-by-agent; "
+              "echo 'agent:x:0:0::/:/bin/sh' > /etc/passwd; echo wrote")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()],
+                         environment=env, settings={"verifier_root": root})
+    assert "wrote" in tool_output(ran)
+    assert ran.view.rewards == {"reward": reward}, [  # pristine: not the agent's /etc
+        e.data for e in ran.view.events if e.type.startswith("verification")]
+
+
+async def test_a_linked_workdir_never_binds_the_host_to_a_pristine_verifier(
+        tmp_path: Path, cache: Cache) -> None:
+    host = tmp_path / "host-folder"
+    host.mkdir()
+    (host / "host-canary-file").write_text("host secret")
+    host.chmod(0o755)
+    task = make_task(tmp_path / "task", test_sh=(
+        "ls -a /work > /logs/verifier/seen.txt; grep -q host-canary /logs/verifier/seen.txt "
+        "&& echo 0 > /logs/verifier/reward.txt || echo 1 > /logs/verifier/reward.txt\n"),
+        toml=f'[environment]\ndocker_image = "{images.BUSYBOX_REF}"\n')
+    images.podman_image(images.BUSYBOX_REF)
+    env = prepare(task.source, cache, owner=owner())
+    attack = f"cd /; mv /work /work-old && ln -s {host} /work && echo swapped"
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()],
+                         environment=env, settings={"verifier_root": "pristine"})
+    assert "swapped" in tool_output(ran)
+    assert ran.view.rewards == {"reward": 1.0}, [
+        e.data for e in ran.view.events if e.type.startswith("verification")]

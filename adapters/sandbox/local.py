@@ -67,8 +67,8 @@ _warned_no_bwrap = False
 # staged source bound read-only onto its mount point, then the command (which drops to
 # the sandbox user). Paths come as arguments, never inside the script text.
 STAGE_SCRIPT = """set -e
-if [ "$1" != - ]; then mount -t overlay overlay -o nodev,nosuid,"$1" "$2"; fi
-shift 2
+while [ "$1" != -- ]; do mount -t overlay overlay -o nodev,nosuid,"$1" "$2"; shift 2; done
+shift
 while [ "$1" != -- ]; do mount --bind -o ro "$1" "$2"; shift 2; done
 shift
 exec "$@"
@@ -198,9 +198,8 @@ class LocalSandbox:
             raise SandboxRefused("allow_internet = false needs a private network namespace, "
                                  "which needs bwrap (apt-get install bubblewrap)")
         self.network = network
-        if verifier_root == "pristine" and self.overlay:
-            raise SandboxRefused("verifier_root = pristine needs a workdir other than / and "
-                                 "the host environment (not built for images yet)")
+        if verifier_root == "pristine" and workdir == "/":
+            raise SandboxRefused("verifier_root = pristine needs a workdir other than /")
         self.verifier_root = verifier_root
         self.init = ensure_init()
         self.codex = codex
@@ -285,24 +284,44 @@ class LocalSandbox:
 
     # --- the bwrap command line -------------------------------------------------------------
 
-    def _prefix(self, staged: Sequence[tuple[Path, Path]]) -> list[str]:
-        """The private mount namespace in which the overlay and staged binds are made."""
+    def _overlay(self, lower: Path, layer: str) -> list[str]:
+        """`mount -t overlay` options and target for `lower` under `<layer>-upper`."""
+        for name in (f"{layer}-upper", f"{layer}-work", f"{layer}-merged"):
+            (self.root / name).mkdir(exist_ok=True)
+        if self.user.switches:  # the layer's root is the sandbox user's, as the image's is
+            os.chown(self.root / f"{layer}-upper", self.user.uid, self.user.gid)
+        options = (f"lowerdir={lower},upperdir={self.root / f'{layer}-upper'},"
+                   f"workdir={self.root / f'{layer}-work'}")
+        if os.geteuid() != 0:
+            options += ",userxattr"
+        return [options, str(self.root / f"{layer}-merged")]
+
+    def _pristine_view(self, role: Role) -> bool:
+        """Whether this sandbox is the verifier's pristine view of an image: a fresh overlay
+        of the image with the agent's workdir bound in."""
+        return role == "verifier" and self.verifier_root == "pristine" and self.image is not None
+
+    def _prefix(self, staged: Sequence[tuple[Path, Path]], role: Role = "agent") -> list[str]:
+        """The private mount namespace in which the overlays and staged binds are made."""
         if not self.overlay and not staged:
             return []
+        overlays: list[str] = []
         if self.overlay:
             lower = self.image.root if self.image is not None else self.host_work
             options = (f"lowerdir={lower},upperdir={self.root / 'upper'},"
                        f"workdir={self.root / 'overlay-work'}")
             if os.geteuid() != 0:
                 options += ",userxattr"
-            overlay = [options, str(self.root / "merged")]
-        else:
-            overlay = ["-", "-"]
+            overlays += [options, str(self.root / "merged")]
+        if self._pristine_view(role):
+            assert self.image is not None and self.image.root is not None
+            overlays += self._overlay(self.image.root, f"pristine-{self._verifications}")
         namespace = ["unshare", "--mount", "--propagation", "private"]
         if os.geteuid() != 0:
             namespace[1:1] = ["--user", "--map-root-user"]
         pairs = [str(p) for pair in staged for p in pair]
-        return [*namespace, "--", "sh", "-c", STAGE_SCRIPT, "sh", *overlay, *pairs, "--"]
+        return [*namespace, "--", "sh", "-c", STAGE_SCRIPT, "sh", *overlays, "--", *pairs,
+                "--"]
 
     def _stage(self, source: Path, staged: list[tuple[Path, Path]]) -> Path:
         """Where bwrap takes `source` from: itself, or (root) a staged read-only bind."""
@@ -341,7 +360,10 @@ class LocalSandbox:
             args.extend([kind, *([str(source)] if source is not None else []), target])
             points.append((target, whole))
 
-        if self.overlay:
+        pristine = self._pristine_view(role)
+        if pristine:  # the image as it was, a fresh layer above (made in _prefix)
+            args += ["--bind", str(self.root / f"pristine-{self._verifications}-merged"), "/"]
+        elif self.overlay:
             args += ["--bind", str(self.root / "merged"), "/"]
         for path in SYSTEM_PATHS if self.image is None else ():
             if os.path.islink(path):
@@ -362,13 +384,17 @@ class LocalSandbox:
             mount("--bind", self.session_dir, str(self.session_dir))
         if not self.overlay:
             mount("--bind", self.host_work, self.workdir)
+        elif pristine:  # the agent's workdir, as the agent left it
+            assert self.image is not None and self.image.root is not None
+            inside = resolve_inside(self.image.root, self.workdir)
+            mount("--bind", self.root / "merged" / inside.lstrip("/"), self.workdir)
         if role == "verifier":
             if self.tests is not None:
                 mount("--ro-bind", self._stage(self.tests, staged), "/tests")
             mount("--bind", verifier_logs, "/logs/verifier")
         self._clear_mount_points(points)
         args += ["--chdir", self.workdir, "--info-fd", str(info_fd), "--", *command]
-        return [*self._prefix(staged), *self.user.setpriv(), *args]
+        return [*self._prefix(staged, role), *self.user.setpriv(), *args]
 
     def _clear_mount_points(self, points: Sequence[tuple[str, bool]]) -> None:
         """Undo what the agent planted at our mount points in its writable layer."""
