@@ -286,7 +286,7 @@ def _run_options(args: argparse.Namespace) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the real Codex CLI on a task in the local sandbox; print each session's outcome."""
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
-    from trialledger.adapters.runner import CodexNotFound, SessionRunner
+    from trialledger.adapters.runner import CodexNotFound, SessionResult, SessionRunner
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.task import Task, TaskInvalid
 
@@ -296,7 +296,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def go() -> list[Any]:
         await check_endpoint(args.model_base_url, api_key)  # before anything is seeded
         async with await Ledger.open(args.db) as ledger:
-            return await SessionRunner(ledger, task, options, environment).run_trial()
+            runner = SessionRunner(ledger, task, options, environment)
+            if not args.trial:
+                return await runner.run_trial()
+            before = await ledger.sessions(trial_id=args.trial)
+            if any(s["task"] != task.name for s in before):
+                raise Refused(f"--trial {args.trial} is a trial of task {before[0]['task']}, "
+                              f"not {task.name}")
+            seen = {s["session_id"] for s in before}
+            sessions = await runner.continue_trial(args.trial)
+            shown = [s for s in sessions if s["session_id"] not in seen] or sessions[-1:]
+            return [SessionResult(s["session_id"], await ledger.view(s["session_id"]))
+                    for s in shown]
 
     try:
         task = Task.load(Path(args.task_dir))
@@ -962,6 +973,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("run", help="run the real Codex CLI on a task in the local sandbox")
     p.add_argument("task_dir", help="instruction.md, task.toml, workspace/, tests/test.sh")
+    p.add_argument("--trial", metavar="ID",
+                   help="run (or continue) this trial: its sessions a crashed runner left "
+                        "open are recovered and its next attempt runs, up to --max-attempts")
     _with_run_options(p, json_help="one JSON object per session (outcome, rule, cause, "
                                    "rewards, tokens)")
     p.set_defaults(handler=cmd_run)

@@ -238,8 +238,10 @@ class Cache:
 
     def remember(self, key: str, digest: str) -> None:
         self._prepare_folders()
-        scratch = self.folder / "refs" / f".{key}.{os.getpid()}"
-        scratch.write_text(digest, encoding="utf-8")
+        # A scratch file of its own (threads of one process too), then an atomic rename.
+        fd, scratch = tempfile.mkstemp(prefix=f".{key[:16]}-", dir=self.folder / "refs")
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(digest)
         os.replace(scratch, self.folder / "refs" / key)
 
     def entries(self) -> list[Entry]:

@@ -33,7 +33,6 @@ from trialledger.store.jobs import Claim, JobRefused, Jobs
 
 log = logging.getLogger(__name__)
 LEASE_S = 60.0
-FINAL = ("verify", "unverified")
 
 
 def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
@@ -213,25 +212,12 @@ class JobRunner:
 
     async def _trial(self, claim: Claim) -> TrialDone:
         task = self.by_name[claim.task]
-        runner = SessionRunner(self.ledger, task, self.options, self.environments[claim.task])
-        while True:
-            sessions = await self.ledger.sessions(trial_id=claim.trial_id)
-            still_open = [s["session_id"] for s in sessions if s["state"] != "closed"]
-            if still_open:  # left by a runner that died holding this trial
-                await self.ledger.recover_sessions(still_open)
-                sessions = await self.ledger.sessions(trial_id=claim.trial_id)
-            last = sessions[-1] if sessions else None
-            # A harness failure (cancelled, or recovered after a crash) never uses up one
-            # of the trial's attempts.
-            counted = sum(1 for s in sessions
-                          if s["close_reason"] not in ("cancelled", "recovered"))
-            final = last is not None and last["outcome"] in FINAL and not (
-                last["close_reason"] == "recovered" and last["outcome"] != "verify")
-            if final or counted >= self.max_attempts:
-                return await self._done(claim, sessions)
-            await runner.run_session(attempt=(int(last["attempt"]) + 1) if last else 1,
-                                     retry_of=last["session_id"] if last else None,
-                                     trial_id=claim.trial_id, lease=claim.token)
+        options = dataclasses.replace(self.options, max_attempts=self.max_attempts)
+        runner = SessionRunner(self.ledger, task, options, self.environments[claim.task])
+        # The lease says no one else holds the trial: its open sessions are a dead
+        # holder's, recovered before the next attempt.
+        sessions = await runner.continue_trial(claim.trial_id, lease=claim.token)
+        return await self._done(claim, sessions)
 
     async def _done(self, claim: Claim, sessions: list[dict[str, Any]]) -> TrialDone:
         outcome = sessions[-1]["outcome"] if sessions else "pending"

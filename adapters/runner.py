@@ -43,7 +43,12 @@ from trialledger.core.errors import TrialLedgerError
 from trialledger.core.seed import ValidSeed
 from trialledger.core.settings import Settings
 from trialledger.store import LeaseLost, Ledger, StoredEvent
-from trialledger.store.ledger import HEARTBEAT_S, StoreUnavailable
+from trialledger.store.ledger import (
+    HEARTBEAT_S,
+    RunnerAlive,
+    StoreUnavailable,
+    gone_from_this_host,
+)
 from trialledger.store.writer import Fence, now
 
 PROBE_LIMIT_S = 10.0
@@ -291,6 +296,32 @@ class SessionRunner:
             retry_of = result.session_id
         return results
 
+    async def continue_trial(self, trial_id: str, *, lease: str | None = None
+                             ) -> list[dict[str, Any]]:
+        """Run a trial's next attempts, as its sessions in the store say (a job's trial, or
+        `run --trial` after a crash): sessions still open are recovered first — without a
+        `lease`, only when their runner is gone (`RunnerAlive` otherwise) — and attempts go
+        on until one ends final or `max_attempts` have counted (`next_attempt`). Returns
+        the trial's sessions (rows of the `sessions` view) at the end."""
+        while True:
+            sessions = await self.ledger.sessions(trial_id=trial_id)
+            still_open = [s for s in sessions if s["state"] != "closed"]
+            if still_open and lease is None:
+                alive = {r for r in await self.ledger.live_runners()
+                         if not gone_from_this_host(r)}
+                if busy := [s for s in still_open if s["runner_id"] in alive]:
+                    raise RunnerAlive(f"trial {trial_id} has session {busy[0]['session_id']} "
+                                      f"running under runner {busy[0]['runner_id']}, which is "
+                                      f"alive")
+            if still_open:  # left by a runner that died holding this trial
+                await self.ledger.recover_sessions([s["session_id"] for s in still_open])
+                sessions = await self.ledger.sessions(trial_id=trial_id)
+            step = next_attempt(sessions, max(1, self.options.max_attempts))
+            if step is None:
+                return sessions
+            await self.run_session(attempt=step[0], retry_of=step[1], trial_id=trial_id,
+                                   lease=lease)
+
     async def run_session(self, *, attempt: int = 1, retry_of: str | None = None,
                           trial_id: str | None = None, lease: str | None = None
                           ) -> SessionResult:
@@ -533,6 +564,24 @@ class SessionRunner:
             {"type": kind, "at": now(), "data": {**data, **output}, "schema": 2}
             if kind.startswith("verification.") and output else
             {"type": kind, "at": now(), "data": data} for kind, data in found])
+
+
+FINAL = ("verify", "unverified")
+
+
+def next_attempt(sessions: Sequence[Mapping[str, Any]], max_attempts: int
+                 ) -> tuple[int, str | None] | None:
+    """A trial's next (attempt, retry_of) from its closed sessions, oldest first; None when
+    its last session ended final (`verify`, or `unverified` not by a crash) or
+    `max_attempts` sessions have counted. A harness failure — closed `cancelled`, or
+    `recovered` after a crash without a verdict — never uses up an attempt."""
+    last = sessions[-1] if sessions else None
+    counted = sum(1 for s in sessions if s["close_reason"] not in ("cancelled", "recovered"))
+    final = last is not None and last["outcome"] in FINAL and not (
+        last["close_reason"] == "recovered" and last["outcome"] != "verify")
+    if final or counted >= max_attempts:
+        return None
+    return (int(last["attempt"]) + 1 if last else 1, last["session_id"] if last else None)
 
 
 def verifier_output(stdout: str, stderr: str, secrets: Sequence[str]) -> dict[str, str]:

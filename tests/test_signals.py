@@ -184,3 +184,30 @@ def test_a_runner_killed_mid_archive_writes_nothing_after_and_recover_names_it(
         closed = conn.execute("SELECT state, close_reason FROM sessions").fetchone()
     assert ("verification_interrupted",) in gaps  # why it has no verdict: a re-run is due
     assert closed == ("closed", "recovered")
+
+
+def test_run_trial_continues_a_crashed_runners_trial_as_its_next_attempt(
+        tmp_path: Path) -> None:
+    from trialledger import cli
+
+    task = make_task(tmp_path / "task", test_sh="test -f built.txt\n")
+    db = tmp_path / "t.db"
+    turns = {"build it": [shell("sleep 20; echo built > built.txt"), message("built")]}
+    task.folder.joinpath("instruction.md").write_text("build it")
+    with ScriptedEndpoint([message()], turns=turns) as endpoint:
+        with running(db, task.folder, endpoint.url, "--trial", "t-1") as runner:
+            runner.send_signal(signal.SIGKILL)  # a crash: nothing closes the session
+            runner.wait(timeout=30)
+        seen = _state(db)
+        assert seen is not None and seen[1] == "running"
+        endpoint.turns["build it"] = [shell("echo built > built.txt"), message("built")]
+        code = cli.main(["run", str(task.folder), "--db", str(db), "--model-base-url",
+                         endpoint.url, "--model", "m", "--codex-bin", codex_path(),
+                         "--trial", "t-1"])
+    assert code == 0
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT session_id, attempt, retry_of, close_reason, outcome "
+                            "FROM sessions ORDER BY attempt").fetchall()
+    (first, second) = rows
+    assert first[3] == "recovered" and first[4] == "retry"  # sandbox.lost, evidence kept
+    assert second[1:] == (2, first[0], "normal", "verify")  # the next attempt, chained
