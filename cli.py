@@ -275,9 +275,10 @@ def _run_options(args: argparse.Namespace) -> Any:
         if not isinstance(grants, list):
             raise Refused(f"--grants {args.grants}: expected a JSON list of grants")
     return RunOptions(
-        model_base_url=args.model_base_url, model=args.model, api_key=api_key, grants=grants,
-        overrides=_parse_set(args.set or []), codex_bin=args.codex_bin,
-        max_attempts=args.max_attempts, sandbox_uid=args.sandbox_uid,
+        model_base_url=args.model_base_url, model=getattr(args, "model", None) or "",
+        api_key=api_key, grants=grants, overrides=_parse_set(getattr(args, "set", None) or []),
+        codex_bin=args.codex_bin, max_attempts=getattr(args, "max_attempts", 1),
+        sandbox_uid=args.sandbox_uid,
         protected_paths=_store_files(args.db),
         **({"runner_id": args.runner_id} if args.runner_id else {}),
     )
@@ -406,8 +407,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from trialledger.adapters.task import TaskInvalid
     from trialledger.store.jobs import Jobs
 
-    args.model, args.set, args.max_attempts = "from-the-job", [], 1  # the job's own apply
-    options = _run_options(args)
+    options = _run_options(args)  # model, settings and attempts: the job's (worker_runner)
     said = _trial_printer(args.json)
     holder: list[Any] = []
 
@@ -859,18 +859,30 @@ def _with_sandbox_uid(p: argparse.ArgumentParser) -> None:
                         "(default: the trialledger-sandbox user that `setup` creates)")
 
 
-def _with_run_options(p: argparse.ArgumentParser, *, json_help: str) -> None:
-    """What `run` and `job run` share: the store, the endpoint, grants, settings, the
-    sandbox and the environment cache."""
+def _with_lease(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lease-s", type=float, default=60.0,
+                   help="a held trial's lease, renewed every third of it (default 60)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM: seconds running trials get before they are "
+                        "cancelled (default 30)")
+
+
+def _with_run_options(p: argparse.ArgumentParser, *, json_help: str, of_job: bool = True
+                      ) -> None:
+    """What `run`, `job run` and `worker` share: the store, the endpoint, grants, the
+    sandbox and the environment cache; and (`of_job`, not for a worker, which takes them
+    from the job) the model, the settings and the attempts."""
     _with_db(p)
     p.add_argument("--model-base-url", required=True, help="the Responses endpoint's base URL")
-    p.add_argument("--model", required=True, help="the model name to ask for")
     p.add_argument("--api-key-env", metavar="NAME", help="environment variable with the API key")
-    p.add_argument("--grants", metavar="FILE.json", help="a JSON list of tool grants")
-    p.add_argument("--max-attempts", type=_positive, default=1,
-                   help="sessions per trial at most: a retry decision runs another, up to N")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="a setting (VALUE parsed as JSON, else a string); repeatable")
+    p.add_argument("--grants", metavar="FILE.json", help="a JSON list of tool grants (a "
+                   "worker's must match its job's)")
+    if of_job:
+        p.add_argument("--model", required=True, help="the model name to ask for")
+        p.add_argument("--max-attempts", type=_positive, default=1,
+                       help="sessions per trial at most: a retry decision runs another, up to N")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="a setting (VALUE parsed as JSON, else a string); repeatable")
     p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
     p.add_argument("--runner-id", help="this runner's id (default: host-pid)")
     p.add_argument("--json", action="store_true", help=json_help)
@@ -990,11 +1002,7 @@ def build_parser() -> argparse.ArgumentParser:
     jr.add_argument("-n", type=_positive, default=1, help="sessions at once (default 1)")
     jr.add_argument("--include", action="append", metavar="GLOB", help="task names to run")
     jr.add_argument("--exclude", action="append", metavar="GLOB", help="task names to skip")
-    jr.add_argument("--lease-s", type=float, default=60.0,
-                    help="a held trial's lease, renewed every third of it (default 60)")
-    jr.add_argument("--grace", type=float, default=30.0,
-                    help="on SIGINT/SIGTERM: seconds running trials get before they are "
-                         "cancelled (default 30)")
+    _with_lease(jr)
     _with_run_options(jr, json_help="one JSON object per finished trial")
     jr.set_defaults(handler=cmd_job_run)
     js = job_commands.add_parser("show", help="a job's summary: per task, trials with --json")
@@ -1004,22 +1012,11 @@ def build_parser() -> argparse.ArgumentParser:
     js.set_defaults(handler=cmd_job_show)
     p = commands.add_parser("worker", help="work queued trials of jobs (any machine; "
                                            "PostgreSQL for several)")
-    _with_db(p)
     p.add_argument("--job", help="only this job (default: every job with queued trials)")
     p.add_argument("-n", type=_positive, default=1, help="sessions at once (default 1)")
-    p.add_argument("--model-base-url", required=True, help="the Responses endpoint's base URL")
-    p.add_argument("--api-key-env", metavar="NAME", help="environment variable with the API key")
-    p.add_argument("--grants", metavar="FILE.json",
-                   help="the job's grants with their secrets (must match the job's)")
-    p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
-    p.add_argument("--runner-id", help="this worker's id (default: host-pid)")
-    p.add_argument("--lease-s", type=float, default=60.0, help="lease of a held trial")
-    p.add_argument("--grace", type=float, default=30.0,
-                   help="on SIGINT/SIGTERM: seconds running trials get (default 30)")
-    p.add_argument("--json", action="store_true", help="one JSON object per finished trial")
-    _with_sandbox_uid(p)
-    _with_cache(p)
-    p.add_argument("--engine", choices=("podman", "docker"), help="the container engine")
+    _with_lease(p)
+    # The model, settings and attempts are the job's own; the endpoint and secrets ours.
+    _with_run_options(p, json_help="one JSON object per finished trial", of_job=False)
     p.set_defaults(handler=cmd_worker)
 
     jl = job_commands.add_parser("ls", help="every job with its trials by state")
