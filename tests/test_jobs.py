@@ -140,6 +140,10 @@ def test_a_changed_configuration_is_refused_naming_the_field(
     assert cli.main(["job", "run", "j", str(data / "clean-a"), *job_args(db, endpoint.url),
                      "-k", "2"]) == 0  # a larger k adds trials
     assert len(rows(db, "SELECT * FROM job_trials WHERE job = 'j'")) == 2
+    capsys.readouterr()
+    assert cli.main(["job", "run", "j", str(data / "clean-a"), *job_args(db, endpoint.url),
+                     "-k", "1"]) == 2  # a smaller one would drop trials
+    assert "a smaller -k 1 would drop trials" in capsys.readouterr().err
     assert cli.main(["job", "show", "nope", "--db", str(db)]) == 2
     assert capsys.readouterr().err.strip() == "trialledger: no job named nope"
 
@@ -220,15 +224,21 @@ async def test_the_job_views_agree_on_both_databases(db: str) -> None:
     async with await Ledger.open(db) as ledger:
         jobs = Jobs(ledger)
         config = {"model": "m", "settings": {}, "grants": [], "k": 2, "max_attempts": 1}
-        await jobs.define("j", {**config, "k": 3}, [("t", "/tasks/t")])
-        for index, reward in enumerate([1.0, 0.0, 0.0]):
-            log = run(CLEAN, 0)
-            log.events[0]["data"].update(trial_id=trial_id("j", "t", index), task="t")
-            log.add("verification.recorded", {"rewards": {"reward": reward}, "detail": None})
-            log.add("session.closed", {"reason": "normal"})
-            await ledger.import_log(log.events)
-        (task,) = await jobs.tasks("j")
-        trials = await jobs.trials("j")
+        await jobs.define("j", {**config, "k": 3},
+                          [("t", "/tasks/t"), ("zero", "/tasks/zero"), ("short", "/t/s")])
+        verdicts = {"t": [1.0, 0.0, 0.0], "zero": [0.0, 0.0, 0.0], "short": [1.0, 1.0, None]}
+        for name, rewards in verdicts.items():
+            for index, reward in enumerate(rewards):
+                log = run(CLEAN, 0)
+                log.events[0]["data"].update(trial_id=trial_id("j", name, index), task=name)
+                if reward is not None:  # else closed unverified: unscored, never a 0
+                    log.add("verification.recorded",
+                            {"rewards": {"reward": reward}, "detail": None})
+                log.add("session.closed", {"reason": "normal"})
+                await ledger.import_log(log.events)
+        by_task = {row["task"]: row for row in await jobs.tasks("j")}
+        task = by_task["t"]
+        trials = [t for t in await jobs.trials("j") if t["task"] == "t"]
     assert [t["scored"] for t in trials] == [1, 1, 1]
     assert [t["reward"] for t in trials] == [1.0, 0.0, 0.0]
     assert task["mean_reward"] == pytest.approx(1 / 3)
@@ -236,6 +246,9 @@ async def test_the_job_views_agree_on_both_databases(db: str) -> None:
     assert task["pass_at_k"] == pytest.approx(pass_at_k(3, 1, 3))
     assert (task["trials"], task["scored"], task["retries"]) == (3, 3, 0)
     assert task["total_tokens"] is not None and task["wall_s"] > 0
+    assert by_task["zero"]["pass_at_k"] == 0.0 and by_task["zero"]["mean_reward"] == 0.0
+    short = by_task["short"]  # 2 of 3 scored: fewer than k, so no pass@k, and no fake 0
+    assert (short["scored"], short["pass_at_k"], short["mean_reward"]) == (2, None, 1.0)
 
 
 def test_sigterm_cancels_running_trials_releases_them_and_resume_completes(
@@ -451,3 +464,28 @@ def test_the_progress_line_says_states_and_retries_by_cause() -> None:
                           "retries": {"http_429": 2, "lost": 1}})
     assert line == ("queued 3 · running 2 · done 5 · environment failed 1 · "
                     "retries: http_429 ×2, lost ×1")
+
+
+@pytest.mark.anyio
+async def test_a_worker_whose_grants_differ_from_the_jobs_is_refused(tmp_path: Path) -> None:
+    """A worker brings its own secrets; their fingerprints must be the job's."""
+    from trialledger.adapters.jobs import job_config, worker_runner
+    from trialledger.adapters.runner import RunOptions
+    from trialledger.store import Ledger
+    from trialledger.store.jobs import JobRefused, Jobs
+
+    grant = {"name": "gym", "kind": "mcp", "required": True, "url": "http://127.0.0.1:9/mcp",
+             "headers": {"Authorization": "Bearer job-token"}}
+    created = RunOptions(model_base_url="http://x", model="m", grants=[grant])
+    make_task(tmp_path / "t", test_sh="exit 0\n")
+    async with await Ledger.open(str(tmp_path / "j.db")) as ledger:
+        await Jobs(ledger).define("g", job_config(created, 1, 1), [("t", str(tmp_path / "t"))])
+        other = {**grant, "headers": {"Authorization": "Bearer another-token"}}
+        with pytest.raises(JobRefused, match="other grants"):
+            await worker_runner(ledger, "g", RunOptions(model_base_url="http://y", model="",
+                                                        grants=[other]))
+        joined = await worker_runner(ledger, "g", RunOptions(
+            model_base_url="http://y", model="", grants=[grant]))
+        assert joined.options.model == "m" and [t.name for t in joined.tasks] == ["t"]
+    stored = (tmp_path / "j.db").read_bytes()
+    assert b"job-token" not in stored  # the job keeps a fingerprint, never the secret
