@@ -474,7 +474,8 @@ async def _with_live(ledger: Ledger, job: str, wanted: bool,
                 counts = await jobs.progress(job)
                 total = sum(counts[k] for k in ("queued", "running", "done",
                                                 "environment_failed"))
-                bar.update(shown, description=progress_text(counts), total=total,
+                said = progress_text(counts) if total else f"job {job}: preparing its tasks"
+                bar.update(shown, description=said, total=total or None,
                            completed=counts["done"] + counts["environment_failed"])
 
         async def poll() -> None:
