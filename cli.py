@@ -822,18 +822,38 @@ def cmd_import_harbor(args: argparse.Namespace) -> int:
             return await import_job(ledger, job)
 
     agreements = anyio.run(go)
+    disagreeing = sum(not a.agrees for a in agreements)
     if args.json:
-        _print_json([{**a.__dict__, "agrees": a.agrees, "explanation": a.explanation}
-                     for a in agreements])
-        return EXIT_OK
-    _table(["trial", "session", "harbor", "ours", "agree", "rewards", "why"], [
-        (a.trial, a.session_id, f"{a.harbor_exception or '-'} → {a.harbor_verdict}",
-         f"{a.our_rule} → {a.our_action}", "yes" if a.agrees else "NO",
-         "appended" if a.rewards_appended else "compared", a.explanation)
+        _print_json([a.as_json() for a in agreements])
+        return EXIT_FOUND if disagreeing else EXIT_OK
+    _table(["trial", "session", "harbor → verdict, reward", "ours: rule → action, reward",
+            "agree", "tokens in/cached/out", "why"], [
+        (a.trial, a.session_id,
+         f"{a.harbor_exception or '-'} → {a.harbor_verdict}, {_rewards_text(a.harbor_rewards)}",
+         f"{a.our_rule} → {a.our_action}, {_rewards_text(a.our_rewards)}",
+         "yes" if a.agrees else "NO", _tokens_text(a), a.explanation)
         for a in agreements])
-    agreeing = sum(a.agrees for a in agreements)
-    out.print(f"{len(agreements)} trials imported; {agreeing} agree with Harbor's verdict")
-    return EXIT_OK
+    unchanged = sum(a.status == "unchanged" for a in agreements)
+    out.print(f"{len(agreements)} trials imported; {len(agreements) - disagreeing} agree with "
+              f"Harbor's verdict" + (f"; {unchanged} unchanged since an earlier import"
+                                     if unchanged else ""))
+    return EXIT_FOUND if disagreeing else EXIT_OK
+
+
+def _rewards_text(rewards: Mapping[str, Any] | None) -> str:
+    return ", ".join(f"{name} {value}" for name, value in rewards.items()) if rewards else "-"
+
+
+def _tokens_text(agreement: Any) -> str:
+    """Harbor's counts and ours, or one figure when they agree."""
+    def said(tokens: Mapping[str, int | None] | None) -> str:
+        if tokens is None:
+            return "unknown"
+        return "/".join("?" if tokens[k] is None else str(tokens[k])
+                        for k in ("input", "cached", "output"))
+    if agreement.tokens_agree:
+        return f"{said(agreement.our_tokens)} (same)"
+    return f"Harbor {said(agreement.harbor_tokens)}, ours {said(agreement.our_tokens)}"
 
 
 def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

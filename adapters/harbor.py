@@ -50,18 +50,28 @@ class HarborJobInvalid(TrialLedgerError):
     """A job folder that cannot be imported (the message names the trial and why)."""
 
 
+Tokens = dict[str, int | None]  # input (cached included), cached, output
+
+
 @dataclass(frozen=True)
 class Agreement:
     """How our re-derived decision compares with Harbor's own verdict for one trial."""
 
     trial: str
     session_id: str
+    status: str  # imported | unchanged (the same log was already stored)
     harbor_exception: str | None
+    harbor_policy: dict[str, bool] | None  # the exception's error policy, as Harbor applied it
     harbor_verdict: str  # verify | retry | drop
     harbor_reward_valid: bool
+    harbor_rewards: dict[str, Any] | None
     our_rule: str
     our_action: str
     our_reward_valid: bool
+    our_rewards: dict[str, Any] | None  # Harbor's, where we decide verify; else none
+    our_evidence: str  # what our rule decided on: cause, status, error, recorded gaps
+    harbor_tokens: Tokens | None
+    our_tokens: Tokens | None
     rewards_appended: bool
 
     @property
@@ -71,19 +81,77 @@ class Agreement:
             self.our_action, self.our_reward_valid)
 
     @property
+    def tokens_agree(self) -> bool | None:
+        """Whether Harbor's token counts are ours (None when either side has none)."""
+        if self.harbor_tokens is None or self.our_tokens is None:
+            return None
+        return self.harbor_tokens == self.our_tokens
+
+    @property
     def explanation(self) -> str:
-        """Why the two differ (or that they do not)."""
+        """Why the two differ — Harbor's exception policy against our rule and the evidence
+        it decided on — or that they do not."""
         if self.agrees:
             return "same verdict"
-        harbor = (f"Harbor: {self.harbor_exception or 'no exception'} → "
-                  f"{self.harbor_verdict}, reward {_validity(self.harbor_reward_valid)}")
+        if self.harbor_exception is None:
+            harbor = "Harbor: no exception"
+        else:
+            policy = ", ".join(f"{k} {str(v).lower()}"
+                               for k, v in (self.harbor_policy or {}).items())
+            harbor = f"Harbor: {self.harbor_exception} ({policy or 'no policy recorded'})"
+        harbor += (f" → {self.harbor_verdict}, reward "
+                   f"{_validity(self.harbor_reward_valid)}")
         ours = (f"we: rule {self.our_rule} → {self.our_action}, reward "
-                f"{_validity(self.our_reward_valid)}")
+                f"{_validity(self.our_reward_valid)}, on {self.our_evidence}")
         return f"{harbor}; {ours}"
+
+    def as_json(self) -> dict[str, Any]:
+        """Every field, and the derived agreement, explanation and token comparison."""
+        return {**self.__dict__, "agrees": self.agrees, "tokens_agree": self.tokens_agree,
+                "explanation": self.explanation}
 
 
 def _validity(valid: bool) -> str:
     return "valid" if valid else "invalid"
+
+
+def _evidence(view: SessionView) -> str:
+    """What a decision rested on, in words: its cause, HTTP status, error and the gaps
+    the import recorded (a missing `codex.txt` among them)."""
+    decision = view.decision
+    said = []
+    if decision is not None and decision.cause is not None:
+        code = decision.cause.status_code
+        said.append(f"cause {decision.cause.kind}" + (f" (status {code})" if code else ""))
+    if decision is not None and decision.incomplete_reason:
+        said.append(f"incomplete: {decision.incomplete_reason}")
+    if decision is not None and decision.error:
+        error = decision.error if len(decision.error) <= 160 else decision.error[:157] + "..."
+        said.append(f"error {error!r}")
+    recorded = sorted({e.data.code for e in view.events if e.type == "gap.recorded"}
+                      - {"cleanup_assumed", "harbor_retries_discarded"})
+    if recorded:
+        said.append("gaps " + ", ".join(recorded))
+    return "; ".join(said) or f"a {decision.status if decision else 'missing'} run"
+
+
+def _harbor_tokens(result: dict[str, Any]) -> Tokens | None:
+    """Harbor's `agent_result` counts (its input includes the cached tokens, as ours)."""
+    agent = result.get("agent_result") or {}
+    counts = {name: agent.get(key) for name, key in (
+        ("input", "n_input_tokens"), ("cached", "n_cache_tokens"), ("output", "n_output_tokens"))}
+    if counts["input"] is None and counts["output"] is None:
+        return None
+    return {k: v if isinstance(v, int) and not isinstance(v, bool) else None
+            for k, v in counts.items()}
+
+
+def _our_tokens(view: SessionView) -> Tokens | None:
+    usage = view.usage
+    if usage is None:
+        return None
+    return {"input": usage.input_tokens, "cached": usage.cached_input_tokens,
+            "output": usage.output_tokens}
 
 
 def _harbor_verdict(result: dict[str, Any]) -> tuple[str, bool]:
@@ -117,9 +185,10 @@ def _result(job: AgentTree, trial: str) -> dict[str, Any]:
     return result
 
 
-def _text_lines(job: AgentTree, path: str, gaps: list[dict[str, Any]], at: str
-                ) -> list[str]:
-    """A file's lines, read safely; an unsafe file or over-long line is a gap."""
+def _text_lines(job: AgentTree, path: str, gaps: list[dict[str, Any]], *,
+                required: bool = False) -> list[str]:
+    """A file's lines, read safely; an unsafe file or over-long line is a gap, and so is
+    a `required` one that is missing."""
     lines: list[str] = []
     try:
         for line in job.lines(path):
@@ -131,6 +200,10 @@ def _text_lines(job: AgentTree, path: str, gaps: list[dict[str, Any]], at: str
     except UnsafeAgentFile as error:
         if error.rule != "missing":
             gaps.append(error.gap())
+        elif required:
+            gaps.append({"code": "agent_output_missing",
+                         "detail": f"{path} is missing: Codex's stream was not kept, so "
+                                   "nothing shows that the agent ran"})
     return lines
 
 
@@ -172,7 +245,7 @@ def _trial_events(job: AgentTree, trial: str, result: dict[str, Any], job_retrie
                       "attempt of each, so earlier attempts of this trial may be missing"}})
     stderr: list[str] = []
     gaps: list[dict[str, Any]] = []
-    for line in _text_lines(job, f"{trial}/agent/codex.txt", gaps, run_end):
+    for line in _text_lines(job, f"{trial}/agent/codex.txt", gaps, required=True):
         record = parse_stream_line(line)
         if record.gap is not None:  # not JSON: Harbor pipes stderr into the same file
             stderr.append(line)
@@ -185,7 +258,7 @@ def _trial_events(job: AgentTree, trial: str, result: dict[str, Any], job_retrie
     rollouts, refused = job.find(f"{trial}/agent/sessions", "rollout-*.jsonl")
     gaps += [error.gap() for error in refused]
     rollout_lines = [line for path in rollouts
-                     for line in _text_lines(job, path, gaps, run_end)]
+                     for line in _text_lines(job, path, gaps)]
     events += usage_events(rollout_lines, at=run_end)
     events += [{"type": "gap.recorded", "at": run_end, "data": gap} for gap in gaps]
     info = result.get("exception_info") or {}
@@ -240,28 +313,41 @@ async def import_job(ledger: Ledger, job: Path) -> list[Agreement]:
     trial is read and checked before the first is stored; each is stored all or nothing."""
     tree = AgentTree(job.resolve())
     retries = job_retries(tree)
+    trials = trial_folders(job)
+    if not trials:
+        raise HarborJobInvalid(f"{job}: no trial folder with a result.json in it; is this "
+                               "a Harbor job folder (jobs/<job name>/)?")
     prepared = []
-    for trial in trial_folders(job):
+    for trial in trials:
         session_id, events, result = trial_events(tree, trial, job_retries=retries)
         events[0]["session_id"] = session_id
         try:
             full, view, appended = completed_events(events, result)
-            replay(full)  # every line is checked before anything is stored
+            final = replay(full)  # every line is checked before anything is stored
         except (BadEvent, IllegalTransition, TypeError, AttributeError) as error:
             raise HarborJobInvalid(f"trial {trial}: {error}; nothing was imported") from None
-        prepared.append((trial, session_id, result, full, view, appended))
+        prepared.append((trial, session_id, result, full, view, final, appended))
     agreements = []
-    for trial, session_id, result, full, view, appended in prepared:
-        await ledger.import_log(full)
+    for trial, session_id, result, full, view, final, appended in prepared:
+        stored = bool(await ledger.sessions(session_id=session_id))
+        await ledger.import_log(full)  # the same log again is a no-op; a changed one refused
         decision = view.decision
         verdict, harbor_valid = _harbor_verdict(result)
+        info = result.get("exception_info") or {}
+        policy = info.get("policy")
+        rewards = (result.get("verifier_result") or {}).get("rewards")
         agreements.append(Agreement(
-            trial=trial, session_id=session_id,
-            harbor_exception=(result.get("exception_info") or {}).get("exception_type"),
+            trial=trial, session_id=session_id, status="unchanged" if stored else "imported",
+            harbor_exception=info.get("exception_type"),
+            harbor_policy={k: bool(v) for k, v in policy.items()}
+            if isinstance(policy, dict) else None,
             harbor_verdict=verdict, harbor_reward_valid=harbor_valid,
+            harbor_rewards=rewards if isinstance(rewards, dict) else None,
             our_rule=decision.rule if decision else "-",
             our_action=decision.action if decision else "-",
             our_reward_valid=bool(decision and decision.reward_valid),
+            our_rewards=final.rewards, our_evidence=_evidence(view),
+            harbor_tokens=_harbor_tokens(result), our_tokens=_our_tokens(view),
             rewards_appended=appended,
         ))
     return agreements

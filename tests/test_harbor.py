@@ -125,17 +125,30 @@ def test_import_harbor_maps_each_trial_and_explains_disagreements(
     folder, ids = job
     db = str(tmp_path / "t.db")
     code, out = _run(capsys, "import-harbor", "--db", db, str(folder), "--json")
-    assert code == 0
+    assert code == 1  # a disagreement is something found
     rows = {row["trial"]: row for row in json.loads(out)}
+    assert {row["status"] for row in rows.values()} == {"imported"}
     timed_out = rows["fix-git-merge__Hk3pQ9a"]
     assert (timed_out["our_rule"], timed_out["our_action"], timed_out["agrees"]) == (
         "incomplete", "verify", True)
     assert timed_out["rewards_appended"] is True
     rate = rows["build-cache__Zz81Aa2"]
     assert (rate["our_rule"], rate["our_action"], rate["agrees"]) == ("reported", "retry", False)
-    assert "Harbor: NonZeroAgentExitCodeError → verify" in rate["explanation"]
+    assert rate["explanation"] == (  # Harbor's exception policy, our rule, our evidence
+        "Harbor: NonZeroAgentExitCodeError (should_retry false, should_grade true, "
+        "has_valid_reward true) → verify, reward valid; we: rule reported → retry, reward "
+        "invalid, on cause model_endpoint (status 429); error 'exceeded retry limit, last "
+        "status: 429 Too Many Requests'")
     assert rate["rewards_appended"] is False  # compared, never appended
-    assert rows["hello__Qq11Ww2"]["agrees"] and rows["hello__Qq11Ww2"]["rewards_appended"]
+    assert (rate["harbor_rewards"], rate["our_rewards"]) == ({"reward": 0.0}, None)
+    hello = rows["hello__Qq11Ww2"]
+    assert hello["agrees"] and hello["rewards_appended"]
+    assert hello["our_rewards"] == hello["harbor_rewards"] == {"reward": 1.0}
+    assert timed_out["harbor_tokens"] == {"input": 1843200, "cached": 1612800,
+                                          "output": 21450}
+    assert timed_out["our_tokens"] == {"input": 1843200, "cached": 0, "output": 21450}
+    assert timed_out["tokens_agree"] is False  # the rollout says no cached tokens
+    assert hello["our_tokens"] == {"input": 12, "cached": 2, "output": 10}
     api = rows["flaky__Rr22Tt3"]
     assert (api["our_rule"], api["harbor_verdict"], api["agrees"]) == (
         "startup_failed", "retry", True)
@@ -155,9 +168,12 @@ def test_import_harbor_twice_is_a_no_op_and_prints_a_table(
         capsys: Any, tmp_path: Path, job: tuple[Path, dict[str, str]]) -> None:
     folder, _ = job
     db = str(tmp_path / "t.db")
-    assert _run(capsys, "import-harbor", "--db", db, str(folder))[0] == 0
+    first = _run(capsys, "import-harbor", "--db", db, str(folder))[1]
+    assert "4 trials imported; 3 agree with Harbor's verdict\n" in first
     code, out = _run(capsys, "import-harbor", "--db", db, str(folder))
-    assert code == 0 and "4 trials imported; 3 agree with Harbor's verdict" in out
+    assert code == 1 and ("4 trials imported; 3 agree with Harbor's verdict; 4 unchanged "
+                          "since an earlier import") in " ".join(out.split())
+    assert "│ NO    │" in out  # the disagreeing row, marked
     code, out = _run(capsys, "sql", "--db", db, "--json", "SELECT count(*) AS n FROM sessions")
     assert json.loads(out) == [{"n": 4}]
 
@@ -173,8 +189,7 @@ def test_links_out_of_the_job_are_never_followed(
     codex.symlink_to(canary)  # the agent's harness pointed its log at a host file
     (folder / "linked-trial").symlink_to(folder / "hello__Qq11Ww2")  # a trial twice
     db = str(tmp_path / "t.db")
-    code, _ = _run(capsys, "import-harbor", "--db", db, str(folder))
-    assert code == 0
+    _run(capsys, "import-harbor", "--db", db, str(folder))
     views = anyio.run(_views, db, ids)
     clean = views["clean"]
     assert "canary-host-secret" not in clean.model_dump_json()
@@ -199,3 +214,34 @@ def test_a_malformed_trial_refuses_the_whole_job_naming_it(
     err = capsys.readouterr().err
     assert code == 2 and "flaky__Rr22Tt3" in err and err.count("\n") == 1, err
     assert anyio.run(_session_count, db) == 0  # nothing of the job was stored
+
+
+@pytest.mark.parametrize("what", ["empty", "a task folder"])
+def test_a_folder_without_trials_is_refused_in_one_line(
+        capsys: Any, tmp_path: Path, what: str) -> None:
+    folder = tmp_path / "jobs" / "nothing"
+    folder.mkdir(parents=True)
+    if what == "a task folder":
+        (folder / "instruction.md").write_text("do it\n")
+        (folder / "tests").mkdir()
+    db = tmp_path / "t.db"
+    code = main(["import-harbor", "--db", str(db), str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and "no trial folder" in err and err.count("\n") == 1, err
+    assert not db.exists() or anyio.run(_session_count, str(db)) == 0
+
+
+def test_a_missing_codex_log_is_a_gap_that_explains_the_retry(
+        capsys: Any, tmp_path: Path, job: tuple[Path, dict[str, str]]) -> None:
+    """Harbor scored the trial, but its codex.txt is gone: nothing shows the agent ran, so
+    we do not grade it — and the gap says why, in the store and in the explanation."""
+    folder, ids = job
+    (folder / "hello__Qq11Ww2" / "agent" / "codex.txt").unlink()
+    db = str(tmp_path / "t.db")
+    code, out = _run(capsys, "import-harbor", "--db", db, str(folder), "--json")
+    assert code == 1
+    hello = next(row for row in json.loads(out) if row["trial"] == "hello__Qq11Ww2")
+    assert (hello["our_action"], hello["agrees"]) == ("retry", False)
+    assert "gaps agent_output_missing" in hello["explanation"]
+    view = anyio.run(_views, db, ids)["clean"]
+    assert "agent_output_missing" in [g.code for g in view.observations.gaps]
