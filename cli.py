@@ -881,9 +881,9 @@ def _with_sandbox_uid(p: argparse.ArgumentParser) -> None:
 
 
 def _with_lease(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lease-s", type=float, default=60.0,
+    p.add_argument("--lease-s", type=_seconds, default=60.0,
                    help="a held trial's lease, renewed every third of it (default 60)")
-    p.add_argument("--grace", type=float, default=30.0,
+    p.add_argument("--grace", type=_grace, default=30.0,
                    help="on SIGINT/SIGTERM: seconds running trials get before they are "
                         "cancelled (default 30)")
 
@@ -936,6 +936,20 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
+    return value
+
+
+def _grace(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, not {text}")
+    return value
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -944,16 +958,67 @@ def _version() -> str:
     except PackageNotFoundError:
         return "unknown"
 
+EXAMPLES = {  # each subcommand's --help ends with these
+    "replay": ["trialledger replay --log session.jsonl",
+               "trialledger replay --db trials.db --all --diff --policy v3"],
+    "db": ["trialledger db upgrade --db postgresql://trials@db.internal/trials"],
+    "db upgrade": ["trialledger db upgrade --db trials.db",
+                   "trialledger db upgrade --db postgresql://admin@db/trials "
+                   "--create-readonly-role"],
+    "import": ["trialledger import --db trials.db session.jsonl --secret-env OPENAI_API_KEY"],
+    "export": ["trialledger export --db trials.db --session 3f2a > session.jsonl"],
+    "audit": ["trialledger audit --db trials.db"],
+    "sql": ["trialledger sql --db trials.db \"SELECT outcome, COUNT(*) FROM sessions "
+            "GROUP BY outcome\"",
+            "trialledger sql --db trials.db --csv \"SELECT * FROM outcomes\" > outcomes.csv"],
+    "run": ["trialledger run tasks/hello --model-base-url http://127.0.0.1:8000/v1 "
+            "--model gpt-5.1-codex --max-attempts 3"],
+    "job": ["trialledger job run nightly datasets/tb -k 3 -n 8 "
+            "--model-base-url http://127.0.0.1:8000/v1 --model gpt-5.1-codex",
+            "trialledger job show nightly"],
+    "job run": ["trialledger job run nightly datasets/tb -k 3 -n 8 --max-attempts 3 "
+                "--model-base-url http://127.0.0.1:8000/v1 --model gpt-5.1-codex "
+                "--exclude 'slow-*'"],
+    "job show": ["trialledger job show nightly --json"],
+    "job ls": ["trialledger job ls --db postgresql://trials@db.internal/trials"],
+    "worker": ["trialledger worker --db postgresql://trials@db.internal/trials --job nightly "
+               "-n 4 --model-base-url http://127.0.0.1:8000/v1"],
+    "cache": ["trialledger cache ls", "trialledger cache prune"],
+    "cache ls": ["trialledger cache ls --json"],
+    "cache prune": ["trialledger cache prune sha256:9a1f"],
+    "setup": ["sudo trialledger setup"],
+    "ls": ["trialledger ls --db trials.db --state graded",
+           "trialledger ls --cause model_endpoint --json"],
+    "show": ["trialledger show 3f2a"],
+    "demo": ["trialledger demo --db demo.db"],
+    "import-harbor": ["trialledger import-harbor --db trials.db jobs/2026-10-20__14-03-05"],
+    "recover": ["trialledger recover --db trials.db --runner build-7-41233",
+                "trialledger recover --db trials.db --all"],
+}
+
+
+def _command(group: Any, path: str, *, help: str) -> argparse.ArgumentParser:  # noqa: A002
+    """The subcommand `path` of `group`: its --help opens with what it does and ends with
+    examples."""
+    parser: argparse.ArgumentParser = group.add_parser(
+        path.split()[-1], help=help, description=help[0].upper() + help[1:] + ".",
+        epilog="examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[path]),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser: one subcommand per SPEC §10 command."""
     parser = _Parser(
-        prog="trialledger", description="Record and judge sandboxed coding-agent trials."
-    )
+        prog="trialledger", description="Record and judge sandboxed coding-agent trials.",
+        epilog="examples:\n  trialledger demo\n  trialledger run tasks/hello "
+               "--model-base-url http://127.0.0.1:8000/v1 --model gpt-5.1-codex\n"
+               "  trialledger ls\n\nEach command's --help has more.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"trialledger {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = commands.add_parser("replay", help="re-derive outcomes from a log or a whole store")
+    p = _command(commands, "replay", help="re-derive outcomes from a log or a whole store")
     p.add_argument("--log", help="a session's JSONL event log")
     _with_db(p)
     p.add_argument("--all", action="store_true", help="every session in --db")
@@ -965,33 +1030,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=cmd_replay)
 
-    p = commands.add_parser("db", help="database maintenance")
+    p = _command(commands, "db", help="database maintenance")
     db_commands = p.add_subparsers(dest="db_command", required=True)
-    up = db_commands.add_parser("upgrade", help="build or migrate a database")
+    up = _command(db_commands, "db upgrade", help="build or migrate a database")
     _with_db(up)
     up.add_argument("--create-readonly-role", metavar="NAME", nargs="?", const=READER_ROLE,
                     help=f"PostgreSQL: also create a role that can only read the store "
                          f"(default name {READER_ROLE}); `sql` runs as it")
     up.set_defaults(handler=cmd_db_upgrade)
 
-    p = commands.add_parser("import", help="append one session's JSONL log")
+    p = _command(commands, "import", help="append one session's JSONL log")
     _with_db(p)
     p.add_argument("file", help="the session's JSONL log")
     p.add_argument("--secret-env", action="append", metavar="NAME",
                    help="scrub the value of this environment variable (repeatable)")
     p.set_defaults(handler=cmd_import)
 
-    p = commands.add_parser("export", help="write a session's log as JSONL")
+    p = _command(commands, "export", help="write a session's log as JSONL")
     _with_db(p)
     p.add_argument("--session", required=True,
                    help="the session id, or a prefix only it starts with")
     p.set_defaults(handler=cmd_export)
 
-    p = commands.add_parser("audit", help="verify every hash chain and head")
+    p = _command(commands, "audit", help="verify every hash chain and head")
     _with_db(p)
     p.set_defaults(handler=cmd_audit)
 
-    p = commands.add_parser("sql", help="run one read-only, time-limited query")
+    p = _command(commands, "sql", help="run one read-only, time-limited query")
     _with_db(p)
     p.add_argument("query", help="one SQL statement (SELECT …)")
     shape = p.add_mutually_exclusive_group()
@@ -1004,7 +1069,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{READER_ROLE}; `db upgrade --create-readonly-role` makes it)")
     p.set_defaults(handler=cmd_sql)
 
-    p = commands.add_parser("run", help="run the real Codex CLI on a task in the local sandbox")
+    p = _command(commands, "run", help="run the real Codex CLI on a task in the local sandbox")
     p.add_argument("task_dir", help="instruction.md, task.toml, workspace/, tests/test.sh")
     p.add_argument("--trial", metavar="ID",
                    help="run (or continue) this trial: its sessions a crashed runner left "
@@ -1013,9 +1078,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "rewards, tokens)")
     p.set_defaults(handler=cmd_run)
 
-    p = commands.add_parser("job", help="run a benchmark: tasks × k trials, resumable")
+    p = _command(commands, "job", help="run a benchmark: tasks × k trials, resumable")
     job_commands = p.add_subparsers(dest="job_command", required=True)
-    jr = job_commands.add_parser("run", help="create or resume a job and work its queue here")
+    jr = _command(job_commands, "job run", help="create or resume a job and work its queue here")
     jr.add_argument("name", help="the job's name (its identity in the store)")
     jr.add_argument("tasks", nargs="+", metavar="TASK_OR_DATASET",
                     help="task folders, or folders whose subfolders are tasks")
@@ -1026,12 +1091,12 @@ def build_parser() -> argparse.ArgumentParser:
     _with_lease(jr)
     _with_run_options(jr, json_help="one JSON object per finished trial")
     jr.set_defaults(handler=cmd_job_run)
-    js = job_commands.add_parser("show", help="a job's summary: per task, trials with --json")
+    js = _command(job_commands, "job show", help="a job's summary: per task, trials with --json")
     js.add_argument("name")
     _with_db(js)
     js.add_argument("--json", action="store_true", help="tasks, trials and failures as JSON")
     js.set_defaults(handler=cmd_job_show)
-    p = commands.add_parser("worker", help="work queued trials of jobs (any machine; "
+    p = _command(commands, "worker", help="work queued trials of jobs (any machine; "
                                            "PostgreSQL for several)")
     p.add_argument("--job", help="only this job (default: every job with queued trials)")
     p.add_argument("-n", type=_positive, default=1, help="sessions at once (default 1)")
@@ -1040,28 +1105,28 @@ def build_parser() -> argparse.ArgumentParser:
     _with_run_options(p, json_help="one JSON object per finished trial", of_job=False)
     p.set_defaults(handler=cmd_worker)
 
-    jl = job_commands.add_parser("ls", help="every job with its trials by state")
+    jl = _command(job_commands, "job ls", help="every job with its trials by state")
     _with_db(jl)
     jl.add_argument("--json", action="store_true", help="one JSON object per job")
     jl.set_defaults(handler=cmd_job_ls)
 
-    p = commands.add_parser("cache", help="list or remove unpacked task environments")
+    p = _command(commands, "cache", help="list or remove unpacked task environments")
     cache_commands = p.add_subparsers(dest="cache_command", required=True)
-    ls = cache_commands.add_parser("ls", help="every unpacked environment")
+    ls = _command(cache_commands, "cache ls", help="every unpacked environment")
     _with_cache(ls)
     ls.add_argument("--json", action="store_true", help="one JSON object per entry")
     ls.set_defaults(handler=cmd_cache)
-    prune = cache_commands.add_parser("prune", help="remove entries (all, or those named)")
+    prune = _command(cache_commands, "cache prune", help="remove entries (all, or those named)")
     _with_cache(prune)
     prune.add_argument("digest", nargs="*", help="digests (or unique prefixes) to remove")
     prune.set_defaults(handler=cmd_cache)
 
-    p = commands.add_parser("setup", help="create the sandbox user (as root), build the "
+    p = _command(commands, "setup", help="create the sandbox user (as root), build the "
                                           "sandbox init, check that bwrap can sandbox")
     _with_sandbox_uid(p)
     p.set_defaults(handler=cmd_setup)
 
-    p = commands.add_parser("ls", help="list sessions with state, outcome and tokens")
+    p = _command(commands, "ls", help="list sessions with state, outcome and tokens")
     _with_db(p)
     p.add_argument("--task", help="only this task")
     p.add_argument("--state", choices=STATES, help="only this state")
@@ -1069,25 +1134,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=cmd_ls)
 
-    p = commands.add_parser("show", help="a session's timeline and decisions explained")
+    p = _command(commands, "show", help="a session's timeline and decisions explained")
     _with_db(p)
     p.add_argument("session", help="the session id, or a prefix only it starts with")
     p.add_argument("--json", action="store_true", help="the whole view as JSON")
     p.set_defaults(handler=cmd_show)
 
-    p = commands.add_parser("demo", help="run real Codex through sample tasks, offline")
+    p = _command(commands, "demo", help="run real Codex through sample tasks, offline")
     _with_db(p)
     p.add_argument("--codex-bin", help="the Codex CLI (default: TRIALLEDGER_CODEX_BIN or PATH)")
     p.set_defaults(handler=cmd_demo)
 
-    p = commands.add_parser("import-harbor", help="import a Harbor job folder, one session "
+    p = _command(commands, "import-harbor", help="import a Harbor job folder, one session "
                                                   "per trial, and compare verdicts")
     _with_db(p)
     p.add_argument("job_dir", help="a Harbor job folder (jobs/<job_name>)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=cmd_import_harbor)
 
-    p = commands.add_parser("recover", help="close out sessions a runner left open")
+    p = _command(commands, "recover", help="close out sessions a runner left open")
     _with_db(p)
     p.add_argument("--runner", help="the runner id whose sessions to recover")
     p.add_argument("--all", action="store_true",

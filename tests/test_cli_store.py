@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shlex
 import socket
 from pathlib import Path
 from typing import Any
@@ -368,15 +370,51 @@ def test_a_full_disk_says_disk_full(tmp_path: Path, examples: Path) -> None:
     (["run", ".", "--model-base-url", "http://x", "--model", "m", "--max-attempts", "0"],
      "at least 1"),
     (["no-such-command"], "invalid choice"),
+    (["sql", "--timeout", "0", "SELECT 1"], "--timeout must be more than 0"),
+    (["job", "run", "j", ".", "--model-base-url", "http://x", "--model", "m", "--lease-s",
+      "0"], "above 0"),
+    (["job", "run", "j", ".", "--model-base-url", "http://x", "--model", "m", "--grace",
+      "nan"], "0 or more"),
+    (["job", "run", "j", ".", "--model-base-url", "http://x", "--model", "m", "-k", "0"],
+     "at least 1"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(capsys: Any, tmp_path: Path,
                                                argv: list[str], says: str) -> None:
     try:  # argparse's refusals exit; the command's own return
-        code = main([*argv, *(["--db", str(tmp_path / "t.db")] if argv[0] == "ls" else [])])
+        code = main([*argv, *(["--db", str(tmp_path / "t.db")] if argv[0] in ("ls", "sql")
+                              else [])])
     except SystemExit as stopped:
         code = int(stopped.code or 0)
     err = capsys.readouterr().err
     assert code == 2 and says in err and err.count("\n") == 1, err
+
+
+def _subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+                 ) -> list[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    found = []
+    for action in parser._actions:  # argparse keeps its subparsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += [((*path, name), sub), *_subcommands(sub, (*path, name))]
+    return found
+
+
+def test_every_help_says_what_it_does_and_its_examples_parse() -> None:
+    """Each subcommand's --help opens with a sentence and ends with examples, and every
+    example is a command line the parser accepts as written."""
+    from trialledger.cli import EXAMPLES, build_parser
+
+    commands = _subcommands(build_parser())
+    assert {" ".join(path) for path, _ in commands} == set(EXAMPLES)
+    for path, sub in commands:
+        text = sub.format_help()
+        assert sub.description and sub.description.endswith("."), path
+        assert "examples:\n  trialledger " in text or "examples:\n  sudo trialledger" in text
+        for example in EXAMPLES[" ".join(path)]:
+            words = shlex.split(example.split(" > ")[0])
+            argv = words[words.index("trialledger") + 1:]
+            assert argv[:len(path)] == list(path), example
+            build_parser().parse_args(argv)  # a refusal exits 2 and fails the test
 
 
 def test_version_and_an_empty_log(capsys: Any, tmp_path: Path) -> None:
