@@ -76,8 +76,10 @@ def test_import_scrubs_secret_env_and_reports_bad_lines(
     bad.write_text("\n".join([lines[0], lines[0]]) + "\n")
     code, _, err = run(capsys, "import", "--db", str(tmp_path / "x.db"), str(bad))
     assert code == 2 and "line 2:" in err and "session.seeded" in err
-    code, _, err = run(capsys, "sql", "--db", str(tmp_path / "x.db"), "SELECT * FROM sessions")
-    assert code == 0  # nothing half-written: the failed import left no session
+    code, out, _ = run(capsys, "sql", "--db", str(tmp_path / "x.db"), "--json",
+                       "SELECT (SELECT COUNT(*) FROM sessions) + (SELECT COUNT(*) FROM events) "
+                       "AS n")
+    assert code == 0 and json.loads(out) == [{"n": 0}]  # nothing half-written
 
 
 def test_audit_ok_then_names_a_tampered_event(capsys: Any, tmp_path: Path, examples: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,19 @@ async def test_workdir_overlapping_the_session_folders_is_rejected(
         assert await ledger.sessions() == []
 
 
+PROBE = ["sleep", "60.25"]  # a command line no other process here has
+
+
+def _running(argv: list[str]) -> bool:
+    """Whether a process with exactly this command line is running on the host."""
+    wanted = ("\0".join(argv) + "\0").encode()
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes() == wanted:
+                return True
+    return False
+
+
 async def test_closing_during_the_probe_keeps_the_observations(
         db: str, task: Any, tmp_path: Path) -> None:
     wrapper = killer(tmp_path / "bin", '"type":"item.started"')
@@ -276,14 +290,17 @@ async def test_closing_during_the_probe_keeps_the_observations(
 
             runner = SessionRunner(ledger, task, RunOptions(
                 model_base_url=endpoint.url, model="test-model", codex_bin=str(wrapper),
-                overrides={"verify_after_agent_error": True}, probe_command=["sleep", "60"],
+                overrides={"verify_after_agent_error": True}, probe_command=PROBE,
                 readonly_paths=[wrapper.parent, *install_paths(codex_path())]))
             async with anyio.create_task_group() as tg:
                 tg.start_soon(runner.run_session)
-                while not any(r["state"] == "failed-live" for r in await ledger.sessions()):
-                    await anyio.sleep(0.05)
-                await anyio.sleep(0.3)  # the probe is running
+                with anyio.fail_after(60):  # the probe runs: its process is there to see
+                    while not _running(PROBE):
+                        await anyio.sleep(0.05)
+                (row,) = await ledger.sessions()
+                assert row["state"] == "failed-live"
                 tg.cancel_scope.cancel()
+            assert not _running(PROBE)  # the cancelled probe did not outlive its session
             (row,) = await ledger.sessions()
             view = await ledger.view(row["session_id"])
     assert (view.state, view.outcome) == ("closed", "interrupted")

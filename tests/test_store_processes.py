@@ -202,13 +202,17 @@ def _tail_writer(db: str, proc: int, fd: int) -> None:
 
 async def _tail_until(db: str, procs: list[Any]) -> tuple[list[int], list[int]]:
     seen: list[int] = []
+    deadline = time.monotonic() + 300
     async with await Ledger.open(db) as ledger:
         while True:
+            assert time.monotonic() < deadline, "the writers never finished"
             alive = any(p.is_alive() for p in procs)
             batch = await ledger.tail(seen[-1] if seen else 0, limit=500)
             seen += [e.position for e in batch]
             if not alive and not batch:
                 break
+            if not batch:
+                await anyio.sleep(0.02)  # nothing new yet: let the writers write
         everything = [e.position for e in await ledger.tail(0, limit=10**6)]
     return seen, everything
 
