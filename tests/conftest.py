@@ -10,6 +10,7 @@ import pytest
 
 from tests.pg import PostgresServer
 from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.core.policy import POLICIES
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +44,12 @@ def kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[LocalSandbox]]:
     yield sandboxes
     for sandbox in sandboxes:
         shutil.rmtree(sandbox.root, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _policy_registry() -> Iterator[None]:
+    """A policy a test registers — directly or through `--policy-file` — is gone after it."""
+    before = dict(POLICIES)
+    yield
+    POLICIES.clear()
+    POLICIES.update(before)

@@ -260,6 +260,21 @@ for _name, (_builder, _) in SCENARIOS.items():  # one trial per case, so session
     _builder.events[0]["data"]["trial_id"] = _name
 
 
+def seed_data(**changes: Any) -> dict[str, Any]:
+    """A valid seed's data, with `changes`."""
+    return {**LogBuilder().events[0]["data"], **changes}
+
+
+def seed_of(name: str) -> dict[str, Any]:
+    """The seed data of a required-case scenario."""
+    return dict(SCENARIOS[name][0].events[0]["data"])
+
+
+def run_of(name: str) -> list[dict[str, Any]]:
+    """The harness events after the seed of a required-case scenario."""
+    return SCENARIOS[name][0].events[1:]
+
+
 def write_examples(folder: Path) -> None:
     """Write every scenario's log as `<name>.jsonl` into `folder`."""
     folder.mkdir(parents=True, exist_ok=True)

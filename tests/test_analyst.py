@@ -7,8 +7,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from tests.scenarios import SCENARIOS
-from tests.test_store import seed_of
+from tests.scenarios import SCENARIOS, seed_of
 from trialledger.store import Ledger
 
 pytestmark = pytest.mark.anyio

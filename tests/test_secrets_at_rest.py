@@ -9,7 +9,7 @@ import anyio
 import pytest
 from sqlalchemy import text
 
-from tests.test_store import run_of, seed_data
+from tests.scenarios import run_of, seed_data
 from trialledger.store import Ledger
 
 TOKEN = "zq7-SECRET-Xv93kLmN0pQrStUv"

@@ -9,7 +9,7 @@ import anyio
 import pytest
 from sqlalchemy import text
 
-from tests.scenarios import SCENARIOS, LogBuilder
+from tests.scenarios import SCENARIOS, run_of, seed_data, seed_of
 from trialledger.core import (
     BadEvent,
     ConcurrencyConflict,
@@ -22,20 +22,6 @@ from trialledger.store import Ledger, SchemaOutOfDate
 from trialledger.store.engine import make_engines
 
 pytestmark = pytest.mark.anyio
-
-
-def seed_data(**changes: Any) -> dict[str, Any]:
-    return {**LogBuilder().events[0]["data"], **changes}
-
-
-def seed_of(name: str) -> dict[str, Any]:
-    """The seed data of a required-case scenario."""
-    return dict(SCENARIOS[name][0].events[0]["data"])
-
-
-def run_of(name: str) -> list[dict[str, Any]]:
-    """The harness events after the seed of a required-case scenario."""
-    return SCENARIOS[name][0].events[1:]
 
 
 async def raw(ledger: Ledger, sql: str, **params: Any) -> list[tuple[Any, ...]]:

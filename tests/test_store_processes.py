@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.test_store import seed_data
+from tests.scenarios import seed_data
 from trialledger.core import ConcurrencyConflict
 from trialledger.store import Ledger
 
