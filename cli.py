@@ -997,7 +997,7 @@ EXAMPLES = {  # each subcommand's --help ends with these
 }
 
 
-def _command(group: Any, path: str, *, help: str) -> argparse.ArgumentParser:  # noqa: A002
+def _command(group: Any, path: str, *, help: str) -> argparse.ArgumentParser:
     """The subcommand `path` of `group`: its --help opens with what it does and ends with
     examples."""
     parser: argparse.ArgumentParser = group.add_parser(

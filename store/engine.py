@@ -26,7 +26,8 @@ from trialledger.core.errors import TrialLedgerError
 
 DEFAULT_DB = "trials.db"
 WRITER_LOCK_KEY = 7_402_145_391  # pg_advisory_xact_lock key shared by every writer
-BUSY_TIMEOUT_MS = 30_000
+BUSY_TIMEOUT_MS = 30_000  # how long a SQLite statement waits for another's write lock
+BUSY_ENV = "TRIALLEDGER_SQLITE_BUSY_MS"  # overrides it (after it, appends retry: runner.py)
 Synchronous = Literal["FULL", "NORMAL", "EXTRA", "OFF"]
 
 
@@ -110,8 +111,24 @@ class Engines:
         await self.reader.dispose()
 
 
+def busy_timeout_ms() -> int:
+    """SQLite's busy timeout: `TRIALLEDGER_SQLITE_BUSY_MS`, else 30 s."""
+    raw = os.environ.get(BUSY_ENV)
+    if raw is None:
+        return BUSY_TIMEOUT_MS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UnsupportedDatabase(f"{BUSY_ENV} must be a whole number of milliseconds, not "
+                                  f"{raw!r}")
+    return value
+
+
 def _sqlite_engine(url: URL, *, begin: str, synchronous: Synchronous) -> AsyncEngine:
-    engine = create_async_engine(url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
+    busy_ms = busy_timeout_ms()
+    engine = create_async_engine(url, connect_args={"timeout": busy_ms / 1000})
 
     @event.listens_for(engine.sync_engine, "connect")
     def _connect(dbapi_connection: Any, _record: Any) -> None:
@@ -120,7 +137,7 @@ def _sqlite_engine(url: URL, *, begin: str, synchronous: Synchronous) -> AsyncEn
         for pragma in (
             "journal_mode=WAL",
             f"synchronous={synchronous}",
-            f"busy_timeout={BUSY_TIMEOUT_MS}",
+            f"busy_timeout={busy_ms}",
             "foreign_keys=ON",
         ):
             cursor.execute(f"PRAGMA {pragma}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,23 @@ def codex_path() -> str:
         raise RuntimeError(f"no Codex CLI at {found}: npm install --prefix .codex-cli "
                            "@openai/codex@0.171.0 (bash .ci/run does)")
     return found
+
+
+def in_process(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`trialledger ARGV` run in this process (no interpreter start-up, no re-import):
+    its exit code and what it printed, shaped like a finished subprocess."""
+    from trialledger.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd or Path.cwd()), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as stopped:  # argparse's refusals and --help
+            code = stopped.code if isinstance(stopped.code, int) else 0 if stopped.code is None \
+                else 2
+    return subprocess.CompletedProcess(["trialledger", *argv], code, out.getvalue(),
+                                       err.getvalue())
 
 
 def make_task(folder: Path, *, instruction: str = "say hi", test_sh: str | None = None,

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.runs import codex_path
+from tests.runs import codex_path, in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def trialledger(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TRIALLEDGER_CODEX_BIN": codex_path()}
-    return subprocess.run([sys.executable, "-m", "trialledger.cli", *args], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=600, check=False)
+    if args[0] == "demo":
+        args = (*args, "--codex-bin", codex_path())
+    return in_process(*args, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

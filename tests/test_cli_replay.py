@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.runs import in_process
 from tests.scenarios import SCENARIOS, write_examples
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,8 +17,7 @@ EXAMPLES = ROOT / "examples"
 
 
 def trialledger(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "trialledger.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, check=False)
+    return in_process(*args, cwd=ROOT)
 
 
 def test_examples_are_the_scenarios_written_out(tmp_path: Path) -> None:

@@ -440,3 +440,11 @@ def test_sql_writes_csv_with_a_header(capsys: Any, tmp_path: Path, examples: Pat
     rows = list(csv.reader(io.StringIO(out)))
     assert code == 0 and rows[0] == ["task", "attempt", "outcome"] and len(rows) == 3
     assert {row[2] for row in rows[1:]} == {"retry", "pending"}
+
+
+def test_a_bad_busy_timeout_is_one_line(capsys: Any, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRIALLEDGER_SQLITE_BUSY_MS", "soon")
+    code, _, err = run(capsys, "db", "upgrade", "--db", str(tmp_path / "t.db"))
+    assert code == 2 and "TRIALLEDGER_SQLITE_BUSY_MS must be a whole number" in err
+    assert err.count("\n") == 1

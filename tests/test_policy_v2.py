@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.runs import codex_path, make_task, run_task
+from tests.runs import codex_path, in_process, make_task, run_task
 from tests.scenarios import LogBuilder
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, hang, message
 from trialledger.core import replay
@@ -136,11 +134,10 @@ def test_run_refuses_a_closed_endpoint_before_seeding(tmp_path: Path) -> None:
     port = closed.getsockname()[1]
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "trialledger.cli", "run", str(task.folder),
-             "--db", str(tmp_path / "t.db"), "--model-base-url", f"http://127.0.0.1:{port}/v1",
-             "--model", "m", "--codex-bin", codex_path()],
-            capture_output=True, text=True, timeout=60, check=False)
+        done = in_process(
+            "run", str(task.folder),
+            "--db", str(tmp_path / "t.db"), "--model-base-url", f"http://127.0.0.1:{port}/v1",
+            "--model", "m", "--codex-bin", codex_path())
     finally:
         closed.close()
     assert done.returncode == 2, done.stderr
@@ -151,9 +148,8 @@ def test_run_refuses_a_closed_endpoint_before_seeding(tmp_path: Path) -> None:
 def test_run_passes_an_endpoint_that_answers_with_any_status(tmp_path: Path) -> None:
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     with ScriptedEndpoint([message()]) as endpoint:  # GET /models is a 501 here
-        done = subprocess.run(
-            [sys.executable, "-m", "trialledger.cli", "run", str(task.folder),
-             "--db", str(tmp_path / "t.db"), "--model-base-url", endpoint.url,
-             "--model", "m", "--codex-bin", codex_path()],
-            capture_output=True, text=True, timeout=300, check=False)
+        done = in_process(
+            "run", str(task.folder),
+            "--db", str(tmp_path / "t.db"), "--model-base-url", endpoint.url,
+            "--model", "m", "--codex-bin", codex_path())
     assert done.returncode == 0 and done.stdout.split()[1] == "verify", done.stderr

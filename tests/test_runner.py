@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.runs import codex_path, killer, make_task, run_task, run_trial
+from tests.runs import codex_path, in_process, killer, make_task, run_task, run_trial
 from trialledger.adapters import runner
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, cut, message, shell, status, tool
 from trialledger.adapters.demo.samples import executable
@@ -311,17 +311,13 @@ async def test_closing_during_the_probe_keeps_the_observations(
 
 
 def test_run_cli_prints_each_session_and_outcome(tmp_path: Path, task: Any) -> None:
-    import subprocess
-    import sys
-
     with ScriptedEndpoint([status(429), message()]) as endpoint:
-        done = subprocess.run(
-            [sys.executable, "-m", "trialledger.cli", "run",
-             str(task.folder), "--db", str(tmp_path / "cli.db"),
-             "--model-base-url", endpoint.url, "--model", "test-model",
-             "--codex-bin", codex_path(), "--max-attempts", "2",
-             "--set", "request_max_retries=0", "--set", "stream_max_retries=0"],
-            capture_output=True, text=True, timeout=300, check=False)
+        done = in_process(
+            "run",
+            str(task.folder), "--db", str(tmp_path / "cli.db"),
+            "--model-base-url", endpoint.url, "--model", "test-model",
+            "--codex-bin", codex_path(), "--max-attempts", "2",
+            "--set", "request_max_retries=0", "--set", "stream_max_retries=0")
     assert done.returncode == 0, done.stderr
     lines = [line.split() for line in done.stdout.splitlines()]
     assert [outcome for _, outcome in lines] == ["retry", "verify"]
@@ -360,17 +356,14 @@ async def test_an_unusable_archive_folder_is_skipped_and_the_verifier_still_runs
 def test_run_exits_1_when_the_trial_is_left_unscored_and_speaks_json(
         tmp_path: Path, task: Any) -> None:
     import json
-    import subprocess
-    import sys
 
     with ScriptedEndpoint([status(429)]) as endpoint:  # retried until attempts run out
-        done = subprocess.run(
-            [sys.executable, "-m", "trialledger.cli", "run",
-             str(task.folder), "--db", str(tmp_path / "cli.db"), "--json",
-             "--model-base-url", endpoint.url, "--model", "test-model",
-             "--codex-bin", codex_path(), "--max-attempts", "2",
-             "--set", "request_max_retries=0", "--set", "stream_max_retries=0"],
-            capture_output=True, text=True, timeout=300, check=False)
+        done = in_process(
+            "run",
+            str(task.folder), "--db", str(tmp_path / "cli.db"), "--json",
+            "--model-base-url", endpoint.url, "--model", "test-model",
+            "--codex-bin", codex_path(), "--max-attempts", "2",
+            "--set", "request_max_retries=0", "--set", "stream_max_retries=0")
     assert done.returncode == 1, done.stderr  # SPEC §10: a trial left unscored
     sessions = [json.loads(line) for line in done.stdout.splitlines()]
     assert [(s["attempt"], s["outcome"], s["rule"], s["cause"]) for s in sessions] == [

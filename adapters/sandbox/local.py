@@ -25,6 +25,7 @@ does not stop the agent from writing outside its workdir (`isolation` says which
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import logging
@@ -36,7 +37,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 
@@ -50,15 +51,20 @@ from trialledger.adapters.sandbox.base import (
     SandboxRefused,
     VerifierRun,
 )
+from trialledger.adapters.sandbox.bwrap import (
+    INIT_INSIDE,
+    PRIVATE,
+    Role,
+    Spawn,
+    bwrap_argv,
+    mounts,
+)
 from trialledger.adapters.sandbox.identity import SandboxUser, ensure_init, sandbox_user
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 
 log = logging.getLogger(__name__)
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
-PRIVATE = "/run/trialledger"
-INIT_INSIDE = f"{PRIVATE}/init"
-Role = Literal["agent", "probe", "verifier"]
 FOLDER_PREFIX = "trialledger-"
 LOCK = ".session-lock"
 _warned_no_bwrap = False
@@ -338,63 +344,48 @@ class LocalSandbox:
 
     def _bwrap(self, command: Sequence[str], *, info_fd: int, role: Role,
                verifier_logs: Path | None = None, block_fd: int | None = None) -> list[str]:
-        # --as-pid-1: our init is the namespace's PID 1, so it gets the signals we forward
-        # and the namespace dies when it exits.
+        """The spawn's whole argv: the staging prefix (root), the drop to the sandbox user,
+        then bwrap (whose command line `bwrap.py` builds from what is read here)."""
+        spawn = self._spawn_plan(role, info_fd=info_fd, verifier_logs=verifier_logs,
+                                 block_fd=block_fd)
+        staged: list[tuple[Path, Path]] = []
+        placed = [dataclasses.replace(m, source=str(self._stage(Path(m.source), staged)))
+                  if m.staged and m.source is not None else m for m in mounts(spawn)]
+        self._clear_mount_points([(m.target, m.whole) for m in placed])
+        return [*self._prefix(staged, role), *self.user.setpriv(),
+                *bwrap_argv(spawn, placed, command)]
+
+    def _spawn_plan(self, role: Role, *, info_fd: int, verifier_logs: Path | None,
+                    block_fd: int | None) -> Spawn:
         # Over an image the agent is the image's User inside (files the sandbox uid owns on
         # the host are that user's); on the host it is always the sandbox uid.
         uid, gid = ((self.image.uid, self.image.gid) if self.image is not None
                     else (self.user.uid, self.user.gid))
-        args = ["bwrap", "--die-with-parent", "--unshare-user", "--disable-userns",
-                "--cap-drop", "ALL", "--uid", str(uid), "--gid", str(gid),
-                "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
-                "--unshare-cgroup-try", "--new-session"]
-        if self.network is not None and self.network.isolated:  # only our proxies answer
-            args += ["--unshare-net"]
-        if block_fd is not None:
-            args += ["--block-fd", str(block_fd)]
-        staged: list[tuple[Path, Path]] = []
-        points: list[tuple[str, bool]] = []  # (mount point, replace it whole)
-
-        def mount(kind: str, source: str | Path | None, target: str, whole: bool = False
-                  ) -> None:
-            args.extend([kind, *([str(source)] if source is not None else []), target])
-            points.append((target, whole))
-
         pristine = self._pristine_view(role)
-        if pristine:  # the image as it was, a fresh layer above (made in _prefix)
-            args += ["--bind", str(self.root / f"pristine-{self._verifications}-merged"), "/"]
-        elif self.overlay:
-            args += ["--bind", str(self.root / "merged"), "/"]
-        for path in SYSTEM_PATHS if self.image is None else ():
-            if os.path.islink(path):
-                mount("--symlink", os.readlink(path), path, whole=True)
-            elif os.path.isdir(path):
-                mount("--ro-bind", path, path)
-        mount("--proc", None, "/proc")
-        mount("--ro-bind", "/proc/sys", "/proc/sys")
-        mount("--dev", None, "/dev")
-        mount("--tmpfs", None, "/tmp")
-        mount("--ro-bind", self.init, INIT_INSIDE)
-        if self.codex is not None and role == "agent":
-            for source, inside in self.codex.mounts():
-                mount("--ro-bind", self._stage(source, staged), inside)
-        if role == "agent" or self.verifier_root == "agent":
-            for granted in self.readonly_paths:
-                mount("--ro-bind", self._stage(granted, staged), str(granted))
-            mount("--bind", self.session_dir, str(self.session_dir))
-        if not self.overlay:
-            mount("--bind", self.host_work, self.workdir)
-        elif pristine:  # the agent's workdir, as the agent left it
+        root = None
+        workdir_source = None if self.overlay else str(self.host_work)
+        if pristine:  # the image as it was, a fresh layer above (made in _prefix), and the
+            # agent's workdir as the agent left it
             assert self.image is not None and self.image.root is not None
+            root = str(self.root / f"pristine-{self._verifications}-merged")
             inside = resolve_inside(self.image.root, self.workdir)
-            mount("--bind", self.root / "merged" / inside.lstrip("/"), self.workdir)
-        if role == "verifier":
-            if self.tests is not None:
-                mount("--ro-bind", self._stage(self.tests, staged), "/tests")
-            mount("--bind", verifier_logs, "/logs/verifier")
-        self._clear_mount_points(points)
-        args += ["--chdir", self.workdir, "--info-fd", str(info_fd), "--", *command]
-        return [*self._prefix(staged, role), *self.user.setpriv(), *args]
+            workdir_source = str(self.root / "merged" / inside.lstrip("/"))
+        elif self.overlay:
+            root = str(self.root / "merged")
+        system = [] if root is not None else [
+            (path, os.readlink(path) if os.path.islink(path) else None)
+            for path in SYSTEM_PATHS if os.path.islink(path) or os.path.isdir(path)]
+        return Spawn(
+            role=role, uid=uid, gid=gid, workdir=self.workdir, init=str(self.init),
+            session_dir=str(self.session_dir), root=root, system=system,
+            workdir_source=workdir_source,
+            codex=[(str(s), i) for s, i in self.codex.mounts()] if self.codex else [],
+            readonly=[str(p) for p in self.readonly_paths],
+            sees_agent_files=role == "agent" or self.verifier_root == "agent",
+            tests=str(self.tests) if self.tests is not None else None,
+            verifier_logs=str(verifier_logs) if verifier_logs is not None else None,
+            isolated_network=self.network is not None and self.network.isolated,
+            block_fd=block_fd, info_fd=info_fd)
 
     def _clear_mount_points(self, points: Sequence[tuple[str, bool]]) -> None:
         """Undo what the agent planted at our mount points in its writable layer."""

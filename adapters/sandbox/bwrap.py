@@ -1,0 +1,106 @@
+"""The bwrap command line of one spawn, as pure functions of what the spawn needs.
+
+This is the security-critical part of the sandbox (docs/SPEC.md §11): which host paths the
+agent, the probe and the verifier see, which of them are writable, which namespaces are
+private. It reads nothing and writes nothing — `LocalSandbox` says which host system paths
+exist and which are links, stages what the sandbox user may not read, and clears planted
+mount points — so it is tested by tables (tests/test_bwrap_argv.py), without bwrap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Role = Literal["agent", "probe", "verifier"]
+PRIVATE = "/run/trialledger"
+INIT_INSIDE = f"{PRIVATE}/init"
+TESTS_INSIDE = "/tests"
+VERIFIER_LOGS_INSIDE = "/logs/verifier"
+
+# Every spawn: the user namespace maps only the given uid/gid (never host root) and forbids
+# nested ones; no capability; private PID (our init is PID 1, so it gets the signals we
+# forward and the namespace dies with it), IPC, UTS and cgroup views; a new terminal
+# session (no TIOCSTI into ours); bwrap dies with the runner.
+ISOLATION = ("--die-with-parent", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
+             "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
+             "--unshare-cgroup-try", "--new-session")
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One bwrap mount: `kind` is its option (`--ro-bind`, `--bind`, `--symlink`, `--proc`,
+    `--dev`, `--tmpfs`)."""
+
+    kind: str
+    source: str | None
+    target: str
+    whole: bool = False  # whatever the agent planted at target is replaced whole (a link)
+    staged: bool = False  # a host source the sandbox user may be unable to read: when the
+    # runner is root it is bound read-only onto a staging point first
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """What one spawn needs of its sandbox."""
+
+    role: Role
+    uid: int  # inside the sandbox (an image's User; else the sandbox uid)
+    gid: int
+    workdir: str  # inside
+    init: str  # our static init on the host
+    session_dir: str  # the session's writable home, bound at its own path
+    root: str | None = None  # a merged overlay bound at `/`; None: the host's system folders
+    system: Sequence[tuple[str, str | None]] = ()  # host system folders: (path, link target)
+    workdir_source: str | None = None  # bound at the workdir; None: it lives in `root`
+    codex: Sequence[tuple[str, str]] = ()  # (host file, path inside): the agent's Codex
+    readonly: Sequence[str] = ()  # granted host paths, bound read-only at their own paths
+    sees_agent_files: bool = True  # the grants and the session folder are visible
+    tests: str | None = None  # the task's tests (the verifier's only)
+    verifier_logs: str | None = None  # where the verifier writes its reward
+    isolated_network: bool = False  # a private network namespace: only our proxies answer
+    block_fd: int | None = None  # bwrap waits on it (the proxies are opened inside first)
+    info_fd: int = 0  # bwrap reports its child's pid here
+
+
+def mounts(spawn: Spawn) -> list[Mount]:
+    """Every mount of the spawn, in bwrap's order (a later mount may sit inside an earlier
+    one). The root overlay, when there is one, is not among them: it is bound first."""
+    found: list[Mount] = []
+    for path, link in spawn.system if spawn.root is None else ():
+        found.append(Mount("--symlink", link, path, whole=True) if link is not None
+                     else Mount("--ro-bind", path, path))
+    found += [Mount("--proc", None, "/proc"), Mount("--ro-bind", "/proc/sys", "/proc/sys"),
+              Mount("--dev", None, "/dev"), Mount("--tmpfs", None, "/tmp"),
+              Mount("--ro-bind", spawn.init, INIT_INSIDE)]
+    if spawn.role == "agent":
+        found += [Mount("--ro-bind", source, inside, staged=True)
+                  for source, inside in spawn.codex]
+    if spawn.sees_agent_files:
+        found += [Mount("--ro-bind", path, path, staged=True) for path in spawn.readonly]
+        found.append(Mount("--bind", spawn.session_dir, spawn.session_dir))
+    if spawn.workdir_source is not None:
+        found.append(Mount("--bind", spawn.workdir_source, spawn.workdir))
+    if spawn.role == "verifier":
+        if spawn.tests is not None:
+            found.append(Mount("--ro-bind", spawn.tests, TESTS_INSIDE, staged=True))
+        if spawn.verifier_logs is not None:
+            found.append(Mount("--bind", spawn.verifier_logs, VERIFIER_LOGS_INSIDE))
+    return found
+
+
+def bwrap_argv(spawn: Spawn, placed: Sequence[Mount], command: Sequence[str]) -> list[str]:
+    """bwrap's argv for `command` with the mounts `placed` (those of `mounts(spawn)`, their
+    staged sources replaced where the runner staged them)."""
+    argv = ["bwrap", *ISOLATION, "--uid", str(spawn.uid), "--gid", str(spawn.gid)]
+    if spawn.isolated_network:
+        argv.append("--unshare-net")
+    if spawn.block_fd is not None:
+        argv += ["--block-fd", str(spawn.block_fd)]
+    if spawn.root is not None:
+        argv += ["--bind", spawn.root, "/"]
+    for mount in placed:
+        argv += [mount.kind, *([mount.source] if mount.source is not None else []),
+                 mount.target]
+    return [*argv, "--chdir", spawn.workdir, "--info-fd", str(spawn.info_fd), "--", *command]
