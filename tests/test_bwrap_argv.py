@@ -20,7 +20,9 @@ HOST_AGENT = Spawn(
     codex=(("/opt/codex/bin/codex", "/run/trialledger/codex"),),
     readonly=("/srv/data",), tests="/tasks/t/tests")
 IMAGE_AGENT = replace(HOST_AGENT, uid=0, gid=0, root="/tmp/trialledger-ab/merged",
-                      workdir_source=None)
+                      system=(), workdir_source=None)
+SLASH_AGENT = replace(HOST_AGENT, workdir="/", root="/tmp/trialledger-ab/merged",
+                      workdir_source=None)  # workdir / on an overlay of the host's system
 VERIFIER = replace(HOST_AGENT, role="verifier", verifier_logs="/tmp/trialledger-ab/vlogs")
 PRISTINE = replace(IMAGE_AGENT, role="verifier", verifier_logs="/tmp/trialledger-ab/vlogs",
                    root="/tmp/trialledger-ab/pristine-1-merged", sees_agent_files=False,
@@ -47,6 +49,10 @@ TABLE = {
         ("--ro-bind", "/opt/codex/bin/codex", "/run/trialledger/codex"),
         ("--bind", "/tmp/trialledger-ab/home", "/tmp/trialledger-ab/home"),
     ], ["/usr", "/bin", "/etc", "/app", "/tests"]),  # nothing of the host's system
+    "host agent, workdir /": (SLASH_AGENT, [
+        ("--bind", "/tmp/trialledger-ab/merged", "/"), ("--ro-bind", "/usr", "/usr"),
+        ("--symlink", "usr/bin", "/bin"), ("--ro-bind", "/etc", "/etc"),
+    ], ["/tests", "/app"]),
     "verifier (root agent)": (VERIFIER, [
         ("--ro-bind", "/tasks/t/tests", "/tests"),
         ("--bind", "/tmp/trialledger-ab/vlogs", "/logs/verifier"),
@@ -123,7 +129,7 @@ spawns = st.builds(
     workdir=st.sampled_from(["/app", "/", "/work/deep", "/tmp/w"]),
     init=st.just("/var/lib/tl/init"), session_dir=st.just("/tmp/trialledger-x/home"),
     root=st.none() | st.just("/tmp/trialledger-x/merged"),
-    system=st.just(SYSTEM),
+    system=st.sampled_from([SYSTEM, ()]),
     workdir_source=st.none() | st.just("/tmp/trialledger-x/work"),
     codex=st.just((("/opt/codex/codex", "/run/trialledger/codex"),)),
     readonly=st.lists(paths, max_size=3).map(tuple),
@@ -156,5 +162,8 @@ def test_every_spawn_keeps_the_sandbox_promises(spawn: Spawn) -> None:
         assert "/run/trialledger/codex" not in targets
     for path in spawn.readonly:
         assert ("--bind", path, path) not in found  # a grant is read-only, always
-    if spawn.root is not None:  # over an overlay, nothing of the host's system folders
+    if not spawn.system:  # over an image, nothing of the host's system folders
         assert not {"/usr", "/bin", "/etc"} & set(targets)
+    for option, _, target in found:  # the host's system folders: read-only or host links
+        if target in {path for path, _ in SYSTEM}:
+            assert option in ("--ro-bind", "--symlink")

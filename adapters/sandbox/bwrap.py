@@ -52,7 +52,8 @@ class Spawn:
     init: str  # our static init on the host
     session_dir: str  # the session's writable home, bound at its own path
     root: str | None = None  # a merged overlay bound at `/`; None: the host's system folders
-    system: Sequence[tuple[str, str | None]] = ()  # host system folders: (path, link target)
+    system: Sequence[tuple[str, str | None]] = ()  # the host's system folders, mounted over
+    # the root read-only (none over an image): (path, link target or None)
     workdir_source: str | None = None  # bound at the workdir; None: it lives in `root`
     codex: Sequence[tuple[str, str]] = ()  # (host file, path inside): the agent's Codex
     readonly: Sequence[str] = ()  # granted host paths, bound read-only at their own paths
@@ -68,7 +69,7 @@ def mounts(spawn: Spawn) -> list[Mount]:
     """Every mount of the spawn, in bwrap's order (a later mount may sit inside an earlier
     one). The root overlay, when there is one, is not among them: it is bound first."""
     found: list[Mount] = []
-    for path, link in spawn.system if spawn.root is None else ():
+    for path, link in spawn.system:
         found.append(Mount("--symlink", link, path, whole=True) if link is not None
                      else Mount("--ro-bind", path, path))
     found += [Mount("--proc", None, "/proc"), Mount("--ro-bind", "/proc/sys", "/proc/sys"),

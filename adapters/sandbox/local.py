@@ -372,7 +372,7 @@ class LocalSandbox:
             workdir_source = str(self.root / "merged" / inside.lstrip("/"))
         elif self.overlay:
             root = str(self.root / "merged")
-        system = [] if root is not None else [
+        system = [] if self.image is not None else [
             (path, os.readlink(path) if os.path.islink(path) else None)
             for path in SYSTEM_PATHS if os.path.islink(path) or os.path.isdir(path)]
         return Spawn(
