@@ -17,24 +17,27 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import anyio
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.exc import SQLAlchemyError
 
-from trialledger.core import STATES, BadEvent, IllegalTransition, TrialLedgerError, replay
-from trialledger.store import Ledger
-from trialledger.store.engine import DEFAULT_DB, make_engines, shown
-from trialledger.store.ledger import StoreUnavailable, disk_full
-from trialledger.store.migrate import current_revision, upgrade
-from trialledger.store.query import (
-    DEFAULT_TIMEOUT_S,
-    READER_ROLE,
-    create_reader_role,
-    run_query,
+from trialledger.core import (
+    STATES,
+    BadEvent,
+    IllegalTransition,
+    TrialLedgerError,
+    explain,
+    replay,
 )
+from trialledger.store.defaults import DEFAULT_DB, DEFAULT_TIMEOUT_S, READER_ROLE
+
+T = TypeVar("T")
+
+if TYPE_CHECKING:  # the store (SQLAlchemy, alembic) is imported when a command needs it,
+    # so that `--help` and `replay --log` start fast
+    from trialledger.store import Ledger
 
 EXIT_OK, EXIT_FOUND, EXIT_BAD_INPUT = 0, 1, 2
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 132)
@@ -42,6 +45,21 @@ out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty()
 
 class Refused(Exception):
     """A one-line reason to stop with exit 2."""
+
+
+async def in_store(db: str, work: Callable[[Ledger], Awaitable[T]], *,
+                   create: bool = True) -> T:
+    """`work` on the store at `db`, opened for it and closed after (`create`: build a
+    missing database; read-only commands refuse one instead)."""
+    from trialledger.store import Ledger
+
+    async with await Ledger.open(db, create=create) as ledger:
+        return await work(ledger)
+
+
+def on_store(db: str, work: Callable[[Ledger], Awaitable[T]], *, create: bool = True) -> T:
+    """`in_store` in a fresh event loop: for a command that does only that."""
+    return anyio.run(functools.partial(in_store, db, work, create=create))
 
 
 def _read_log(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
@@ -98,54 +116,37 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not (args.all and args.diff):
         raise Refused("replay needs --log FILE, or --db URL --all --diff")
-    return anyio.run(_replay_diff, args)
+    return _replay_diff(args)
 
 
-async def _replay_diff(args: argparse.Namespace) -> int:
+def _replay_diff(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    differing = []
-    async with await Ledger.open(args.db, create=False) as ledger:
-        sessions = await ledger.sessions()
+    async def diff(ledger: Ledger) -> tuple[int, list[Any]]:
         with Progress(console=Console(stderr=True), transient=True) as progress:
-            task = progress.add_task("re-deriving", total=len(sessions))
-            for row in sessions:
-                stored = await ledger.events(row["session_id"])
-                view = replay([s.event for s in stored], policy=args.policy)
-                if view.diverged_at is not None:
-                    d = view.diverged_at
-                    differing.append({
-                        "session_id": row["session_id"], "seq": d.seq,
-                        "recorded": f"{d.recorded.rule}/{d.recorded.action}" if d.recorded
-                        else "none",
-                        "derived": f"{d.derived.rule}/{d.derived.action}" if d.derived else "none",
-                    })
-                progress.advance(task)
+            task = progress.add_task("re-deriving", total=len(await ledger.sessions()))
+            return await ledger.divergences(args.policy,
+                                            on_session=lambda: progress.advance(task))
+
+    count, differing = on_store(args.db, diff, create=False)
     if args.json:
-        _print_json(differing)
+        _print_json([d.__dict__ for d in differing])
     else:
         _table(["session_id", "seq", "recorded", "derived"],
-               [tuple(d.values()) for d in differing])
+               [(d.session_id, d.seq, d.recorded, d.derived) for d in differing])
         under = args.policy or "each session's own policy"
-        out.print(f"{len(differing)} of {len(sessions)} sessions differ under {under}")
+        out.print(f"{len(differing)} of {count} sessions differ under {under}")
     return EXIT_FOUND if differing else EXIT_OK
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     """Build or migrate a database to the newest schema."""
+    from trialledger.store import upgrade_database
+    from trialledger.store.engine import shown
 
-    async def go() -> str | None:
-        engines = make_engines(args.db)
-        try:
-            await upgrade(engines.writer)
-            revision = await current_revision(engines.writer)
-        finally:
-            await engines.dispose()
-        if args.create_readonly_role:
-            await create_reader_role(args.db, args.create_readonly_role)
-        return revision
-
-    out.print(f"{shown(args.db)}: schema at revision {anyio.run(go)}")
+    revision = anyio.run(functools.partial(upgrade_database, args.db,
+                                           reader_role=args.create_readonly_role))
+    out.print(f"{shown(args.db)}: schema at revision {revision}")
     if args.create_readonly_role:
         out.print(f"read-only role {args.create_readonly_role}: `sql` runs as it; give "
                   "analysts a login that is a member of it, never the store's own role")
@@ -162,12 +163,8 @@ def cmd_import(args: argparse.Namespace) -> int:
             raise Refused(f"--secret-env {name}: no such environment variable")
         secrets.append(os.environ[name])
 
-    async def go() -> str:
-        async with await Ledger.open(args.db) as ledger:
-            return await ledger.import_log(events, secrets=secrets)
-
     try:
-        session_id = anyio.run(go)
+        session_id = on_store(args.db, lambda ledger: ledger.import_log(events, secrets=secrets))
     except (BadEvent, IllegalTransition) as error:
         raise _located(path, lines, error) from None
     out.print(session_id)
@@ -177,11 +174,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a session's log back as JSONL, with every field."""
 
-    async def go() -> list[dict[str, Any]]:
-        async with await Ledger.open(args.db, create=False) as ledger:
-            return await ledger.export(await ledger.resolve(args.session))
+    async def export(ledger: Ledger) -> list[dict[str, Any]]:
+        return await ledger.export(await ledger.resolve(args.session))
 
-    lines = anyio.run(go)
+    lines = on_store(args.db, export, create=False)
     for line in lines:
         sys.stdout.write(json.dumps(line, ensure_ascii=False) + "\n")
     return EXIT_OK
@@ -190,11 +186,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     """Verify every session's hash chain and head."""
 
-    async def go() -> Any:
-        async with await Ledger.open(args.db, create=False) as ledger:
-            return await ledger.audit()
-
-    report = anyio.run(go)
+    report = on_store(args.db, lambda ledger: ledger.audit(), create=False)
     if report.ok:
         out.print(f"ok: {report.sessions} sessions, {report.events} events verified")
         return EXIT_OK
@@ -204,6 +196,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def cmd_sql(args: argparse.Namespace) -> int:
     """Run one read-only, time-limited query."""
+    from trialledger.store.query import run_query
+
     result = anyio.run(lambda: run_query(args.db, args.query, timeout_s=args.timeout,
                                          role=args.role))
     if args.json:
@@ -228,11 +222,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
         print("trialledger: --force: recovering even sessions whose runner is alive",
               file=sys.stderr)
 
-    async def go() -> list[str]:
-        async with await Ledger.open(args.db) as ledger:
-            return await ledger.recover(args.runner, all_runners=args.all, force=args.force)
-
-    recovered = anyio.run(go)
+    recovered = on_store(args.db, lambda ledger: ledger.recover(
+        args.runner, all_runners=args.all, force=args.force))
     from trialledger.adapters.sandbox.local import sweep_stale_sessions
 
     swept = sweep_stale_sessions()  # this machine's folders of dead runners (grant tokens)
@@ -294,21 +285,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     options = _run_options(args)
     api_key = options.api_key
 
+    async def trial(ledger: Ledger) -> list[Any]:
+        runner = SessionRunner(ledger, task, options, environment)
+        if not args.trial:
+            return await runner.run_trial()
+        before = await ledger.sessions(trial_id=args.trial)
+        if any(s["task"] != task.name for s in before):
+            raise Refused(f"--trial {args.trial} is a trial of task {before[0]['task']}, "
+                          f"not {task.name}")
+        seen = {s["session_id"] for s in before}
+        sessions = await runner.continue_trial(args.trial)
+        shown = [s for s in sessions if s["session_id"] not in seen] or sessions[-1:]
+        return [SessionResult(s["session_id"], await ledger.view(s["session_id"]))
+                for s in shown]
+
     async def go() -> list[Any]:
         await check_endpoint(args.model_base_url, api_key)  # before anything is seeded
-        async with await Ledger.open(args.db) as ledger:
-            runner = SessionRunner(ledger, task, options, environment)
-            if not args.trial:
-                return await runner.run_trial()
-            before = await ledger.sessions(trial_id=args.trial)
-            if any(s["task"] != task.name for s in before):
-                raise Refused(f"--trial {args.trial} is a trial of task {before[0]['task']}, "
-                              f"not {task.name}")
-            seen = {s["session_id"] for s in before}
-            sessions = await runner.continue_trial(args.trial)
-            shown = [s for s in sessions if s["session_id"] not in seen] or sessions[-1:]
-            return [SessionResult(s["session_id"], await ledger.view(s["session_id"]))
-                    for s in shown]
+        return await in_store(args.db, trial)
 
     try:
         task = Task.load(Path(args.task_dir))
@@ -375,16 +368,18 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     said = _trial_printer(args.json)
     holder: list[Any] = []
 
+    async def job(ledger: Ledger) -> dict[str, Any]:
+        runner = JobRunner(
+            ledger, args.name, tasks, options, k=args.k, concurrency=args.n,
+            lease_s=args.lease_s, cache=Cache(args.cache_dir), engine=args.engine,
+            owner=_owner(args), on_trial=said)
+        holder.append(runner)
+        await _with_live(ledger, args.name, not args.json, runner.run)
+        return await _job_summary(ledger, args.name)
+
     async def go() -> dict[str, Any]:
         await check_endpoint(args.model_base_url, options.api_key)
-        async with await Ledger.open(args.db) as ledger:
-            runner = JobRunner(
-                ledger, args.name, tasks, options, k=args.k, concurrency=args.n,
-                lease_s=args.lease_s, cache=Cache(args.cache_dir), engine=args.engine,
-                owner=_owner(args), on_trial=said)
-            holder.append(runner)
-            await _with_live(ledger, args.name, not args.json, runner.run)
-            return await _job_summary(ledger, args.name)
+        return await in_store(args.db, job)
 
     try:
         tasks = load_tasks([Path(p) for p in args.tasks], args.include or (),
@@ -411,21 +406,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     said = _trial_printer(args.json)
     holder: list[Any] = []
 
+    async def work(ledger: Ledger) -> int:
+        names = [args.job] if args.job else await Jobs(ledger).pending()
+        for name in names:
+            runner = await worker_runner(
+                ledger, name, options, concurrency=args.n, lease_s=args.lease_s,
+                cache=Cache(args.cache_dir), engine=args.engine, owner=_owner(args),
+                on_trial=said)
+            holder[:] = [runner]
+            await _with_live(ledger, name, not args.json,
+                             functools.partial(runner.run, define=False))
+        return len(names)
+
     async def go() -> int:
         await check_endpoint(args.model_base_url, options.api_key)
-        worked = 0
-        async with await Ledger.open(args.db, create=False) as ledger:
-            names = [args.job] if args.job else await Jobs(ledger).pending()
-            for name in names:
-                runner = await worker_runner(
-                    ledger, name, options, concurrency=args.n, lease_s=args.lease_s,
-                    cache=Cache(args.cache_dir), engine=args.engine, owner=_owner(args),
-                    on_trial=said)
-                holder[:] = [runner]
-                await _with_live(ledger, name, not args.json,
-                                 functools.partial(runner.run, define=False))
-                worked += 1
-        return worked
+        return await in_store(args.db, work, create=False)
 
     try:
         worked = anyio.run(lambda: until_signalled(go, stop=_stopper(holder, args.grace),
@@ -559,11 +554,8 @@ def _print_job(summary: Mapping[str, Any], *, as_json: bool) -> None:
 def cmd_job_show(args: argparse.Namespace) -> int:
     """A job's summary from the store: per task, and each trial with --json."""
 
-    async def go() -> dict[str, Any]:
-        async with await Ledger.open(args.db, create=False) as ledger:
-            return await _job_summary(ledger, args.name)
-
-    _print_job(anyio.run(go), as_json=args.json)
+    summary = on_store(args.db, lambda ledger: _job_summary(ledger, args.name), create=False)
+    _print_job(summary, as_json=args.json)
     return EXIT_OK
 
 
@@ -571,11 +563,7 @@ def cmd_job_ls(args: argparse.Namespace) -> int:
     """Every job with its trials by queue state."""
     from trialledger.store.jobs import Jobs
 
-    async def go() -> list[dict[str, Any]]:
-        async with await Ledger.open(args.db, create=False) as ledger:
-            return await Jobs(ledger).names()
-
-    rows = anyio.run(go)
+    rows = on_store(args.db, lambda ledger: Jobs(ledger).names(), create=False)
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -600,11 +588,8 @@ def _session_summary(view: Any) -> dict[str, Any]:
 def cmd_ls(args: argparse.Namespace) -> int:
     """List sessions with state, outcome, rule, cause and tokens."""
 
-    async def go() -> list[dict[str, Any]]:
-        async with await Ledger.open(args.db, create=False) as ledger:
-            return await ledger.listing(task=args.task, state=args.state, cause=args.cause)
-
-    rows = anyio.run(go)
+    rows = on_store(args.db, lambda ledger: ledger.listing(
+        task=args.task, state=args.state, cause=args.cause), create=False)
     if args.json:
         _print_json(rows)
         return EXIT_OK
@@ -617,11 +602,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     """A session's timeline with durations, and each decision explained."""
 
-    async def go() -> Any:
-        async with await Ledger.open(args.db, create=False) as ledger:
-            return await ledger.view(await ledger.resolve(args.session))
+    async def view_of(ledger: Ledger) -> Any:
+        return await ledger.view(await ledger.resolve(args.session))
 
-    view = anyio.run(go)
+    view = on_store(args.db, view_of, create=False)
     if args.json:
         _print_json(view.model_dump(mode="json"))
         return EXIT_OK
@@ -643,15 +627,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     seed = view.events[0].data
     out.print(f"session {view.session_id}  task {seed.task}  attempt {seed.attempt}  "
               f"state {view.state}  outcome [bold]{view.outcome}[/bold]")
-    for event in view.events:
-        if event.type != "outcome.decided":
-            continue
-        d = event.data
-        trigger = view.events[(event.seq or 2) - 2]
-        cause = f", cause {d.cause.kind}" if d.cause else ""
-        out.print(f"decision at seq {event.seq}: policy {d.policy} rule [bold]{d.rule}[/bold] "
-                  f"fired on seq {trigger.seq} ({trigger.type}) → {d.action} "
-                  f"(status {d.status}{cause}{', error: ' + d.error if d.error else ''})")
+    for line in explain(view):
+        out.print(line, markup=False)
     usage = view.usage
     out.print("usage: " + (f"{usage.total_tokens} tokens ({usage.input_tokens} in, "
                            f"{usage.output_tokens} out)" if usage else "unavailable"))
@@ -699,7 +676,6 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-T = TypeVar("T")
 
 
 async def until_signalled(work: Callable[[], Awaitable[T]], *,
@@ -790,9 +766,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise Refused(str(error)) from None
 
     async def go() -> list[Any]:
-        async with await Ledger.open(args.db) as ledger:
-            return await run_demo(ledger, codex=codex,
-                                  progress=lambda name: out.print(f"running sample {name} …"))
+        return await in_store(args.db, lambda ledger: run_demo(
+            ledger, codex=codex, progress=lambda name: out.print(f"running sample {name} …")))
 
     try:
         results = anyio.run(until_signalled, go)
@@ -802,6 +777,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _table(["task", "attempt", "outcome", "decisions", "cause", "tokens", "reward"],
            outcome_rows(results))
     for question, sql in QUESTIONS.items():
+        from trialledger.store.query import run_query
+
         result = anyio.run(functools.partial(run_query, args.db, sql, role=None))  # ours
         out.print(f"\n[bold]{question}[/bold]\n[dim]{' '.join(sql.split())}[/dim]")
         _table(result.columns, result.rows)
@@ -817,11 +794,7 @@ def cmd_import_harbor(args: argparse.Namespace) -> int:
     if not job.is_dir():
         raise Refused(f"{job}: not a folder")
 
-    async def go() -> list[Any]:
-        async with await Ledger.open(args.db) as ledger:
-            return await import_job(ledger, job)
-
-    agreements = anyio.run(go)
+    agreements = on_store(args.db, lambda ledger: import_job(ledger, job))
     disagreeing = sum(not a.agrees for a in agreements)
     if args.json:
         _print_json([a.as_json() for a in agreements])
@@ -1186,10 +1159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except SQLAlchemyError as error:  # outside the store's boundary (db upgrade)
-        print(f"trialledger: {StoreUnavailable.of(args.db, error)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except OSError as error:
+        from trialledger.store.ledger import disk_full
+
         print(f"trialledger: {disk_full(getattr(args, 'db', ''), error) or error}",
               file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -56,7 +56,7 @@ from trialledger.core.observations import Observations, ToolCall
 from trialledger.core.policy import V1, Policy, get_policy, register_policy
 from trialledger.core.policy_v3 import V3
 from trialledger.core.redact import redact, scrub, scrub_data
-from trialledger.core.replay import Divergence, Replayer, SessionView, replay
+from trialledger.core.replay import Divergence, Replayer, SessionView, explain, replay
 from trialledger.core.seed import Grant, ValidSeed, validate_seed
 from trialledger.core.settings import Settings
 
@@ -118,6 +118,7 @@ __all__ = [
     "chain_hash",
     "event_dict",
     "event_id_for",
+    "explain",
     "get_policy",
     "parse_event",
     "parse_jsonl",

@@ -202,3 +202,19 @@ def replay(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy | N
     divergence, `IllegalTransition` for one the machine does not accept.
     """
     return rederive(events, policy).view()
+
+
+def explain(view: SessionView) -> list[str]:
+    """Each decision of a session in words: its policy and rule, the event it fired on,
+    the action, and the status, cause and error it rests on."""
+    said = []
+    for event in view.events:
+        if event.type != "outcome.decided":
+            continue
+        d = event.data
+        trigger = view.events[(event.seq or 2) - 2]  # the event just before the decision
+        cause = f", cause {d.cause.kind}" if d.cause else ""
+        said.append(f"decision at seq {event.seq}: policy {d.policy} rule {d.rule} fired on "
+                    f"seq {trigger.seq} ({trigger.type}) → {d.action} (status {d.status}"
+                    f"{cause}{', error: ' + d.error if d.error else ''})")
+    return said

@@ -24,7 +24,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from trialledger.core.errors import TrialLedgerError
 
-DEFAULT_DB = "trials.db"
 WRITER_LOCK_KEY = 7_402_145_391  # pg_advisory_xact_lock key shared by every writer
 BUSY_TIMEOUT_MS = 30_000  # how long a SQLite statement waits for another's write lock
 BUSY_ENV = "TRIALLEDGER_SQLITE_BUSY_MS"  # overrides it (after it, appends retry: runner.py)

@@ -47,8 +47,8 @@ from trialledger.core.errors import TrialLedgerError
 from trialledger.core.policy import DEFAULT_POLICY
 from trialledger.core.replay import rederive, view_of
 from trialledger.core.seed import seal_seed
+from trialledger.store.defaults import DEFAULT_DB
 from trialledger.store.engine import (
-    DEFAULT_DB,
     Engines,
     Synchronous,
     make_engines,
@@ -191,6 +191,17 @@ class Seeded:
     def head_seq(self) -> int:
         """The seq to pass as `expected_seq` for the next append."""
         return len(self.events)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A stored session whose recorded decision a re-derivation does not reproduce: the
+    first differing decision's seq, and each side as `rule/action` (or `none`)."""
+
+    session_id: str
+    seq: int
+    recorded: str
+    derived: str
 
 
 @dataclass(frozen=True)
@@ -558,6 +569,27 @@ class Ledger:
                 return AuditReport(len(heads), len(rows), f"session {sid}: {fault}")
         return AuditReport(len(heads), len(rows), None)
 
+    async def divergences(self, policy: str | Policy | None = None, *,
+                          on_session: Callable[[], object] | None = None
+                          ) -> tuple[int, list[Difference]]:
+        """Re-derive every stored session (under `policy`, else each one's own) and return
+        how many there are and those whose recorded decisions differ, at their first
+        difference; `on_session` is called after each (a progress display)."""
+        differing = []
+        sessions = await self.sessions()
+        for row in sessions:
+            stored = await self.events(row["session_id"])
+            view = replay([s.event for s in stored], policy=policy)
+            if view.diverged_at is not None:
+                d = view.diverged_at
+                differing.append(Difference(
+                    row["session_id"], d.seq,
+                    f"{d.recorded.rule}/{d.recorded.action}" if d.recorded else "none",
+                    f"{d.derived.rule}/{d.derived.action}" if d.derived else "none"))
+            if on_session is not None:
+                on_session()
+        return len(sessions), differing
+
     async def rebuild_projections(self) -> int:
         """Recompute every projection row from the log; return the number of sessions."""
         async with self._engines.reader.begin() as conn:
@@ -569,5 +601,5 @@ class Ledger:
 # Every public method of the store raises `StoreUnavailable` for a driver's error.
 for _name in ("seed", "start", "append", "close", "heartbeat", "live_runners", "recover",
               "import_log", "events", "view", "tail", "sessions", "listing", "resolve",
-              "export", "audit", "rebuild_projections"):
+              "export", "audit", "divergences", "rebuild_projections"):
     setattr(Ledger, _name, _guarded(getattr(Ledger, _name)))

@@ -16,11 +16,9 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from trialledger.core.errors import TrialLedgerError
+from trialledger.store.defaults import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, READER_ROLE
 from trialledger.store.engine import make_engines, sqlite_path
 
-DEFAULT_TIMEOUT_S = 10.0
-READER_ROLE = "trialledger_reader"
-MAX_TIMEOUT_S = 3600.0
 RESULT_BUDGET = 64 * 2**20  # bytes of values one query may return
 
 

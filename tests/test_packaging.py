@@ -40,6 +40,28 @@ def test_the_command_runs_from_the_installed_package(tmp_path: Path) -> None:
     assert done.returncode == 0 and "replay" in done.stdout, done.stderr
 
 
+LIGHT = """
+import sys
+from trialledger import cli
+codes = [cli.main(["replay", "--log", sys.argv[1]])]
+try:
+    cli.main(["--help"])
+except SystemExit as stopped:
+    codes.append(stopped.code)
+heavy = sorted(m for m in ("sqlalchemy", "alembic", "asyncpg", "aiosqlite") if m in sys.modules)
+print(codes, heavy, file=sys.stderr)
+"""
+
+
+def test_help_and_replay_of_a_log_do_not_load_the_database_stack() -> None:
+    """`--help` and `replay --log` need no database: SQLAlchemy and alembic stay unloaded,
+    which halves their start-up (see the README's measurement)."""
+    log = Path(__file__).resolve().parent.parent / "examples" / "clean.jsonl"
+    done = subprocess.run([sys.executable, "-c", LIGHT, str(log)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stderr.strip() == "[0, 0] []", done.stderr
+
+
 def test_a_second_distribution_with_core_and_cli_neither_replaces_nor_removes_ours(
         tmp_path: Path) -> None:
     # A fresh venv holding our wheel and another distribution that ships a top-level
