@@ -38,7 +38,14 @@ from trialledger.adapters.sandbox.local import LocalSandbox, sweep_stale_session
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.task import Task
-from trialledger.core import ConcurrencyConflict, SessionView, redact, scrub, validate_seed
+from trialledger.core import (
+    ConcurrencyConflict,
+    SessionSeeded,
+    SessionView,
+    redact,
+    scrub,
+    validate_seed,
+)
 from trialledger.core.errors import TrialLedgerError
 from trialledger.core.seed import ValidSeed
 from trialledger.core.settings import Settings
@@ -133,7 +140,9 @@ class SessionResult:
     @property
     def attempt(self) -> int:
         """The attempt number, as the session's seed records it."""
-        return int(self.view.events[0].data.attempt)  # type: ignore[union-attr]
+        seed = self.view.events[0]
+        assert isinstance(seed, SessionSeeded)  # a view's first event is its seed
+        return seed.data.attempt
 
     @property
     def outcome(self) -> str:

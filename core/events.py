@@ -502,10 +502,10 @@ def _upcast(obj: dict[str, Any]) -> dict[str, Any]:
 STORE_FIELDS = frozenset({"position", "recorded_at", "hash"})
 
 
-def parse_event(obj: Mapping[str, Any] | _Envelope) -> Event:
+def parse_event(obj: Mapping[str, Any] | Event) -> Event:
     """Validate one JSONL event dict into its model; raise `BadEvent` naming the field."""
-    if isinstance(obj, _Envelope):
-        return obj  # type: ignore[return-value]
+    if isinstance(obj, _Envelope):  # already an event model
+        return obj
     if not isinstance(obj, Mapping):
         raise BadEvent(f"an event is a JSON object, not {type(obj).__name__}")
     fields = {k: v for k, v in obj.items() if k not in STORE_FIELDS}

@@ -7,13 +7,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from trialledger.core.events import Decision, Event, GapRecorded, GapRecordedData, SessionSeeded
+from trialledger.core.events import (
+    Decision,
+    Event,
+    GapRecorded,
+    GapRecordedData,
+    ItemCompleted,
+    ItemStarted,
+    ItemUpdated,
+    SessionSeeded,
+)
 from trialledger.core.policy import Policy
 
 Gap = GapRecordedData
-ITEM_EVENTS = ("item.started", "item.updated", "item.completed")
-
-
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -124,9 +130,9 @@ class ToolTraces:
 
     def feed(self, event: Event) -> str | None:
         """Fold one event; return the item id when it touched a tool call."""
-        if event.type not in ITEM_EVENTS:
+        if not isinstance(event, ItemStarted | ItemUpdated | ItemCompleted):
             return None
-        item: dict[str, Any] = event.data.item  # type: ignore[union-attr]
+        item: dict[str, Any] = event.data.item
         if item.get("type") not in TOOL_ITEMS:
             return None
         item_id = str(item.get("id"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from trialledger.core.events import Event, GapRecordedData, Usage
+from trialledger.core.events import Event, GapRecordedData, Usage, UsageNative
 
 Gap = GapRecordedData
 TURN_TYPES = frozenset({"turn.started", "turn.completed", "turn.failed"})
@@ -59,13 +59,13 @@ def _from_turn_completed(usage: dict[str, Any] | None) -> tuple[Usage, list[Gap]
 
 def recover_usage(events: Sequence[Event]) -> tuple[Usage | None, list[Gap]]:
     """The run's usage and the gaps that explain what is unavailable, from the log alone."""
-    native = None
+    native: UsageNative | None = None
     last_turn: Event | None = None
     item_started_after_completion = False
     work_happened = False
     for event in events:
         kind = event.type
-        if kind == "usage.native":
+        if isinstance(event, UsageNative):
             native = event
         elif kind in TURN_TYPES:
             last_turn = event
@@ -79,7 +79,7 @@ def recover_usage(events: Sequence[Event]) -> tuple[Usage | None, list[Gap]]:
             if kind == "item.started":
                 item_started_after_completion = True
     if native is not None:
-        return Usage.model_validate(native.data.total.model_dump()), []  # type: ignore[union-attr]
+        return Usage.model_validate(native.data.total.model_dump()), []
     if (
         last_turn is not None
         and last_turn.type == "turn.completed"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from alembic import command
@@ -80,12 +81,12 @@ _loop_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] 
 _thread_lock = threading.Lock()
 
 
-async def _run(engine: AsyncEngine, step: object) -> None:
+async def _run(engine: AsyncEngine, step: Callable[[Config], None]) -> None:
     def in_sync(connection: Connection) -> None:
         config = alembic_config()
         config.attributes["connection"] = connection
         with _thread_lock:
-            step(config)  # type: ignore[operator]
+            step(config)
 
     lock = _loop_locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
     async with lock, engine.begin() as conn:

@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from sqlalchemy import inspect
+from sqlalchemy import Connection, inspect
 
 from trialledger.core import EVENT_TYPES, Settings
 from trialledger.core.events import Cause, Decision, Usage
@@ -49,10 +49,10 @@ def test_every_sql_view_column_is_specified(tmp_path: Path) -> None:
         engines = make_engines(db)
         try:
             async with engines.reader.connect() as conn:
-                def read(c: object) -> dict[str, list[str]]:
+                def read(c: Connection) -> dict[str, list[str]]:
                     found = inspect(c)
-                    names = [*found.get_view_names(), *TABLES, "events"]  # type: ignore[attr-defined]
-                    return {n: [col["name"] for col in found.get_columns(n)]  # type: ignore
+                    names = [*found.get_view_names(), *TABLES, "events"]
+                    return {n: [col["name"] for col in found.get_columns(n)]
                             for n in names if n not in ("decision_log",)}
                 return await conn.run_sync(read)
         finally:

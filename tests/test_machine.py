@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from tests.scenarios import CLEAN, SCENARIOS, LogBuilder, run
 from trialledger.core import IllegalTransition, Session, parse_event, replay
 from trialledger.core.canonical import event_id_for
 from trialledger.core.events import EVENT_TYPES
-from trialledger.core.machine import STATES, TRANSITIONS
+from trialledger.core.machine import STATES, TRANSITIONS, State
 from trialledger.core.policy import POLICIES, V2, Policy, register_policy
 
 # A log prefix that leaves a session in each state.
@@ -27,7 +28,7 @@ REACH = {
 }
 
 
-def _session(events: list[dict]) -> Session:  # type: ignore[type-arg]
+def _session(events: list[dict[str, Any]]) -> Session:
     session = Session("s-1")
     for e in events:
         session.apply(parse_event(e))
@@ -42,10 +43,10 @@ PREFIXES = [*REACH.values(), *(b.events for b, _ in SCENARIOS.values())]
 
 
 @pytest.mark.parametrize("state", STATES)
-def test_every_table_entry_is_live(state: str) -> None:
+def test_every_table_entry_is_live(state: State) -> None:
     """Each (state, type) entry accepts its event from at least one reachable log."""
     prefixes = [p for p in PREFIXES if _session(p).state == state]
-    for kind in TRANSITIONS[state]:  # type: ignore[index]
+    for kind in TRANSITIONS[state]:
         if kind == "outcome.decided":
             continue
         accepted = 0
@@ -197,7 +198,7 @@ def test_outcomes() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(log=session_logs())
-def test_nothing_folds_after_closed(log: list[dict]) -> None:  # type: ignore[type-arg]
+def test_nothing_folds_after_closed(log: list[dict[str, Any]]) -> None:
     if replay(log).state != "closed":
         log = [*log, sample("session.closed", "2026-11-29T11:00:00Z")]
     session = _session(log)

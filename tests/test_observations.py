@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.scenarios import LogBuilder
-from trialledger.core import replay
+from trialledger.core import SessionView, replay
 
 EXAMPLE = (Path(__file__).parent / "data" / "codex-0.125-example.jsonl").read_text(
     encoding="utf-8"
 )
 
 
-def _view():  # type: ignore[no-untyped-def]
+def _view() -> SessionView:
     builder = LogBuilder(instruction="Fix the failing lexer test").launched()
     return replay(builder.codex(EXAMPLE.splitlines()).finish(0).events)
 

@@ -64,7 +64,8 @@ async def test_escape_attempts_fail_and_leave_the_host_untouched(
     victim = subprocess.Popen(["sleep", "300"])
     marker = HOST_HOME / "trialledger-escape-probe"
     assert HOST_HOME.exists()  # so not seeing it inside means something
-    tests_file = sandbox.tests / "test.sh"  # type: ignore[operator]
+    assert sandbox.tests is not None
+    tests_file = sandbox.tests / "test.sh"
     before = {p: p.read_bytes() for p in (tests_file, store_file)}
     attempts = {
         "write host home": f"echo x > {marker}",

@@ -14,10 +14,10 @@ from tests.scenarios import (
     LogBuilder,
     run,
 )
-from trialledger.core import replay
+from trialledger.core import SessionView, replay
 
 
-def _gaps(view) -> list[str]:  # type: ignore[no-untyped-def]
+def _gaps(view: SessionView) -> list[str]:
     return [g.code for g in view.observations.gaps]
 
 

@@ -1,11 +1,15 @@
-"""What the runner needs of a sandbox, so docker or remote sandboxes can plug in later."""
+"""The sandbox's reports to the runner (exit, cleanup, probe, verifier) and its refusal.
+
+`LocalSandbox` is the one sandbox. The runner uses more of it than a small protocol
+would say (its agent-file reader, network, image, user and paths besides launch, cleanup,
+probe and verify), so no protocol pretends otherwise: a second sandbox would take its
+interface from what `runner.py` uses.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from trialledger.core.errors import TrialLedgerError
 
@@ -51,58 +55,3 @@ class VerifierRun:
     error: str | None = None
     stdout: str = ""  # the end of what the verifier printed (at most a few KiB each)
     stderr: str = ""
-
-
-class AgentRun(Protocol):
-    """A launched agent."""
-
-    def stdout_batches(self) -> AsyncIterator[list[bytes]]:
-        """Raw stdout lines, a list per read (the last one may lack its newline)."""
-        ...
-
-    async def read_stderr(self) -> None:
-        """Collect stderr until it closes."""
-        ...
-
-    def stderr_tail(self) -> tuple[str, bool]:
-        """The collected stderr's end and whether anything was cut."""
-        ...
-
-    async def wait(self) -> ExitStatus:
-        """Wait for the agent to end."""
-        ...
-
-    async def stop(self, grace_s: float) -> None:
-        """TERM the agent, then KILL it after `grace_s`."""
-        ...
-
-
-class Sandbox(Protocol):
-    """A place to run one session's agent, probe it, and verify its work."""
-
-    isolation: str
-    session_dir: Path  # Codex's HOME / CODEX_HOME on the host
-    private_roots: Sequence[str]
-
-    async def launch(self, argv: Sequence[str], *, env: Mapping[str, str], stdin: bytes
-                     ) -> AgentRun:
-        """Start the agent."""
-        ...
-
-    async def confirm_cleanup(self, run: AgentRun, timeout_s: float) -> CleanupReport:
-        """Wait (bounded) until every process of the run is gone."""
-        ...
-
-    async def probe(self, timeout_s: float, command: Sequence[str] | None = None
-                    ) -> ProbeResult:
-        """Whether a process (our init, by default) runs in a fresh sandbox in the workdir
-        within the limit."""
-        ...
-
-    async def verify(self, timeout_s: float) -> VerifierRun:
-        """Run the task's verifier (`tests/test.sh`) in the workdir."""
-        ...
-
-    def discard(self) -> None:
-        """Remove the session's folders."""
-        ...
