@@ -47,6 +47,7 @@ from trialledger.core import (
     validate_seed,
 )
 from trialledger.core.errors import TrialLedgerError
+from trialledger.core.events import SCHEMA_VERSION
 from trialledger.core.seed import ValidSeed
 from trialledger.core.settings import Settings
 from trialledger.store import LeaseLost, Ledger, StoredEvent
@@ -430,7 +431,8 @@ class SessionRunner:
             await rec.add("session.closed", {"reason": "normal"})
             return
         try:
-            await rec.append([{"type": "agent.launched", "at": now(), "schema": 2, "data": {
+            await rec.append([{"type": "agent.launched", "at": now(),
+                               "schema": SCHEMA_VERSION["agent.launched"], "data": {
                 "argv": argv, "workdir": settings.workdir, "env_keys": sorted(env),
                 "config_sha256": digest, "oom_score_adj": sandbox.oom_score_adj,
                 "isolation": sandbox.isolation, "runner_id": self.options.runner_id,
@@ -570,7 +572,7 @@ class SessionRunner:
                                                run.timed_out)
         output = verifier_output(run.stdout, run.stderr, secrets)
         await rec.append([
-            {"type": kind, "at": now(), "data": {**data, **output}, "schema": 2}
+            {"type": kind, "at": now(), "data": {**data, **output}, "schema": SCHEMA_VERSION[kind]}
             if kind.startswith("verification.") and output else
             {"type": kind, "at": now(), "data": data} for kind, data in found])
 

@@ -49,6 +49,7 @@ from trialledger.core.events import (
     VerificationRecorded,
     event_dict,
     parse_event,
+    parse_events,
     parse_jsonl,
 )
 from trialledger.core.machine import STATES, Session, State
@@ -121,6 +122,7 @@ __all__ = [
     "explain",
     "get_policy",
     "parse_event",
+    "parse_events",
     "parse_jsonl",
     "redact",
     "register_policy",

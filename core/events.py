@@ -203,6 +203,9 @@ class GapRecordedData(_Data):
     detail: str | None = None
 
 
+Gap = GapRecordedData  # a gap, recorded or derived: what could not be captured, and why
+
+
 class ArchiveCopiedData(_Data):
     files: Count
     bytes: Count
@@ -465,26 +468,42 @@ CODEX_STREAM_TYPES = frozenset(
     }
 )
 
-# Schema versions: every type is at version 1. When a type's data changes, bump it here and
-# register an upcaster from the old version, so old logs keep folding.
-SCHEMA_VERSION: dict[str, int] = dict.fromkeys(EVENT_TYPES, 1)
+# Each type's newest schema version, as this code writes it. A new version that only adds
+# optional fields (as 2 of these did) needs no upcaster; one that changes a field registers
+# an upcaster from the old version, so old logs keep folding. A version above this one was
+# written by newer code: it is refused, never read as if it were ours.
+SCHEMA_VERSION: dict[str, int] = {
+    **dict.fromkeys(EVENT_TYPES, 1),
+    "agent.launched": 2,  # model_proxy, environment, limits
+    "verification.recorded": 2,  # stdout_tail, stderr_tail
+    "verification.failed": 2,
+}
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 UPCASTERS: dict[tuple[str, int], Upcaster] = {}
 
 _EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 
-def _describe(error: ValidationError) -> str:
-    first = error.errors()[0]
-    loc = [str(part) for part in first["loc"]]
+def describe_invalid(error: ValidationError, whole: str = "event") -> str:
+    """A pydantic error in one line, the one formatter for events, seeds and grants: every
+    missing field at once (a user fixes them together), else the first problem and its
+    field; `whole` names the object when the problem is not in a field."""
+    errors = error.errors()
+    missing = [".".join(_field_path(e["loc"])) for e in errors if e["type"] == "missing"]
+    if len(missing) > 1:
+        return f"missing fields: {', '.join(missing)}"
+    first = errors[0]
     if first["type"] == "union_tag_invalid":
         return f"unknown event type {first['input'].get('type')!r}"
     if first["type"] == "union_tag_not_found":
         return "field 'type' is required"
-    if loc and loc[0] in EVENT_TYPES:
-        loc = loc[1:]  # the discriminator's branch name repeats the type
-    field = ".".join(loc) or "event"
-    return f"field {field!r}: {first['msg']}"
+    field = ".".join(_field_path(first["loc"])) or whole
+    return f"field {field!r}: {first['msg'].removeprefix('Value error, ')}"
+
+
+def _field_path(loc: tuple[int | str, ...]) -> list[str]:
+    path = [str(part) for part in loc]
+    return path[1:] if path and path[0] in EVENT_TYPES else path  # the union's branch name
 
 
 def _upcast(obj: dict[str, Any]) -> dict[str, Any]:
@@ -510,9 +529,26 @@ def parse_event(obj: Mapping[str, Any] | Event) -> Event:
         raise BadEvent(f"an event is a JSON object, not {type(obj).__name__}")
     fields = {k: v for k, v in obj.items() if k not in STORE_FIELDS}
     try:
-        return _EVENT_ADAPTER.validate_python(_upcast(fields))
+        event = _EVENT_ADAPTER.validate_python(_upcast(fields))
     except ValidationError as error:
-        raise BadEvent(_describe(error)) from None
+        raise BadEvent(describe_invalid(error)) from None
+    if event.schema_ > SCHEMA_VERSION[event.type]:
+        raise BadEvent(f"field 'schema': {event.type} schema {event.schema_} is newer than "
+                       f"this trialledger reads (up to {SCHEMA_VERSION[event.type]}); "
+                       "upgrade trialledger")
+    return event
+
+
+def parse_events(events: Iterable[Mapping[str, Any] | Event]) -> list[Event]:
+    """`parse_event` of each, a `BadEvent` naming the index of the first bad one: the one
+    parsing loop of replay and the store."""
+    parsed = []
+    for index, raw in enumerate(events):
+        try:
+            parsed.append(parse_event(raw))
+        except BadEvent as error:
+            raise error.at(index=index) from None
+    return parsed
 
 
 def event_dict(event: _Envelope) -> dict[str, Any]:

@@ -249,13 +249,3 @@ def _numbered(event: Event, session_id: str, seq: int, event_id: str) -> Event:
 def _state(name: str) -> State:
     assert name in STATES, name
     return name
-
-
-def fold(session_id: str, events: Iterable[Event], policy: str | Policy | None = None
-         ) -> Session:
-    """Fold harness events (no recorded decisions) into a fresh session (under `policy`,
-    else the seed's, else v1)."""
-    session = Session(session_id, policy)
-    for event in events:
-        session.apply(event)
-    return session

@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict
 from trialledger.core.events import (
     Decision,
     Event,
+    Gap,
     GapRecorded,
-    GapRecordedData,
     ItemCompleted,
     ItemStarted,
     ItemUpdated,
@@ -19,7 +19,7 @@ from trialledger.core.events import (
 )
 from trialledger.core.policy import Policy
 
-Gap = GapRecordedData
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True)
 

@@ -22,7 +22,7 @@ from trialledger.core.events import (
     CleanupReported,
     Decision,
     Event,
-    GapRecordedData,
+    Gap,
     ItemCompleted,
     ItemStarted,
     ItemUpdated,
@@ -40,7 +40,6 @@ from trialledger.core.usage import recover_usage
 
 Action = Literal["verify", "retry", "probe"]
 Status = Literal["completed", "incomplete", "failed"]
-Gap = GapRecordedData
 STREAM_TYPES = CODEX_STREAM_TYPES - {"codex.unknown"}  # SPEC §2.2's types
 
 
@@ -103,9 +102,9 @@ def starts_with(text: str) -> re.Pattern[str]:
 STATUS_CODE = re.compile(r"(?:last status:|unexpected status)\s*(\d{3})", re.IGNORECASE)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rule:
-    """One row of the rule table (SPEC §3 "Rules")."""
+    """One row of the rule table (docs/SPEC.md §3 "Rules"), every field named."""
 
     name: str
     when: Callable[[Facts], bool]
@@ -128,39 +127,45 @@ def _startup_error(facts: Facts) -> str:
     return f"{base}: {facts.stderr_tail}" if facts.stderr_tail is not None else base
 
 
-SANDBOX_LOST = Rule(
-    "sandbox_lost", lambda f: f.lost is not None, "retry", 502, "failed", "sandbox_lost", False,
-    error=lambda f: f"sandbox lost: {f.lost}",
-)
-CLEANUP_UNCONFIRMED = Rule(
-    "cleanup_unconfirmed", lambda f: f.cleanup is not None and not f.cleanup.data.confirmed,
-    "retry", 502, "failed", "cleanup_unconfirmed", False, error=_cleanup_error,
-)
+SANDBOX_LOST = Rule(name="sandbox_lost", when=lambda f: f.lost is not None, action="retry",
+                    http_status=502, status="failed", cause="sandbox_lost", reward_valid=False,
+                    error=lambda f: f"sandbox lost: {f.lost}")
+CLEANUP_UNCONFIRMED = Rule(name="cleanup_unconfirmed",
+                           when=lambda f: f.cleanup is not None and not f.cleanup.data.confirmed,
+                           action="retry", http_status=502, status="failed",
+                           cause="cleanup_unconfirmed", reward_valid=False, error=_cleanup_error)
 ENDPOINT_KINDS = frozenset({"model_endpoint", "quota", "model_rerouted"})
 
 V1_RULES: tuple[Rule, ...] = (
     SANDBOX_LOST,
     CLEANUP_UNCONFIRMED,
-    Rule("rerouted", lambda f: f.rerouted is not None, "retry", 502, COMPUTED, "model_rerouted",
-         False, error=lambda f: f.rerouted),
-    Rule("startup_failed", lambda f: not f.turn_started, "retry", 502, COMPUTED, "startup_failed",
-         False, error=_startup_error),
-    Rule("completed", lambda f: f.status == "completed", "verify", 200, COMPUTED, None, True),
-    Rule("incomplete", lambda f: f.status == "incomplete", "verify", 200, COMPUTED, None, True),
-    Rule("reported",
-         lambda f: f.return_code == 1 and not f.timed_out and f.last_turn == "turn.failed",
-         BY_TABLE, 200, "failed", CLASSIFIED, BY_TABLE),
-    Rule("endpoint_killed", lambda f: f.ending_kind in ENDPOINT_KINDS, "retry", 502, "failed",
-         CLASSIFIED, False),
-    Rule("probe", lambda f: f.verify_after_agent_error, "probe", None, "failed", None, True),
-    Rule("execution_error", lambda f: True, "retry", 502, "failed", CLASSIFIED, False),
+    Rule(name="rerouted", when=lambda f: f.rerouted is not None, action="retry", http_status=502,
+         status=COMPUTED, cause="model_rerouted", reward_valid=False, error=lambda f: f.rerouted),
+    Rule(name="startup_failed", when=lambda f: not f.turn_started, action="retry",
+         http_status=502, status=COMPUTED, cause="startup_failed", reward_valid=False,
+         error=_startup_error),
+    Rule(name="completed", when=lambda f: f.status == "completed", action="verify",
+         http_status=200, status=COMPUTED, cause=None, reward_valid=True),
+    Rule(name="incomplete", when=lambda f: f.status == "incomplete", action="verify",
+         http_status=200, status=COMPUTED, cause=None, reward_valid=True),
+    Rule(name="reported",
+         when=lambda f: f.return_code == 1 and not f.timed_out and f.last_turn == "turn.failed",
+         action=BY_TABLE, http_status=200, status="failed", cause=CLASSIFIED,
+         reward_valid=BY_TABLE),
+    Rule(name="endpoint_killed", when=lambda f: f.ending_kind in ENDPOINT_KINDS, action="retry",
+         http_status=502, status="failed", cause=CLASSIFIED, reward_valid=False),
+    Rule(name="probe", when=lambda f: f.verify_after_agent_error, action="probe",
+         http_status=None, status="failed", cause=None, reward_valid=True),
+    Rule(name="execution_error", when=lambda f: True, action="retry", http_status=502,
+         status="failed", cause=CLASSIFIED, reward_valid=False),
 )
 # v2 (SPEC §3): a run that timed out while Codex was reconnecting never heard from the model
 # again, so the timeout is the endpoint's: retry, before R6 grades it as incomplete.
-ENDPOINT_UNREACHABLE = Rule(
-    "endpoint_unreachable", lambda f: f.timed_out and f.reconnecting is not None, "retry", 502,
-    COMPUTED, ENDPOINT_FROM_ERROR, False, error=lambda f: f.reconnecting,
-)
+ENDPOINT_UNREACHABLE = Rule(name="endpoint_unreachable",
+                            when=lambda f: f.timed_out and f.reconnecting is not None,
+                            action="retry", http_status=502, status=COMPUTED,
+                            cause=ENDPOINT_FROM_ERROR, reward_valid=False,
+                            error=lambda f: f.reconnecting)
 V2_RULES: tuple[Rule, ...] = tuple(
     row for rule in V1_RULES
     for row in ((ENDPOINT_UNREACHABLE, rule) if rule.name == "incomplete" else (rule,))
@@ -168,9 +173,11 @@ V2_RULES: tuple[Rule, ...] = tuple(
 V1_AFTER_PROBE: tuple[Rule, ...] = (
     SANDBOX_LOST,
     CLEANUP_UNCONFIRMED,
-    Rule("probed", lambda f: f.probe is not None and f.probe.data.alive, "verify", 200,
-         TIMED_OUT_OR_FAILED, None, True),
-    Rule("probed", lambda f: True, "retry", 502, "failed", "sandbox_unresponsive", False),
+    Rule(name="probed", when=lambda f: f.probe is not None and f.probe.data.alive,
+         action="verify", http_status=200, status=TIMED_OUT_OR_FAILED, cause=None,
+         reward_valid=True),
+    Rule(name="probed", when=lambda f: True, action="retry", http_status=502, status="failed",
+         cause="sandbox_unresponsive", reward_valid=False),
 )
 V1_CLASSIFICATION: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("model_rerouted", starts_with("model rerouted:")),

@@ -25,7 +25,7 @@ from datetime import datetime
 
 from trialledger.core.events import (
     Event,
-    GapRecordedData,
+    Gap,
     ModelCall,
     ModelCallData,
     Usage,
@@ -45,7 +45,6 @@ from trialledger.core.policy import (
 )
 from trialledger.core.usage import PARTIAL, ZERO, recover_usage
 
-Gap = GapRecordedData
 HUNG_S = 60.0
 CLAIMED_KINDS = frozenset({"model_endpoint", "quota"})
 UPSTREAM_FAILURES = frozenset({408, 429})
@@ -126,10 +125,9 @@ def _unreachable_error(facts: Facts) -> str | None:
     return f"the model endpoint sent nothing for {HUNG_S:g} s before the timeout"
 
 
-CLAIM_UNCONFIRMED = Rule(
-    "probe", lambda f: unconfirmed_claim(f) is not None, "probe", None, "failed",
-    "agent_error", True, error=lambda f: f.error,
-)
+CLAIM_UNCONFIRMED = Rule(name="probe", when=lambda f: unconfirmed_claim(f) is not None,
+                         action="probe", http_status=None, status="failed", cause="agent_error",
+                         reward_valid=True, error=lambda f: f.error)
 
 
 def _v3_rules() -> tuple[Rule, ...]:

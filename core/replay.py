@@ -17,14 +17,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from trialledger.core.canonical import session_id_for_seed
-from trialledger.core.errors import BadEvent, IllegalTransition
+from trialledger.core.errors import IllegalTransition
 from trialledger.core.events import (
     Decision,
     Event,
     OutcomeDecided,
     SessionSeeded,
     Usage,
-    parse_event,
+    parse_events,
 )
 from trialledger.core.machine import Session, State
 from trialledger.core.observations import Observations, observe
@@ -97,16 +97,6 @@ def view_of(session: Session, *, unapplied: Iterable[Event] = (),
         diverged_at=diverged_at,
         events=list(events),
     )
-
-
-def _parsed(events: Iterable[Mapping[str, Any] | Event]) -> list[Event]:
-    parsed = []
-    for index, raw in enumerate(events):
-        try:
-            parsed.append(parse_event(raw))
-        except BadEvent as error:
-            raise error.at(index=index) from None
-    return parsed
 
 
 def _session_id(events: list[Event], first: Mapping[str, Any] | Event | None) -> str:
@@ -182,7 +172,7 @@ def rederive(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy |
     means the seed's policy (SPEC §3 "Which policy")."""
     given = list(events)
     sealed, _ = seal_seed(given)  # raw grant header values never reach the view
-    parsed = _parsed(sealed)
+    parsed = parse_events(sealed)
     replayer = Replayer(_session_id(parsed, given[0] if given else None), policy,
                         default=recorded_policy(parsed))
     for index, event in enumerate(parsed):

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trialledger.core.errors import SeedRejected
-from trialledger.core.events import SessionSeededData, StoredGrant
+from trialledger.core.events import SessionSeededData, StoredGrant, describe_invalid
 from trialledger.core.redact import REDACTED, fingerprint, header_secrets, scrub_data
 
 GRANT_NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -130,18 +130,6 @@ def _overlap(a: str, b: str) -> bool:
     return a == b or a.startswith(b + "/") or b.startswith(a + "/") or "/" in (a, b)
 
 
-def _pydantic_message(error: ValidationError) -> str:
-    """The first problem; but every missing field at once (a user fixes them together)."""
-    errors = error.errors()
-    missing = [".".join(str(p) for p in e["loc"]) for e in errors if e["type"] == "missing"]
-    if len(missing) > 1:
-        return f"missing fields: {', '.join(missing)}"
-    first = errors[0]
-    where = ".".join(str(p) for p in first["loc"])
-    msg = first["msg"].removeprefix("Value error, ")
-    return f"{where}: {msg}" if where else msg
-
-
 def validate_seed(
     seed: Mapping[str, Any],
     *,
@@ -156,14 +144,14 @@ def validate_seed(
         own = [Grant.model_validate(g) for g in raw.pop("grants", None) or []]
         configured = [Grant.model_validate(g) for g in configured_grants]
     except ValidationError as error:
-        raise SeedRejected(f"grant {_pydantic_message(error)}") from None
+        raise SeedRejected(f"grant {describe_invalid(error, 'grant')}") from None
     usable, skipped = _merge_grants(own, configured)
     try:
         data = SessionSeededData.model_validate(
             {**raw, "grants": [g.stored().model_dump() for g in usable]}
         )
     except ValidationError as error:
-        raise SeedRejected(f"seed {_pydantic_message(error)}") from None
+        raise SeedRejected(f"seed {describe_invalid(error, 'seed')}") from None
     check_workdir(data.settings.workdir, private_roots=private_roots, resolve=resolve)
     # Every header value that came with the seed is a secret, used or left out.
     secrets = [

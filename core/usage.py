@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from trialledger.core.events import Event, GapRecordedData, Usage, UsageNative
+from trialledger.core.events import Event, Gap, Usage, UsageNative
 
-Gap = GapRecordedData
 TURN_TYPES = frozenset({"turn.started", "turn.completed", "turn.failed"})
 ZERO = Usage(
     input_tokens=0,

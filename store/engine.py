@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -155,6 +156,17 @@ def _create_private(path: str | None) -> None:
         return
     with contextlib.suppress(FileExistsError, FileNotFoundError):  # raced, or no folder
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+
+
+@contextlib.asynccontextmanager
+async def open_engines(db: str, *, sqlite_synchronous: Synchronous = "FULL"
+                       ) -> AsyncIterator[Engines]:
+    """`make_engines`, disposed of when the block ends."""
+    engines = make_engines(db, sqlite_synchronous=sqlite_synchronous)
+    try:
+        yield engines
+    finally:
+        await engines.dispose()
 
 
 def make_engines(db: str, *, sqlite_synchronous: Synchronous = "FULL") -> Engines:

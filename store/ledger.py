@@ -28,7 +28,6 @@ from sqlalchemy import LargeBinary, column, select, table, text
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from trialledger.core import (
-    BadEvent,
     Event,
     IllegalTransition,
     Policy,
@@ -37,7 +36,7 @@ from trialledger.core import (
     ValidSeed,
     event_dict,
     get_policy,
-    parse_event,
+    parse_events,
     replay,
     scrub_data,
     validate_seed,
@@ -443,16 +442,11 @@ class Ledger:
 
     def _prepare(self, events: Iterable[Mapping[str, Any] | Event],
                  secrets: Sequence[str]) -> list[Event]:
-        prepared = []
-        for index, raw in enumerate(events):
-            if secrets:
-                raw = scrub_data(event_dict(raw) if not isinstance(raw, Mapping) else dict(raw),
-                                 secrets)
-            try:
-                prepared.append(parse_event(raw))
-            except BadEvent as error:
-                raise error.at(index=index) from None
-        return prepared
+        if not secrets:
+            return parse_events(events)
+        return parse_events(
+            scrub_data(dict(raw) if isinstance(raw, Mapping) else event_dict(raw), secrets)
+            for raw in events)
 
     # --- reading ---------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from trialledger import migrations
 from trialledger.core.errors import TrialLedgerError
-from trialledger.store.engine import make_engines, shown
+from trialledger.store.engine import open_engines, shown
 from trialledger.store.query import create_reader_role
 
 SCRIPT_LOCATION = str(Path(migrations.__file__).resolve().parent)
@@ -113,16 +113,14 @@ async def ensure_current(engine: AsyncEngine, *, db: str) -> None:
 async def upgrade_database(db: str, *, reader_role: str | None = None) -> str | None:
     """Build or migrate the database `db` to the newest schema (and, on PostgreSQL, create
     the read-only role `reader_role`); return the revision it is at."""
-    engines = make_engines(db)
     try:
-        await upgrade(engines.writer)
-        revision = await current_revision(engines.writer)
+        async with open_engines(db) as engines:
+            await upgrade(engines.writer)
+            revision = await current_revision(engines.writer)
     except SQLAlchemyError as error:  # the store's boundary, as the Ledger's methods keep it
         from trialledger.store.ledger import StoreUnavailable
 
         raise StoreUnavailable.of(db, error) from error
-    finally:
-        await engines.dispose()
     if reader_role:
         await create_reader_role(db, reader_role)
     return revision

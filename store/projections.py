@@ -47,12 +47,12 @@ TABLES = {
     "gaps": ("session_id", "code", "detail"),
     "rewards": ("session_id", "name", "value"),
     "model_calls": MODEL_CALL_COLUMNS,
-    "outcomes": ("session_id", "policy", "rule", "action", "outcome", "status", "http_status",
-                 "error", "cause_kind", "cause_message", "status_code", "incomplete_reason",
-                 "reward_valid", "input_tokens", "cached_input_tokens", "output_tokens",
-                 "reasoning_output_tokens", "total_tokens", "decided_at"),
+    # a session's last decision: the decision's columns less its seq, with the outcome
+    "outcomes": ("session_id", "policy", "rule", "action", "outcome",
+                 *DECISION_COLUMNS[DECISION_COLUMNS.index("status"):]),
 }
-T = {name: table(name, *(column(c) for c in columns)) for name, columns in TABLES.items()}
+TABLE_OF = {name: table(name, *(column(c) for c in columns))  # each projection's SQL table
+            for name, columns in TABLES.items()}
 SESSION_CHANGES = ("session_id", "state", "outcome", "close_reason", "closed_at", "head_seq",
                    "head_hash", "environment_ref", "environment_digest")
 UPDATE_SESSION = text(
@@ -200,26 +200,26 @@ class Changes:
     async def write(self, conn: AsyncConnection) -> None:
         """Apply the gathered changes inside the commit's transaction."""
         if self.tool_rewrites:
-            tools = T["tool_calls"]
+            tools = TABLE_OF["tool_calls"]
             await conn.execute(delete(tools).where(and_(
                 tools.c.session_id == bindparam("sid"), tools.c.item_id == bindparam("iid"))),
                 [{"sid": s, "iid": i} for s, i in self.tool_rewrites])
         if self.gap_rewrites:
-            gaps = T["gaps"]
+            gaps = TABLE_OF["gaps"]
             await conn.execute(delete(gaps).where(gaps.c.session_id == bindparam("sid")),
                                [{"sid": s} for s in self.gap_rewrites])
         if self.outcome_rewrites:
-            outcomes = T["outcomes"]
+            outcomes = TABLE_OF["outcomes"]
             await conn.execute(delete(outcomes).where(outcomes.c.session_id == bindparam("sid")),
                                [{"sid": s} for s in self.outcome_rewrites])
         if self.new_sessions:
-            await conn.execute(insert(T["sessions"]), self.new_sessions)
+            await conn.execute(insert(TABLE_OF["sessions"]), self.new_sessions)
         if self.session_updates:
             await conn.execute(UPDATE_SESSION, [{c: r[c] for c in SESSION_CHANGES}
                                                 for r in self.session_updates])
         for name, rows in self.inserts.items():
             if rows:
-                await conn.execute(insert(T[name]), rows)
+                await conn.execute(insert(TABLE_OF[name]), rows)
 
 
 def tool_row(session_id: str, tools: ToolTraces, item_id: str) -> Row:

@@ -17,7 +17,7 @@ from sqlalchemy.exc import DBAPIError
 
 from trialledger.core.errors import TrialLedgerError
 from trialledger.store.defaults import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, READER_ROLE
-from trialledger.store.engine import make_engines, sqlite_path
+from trialledger.store.engine import open_engines, sqlite_path
 
 RESULT_BUDGET = 64 * 2**20  # bytes of values one query may return
 
@@ -103,9 +103,9 @@ def _sqlite_query(path: str, sql: str, timeout_s: float) -> QueryResult:
 
 async def _postgres_query(db: str, sql: str, timeout_s: float, role: str | None
                           ) -> QueryResult:
-    engines = make_engines(db)
     try:
-        async with engines.reader.connect() as conn:  # rolled back when it closes
+        async with open_engines(db) as engines, engines.reader.connect() as conn:
+            # the connection is rolled back when it closes
             conn = await conn.execution_options(postgresql_readonly=True)
             if role is not None:  # the query runs with the reader role's rights only
                 found = (await conn.execute(text(
@@ -128,8 +128,6 @@ async def _postgres_query(db: str, sql: str, timeout_s: float, role: str | None
         if "statement timeout" in reason:
             reason = f"query ran past its {timeout_s:g} s limit"
         raise QueryRefused(reason) from None
-    finally:
-        await engines.dispose()
 
 
 async def run_query(db: str, sql: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -157,8 +155,7 @@ async def create_reader_role(db: str, name: str = READER_ROLE) -> None:
     (no writes, no functions of other roles' backends, no server programs); the
     connecting user becomes a member, so `sql` can run as it."""
     role = check_role_name(name)
-    engines = make_engines(db)
-    try:
+    async with open_engines(db) as engines:
         if engines.dialect != "postgresql":
             raise QueryRefused("--create-readonly-role is for PostgreSQL (a SQLite `sql` "
                                "opens the file read-only)")
@@ -174,5 +171,3 @@ async def create_reader_role(db: str, name: str = READER_ROLE) -> None:
                 f'GRANT "{role}" TO CURRENT_USER',
             ):
                 await conn.execute(text(statement))
-    finally:
-        await engines.dispose()

@@ -30,7 +30,7 @@ from trialledger.core import (
 )
 from trialledger.core.canonical import GENESIS, canonical_text, chain_hash
 from trialledger.store.engine import Engines
-from trialledger.store.projections import TABLES, Changes, Projected, T
+from trialledger.store.projections import TABLE_OF, TABLES, Changes, Projected
 
 EVENT_COLUMNS = ("position", "session_id", "seq", "event_id", "type", "at", "recorded_at",
                  "schema", "data", "hash")
@@ -369,7 +369,7 @@ class Writer:
         async with self._lock, self.engines.writer.begin() as conn:
             await self.engines.lock_writers(conn)
             for name in TABLES:
-                await conn.execute(delete(T[name]))
+                await conn.execute(delete(TABLE_OF[name]))
             count = 0
             for sid in session_ids:
                 open_ = await self.load(conn, sid)

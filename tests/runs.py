@@ -51,18 +51,8 @@ def in_process(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProce
 def make_task(folder: Path, *, instruction: str = "say hi", test_sh: str | None = None,
               toml: str | None = None, workspace: dict[str, str] | None = None) -> Task:
     """Write a task folder (instruction.md, task.toml, workspace/, tests/test.sh) and load it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "instruction.md").write_text(instruction, encoding="utf-8")
-    if toml is not None:
-        (folder / "task.toml").write_text(toml, encoding="utf-8")
-    for name, text in (workspace or {}).items():
-        path = folder / "workspace" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    if test_sh is not None:
-        (folder / "tests").mkdir(exist_ok=True)
-        (folder / "tests" / "test.sh").write_text("#!/bin/bash\n" + test_sh, encoding="utf-8")
-    return Task.load(folder)
+    return samples.write_task(folder, instruction=instruction, test_sh=test_sh, toml=toml,
+                              workspace=workspace)
 
 
 def killer(folder: Path, trigger: str) -> Path:

@@ -101,3 +101,19 @@ def test_a_reader_that_leaves_early_is_not_an_error(tmp_path: Path) -> None:
         f"{sys.executable} -m trialledger.cli export --db {db} --session {sid} | head -c 100",
         shell=True, capture_output=True, text=True, cwd=ROOT, check=False, timeout=120)
     assert done.stdout.startswith("{") and done.stderr == "", done.stderr
+
+
+def test_an_event_from_a_newer_schema_is_refused_naming_its_line(tmp_path: Path) -> None:
+    """A log written by newer trialledger (a schema this code does not know) is refused,
+    never read as if it were ours; every schema this code writes is accepted."""
+    good = (EXAMPLES / "clean.jsonl").read_text(encoding="utf-8").splitlines()
+    index = next(i for i, line in enumerate(good) if '"agent.launched"' in line)
+    newer = json.loads(good[index])
+    newer["schema"] = 3
+    lines = [*good[:index], json.dumps(newer), *good[index + 1:]]
+    done = trialledger("replay", "--log", _write(tmp_path, lines))
+    assert done.returncode == 2 and f"line {index + 1}: field 'schema'" in done.stderr
+    assert "agent.launched schema 3 is newer" in done.stderr
+    newer["schema"] = 2  # what the runner writes today
+    lines = [*good[:index], json.dumps(newer), *good[index + 1:]]
+    assert trialledger("replay", "--log", _write(tmp_path, lines)).returncode == 0

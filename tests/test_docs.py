@@ -40,23 +40,19 @@ def test_every_sql_view_column_is_specified(tmp_path: Path) -> None:
     import anyio
 
     from trialledger.store import Ledger
-    from trialledger.store.engine import make_engines
+    from trialledger.store.engine import open_engines
 
     async def columns() -> dict[str, list[str]]:
         db = str(tmp_path / "t.db")
         async with await Ledger.open(db):
             pass
-        engines = make_engines(db)
-        try:
-            async with engines.reader.connect() as conn:
-                def read(c: Connection) -> dict[str, list[str]]:
-                    found = inspect(c)
-                    names = [*found.get_view_names(), *TABLES, "events"]
-                    return {n: [col["name"] for col in found.get_columns(n)]
-                            for n in names if n not in ("decision_log",)}
-                return await conn.run_sync(read)
-        finally:
-            await engines.dispose()
+        async with open_engines(db) as engines, engines.reader.connect() as conn:
+            def read(c: Connection) -> dict[str, list[str]]:
+                found = inspect(c)
+                names = [*found.get_view_names(), *TABLES, "events"]
+                return {n: [col["name"] for col in found.get_columns(n)]
+                        for n in names if n not in ("decision_log",)}
+            return await conn.run_sync(read)
 
     views = anyio.run(columns)
     assert {"outcomes", "decisions", "sessions", "tool_calls", "gaps", "rewards"} <= set(views)

@@ -151,7 +151,7 @@ def test_a_changed_configuration_is_refused_naming_the_field(
 def test_a_killed_job_resumes_with_nothing_lost_or_run_twice(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "data"
-    turns = builders(data, "slow", 3, "sleep 8; echo built > built.txt")
+    turns = builders(data, "slow", 3, "sleep 3; echo built > built.txt")
     db = tmp_path / "jobs.db"
     with ScriptedEndpoint([message("unrouted")], turns=turns) as endpoint:
         argv = [sys.executable, "-m", "trialledger.cli", "job", "run", "resume", str(data),
@@ -358,15 +358,11 @@ def _pg_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
     import anyio
     from sqlalchemy import text as sql_text
 
-    from trialledger.store.engine import make_engines
+    from trialledger.store.engine import open_engines
 
     async def go() -> list[tuple[Any, ...]]:
-        engines = make_engines(url)
-        try:
-            async with engines.reader.connect() as conn:
-                return [tuple(r) for r in (await conn.execute(sql_text(sql))).all()]
-        finally:
-            await engines.dispose()
+        async with open_engines(url) as engines, engines.reader.connect() as conn:
+            return [tuple(r) for r in (await conn.execute(sql_text(sql))).all()]
 
     return anyio.run(go)
 

@@ -9,7 +9,7 @@ from sqlalchemy import inspect, text
 
 from tests.scenarios import SCENARIOS
 from trialledger.store import Ledger
-from trialledger.store.engine import make_engines
+from trialledger.store.engine import open_engines
 from trialledger.store.migrate import current_revision, head_revision, revisions, upgrade
 
 pytestmark = pytest.mark.anyio
@@ -20,23 +20,15 @@ async def _rows(db: str, tables: list[str], columns: list[str] | None = None
                 ) -> dict[str, list[tuple[Any, ...]]]:
     """Every row of each table (only `columns`, in that order, when given)."""
     shown = ", ".join(columns) if columns else "*"
-    engines = make_engines(db)
-    try:
-        async with engines.reader.begin() as conn:
-            return {t: sorted((tuple(r) for r in await conn.execute(
-                text(f"SELECT {shown} FROM {t}"))), key=repr) for t in tables}
-    finally:
-        await engines.dispose()
+    async with open_engines(db) as engines, engines.reader.begin() as conn:
+        return {t: sorted((tuple(r) for r in await conn.execute(
+            text(f"SELECT {shown} FROM {t}"))), key=repr) for t in tables}
 
 
 async def _tables(db: str) -> list[str]:
-    engines = make_engines(db)
-    try:
-        async with engines.reader.connect() as conn:
-            names = await conn.run_sync(lambda c: inspect(c).get_table_names())
-            return sorted(n for n in names if n != "alembic_version")
-    finally:
-        await engines.dispose()
+    async with open_engines(db) as engines, engines.reader.connect() as conn:
+        names = await conn.run_sync(lambda c: inspect(c).get_table_names())
+        return sorted(n for n in names if n != "alembic_version")
 
 
 @pytest.mark.parametrize("start", revisions()[:-1])
@@ -51,14 +43,10 @@ async def test_a_populated_database_upgrades_from_every_earlier_revision(
         async with await Ledger.open(reference) as ledger:  # the same sessions, written today
             for name in CASES:
                 await ledger.import_log(SCENARIOS[name][0].events)
-        engines = make_engines(old)
-        try:
+        async with open_engines(old) as engines:
             await upgrade(engines.writer, start)
-        finally:
-            await engines.dispose()
         shared = sorted(set(await _tables(old)) & set(await _tables(reference)))
-        engines = make_engines(old)
-        try:
+        async with open_engines(old) as engines:
             async with engines.writer.begin() as conn:  # the same data, as the old schema held it
                 for table in shared:
                     columns = await conn.run_sync(lambda c, t=table: inspect(c).get_columns(t))
@@ -71,8 +59,6 @@ async def test_a_populated_database_upgrades_from_every_earlier_revision(
                             for i, (v, flag) in enumerate(zip(row, flags, strict=True))})
             await upgrade(engines.writer)
             assert await current_revision(engines.writer) == head_revision()
-        finally:
-            await engines.dispose()
         everything = await _tables(reference)
         assert await _rows(old, [*everything, "outcomes"]) == await _rows(
             reference, [*everything, "outcomes"])
@@ -89,13 +75,9 @@ async def test_flags_are_integers_an_analyst_can_sum(
     async with await Ledger.open(db) as ledger:
         for name in CASES:
             await ledger.import_log(SCENARIOS[name][0].events)
-    engines = make_engines(db)
-    try:
-        async with engines.reader.begin() as conn:
-            for view in ("outcomes", "decisions"):
-                total = (await conn.execute(text(
-                    f"SELECT SUM(reward_valid), COUNT(*) FROM {view} WHERE reward_valid = 1"
-                ))).one()
-                assert total[0] == total[1] > 0
-    finally:
-        await engines.dispose()
+    async with open_engines(db) as engines, engines.reader.begin() as conn:
+        for view in ("outcomes", "decisions"):
+            total = (await conn.execute(text(
+                f"SELECT SUM(reward_valid), COUNT(*) FROM {view} WHERE reward_valid = 1"
+            ))).one()
+            assert total[0] == total[1] > 0

@@ -19,7 +19,7 @@ from trialledger.core import (
     replay,
 )
 from trialledger.store import Ledger, SchemaOutOfDate
-from trialledger.store.engine import make_engines
+from trialledger.store.engine import open_engines
 
 pytestmark = pytest.mark.anyio
 
@@ -290,14 +290,11 @@ async def test_migrations_go_down_and_up(db: str) -> None:
     async with await Ledger.open(db) as ledger:
         sid = (await ledger.seed(seed_data())).session_id
         assert [row["session_id"] for row in await ledger.sessions()] == [sid]
-    engines = make_engines(db)
-    try:
+    async with open_engines(db) as engines:
         await downgrade(engines.writer, "base")
         assert await current_revision(engines.writer) is None
         await upgrade(engines.writer)
         assert await current_revision(engines.writer) == head_revision()
-    finally:
-        await engines.dispose()
     async with await Ledger.open(db) as ledger:
         assert await ledger.sessions() == []  # the downgrade to base dropped it
 

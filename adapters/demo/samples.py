@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import stat
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,14 +63,20 @@ sys.exit(codex.wait())
 """)
 
 
-def write_task(folder: Path, *, instruction: str, test_sh: str,
-               toml: str | None = None) -> Task:
-    """Write a task folder (instruction.md, task.toml, tests/test.sh) and load it."""
+def write_task(folder: Path, *, instruction: str, test_sh: str | None,
+               toml: str | None = None, workspace: Mapping[str, str] | None = None) -> Task:
+    """Write a task folder (instruction.md, task.toml, workspace/, tests/test.sh) and load
+    it: the demo's and the tests' one task writer."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "instruction.md").write_text(instruction, encoding="utf-8")
     if toml is not None:
         (folder / "task.toml").write_text(toml, encoding="utf-8")
-    executable(folder / "tests" / "test.sh", "#!/bin/bash\n" + test_sh)
+    for name, text in (workspace or {}).items():
+        path = folder / "workspace" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    if test_sh is not None:
+        executable(folder / "tests" / "test.sh", "#!/bin/bash\n" + test_sh)
     return Task.load(folder)
 
 
