@@ -67,6 +67,9 @@ async def test_escape_attempts_fail_and_leave_the_host_untouched(
     assert sandbox.tests is not None
     tests_file = sandbox.tests / "test.sh"
     before = {p: p.read_bytes() for p in (tests_file, store_file)}
+    secret = store_file.parent / "root-only.txt"  # planted (in a temp folder): readable by
+    secret.write_text("planted-root-only-secret\n")  # the host's root alone
+    secret.chmod(0o600)
     attempts = {
         "write host home": f"echo x > {marker}",
         "write /etc": "echo x > /etc/trialledger-escape",
@@ -76,6 +79,7 @@ async def test_escape_attempts_fail_and_leave_the_host_untouched(
         "read the store": f"cat {store_file}",
         "read another session CODEX_HOME": f"cat {other.session_dir}/auth.json",
         "see the host home": f"test -e {HOST_HOME}",
+        "read a root-only host file": f"grep -q planted-root-only-secret {secret}",
         "signal a host process": f"kill -9 {victim.pid}",
     }
     script = "\n".join(f"if ( {cmd} ) >/dev/null 2>&1; then echo 'ESCAPED: {name}'; fi"
