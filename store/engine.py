@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sqlalchemy import URL, event, make_url, text
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.util import await_
 
 from trialledger.core.errors import TrialLedgerError
 
@@ -179,8 +180,23 @@ def make_engines(db: str, *, sqlite_synchronous: Synchronous = "FULL") -> Engine
             reader=_sqlite_engine(url, begin="BEGIN", synchronous=sqlite_synchronous),
             url=url.render_as_string(hide_password=True),
         )
-    # pre_ping: a connection that died with a server restart is replaced, not used.
-    writer = create_async_engine(url, pool_size=2, pool_pre_ping=True)
-    return Engines(writer=writer,
-                   reader=create_async_engine(url, pool_size=4, pool_pre_ping=True),
+    return Engines(writer=_postgres_engine(url, pool_size=2),
+                   reader=_postgres_engine(url, pool_size=4),
                    url=url.render_as_string(hide_password=True))
+
+
+def _postgres_engine(url: URL, *, pool_size: int) -> AsyncEngine:
+    """An asyncpg engine whose pooled connections are pinged when checked out, so one that
+    died with a server restart is replaced, not used — what `pool_pre_ping` does, in one
+    round trip instead of its three (for asyncpg it wraps the ping in BEGIN and ROLLBACK),
+    which halves the round trips of a job's claim."""
+    engine = create_async_engine(url, pool_size=pool_size)
+
+    @event.listens_for(engine.sync_engine.pool, "checkout")
+    def _ping(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+        try:
+            await_(dbapi_connection.driver_connection.fetchrow(";"))
+        except Exception as error:  # gone: the pool discards it and connects anew
+            raise DisconnectionError(f"a pooled connection is gone: {error}") from error
+
+    return engine

@@ -10,13 +10,15 @@ never wait on each other; SQLite has one writer, which serialises claims by itse
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from trialledger.core.errors import TrialLedgerError
 from trialledger.store.ledger import _DB_NOW, Ledger, _guarded, gone_from_this_host
@@ -66,6 +68,18 @@ class Jobs:
         self._engines = ledger._engines
         self._now = _DB_NOW[ledger.dialect]
         self.postgres = ledger.dialect == "postgresql"
+
+    @contextlib.asynccontextmanager
+    async def _atomic(self) -> AsyncIterator[AsyncConnection]:
+        """A connection for statements that are each atomic on their own: on PostgreSQL in
+        autocommit (no BEGIN and COMMIT round trips: a claim or a settle is one statement,
+        half the round trips); on SQLite a write transaction (its single writer lock)."""
+        if not self.postgres:
+            async with self._engines.writer.begin() as conn:
+                yield conn
+            return
+        async with self._engines.writer.connect() as conn:
+            yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 
     async def define(self, name: str, config: Mapping[str, Any],
                      tasks: Sequence[tuple[str, str]]) -> bool:
@@ -135,26 +149,26 @@ class Jobs:
         # Queued trials first, k-major (every task's first trial before any second one), by
         # the (job, state, k_index, task) index; then a running one whose lease expired.
         # One UPDATE … RETURNING takes it: PostgreSQL skips rows other claimers hold.
+        # Orphaned leases only matter once no queued trial is left, so they are released
+        # (one more statement) only then.
         lock = " FOR UPDATE SKIP LOCKED" if self.postgres else ""
         picks = [f"SELECT q.trial_id FROM job_queue q WHERE {' AND '.join(where)} AND "
                  f"q.state = 'queued' ORDER BY q.k_index, q.task LIMIT 1{lock}",
                  f"SELECT q.trial_id FROM job_queue q WHERE {' AND '.join(where)} AND "
                  f"q.state = 'running' AND q.lease_expires < {self._now} "
                  f"ORDER BY q.k_index, q.task LIMIT 1{lock}"]
-        async with self._engines.writer.begin() as conn:
-            await self._release_orphans(conn)
-            got = None
-            for pick in picks:
+        async with self._atomic() as conn:
+            for index, pick in enumerate(picks):
+                if index:
+                    await self._release_orphans(conn)
                 got = (await conn.execute(text(
                     f"UPDATE job_queue SET state = 'running', lease_token = :tok, "
                     f"runner_id = :r, lease_expires = {self._now} + :lease "
                     f"WHERE trial_id = ({pick}) "
                     f"RETURNING trial_id, task, k_index, task_dir"), params)).first()
                 if got is not None:
-                    break
-            if got is None:
-                return None
-        return Claim(got[0], got[1], int(got[2]), got[3], token)
+                    return Claim(got[0], got[1], int(got[2]), got[3], token)
+        return None
 
     async def _release_orphans(self, conn: Any) -> None:
         """Leases held by processes of this host that are gone expire at once (a killed
@@ -168,7 +182,7 @@ class Jobs:
 
     async def renew(self, claim: Claim, lease_s: float) -> bool:
         """Extend the lease; False when it is no longer ours (taken over)."""
-        async with self._engines.writer.begin() as conn:
+        async with self._atomic() as conn:
             done = await conn.execute(text(
                 f"UPDATE job_queue SET lease_expires = {self._now} + :lease "
                 "WHERE trial_id = :t AND lease_token = :tok AND state = 'running'"),
@@ -177,7 +191,7 @@ class Jobs:
 
     async def settle(self, claim: Claim, state: str) -> bool:
         """End our hold: `done`, or `queued` to release the trial to whoever claims next."""
-        async with self._engines.writer.begin() as conn:
+        async with self._atomic() as conn:
             done = await conn.execute(text(
                 "UPDATE job_queue SET state = :s, lease_token = NULL, lease_expires = NULL "
                 "WHERE trial_id = :t AND lease_token = :tok"),

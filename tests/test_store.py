@@ -299,6 +299,21 @@ async def test_migrations_go_down_and_up(db: str) -> None:
         assert await ledger.sessions() == []  # the downgrade to base dropped it
 
 
+async def test_pooled_connections_that_died_with_a_server_restart_are_replaced(
+        postgres: Any) -> None:
+    """After a PostgreSQL restart every pooled connection is dead; the next read and the
+    next append still succeed at once (each pooled connection is pinged at checkout), with
+    no retry of the caller's."""
+    db = postgres.create_database()
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        assert len(await ledger.sessions()) == 1  # the reader's pool holds a connection too
+        postgres.restart(down_s=0.2)
+        assert [row["session_id"] for row in await ledger.sessions()] == [sid]
+        stored = await ledger.append(sid, run_of("clean")[:1], expected_seq=1)
+        assert stored[0].event.seq == 2
+
+
 async def test_recover_leaves_a_live_runner_alone_unless_forced(db: str) -> None:
     from tests.scenarios import SCENARIOS
     from trialledger.store.ledger import RunnerAlive
