@@ -125,8 +125,9 @@ def _replay_diff(args: argparse.Namespace) -> int:
     async def diff(ledger: Ledger) -> tuple[int, list[Any]]:
         with Progress(console=Console(stderr=True), transient=True) as progress:
             task = progress.add_task("re-deriving", total=len(await ledger.sessions()))
-            return await ledger.divergences(args.policy,
-                                            on_session=lambda: progress.advance(task))
+            return await ledger.divergences(
+                args.policy, jobs=args.jobs, policy_files=[args.policy_file] if
+                args.policy_file else [], on_sessions=lambda n: progress.advance(task, n))
 
     count, differing = on_store(args.db, diff, create=False)
     if args.json:
@@ -996,6 +997,9 @@ def build_parser() -> argparse.ArgumentParser:
     _with_db(p)
     p.add_argument("--all", action="store_true", help="every session in --db")
     p.add_argument("--diff", action="store_true", help="list sessions whose decisions differ")
+    p.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1, metavar="N",
+                   help="--all: processes that re-derive in parallel (default: the core count, "
+                        f"{os.cpu_count() or 1} here); the output is the same for any N")
     p.add_argument("--policy", help="decision policy version (default: each session's own, "
                                     "as its seed names it)")
     p.add_argument("--policy-file", metavar="FILE.py",

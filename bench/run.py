@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -26,10 +27,12 @@ import anyio
 from bench import proxy, workload
 from trialledger.store import Ledger
 
-FULL = {"sessions": 1000, "events": 100_000, "rederive": 1_000_000, "query_sessions": 100_000,
+FULL = {"sessions": 1000, "events": 100_000, "rederive": 1_000_000, "store_rederive": 200_000,
+        "query_sessions": 100_000,
         "query_events": 1_000_000, "ingest_mb": (100, 1000), "pg_events": 8 * 5000,
         "baseline_cap_s": 30.0}
-QUICK = {"sessions": 200, "events": 4000, "rederive": 20_000, "query_sessions": 2000,
+QUICK = {"sessions": 200, "events": 4000, "rederive": 20_000, "store_rederive": 4000,
+         "query_sessions": 2000,
          "query_events": 20_000, "ingest_mb": (5, 20), "pg_events": 8 * 250,
          "baseline_cap_s": 5.0}
 
@@ -136,6 +139,32 @@ def rederive_ours(events: int) -> Figure:
     return Figure("re-derivation", "trialledger replay (every outcome)", total, seconds)
 
 
+def rederive_store(folder: Path, events: int) -> list[Figure]:
+    """`replay --all --diff` over a SQLite store: one process, then one per core."""
+    per = 10
+    logs = workload.session_logs(events // per, per - 3)
+    db = str(folder / "rederive.db")
+
+    async def fill() -> None:
+        async with await Ledger.open(db) as ledger, anyio.create_task_group() as tg:
+            for log in logs:
+                tg.start_soon(ledger.import_log, log)
+
+    anyio.run(fill)
+    total = sum(len(log) for log in logs) + len(logs)  # each import adds its decision
+    figures = []
+    for jobs in sorted({1, os.cpu_count() or 1}):
+        async def diff(jobs: int = jobs) -> int:
+            async with await Ledger.open(db, create=False) as ledger:
+                return len((await ledger.divergences(jobs=jobs))[1])
+
+        differing, seconds = timed(lambda: anyio.run(diff))
+        assert differing == 0
+        figures.append(Figure("store re-derivation", f"trialledger --jobs {jobs}", total,
+                              seconds))
+    return figures
+
+
 def rederive_eventsourcing(folder: Path, events: int, cap_s: float) -> Figure:
     per = 10
     app, aggregates = workload.eventsourcing_app(folder / "es-rebuild.db", events // per,
@@ -240,6 +269,7 @@ def main() -> None:
         add(import_raw(folder, n_events))
         add(rederive_ours(int(size["rederive"])))
         add(rederive_eventsourcing(folder, int(size["rederive"]), cap))
+        add(*rederive_store(folder, int(size["store_rederive"])))
         add(*analyst_queries(folder, int(size["query_sessions"]), int(size["query_events"])))
         for megabytes in size["ingest_mb"]:  # type: ignore[attr-defined]
             add(ingest(folder, int(megabytes)))
@@ -260,6 +290,9 @@ def main() -> None:
           by[("batched import", "raw")])
     ratio("re-derivation, ours / eventsourcing", by[("re-derivation", "trialledger")],
           by[("re-derivation", "eventsourcing")])
+    stored = [f for f in figures if f.name == "store re-derivation"]
+    if len(stored) == 2:
+        ratio(f"store re-derivation, {os.cpu_count()} processes / 1", stored[1], stored[0])
     ingests = [f for f in figures if f.name == "streaming ingest"]
     if len(ingests) == 2:
         ratio("streaming ingest, large / small throughput", ingests[1], ingests[0])

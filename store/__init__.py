@@ -13,7 +13,6 @@ if TYPE_CHECKING:
     from trialledger.store.ledger import (
         AmbiguousSession,
         AuditReport,
-        Difference,
         Ledger,
         NoDatabase,
         NoSession,
@@ -21,13 +20,14 @@ if TYPE_CHECKING:
         StoreUnavailable,
     )
     from trialledger.store.migrate import SchemaOutOfDate, upgrade_database
+    from trialledger.store.rederive import Difference
     from trialledger.store.writer import LeaseLost, StoredEvent
 
 __all__ = ["AmbiguousSession", "AuditReport", "Difference", "LeaseLost", "Ledger", "NoDatabase",
            "NoSession", "SchemaOutOfDate", "Seeded", "StoreUnavailable", "StoredEvent",
            "upgrade_database"]
 _WHERE = {"SchemaOutOfDate": "migrate", "upgrade_database": "migrate", "LeaseLost": "writer",
-          "StoredEvent": "writer"}  # the others are the ledger's
+          "StoredEvent": "writer", "Difference": "rederive"}  # the others are the ledger's
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:

@@ -56,6 +56,8 @@ from trialledger.store.engine import (
 )
 from trialledger.store.migrate import ensure_current
 from trialledger.store.projections import SESSION_COLUMNS
+from trialledger.store.rederive import Difference
+from trialledger.store.rederive import divergences as every_divergence
 from trialledger.store.writer import EVENTS, Fence, Request, StoredEvent, Writer, now
 
 SESSIONS = table("sessions", *(column(c) for c in SESSION_COLUMNS))
@@ -190,17 +192,6 @@ class Seeded:
     def head_seq(self) -> int:
         """The seq to pass as `expected_seq` for the next append."""
         return len(self.events)
-
-
-@dataclass(frozen=True)
-class Difference:
-    """A stored session whose recorded decision a re-derivation does not reproduce: the
-    first differing decision's seq, and each side as `rule/action` (or `none`)."""
-
-    session_id: str
-    seq: int
-    recorded: str
-    derived: str
 
 
 @dataclass(frozen=True)
@@ -563,26 +554,16 @@ class Ledger:
                 return AuditReport(len(heads), len(rows), f"session {sid}: {fault}")
         return AuditReport(len(heads), len(rows), None)
 
-    async def divergences(self, policy: str | Policy | None = None, *,
-                          on_session: Callable[[], object] | None = None
+    async def divergences(self, policy: str | None = None, *, jobs: int = 1,
+                          policy_files: Sequence[str] = (),
+                          on_sessions: Callable[[int], object] | None = None
                           ) -> tuple[int, list[Difference]]:
-        """Re-derive every stored session (under `policy`, else each one's own) and return
-        how many there are and those whose recorded decisions differ, at their first
-        difference; `on_session` is called after each (a progress display)."""
-        differing = []
-        sessions = await self.sessions()
-        for row in sessions:
-            stored = await self.events(row["session_id"])
-            view = replay([s.event for s in stored], policy=policy)
-            if view.diverged_at is not None:
-                d = view.diverged_at
-                differing.append(Difference(
-                    row["session_id"], d.seq,
-                    f"{d.recorded.rule}/{d.recorded.action}" if d.recorded else "none",
-                    f"{d.derived.rule}/{d.derived.action}" if d.derived else "none"))
-            if on_session is not None:
-                on_session()
-        return len(sessions), differing
+        """Re-derive every stored session (under the policy named `policy`, else each one's
+        own) and return how many there are and those whose recorded decisions differ, at
+        their first difference, by session id. `jobs` processes share the work (each loads
+        `policy_files`, which register policies, first); `on_sessions(n)` reports progress."""
+        return await every_divergence(self, policy, jobs=jobs, policy_files=policy_files,
+                                      on_sessions=on_sessions)
 
     async def rebuild_projections(self) -> int:
         """Recompute every projection row from the log; return the number of sessions."""

@@ -117,6 +117,15 @@ class Request:
     wake: anyio.Event = field(default_factory=anyio.Event)
 
 
+IN_LIMIT = 900  # values per `IN (…)`: below 999, the least any SQLite build allows
+
+
+def _slices(values: list[str]) -> list[list[str]]:
+    """`values` in parts small enough for one `IN (…)` each (a batch of thousands of
+    concurrent imports names more ids than one statement may hold)."""
+    return [values[i:i + IN_LIMIT] for i in range(0, len(values), IN_LIMIT)]
+
+
 def _same_content(a: Event, b: Event) -> bool:
     keys = {"type", "at", "data", "schema_"}
     return a.model_dump(include=keys) == b.model_dump(include=keys)
@@ -238,11 +247,14 @@ class Writer:
                         if r.session_id not in self.open and not r.new_id})
         if not missing:
             return
-        rows = await conn.execute(
-            select(EVENTS.c.session_id, EVENTS.c.position, EVENTS.c.recorded_at,
-                   EVENTS.c.hash, EVENTS.c.data)
-            .where(EVENTS.c.session_id.in_(missing)).order_by(EVENTS.c.session_id, EVENTS.c.seq))
-        for sid, position, recorded_at, digest, data in rows.all():
+        rows: list[Any] = []
+        for part in _slices(missing):
+            rows += (await conn.execute(
+                select(EVENTS.c.session_id, EVENTS.c.position, EVENTS.c.recorded_at,
+                       EVENTS.c.hash, EVENTS.c.data)
+                .where(EVENTS.c.session_id.in_(part))
+                .order_by(EVENTS.c.session_id, EVENTS.c.seq))).all()
+        for sid, position, recorded_at, digest, data in rows:
             open_ = self.open.get(sid) or self.open.setdefault(
                 sid, OpenSession(Session(sid)))
             stored = StoredEvent.from_row(position, recorded_at, digest, data)
@@ -285,11 +297,12 @@ class Writer:
             if e.event_id and not (r.session_id in self.open
                                    and e.event_id in self.open[r.session_id].ids)
         }
-        if not wanted:
-            return {}
-        rows = await conn.execute(
-            select(EVENTS.c.event_id, EVENTS.c.session_id).where(EVENTS.c.event_id.in_(wanted)))
-        return dict(rows.all())
+        found: dict[str, str] = {}
+        for part in _slices(sorted(wanted)):
+            rows = await conn.execute(
+                select(EVENTS.c.event_id, EVENTS.c.session_id).where(EVENTS.c.event_id.in_(part)))
+            found.update(rows.all())
+        return found
 
     def _apply(self, request: Request, recorded_at: str, foreign: dict[str, str],
                touched: dict[str, OpenSession]) -> list[StoredEvent]:

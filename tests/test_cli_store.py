@@ -146,8 +146,8 @@ def test_replay_diff_lists_sessions_a_new_policy_decides_otherwise(
     assert code == 0 and "0 of 2 sessions differ under each session's own policy" in out
     register_policy(Policy(name="test-strict", outcome_table={
         **V1_OUTCOME_TABLE, "context_window": ("retry", False)}))
-    code, out, _ = run(capsys, "replay", "--db", db, "--all", "--diff",
-                       "--policy", "test-strict", "--json")
+    code, out, _ = run(capsys, "replay", "--db", db, "--all", "--diff",  # registered in
+                       "--policy", "test-strict", "--json", "--jobs", "1")  # this process only
     (differs,) = json.loads(out)
     assert code == 1 and (differs["recorded"], differs["derived"]) == (
         "reported/verify", "reported/retry")
@@ -185,8 +185,13 @@ def test_replay_diff_under_the_example_policy_names_the_probed_session(
     for path in sorted(GOLDEN.glob("*.jsonl")):
         assert run(capsys, "import", "--db", db, str(path))[0] == 0
     policy = str(Path(__file__).parent.parent / "examples" / "policy_no_probe.py")
-    code, out, _ = run(capsys, "replay", "--db", db, "--all", "--diff", "--policy", "no-probe",
-                       "--policy-file", policy, "--json")
+    said = []
+    for jobs in ("1", "3"):  # three processes, each loading the policy file, say the same
+        code, out, _ = run(capsys, "replay", "--db", db, "--all", "--diff", "--policy",
+                           "no-probe", "--policy-file", policy, "--json", "--jobs", jobs)
+        said.append((code, out))
+    assert said[0] == said[1]
+    code, out = said[0]
     (differs,) = json.loads(out)
     assert code == 1 and (differs["recorded"], differs["derived"]) == (
         "probe/probe", "execution_error/retry")

@@ -366,3 +366,49 @@ async def test_new_stores_opened_together_in_one_process_are_each_built(tmp_path
             for n in range(4):
                 tg.start_soon(one, n)
     assert opened == [1, 1, 1, 1]
+
+
+async def test_a_batch_larger_than_a_statements_limit_is_asked_in_slices(
+        tmp_path: Path) -> None:
+    """800 sessions imported while the writer waits for a lock land in one batch that names
+    ~8,800 event ids — more than one statement may hold once SQLite's variable limit is
+    lowered to 2,000 (this machine's build allows 250,000, which 23,000 concurrent imports
+    overflowed in the re-derivation benchmark): the writer asks in slices."""
+    import sqlite3
+    import uuid
+
+    from sqlalchemy import event
+    from sqlalchemy.util import await_
+
+    from tests.scenarios import CLEAN, LogBuilder
+
+    logs = []
+    for n in range(800):
+        builder = LogBuilder().launched().codex(CLEAN).finish(0)
+        builder.events[0]["session_id"] = str(uuid.UUID(int=n + 1))
+        logs.append(builder.events)
+    db = tmp_path / "many.db"
+    async with await Ledger.open(str(db)) as ledger:
+        writer = ledger._engines.writer
+
+        @event.listens_for(writer.sync_engine, "connect")
+        def _small(dbapi_connection: Any, _record: Any) -> None:
+            driver = dbapi_connection.driver_connection  # aiosqlite: its own thread
+            await_(driver._execute(driver._conn.setlimit,
+                                   sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 2000))
+
+        await writer.dispose()  # every writer connection from now on has the small limit
+        holder = sqlite3.connect(db, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")  # the writer waits: every import queues up
+
+        async def release() -> None:
+            await anyio.sleep(2)
+            holder.execute("COMMIT")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release)
+            for log in logs:
+                tg.start_soon(ledger.import_log, log)
+        holder.close()
+        assert len(await ledger.sessions()) == 800
+        assert (await ledger.audit()).ok

@@ -1,0 +1,130 @@
+"""Re-deriving every stored session, split across processes (`replay --all --diff --jobs N`).
+
+A policy change means re-deriving every outcome ever recorded, and the fold is pure CPU:
+so the sessions, sorted by id, are cut into chunks that worker processes (spawned, so
+nothing of the parent's event loop or connections is shared) read and fold on their own
+connections, with the garbage collector off during the fold (the fold makes no cycles
+worth collecting; a worker is our own process, while `jobs=1` runs in the caller's, whose
+collector is left alone). Chunks come back in order, so the output is the same for any
+number of processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import multiprocessing
+import runpy
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from sqlalchemy import select
+
+from trialledger.core import replay
+from trialledger.store.writer import EVENTS, IN_LIMIT
+
+if TYPE_CHECKING:
+    from trialledger.store.ledger import Ledger
+
+CHUNKS_PER_PROCESS = 4  # more chunks than processes: a slow chunk does not idle the others
+MAX_CHUNK = IN_LIMIT  # sessions per chunk: one query's `IN (…)`, and progress moves
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A stored session whose recorded decision a re-derivation does not reproduce: the
+    first differing decision's seq, and each side as `rule/action` (or `none`)."""
+
+    session_id: str
+    seq: int
+    recorded: str
+    derived: str
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+async def chunk_differences(ledger: Ledger, session_ids: Sequence[str],
+                            policy: str | None) -> list[Difference]:
+    """Re-derive these sessions (their logs read in one query) and return those that
+    differ, in the order given."""
+    logs: dict[str, list[dict[str, Any]]] = {sid: [] for sid in session_ids}
+    async with ledger._engines.reader.begin() as conn:
+        rows = await conn.execute(
+            select(EVENTS.c.session_id, EVENTS.c.data)
+            .where(EVENTS.c.session_id.in_(list(session_ids)))
+            .order_by(EVENTS.c.session_id, EVENTS.c.seq))
+        for sid, data in rows:
+            logs[sid].append(json.loads(data))
+    found = []
+    for sid in session_ids:
+        view = replay(logs.pop(sid), policy=policy)
+        if view.diverged_at is not None:
+            d = view.diverged_at
+            found.append(Difference(
+                sid, d.seq, f"{d.recorded.rule}/{d.recorded.action}" if d.recorded else "none",
+                f"{d.derived.rule}/{d.derived.action}" if d.derived else "none"))
+    return found
+
+
+def _worker_chunk(db: str, session_ids: list[str], policy: str | None,
+                  policy_files: tuple[str, ...]) -> list[Difference]:
+    """One chunk, in a worker process: load the policy files, open the store, derive."""
+    from trialledger.store.ledger import Ledger
+
+    for path in policy_files:
+        runpy.run_path(path)
+
+    async def go() -> list[Difference]:
+        async with await Ledger.open(db, create=False) as ledger:
+            return await chunk_differences(ledger, session_ids, policy)
+
+    with _no_gc():  # the worker process is ours: no collector pauses during the fold
+        return anyio.run(go)
+
+
+def chunks(session_ids: Sequence[str], processes: int) -> list[list[str]]:
+    """Contiguous chunks of the sorted ids: a few per process, none over MAX_CHUNK."""
+    ordered = sorted(session_ids)
+    if not ordered:
+        return []
+    size = max(1, min(MAX_CHUNK, math.ceil(len(ordered) / (processes * CHUNKS_PER_PROCESS))))
+    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+
+async def divergences(ledger: Ledger, policy: str | None, *, jobs: int,
+                      policy_files: Sequence[str] = (),
+                      on_sessions: Callable[[int], object] | None = None
+                      ) -> tuple[int, list[Difference]]:
+    """Every stored session re-derived by `jobs` processes (1: this one)."""
+    session_ids = [row["session_id"] for row in await ledger.sessions()]
+    parts = chunks(session_ids, jobs)
+    found: list[Difference] = []
+    if jobs <= 1:
+        for part in parts:
+            found += await chunk_differences(ledger, part, policy)
+            if on_sessions is not None:
+                on_sessions(len(part))
+        return len(session_ids), found
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = [pool.submit(_worker_chunk, ledger.db, part, policy, tuple(policy_files))
+                   for part in parts]
+        for part, future in zip(parts, futures, strict=True):  # in order: deterministic
+            found += await anyio.to_thread.run_sync(future.result)
+            if on_sessions is not None:
+                on_sessions(len(part))
+    return len(session_ids), found
