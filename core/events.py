@@ -144,6 +144,12 @@ class AgentLaunchedData(_Data):
     limits: dict[str, Any] | None = None
     model_proxy: bool | None = None  # the session's model calls went through our proxy
 
+    @property
+    def ran_in(self) -> dict[str, Any]:
+        """The environment the agent ran in: a schema-1 event, written before task images,
+        reads as the host (`{kind: host}`), while it dumps exactly as written."""
+        return self.environment if self.environment is not None else {"kind": "host"}
+
     @model_serializer(mode="wrap")
     def _as_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         dumped: dict[str, Any] = handler(self)

@@ -92,7 +92,7 @@ def _environment(session: Session) -> Row:
     """The environment a schema-2 `agent.launched` names (null: the host, or none yet)."""
     for event in session.events[1:]:
         if event.type == "agent.launched":
-            environment = event.data.environment or {}
+            environment = event.data.ran_in
             return {"environment_ref": environment.get("ref"),
                     "environment_digest": environment.get("digest")}
         if event.type != "gap.recorded":  # the launch comes right after the seed's gaps

@@ -58,3 +58,16 @@ def test_a_changed_decision_fails_with_a_readable_diff(tmp_path: Path) -> None:
         test_golden_transcript_rederives_every_decision(copy)
     message = str(caught.value)
     assert '- "rule": "execution_error"' in message and '+ "rule": "probe"' in message
+
+
+def test_a_schema_1_launch_reads_as_the_host_and_dumps_as_written() -> None:
+    """A log written before task images (agent.launched schema 1, no `environment`): its
+    launch reads as `{kind: host}`, and its JSON is still exactly what was written."""
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    lines = (examples / "clean.jsonl").read_text(encoding="utf-8").splitlines()
+    written = next(json.loads(line) for line in lines if '"agent.launched"' in line)
+    assert written.get("schema", 1) == 1 and "environment" not in written["data"]
+    view = replay([json.loads(line) for line in lines])
+    launch = next(e for e in view.events if e.type == "agent.launched")
+    assert launch.data.ran_in == {"kind": "host"}
+    assert launch.data.model_dump(mode="json") == written["data"]
