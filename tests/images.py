@@ -128,3 +128,15 @@ def oci_archive(ref: str, target: Path) -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"podman save failed: {done.stderr[-2000:]}")
     return target
+
+
+def build_all() -> None:
+    """Every image the tests use (each built once, kept in .images/)."""
+    debian_tarball()
+    busybox_root()
+    podman_image(DEBIAN_REF)
+    podman_image(BUSYBOX_REF)
+
+
+if __name__ == "__main__":  # `.ci/run` builds them before the tests, as it installs tools
+    build_all()

@@ -406,3 +406,32 @@ async def test_a_linked_workdir_never_binds_the_host_to_a_pristine_verifier(
     assert "swapped" in tool_output(ran)
     assert ran.view.rewards == {"reward": 1.0}, [
         e.data for e in ran.view.events if e.type.startswith("verification")]
+
+
+PODMAN_DOCKER = Path("/usr/bin/docker")  # Debian's podman-docker: the Docker CLI, on podman
+
+
+async def test_the_docker_engine_path_prepares_and_runs(
+        tmp_path: Path, cache: Cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--engine docker`: `docker image inspect` and `docker save` (a docker-archive, not
+    an OCI one) — run by Debian's podman-docker, the Docker CLI over podman (no Docker
+    daemon runs on these machines), first on our PATH; the busybox image, with its
+    WorkingDir and User, runs as it does through podman."""
+    if not (PODMAN_DOCKER.is_file() and "podman" in PODMAN_DOCKER.read_text(errors="replace")):
+        pytest.skip("podman-docker is not installed (.ci/run installs it)")
+    task = make_task(tmp_path / "task", test_sh=f"grep -q {images.BUSYBOX_MARKER} /marker && "
+                     "echo 1 > /logs/verifier/reward.txt\n",
+                     toml=f'[environment]\ndocker_image = "{images.BUSYBOX_REF}"\n')
+    images.podman_image(images.BUSYBOX_REF)
+    through_podman = prepare(task.source, cache, owner=owner(), engine="podman")
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "docker").symlink_to(PODMAN_DOCKER)
+    monkeypatch.setenv("PATH", f"{shims}:{os.environ['PATH']}")
+    env = prepare(task.source, Cache(tmp_path / "cache"), owner=owner(), engine="docker")
+    assert env.digest == through_podman.digest  # the same image, by either engine
+    assert env.root != through_podman.root  # unpacked afresh from `docker save`
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell("pwd; id -u"), message()],
+                         environment=env)
+    assert tool_output(ran).splitlines()[:2] == ["/work", "1000"]
+    assert ran.view.rewards == {"reward": 1.0}
