@@ -430,7 +430,7 @@ def test_on_a_terminal_the_progress_is_shown_live(tmp_path: Path) -> None:
     make_task(data / "flaky", instruction="[task flaky] do the task", test_sh="exit 0\n")
     make_task(data / "slow", instruction="[task slow] take your time", test_sh="exit 0\n")
     routes = {"[task flaky]": TASKS["flaky"][1]}
-    turns = {"[task slow]": [shell("sleep 5"), message("done")]}
+    turns = {"[task slow]": [shell("sleep 3"), message("done")]}
     db = tmp_path / "jobs.db"
     leader, follower = pty.openpty()
     with ScriptedEndpoint([message("unrouted")], routes=routes, turns=turns) as endpoint:

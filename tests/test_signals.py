@@ -100,18 +100,18 @@ def test_recover_leaves_a_running_runner_alone(tmp_path: Path) -> None:
 def test_a_store_locked_past_its_busy_timeout_loses_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Another process holds SQLite's write lock for 3× the runner's busy timeout (cut from
-    # 30 s to 2 s for the test) while Codex works: the runner's appends wait it out, in
+    # 30 s to 1.5 s for the test) while Codex works: the runner's appends wait it out, in
     # order, and the run ends well.
     import sqlite3
 
-    monkeypatch.setenv("TRIALLEDGER_SQLITE_BUSY_MS", "2000")
+    monkeypatch.setenv("TRIALLEDGER_SQLITE_BUSY_MS", "1500")
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     db = tmp_path / "t.db"
     with ScriptedEndpoint([shell("sleep 2; echo worked"), message()]) as endpoint, \
             running(db, task.folder, endpoint.url) as runner:
         holder = sqlite3.connect(db, timeout=60, isolation_level=None)
         holder.execute("BEGIN IMMEDIATE")  # the write lock, held
-        time.sleep(6)
+        time.sleep(4.5)
         holder.execute("COMMIT")
         holder.close()
         out, err = runner.communicate(timeout=120)
