@@ -110,7 +110,7 @@ async def test_real_codex_against_a_refused_endpoint_until_timeout_is_retried(
     async with await Ledger.open(str(tmp_path / "t.db")) as ledger:
         result = await SessionRunner(ledger, task, RunOptions(
             model_base_url="http://127.0.0.1:9/v1", model="m", codex_bin=codex_path(),
-            overrides={"timeout_s": 6, "policy": policy}, grace_s=1.0)).run_session()
+            overrides={"timeout_s": 4, "policy": policy}, grace_s=1.0)).run_session()
     d = result.view.decision
     # Under v3 the claim holds because the proxy itself saw the connection refused.
     assert (d.policy, d.rule, d.action) == (policy, "endpoint_unreachable", "retry")
