@@ -417,8 +417,8 @@ async def test_the_docker_engine_path_prepares_and_runs(
     an OCI one) — run by Debian's podman-docker, the Docker CLI over podman (no Docker
     daemon runs on these machines), first on our PATH; the busybox image, with its
     WorkingDir and User, runs as it does through podman."""
-    if not (PODMAN_DOCKER.is_file() and "podman" in PODMAN_DOCKER.read_text(errors="replace")):
-        pytest.skip("podman-docker is not installed (.ci/run installs it)")
+    assert PODMAN_DOCKER.is_file() and "podman" in PODMAN_DOCKER.read_text(errors="replace"), (
+        "this test needs Debian's podman-docker (.ci/run installs it)")
     task = make_task(tmp_path / "task", test_sh=f"grep -q {images.BUSYBOX_MARKER} /marker && "
                      "echo 1 > /logs/verifier/reward.txt\n",
                      toml=f'[environment]\ndocker_image = "{images.BUSYBOX_REF}"\n')
