@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import anyio
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from trialledger.core import (
     STATES,
@@ -516,7 +517,7 @@ def _trial_printer(as_json: bool) -> Callable[[Any], None]:
             reward = "" if done.reward is None else f" reward {done.reward:g}"
             out.print(f"{done.task} k={done.k_index} {done.outcome}{reward} "
                       f"({len(done.sessions)} session{'s' * (len(done.sessions) != 1)}, "
-                      f"{time.monotonic() - started:.0f} s)", highlight=False)
+                      f"{time.monotonic() - started:.0f} s)", highlight=False, markup=False)
 
     return said
 
@@ -549,7 +550,7 @@ def _print_job(summary: Mapping[str, Any], *, as_json: bool) -> None:
     _table(["task", "trials", "scored", "mean reward", "pass@k", "retries", "tokens",
             "unknown usage", "wall s"], rows)
     for task, why in summary["environment_failed"].items():
-        out.print(f"{task}: environment_failed: {why}", highlight=False)
+        out.print(f"{task}: environment_failed: {why}", highlight=False, markup=False)
 
 
 def cmd_job_show(args: argparse.Namespace) -> int:
@@ -627,16 +628,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     _table(["seq", "since start", "step", "type", "data"], rows)
     seed = view.events[0].data
     out.print(f"session {view.session_id}  task {seed.task}  attempt {seed.attempt}  "
-              f"state {view.state}  outcome [bold]{view.outcome}[/bold]")
+              f"state {view.state}  outcome {view.outcome}", markup=False)
     for line in explain(view):
         out.print(line, markup=False)
     usage = view.usage
     out.print("usage: " + (f"{usage.total_tokens} tokens ({usage.input_tokens} in, "
                            f"{usage.output_tokens} out)" if usage else "unavailable"))
     for gap in view.observations.gaps:
-        out.print(f"gap {gap.code}: {_brief(gap.detail or '')}")
+        out.print(f"gap {gap.code}: {_brief(gap.detail or '')}", markup=False)
     if view.rewards is not None:
-        out.print(f"rewards: {view.rewards}")
+        out.print(f"rewards: {view.rewards}", markup=False)
     for event in view.events:  # what the verifier printed (schema 2)
         for stream in ("stdout", "stderr"):
             said = getattr(event.data, f"{stream}_tail", None) if event.type.startswith(
@@ -834,8 +835,8 @@ def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     table = Table()
     for name in columns:  # folded, never cut with "…": an id must stay whole to be typed
         table.add_column(name, overflow="fold")
-    for row in rows:
-        table.add_row(*("" if v is None else str(v) for v in row))
+    for row in rows:  # cells as plain text: a value may come from the agent ("[/x]" is
+        table.add_row(*(Text("" if v is None else str(v)) for v in row))  # not markup)
     out.print(table)
 
 

@@ -453,3 +453,22 @@ def test_a_bad_busy_timeout_is_one_line(capsys: Any, tmp_path: Path,
     code, _, err = run(capsys, "db", "upgrade", "--db", str(tmp_path / "t.db"))
     assert code == 2 and "TRIALLEDGER_SQLITE_BUSY_MS must be a whole number" in err
     assert err.count("\n") == 1
+
+
+def test_markup_in_logged_text_is_printed_never_parsed(capsys: Any, tmp_path: Path,
+                                                       examples: Path) -> None:
+    """A task name or a gap's detail (a path the agent chose) holding rich markup — an
+    unmatched closing tag would raise — is printed as written by `show` and `ls`."""
+    lines = [json.loads(line) for line in (examples / "clean.jsonl").read_text().splitlines()]
+    lines[0]["data"]["task"] = "task[/evil]"
+    gap = {"type": "gap.recorded", "at": lines[0]["at"],
+           "data": {"code": "unsafe_agent_file", "detail": "/app/[/evil][link=x]y"}}
+    hostile = tmp_path / "hostile.jsonl"
+    hostile.write_text("\n".join(json.dumps(e) for e in [lines[0], gap, *lines[1:]]) + "\n")
+    db = str(tmp_path / "t.db")
+    code, out, err = run(capsys, "import", "--db", db, str(hostile))
+    assert code == 0, err
+    code, shown, err = run(capsys, "show", "--db", db, out.strip())
+    assert code == 0 and "task[/evil]" in shown and "/app/[/evil][link=x]y" in shown, err
+    code, listed, err = run(capsys, "ls", "--db", db)
+    assert code == 0 and "[/evil]" in listed, err

@@ -245,3 +245,18 @@ def test_a_missing_codex_log_is_a_gap_that_explains_the_retry(
     assert "gaps agent_output_missing" in hello["explanation"]
     view = anyio.run(_views, db, ids)["clean"]
     assert "agent_output_missing" in [g.code for g in view.observations.gaps]
+
+
+def test_markup_in_an_agents_output_is_shown_as_text_never_parsed(
+        capsys: Any, tmp_path: Path) -> None:
+    """Codex's output reaches the tables (an error becomes the explanation): rich markup in
+    it — an unmatched closing tag would raise — is printed as it is."""
+    job = tmp_path / "jobs" / "j"
+    job.mkdir(parents=True)
+    forged = [*RATE[:2], '{"type":"error","message":"exceeded retry limit, last status: 429 '
+              '[/evil] [link=file:///etc/shadow]x[/link]"}',
+              '{"type":"turn.failed","error":{"message":"429 [/evil]"}}']
+    trial(job, "forged__Aa1", exception=("NonZeroAgentExitCodeError", "exit code 1"),
+          rewards={"reward": 0.0}, codex=forged)
+    code, out = _run(capsys, "import-harbor", "--db", str(tmp_path / "t.db"), str(job))
+    assert code == 1 and "[/evil]" in out
