@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 
 from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
-from trialledger.adapters.runner import RunOptions, SessionRunner
+from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
 from trialledger.adapters.task import Task, TaskInvalid
 from trialledger.store import LeaseLost, Ledger
 from trialledger.store.jobs import Claim, JobRefused, Jobs
@@ -217,13 +217,16 @@ class JobRunner:
         # The lease says no one else holds the trial: its open sessions are a dead
         # holder's, recovered before the next attempt.
         sessions = await runner.continue_trial(claim.trial_id, lease=claim.token)
-        return await self._done(claim, sessions)
+        return await self._done(claim, sessions, runner.last)
 
-    async def _done(self, claim: Claim, sessions: list[dict[str, Any]]) -> TrialDone:
+    async def _done(self, claim: Claim, sessions: list[dict[str, Any]],
+                    last: SessionResult | None = None) -> TrialDone:
         outcome = sessions[-1]["outcome"] if sessions else "pending"
         reward = None
         if sessions:
-            view = await self.ledger.view(sessions[-1]["session_id"])
+            final = sessions[-1]["session_id"]
+            view = (last.view if last is not None and last.session_id == final
+                    else await self.ledger.view(final))
             rewards = view.rewards or {}
             reward = rewards.get("reward", next(iter(rewards.values()), None))
         return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome,

@@ -40,6 +40,7 @@ from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.task import Task
 from trialledger.core import (
     ConcurrencyConflict,
+    Session,
     SessionSeeded,
     SessionView,
     redact,
@@ -48,12 +49,14 @@ from trialledger.core import (
 )
 from trialledger.core.errors import TrialLedgerError
 from trialledger.core.events import SCHEMA_VERSION
+from trialledger.core.replay import view_of
 from trialledger.core.seed import ValidSeed
 from trialledger.core.settings import Settings
 from trialledger.store import LeaseLost, Ledger, StoredEvent
 from trialledger.store.ledger import (
     HEARTBEAT_S,
     RunnerAlive,
+    Seeded,
     StoreUnavailable,
     gone_from_this_host,
 )
@@ -154,9 +157,10 @@ class SessionResult:
 class _Recorder:
     """Appends one session's events in order, tracking its head and last decision."""
 
-    def __init__(self, ledger: Ledger, session_id: str, head: int, *,
+    def __init__(self, ledger: Ledger, seeded: Seeded, *,
                  store_retry_s: float = STORE_RETRY_S, fence: Fence | None = None) -> None:
-        self.ledger, self.session_id, self.head = ledger, session_id, head
+        self.ledger, self.session_id, self.head = ledger, seeded.session_id, seeded.head_seq
+        self.log = list(seeded.events)  # every event of the session, as the store returned it
         self.store_retry_s = store_retry_s
         self.fence = fence  # a job trial's lease: every append checks it
         self.action: str | None = None
@@ -193,6 +197,7 @@ class _Recorder:
                 stored = await self._committed(events)  # acknowledged in the blink, or not
                 break
         self.head = stored[-1].event.seq or self.head
+        self.log += [item for item in stored if (item.event.seq or 0) > len(self.log)]
         for item in stored:
             if item.event.type == "outcome.decided":
                 self.action = item.event.data.action
@@ -211,6 +216,17 @@ class _Recorder:
 
     async def add(self, kind: str, data: Mapping[str, Any]) -> list[StoredEvent]:
         return await self.append([{"type": kind, "at": now(), "data": dict(data)}])
+
+    async def view(self) -> SessionView:
+        """The session's view: folded from the events this recorder appended when they are
+        the whole closed session (seq 1 … head, closed by us: nothing can follow), else
+        read back from the store."""
+        if self.closed and [s.event.seq for s in self.log] == list(range(1, self.head + 1)):
+            session = Session(self.session_id)
+            for stored in self.log:
+                session.load(stored.event)
+            return view_of(session)
+        return await self.ledger.view(self.session_id)
 
 
 _swept = False
@@ -252,6 +268,7 @@ class SessionRunner:
         self.codex = find_codex(options.codex_bin)
         self.install = codex_install(self.codex)
         self._trial_key = uuid.uuid4().hex[:12]  # run_session's sessions share one trial
+        self.last: SessionResult | None = None  # the session run last, with its view
         _sweep_once()
 
     def _seed(self, attempt: int, retry_of: str | None, sandbox: LocalSandbox,
@@ -387,7 +404,7 @@ class SessionRunner:
             valid = self._seed(attempt, retry_of, sandbox, trial_id)
             seeded = await self.ledger.start(valid, session_id=session_id, secrets=[token],
                                              fence=fence)
-            recorder = _Recorder(self.ledger, session_id, seeded.head_seq,
+            recorder = _Recorder(self.ledger, seeded,
                                  store_retry_s=self.options.store_retry_s, fence=fence)
             try:
                 await self._drive(recorder, sandbox, valid, seeded.secrets)
@@ -396,7 +413,8 @@ class SessionRunner:
                     # A lost lease: the trial's new holder recovers this session.
                     with anyio.CancelScope(shield=True), contextlib.suppress(LeaseLost):
                         await recorder.add("session.closed", {"reason": "cancelled"})
-            return SessionResult(session_id, await self.ledger.view(session_id))
+            self.last = SessionResult(session_id, await recorder.view())
+            return self.last
         finally:
             with anyio.CancelScope(shield=True):
                 await network.aclose()

@@ -9,16 +9,19 @@
    Codex CLI against a scripted endpoint that answers immediately) at `-n`, beside the same
    trials run one after another by `run`'s `SessionRunner.run_trial` in the same run —
    trials per second, and the harness's own CPU time per trial (Codex runs in child
-   processes, so `time.process_time()` counts only ours).
+   processes, and the scripted endpoint runs in a process of its own, so
+   `time.process_time()` counts only the harness).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -71,6 +74,27 @@ def claims(server: PostgresServer, count: int, workers: int) -> float:
     return count / elapsed
 
 
+def _serve(urls: Any, stop: Any) -> None:
+    with ScriptedEndpoint([message("done")]) as endpoint:
+        urls.put(endpoint.url)
+        stop.wait()
+
+
+@contextlib.contextmanager
+def _endpoint() -> Iterator[str]:
+    """A scripted endpoint that answers at once, in its own process (its CPU is the model
+    provider's, not the harness's); its URL."""
+    spawn = multiprocessing.get_context("spawn")
+    urls, stop = spawn.Queue(), spawn.Event()
+    server = spawn.Process(target=_serve, args=(urls, stop), daemon=True)
+    server.start()
+    try:
+        yield urls.get(timeout=60)
+    finally:
+        stop.set()
+        server.join(10)
+
+
 async def _schedule(db: str, tasks: list[Any], options: RunOptions, concurrency: int,
                     sequential: bool) -> tuple[float, float]:
     cpu, wall = time.process_time(), time.perf_counter()
@@ -87,11 +111,10 @@ async def _schedule(db: str, tasks: list[Any], options: RunOptions, concurrency:
 def scheduling(trials: int, concurrency: int) -> dict[str, tuple[float, float]]:
     """(trials/s, harness CPU ms per trial) for the job and for one-by-one `run`."""
     found = {}
-    with tempfile.TemporaryDirectory(prefix="bench-jobs-") as work, \
-            ScriptedEndpoint([message("done")]) as endpoint:
+    with tempfile.TemporaryDirectory(prefix="bench-jobs-") as work, _endpoint() as url:
         tasks = [make_task(Path(work) / f"t{i:04d}", test_sh="exit 0\n")
                  for i in range(trials)]
-        options = RunOptions(model_base_url=endpoint.url, model="m", codex_bin=codex_path(),
+        options = RunOptions(model_base_url=url, model="m", codex_bin=codex_path(),
                              runner_id="bench")
         for label, sequential, n in (("run, one by one", True, 1),
                                      (f"job run -n {concurrency}", False, concurrency)):

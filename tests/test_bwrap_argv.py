@@ -42,6 +42,7 @@ TABLE = {
         ("--ro-bind", "/opt/codex/bin/codex", "/run/trialledger/codex"),
         ("--ro-bind", "/srv/data", "/srv/data"),
         ("--bind", "/tmp/trialledger-ab/home", "/tmp/trialledger-ab/home"),
+        ("--tmpfs", None, "/tmp/trialledger-ab/home/skills"),  # Codex's scratch, in memory
         ("--bind", "/tmp/trialledger-ab/work", "/app"),
     ], ["/", "/tests", "/logs/verifier"]),
     "image agent": (IMAGE_AGENT, [

@@ -216,6 +216,8 @@ async def test_max_attempts_retries_a_lost_session(db: str, task: Any) -> None:
     seed = second.view.events[0].data
     assert (seed.attempt, seed.retry_of) == (2, first.session_id)
     assert seed.trial_id == first.view.events[0].data.trial_id
+    async with await Ledger.open(db) as ledger:  # the runner's own fold is the stored view
+        assert [r.view for r in results] == [await ledger.view(r.session_id) for r in results]
 
 
 async def test_slow_archive_within_a_3s_budget_keeps_the_run(

@@ -17,6 +17,10 @@ Role = Literal["agent", "probe", "verifier"]
 PRIVATE = "/run/trialledger"
 INIT_INSIDE = f"{PRIVATE}/init"
 TESTS_INSIDE = "/tests"
+# Codex unpacks its bundled skills into its home on every start (about 80 files and
+# folders): a tmpfs there keeps them off the disk and frees them with the namespace, so the
+# runner's removal of the session folder stays short. Nothing of ours reads them.
+CODEX_SCRATCH = ("skills",)
 VERIFIER_LOGS_INSIDE = "/logs/verifier"
 
 # Every spawn: the user namespace maps only the given uid/gid (never host root) and forbids
@@ -81,6 +85,9 @@ def mounts(spawn: Spawn) -> list[Mount]:
     if spawn.sees_agent_files:
         found += [Mount("--ro-bind", path, path, staged=True) for path in spawn.readonly]
         found.append(Mount("--bind", spawn.session_dir, spawn.session_dir))
+        if spawn.role == "agent":
+            found += [Mount("--tmpfs", None, f"{spawn.session_dir}/{name}")
+                      for name in CODEX_SCRATCH]
     if spawn.workdir_source is not None:
         found.append(Mount("--bind", spawn.workdir_source, spawn.workdir))
     if spawn.role == "verifier":
