@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,6 +23,13 @@ AUTH_SCHEMES = ("bearer ", "basic ", "token ")
 
 def _forms(secret: str) -> set[str]:
     return {secret, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1]}
+
+
+@functools.lru_cache(maxsize=1024)
+def _match_forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
+    """Every form of every secret to look for (cached: a session scrubs each string of
+    each of its events against the same few secrets)."""
+    return tuple(dict.fromkeys(form for secret in expand(secrets) for form in _forms(secret)))
 
 
 def _echo_spans(text: str, form: str) -> Iterable[tuple[int, int]]:
@@ -44,12 +52,8 @@ def scrub(text: str, secrets: Iterable[str]) -> str:
     prefix of at least 8 characters; one pass over the original text. A header value
     `Bearer X` (`Basic X`, `Token X`) also matches as `X` alone.
     """
-    spans = sorted(
-        span
-        for secret in expand(secrets)
-        for form in _forms(secret)
-        for span in _echo_spans(text, form)
-    )
+    spans = sorted(span for form in _match_forms(tuple(secrets))
+                   for span in _echo_spans(text, form))
     if not spans:
         return text
     out: list[str] = []

@@ -82,6 +82,7 @@ exec "$@"
 
 
 _bwrap_checked: dict[int, str | None] = {}
+_overlays_made: set[tuple[int, int]] = set()  # (lower's device, upper's): overlays work
 
 
 def bwrap_problem(user: SandboxUser) -> str | None:
@@ -254,6 +255,15 @@ class LocalSandbox:
             if self.overlay:
                 _chown_tree(self.root / "upper", self.user)
         if self.overlay:
+            self._check_overlay()
+
+    def _check_overlay(self) -> None:
+        """Refuse now, not at launch, when no overlay of this lower folder can be made under
+        the session folders' file system: tried once per process and pair of file systems
+        (a mount in a private namespace costs a few ms, a third of a sandbox start)."""
+        lower = self.image.root if self.image is not None else self.host_work
+        key = (os.stat(lower).st_dev, os.stat(self.root).st_dev)
+        if key not in _overlays_made:
             done = subprocess.run([*self._prefix([]), "true"], capture_output=True,
                                   text=True, check=False)
             if done.returncode != 0:
@@ -261,6 +271,7 @@ class LocalSandbox:
                     "workdir / needs a per-session overlay, and none can be made here "
                     f"(mount -t overlay in a private mount namespace failed: "
                     f"{done.stderr.strip()[-300:]})")
+            _overlays_made.add(key)
 
     # --- paths ------------------------------------------------------------------------------
 
