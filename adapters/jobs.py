@@ -150,7 +150,7 @@ class JobRunner:
                 await self.jobs.environment_failed(self.name, task.name, str(error))
                 continue
             self.environments[task.name] = env
-            await self.jobs.requeue_environment(self.name, task.name)
+        await self.jobs.requeue_environment(self.name, list(self.environments))
 
     async def _work(self) -> None:
         """Claim and run trials; when none is claimable but some are held by others, wait

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from trialledger.core.errors import TrialLedgerError
 from trialledger.store.ledger import _DB_NOW, Ledger, _guarded, gone_from_this_host
-from trialledger.store.writer import now
+from trialledger.store.writer import in_slices, now
 
 NAMESPACE = uuid.UUID("6f0c35f4-5d52-4c1e-9a0b-7d1f6a0f7b11")  # trial ids of jobs
 TRIAL_COLUMNS = ("job", "trial_id", "task", "k_index", "state", "attempts", "final_session_id",
@@ -207,13 +207,16 @@ class Jobs:
                 "WHERE job = :j AND task = :t AND state <> 'done'"),
                 {"d": reason, "j": job, "t": task})
 
-    async def requeue_environment(self, job: str, task: str) -> None:
-        """A task whose environment failed before gets its trials back on a new run."""
+    async def requeue_environment(self, job: str, tasks: Sequence[str]) -> None:
+        """Tasks whose environment failed before get their trials back on a new run (one
+        transaction for all the tasks a run prepared)."""
         async with self._engines.writer.begin() as conn:
-            await conn.execute(text(
-                "UPDATE job_queue SET state = 'queued', detail = NULL "
-                "WHERE job = :j AND task = :t AND state = 'environment_failed'"),
-                {"j": job, "t": task})
+            for part in in_slices(list(tasks)):
+                names = ", ".join(f":t{i}" for i in range(len(part)))
+                await conn.execute(text(
+                    "UPDATE job_queue SET state = 'queued', detail = NULL WHERE job = :j AND "
+                    f"state = 'environment_failed' AND task IN ({names})"),
+                    {"j": job, **{f"t{i}": task for i, task in enumerate(part)}})
 
     async def held(self, job: str, tasks: Sequence[str] | None = None) -> int:
         """How many trials of `job` (of `tasks`) are held under a lease now."""

@@ -20,8 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, bindparam, column, delete, insert, table, text
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy import Connection, and_, bindparam, column, delete, insert, table, text
 
 from trialledger.core import Decision, Event, Session, SessionSeeded
 from trialledger.core.events import GapRecordedData, ModelCall, ModelCallData
@@ -197,29 +196,29 @@ class Changes:
             self.add("gaps", [gap_row(sid, e.data) for e in appended
                               if e.type == "gap.recorded"])
 
-    async def write(self, conn: AsyncConnection) -> None:
+    def write(self, conn: Connection) -> None:
         """Apply the gathered changes inside the commit's transaction."""
         if self.tool_rewrites:
             tools = TABLE_OF["tool_calls"]
-            await conn.execute(delete(tools).where(and_(
+            conn.execute(delete(tools).where(and_(
                 tools.c.session_id == bindparam("sid"), tools.c.item_id == bindparam("iid"))),
                 [{"sid": s, "iid": i} for s, i in self.tool_rewrites])
         if self.gap_rewrites:
             gaps = TABLE_OF["gaps"]
-            await conn.execute(delete(gaps).where(gaps.c.session_id == bindparam("sid")),
+            conn.execute(delete(gaps).where(gaps.c.session_id == bindparam("sid")),
                                [{"sid": s} for s in self.gap_rewrites])
         if self.outcome_rewrites:
             outcomes = TABLE_OF["outcomes"]
-            await conn.execute(delete(outcomes).where(outcomes.c.session_id == bindparam("sid")),
+            conn.execute(delete(outcomes).where(outcomes.c.session_id == bindparam("sid")),
                                [{"sid": s} for s in self.outcome_rewrites])
         if self.new_sessions:
-            await conn.execute(insert(TABLE_OF["sessions"]), self.new_sessions)
+            conn.execute(insert(TABLE_OF["sessions"]), self.new_sessions)
         if self.session_updates:
-            await conn.execute(UPDATE_SESSION, [{c: r[c] for c in SESSION_CHANGES}
+            conn.execute(UPDATE_SESSION, [{c: r[c] for c in SESSION_CHANGES}
                                                 for r in self.session_updates])
         for name, rows in self.inserts.items():
             if rows:
-                await conn.execute(insert(TABLE_OF[name]), rows)
+                conn.execute(insert(TABLE_OF[name]), rows)
 
 
 def tool_row(session_id: str, tools: ToolTraces, item_id: str) -> Row:

@@ -16,8 +16,18 @@ from datetime import UTC, datetime
 from typing import Any
 
 import anyio
-from sqlalchemy import Column, Integer, MetaData, Table, Text, delete, func, select, text
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy import (
+    Column,
+    Connection,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    delete,
+    func,
+    select,
+    text,
+)
 
 from trialledger.core import (
     ConcurrencyConflict,
@@ -120,7 +130,7 @@ class Request:
 IN_LIMIT = 900  # values per `IN (…)`: below 999, the least any SQLite build allows
 
 
-def _slices(values: list[str]) -> list[list[str]]:
+def in_slices(values: list[str]) -> list[list[str]]:
     """`values` in parts small enough for one `IN (…)` each (a batch of thousands of
     concurrent imports names more ids than one statement may hold)."""
     return [values[i:i + IN_LIMIT] for i in range(0, len(values), IN_LIMIT)]
@@ -193,23 +203,8 @@ class Writer:
     async def _commit(self, batch: list[Request]) -> None:
         touched: dict[str, OpenSession] = {}
         try:
-            async with self.engines.writer.begin() as conn:
-                await self.engines.lock_writers(conn)
-                await self._catch_up(conn)
-                await self._load_missing(conn, batch)
-                foreign = await self._foreign_ids(conn, batch)
-                held = await self._leases(conn, batch)
-                recorded_at = now()
-                for request in batch:
-                    try:
-                        if request.fence is not None and held.get(request.fence[0]) != \
-                                request.fence[1]:
-                            raise LeaseLost(f"trial {request.fence[0]} is no longer held by "
-                                            f"this runner (its lease was taken over)")
-                        request.result = self._apply(request, recorded_at, foreign, touched)
-                    except TrialLedgerError as error:
-                        request.error = error
-                await self._write(conn, touched)
+            await self.engines.transaction(
+                lambda conn: self._transaction(conn, batch, touched), serialize=True)
         except BaseException as error:
             for sid in touched:  # their in-memory folds hold what was not committed
                 self.open.pop(sid, None)
@@ -228,32 +223,51 @@ class Writer:
                 self.open.pop(sid, None)
                 self.secrets.pop(sid, None)
 
-    async def _catch_up(self, conn: AsyncConnection) -> None:
+    def _transaction(self, conn: Connection, batch: list[Request],
+                     touched: dict[str, OpenSession]) -> None:
+        """The commit's work, inside its write transaction (one thread hop on SQLite)."""
+        self._catch_up(conn)
+        self._load_missing(conn, batch)
+        foreign = self._foreign_ids(conn, batch)
+        held = self._leases(conn, batch)
+        recorded_at = now()
+        for request in batch:
+            try:
+                if request.fence is not None and held.get(request.fence[0]) != \
+                        request.fence[1]:
+                    raise LeaseLost(f"trial {request.fence[0]} is no longer held by "
+                                    f"this runner (its lease was taken over)")
+                request.result = self._apply(request, recorded_at, foreign, touched)
+            except TrialLedgerError as error:
+                request.error = error
+        self._write(conn, touched)
+
+    def _catch_up(self, conn: Connection) -> None:
         """Forget every cached session another process appended to since our last commit."""
-        end = (await conn.execute(select(func.max(EVENTS.c.position)))).scalar() or 0
+        end = conn.execute(select(func.max(EVENTS.c.position))).scalar() or 0
         if end == self._last_position:
             return
         if self._last_position is None:
             self.open.clear()
         else:
-            moved = await conn.execute(select(EVENTS.c.session_id).distinct()
-                                       .where(EVENTS.c.position > self._last_position))
+            moved = conn.execute(select(EVENTS.c.session_id).distinct()
+                                 .where(EVENTS.c.position > self._last_position))
             for (sid,) in moved.all():
                 self.open.pop(sid, None)
         self._last_position = end
 
-    async def _load_missing(self, conn: AsyncConnection, batch: list[Request]) -> None:
+    def _load_missing(self, conn: Connection, batch: list[Request]) -> None:
         missing = list({r.session_id: None for r in batch
                         if r.session_id not in self.open and not r.new_id})
         if not missing:
             return
         rows: list[Any] = []
-        for part in _slices(missing):
-            rows += (await conn.execute(
+        for part in in_slices(missing):
+            rows += conn.execute(
                 select(EVENTS.c.session_id, EVENTS.c.position, EVENTS.c.recorded_at,
                        EVENTS.c.hash, EVENTS.c.data)
                 .where(EVENTS.c.session_id.in_(part))
-                .order_by(EVENTS.c.session_id, EVENTS.c.seq))).all()
+                .order_by(EVENTS.c.session_id, EVENTS.c.seq)).all()
         for sid, position, recorded_at, digest, data in rows:
             open_ = self.open.get(sid) or self.open.setdefault(
                 sid, OpenSession(Session(sid)))
@@ -265,9 +279,10 @@ class Writer:
             if known is not None:
                 known.projected.gaps_at = known.session.transition_seq
 
-    async def load(self, conn: AsyncConnection, session_id: str) -> OpenSession:
-        """A session folded from its stored log (for reading and rebuilding)."""
-        rows = await conn.execute(
+    @staticmethod
+    def load(conn: Connection, session_id: str) -> OpenSession:
+        """A session folded from its stored log (for rebuilding)."""
+        rows = conn.execute(
             select(EVENTS.c.position, EVENTS.c.recorded_at, EVENTS.c.hash, EVENTS.c.data)
             .where(EVENTS.c.session_id == session_id).order_by(EVENTS.c.seq))
         open_ = OpenSession(Session(session_id))
@@ -277,7 +292,7 @@ class Writer:
             open_.remember(stored)
         return open_
 
-    async def _leases(self, conn: AsyncConnection, batch: list[Request]) -> dict[str, str]:
+    def _leases(self, conn: Connection, batch: list[Request]) -> dict[str, str]:
         """The lease token each fenced trial holds now, read in the commit's transaction
         (PostgreSQL: `FOR SHARE`, so a takeover waits for this commit)."""
         trials = sorted({r.fence[0] for r in batch if r.fence is not None})
@@ -287,10 +302,10 @@ class Writer:
         sql = f"SELECT trial_id, lease_token FROM job_queue WHERE trial_id IN ({names})"
         if conn.dialect.name == "postgresql":
             sql += " FOR SHARE"
-        rows = await conn.execute(text(sql), {f"t{i}": t for i, t in enumerate(trials)})
+        rows = conn.execute(text(sql), {f"t{i}": t for i, t in enumerate(trials)})
         return {tid: token for tid, token in rows.all() if token is not None}
 
-    async def _foreign_ids(self, conn: AsyncConnection, batch: list[Request]) -> dict[str, str]:
+    def _foreign_ids(self, conn: Connection, batch: list[Request]) -> dict[str, str]:
         """Caller-given event ids already stored in *other* sessions (id → session)."""
         wanted = {
             e.event_id for r in batch for e in r.events
@@ -298,8 +313,8 @@ class Writer:
                                    and e.event_id in self.open[r.session_id].ids)
         }
         found: dict[str, str] = {}
-        for part in _slices(sorted(wanted)):
-            rows = await conn.execute(
+        for part in in_slices(sorted(wanted)):
+            rows = conn.execute(
                 select(EVENTS.c.event_id, EVENTS.c.session_id).where(EVENTS.c.event_id.in_(part)))
             found.update(rows.all())
         return found
@@ -352,7 +367,7 @@ class Writer:
             self.secrets[sid] = request.secrets
         return originals + results
 
-    async def _write(self, conn: AsyncConnection, touched: dict[str, OpenSession]) -> None:
+    def _write(self, conn: Connection, touched: dict[str, OpenSession]) -> None:
         new = [s for open_ in touched.values() for s in open_.stored[-len(open_.fresh):]
                if open_.fresh]
         if not new:
@@ -367,30 +382,33 @@ class Writer:
             rows.append((stored.position, event.session_id, event.seq, event.event_id,
                          event.type, event.at, stored.recorded_at, event.schema_,
                          stored.canonical, stored.hash))
-        await conn.exec_driver_sql(self._insert_event, rows)
+        conn.exec_driver_sql(self._insert_event, rows)
         self._last_position = start + len(new)
-        await self.engines.positions_taken(conn, self._last_position)
+        self.engines.positions_taken(conn, self._last_position)
         changes = Changes()
         for open_ in touched.values():
             if open_.fresh:
                 changes.session(open_.session, open_.projected, open_.fresh,
                                 head_hash=open_.head_hash)
-        await changes.write(conn)
+        changes.write(conn)
 
     async def rebuild(self, session_ids: Iterable[str]) -> int:
         """Recompute every projection row from the log."""
-        async with self._lock, self.engines.writer.begin() as conn:
-            await self.engines.lock_writers(conn)
+        def work(conn: Connection) -> int:
             for name in TABLES:
-                await conn.execute(delete(TABLE_OF[name]))
+                conn.execute(delete(TABLE_OF[name]))
             count = 0
             for sid in session_ids:
-                open_ = await self.load(conn, sid)
+                open_ = self.load(conn, sid)
                 changes = Changes()
                 changes.session(open_.session, open_.projected, open_.session.events,
                                 head_hash=open_.head_hash)
-                await changes.write(conn)
+                changes.write(conn)
                 count += 1
+            return count
+
+        async with self._lock:
+            count = await self.engines.transaction(work, serialize=True)
         self.open.clear()
         self._last_position = None
         return count

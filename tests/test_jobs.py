@@ -382,6 +382,13 @@ def test_a_task_whose_environment_fails_is_counted_never_run(
     assert trials["broken"]["state"] == "environment_failed"
     assert trials["broken"]["attempts"] == 0 and trials["clean-a"]["scored"] == 1
     assert not rows(db, "SELECT 1 FROM sessions WHERE task = 'broken'")
+    # Once its environment can be prepared, the next run gives the task its trials back.
+    make_task(data / "broken", instruction="[task broken] x", test_sh="exit 0\n", toml="")
+    code = cli.main(["job", "run", "env", str(data), "--include", "clean-a", "--include",
+                     "broken", *job_args(db, endpoint.url)])
+    assert code == 0, capsys.readouterr().out
+    trials = {t["task"]: t for t in rows(db, "SELECT * FROM job_trials")}
+    assert trials["broken"]["scored"] == 1 and trials["clean-a"]["attempts"] == 1
 
 
 @pytest.mark.anyio
