@@ -20,8 +20,8 @@ import contextlib
 import multiprocessing
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio

@@ -84,6 +84,7 @@ class Engines:
     reader: AsyncEngine
     url: str
     sync_writer: Engine | None = None
+    sync_reader: Engine | None = None
 
     @property
     def dialect(self) -> str:
@@ -100,14 +101,16 @@ class Engines:
         On PostgreSQL `work` runs on the async connection through SQLAlchemy's greenlet
         bridge. `serialize`: first take the writers' lock (`lock_writers`)."""
         if self.sync_writer is not None:
-            return await anyio.to_thread.run_sync(self._in_thread, work)
+            return await anyio.to_thread.run_sync(_in_thread, self.sync_writer, work)
         async with self.writer.begin() as conn:
             return await conn.run_sync(self._locked if serialize else _call, work)
 
-    def _in_thread(self, work: Callable[[Connection], T]) -> T:
-        assert self.sync_writer is not None
-        with self.sync_writer.begin() as conn:  # BEGIN IMMEDIATE: the lock is taken
-            return work(conn)
+    async def read(self, work: Callable[[Connection], T]) -> T:
+        """`work(conn)` inside one read transaction (one crossing on SQLite, as above)."""
+        if self.sync_reader is not None:
+            return await anyio.to_thread.run_sync(_in_thread, self.sync_reader, work)
+        async with self.reader.begin() as conn:
+            return await conn.run_sync(_call, work)
 
     def _locked(self, conn: Connection, work: Callable[[Connection], T]) -> T:
         self.lock_writers(conn)
@@ -137,12 +140,18 @@ class Engines:
         """Close every pooled connection."""
         await self.writer.dispose()
         await self.reader.dispose()
-        if self.sync_writer is not None:
-            self.sync_writer.dispose()
+        for engine in (self.sync_writer, self.sync_reader):
+            if engine is not None:
+                engine.dispose()
 
 
 def _call(conn: Connection, work: Callable[[Connection], T]) -> T:
     return work(conn)
+
+
+def _in_thread(engine: Engine, work: Callable[[Connection], T]) -> T:
+    with engine.begin() as conn:  # the engine's own BEGIN (IMMEDIATE: the write lock)
+        return work(conn)
 
 
 def busy_timeout_ms() -> int:
@@ -166,12 +175,12 @@ def _sqlite_engine(url: URL, *, begin: str, synchronous: Synchronous) -> AsyncEn
     return engine
 
 
-def _sqlite_sync_engine(url: URL, *, synchronous: Synchronous) -> Engine:
-    """The synchronous writer: pysqlite on the same file, its connections used by one
-    worker thread at a time (`Engines.transaction`)."""
+def _sqlite_sync_engine(url: URL, *, begin: str, synchronous: Synchronous) -> Engine:
+    """pysqlite on the same file, each connection used by one worker thread at a time
+    (`Engines.transaction`, `Engines.read`)."""
     engine = create_engine(url.set(drivername="sqlite"), connect_args={
         "timeout": busy_timeout_ms() / 1000, "check_same_thread": False})
-    _sqlite_setup(engine, begin="BEGIN IMMEDIATE", synchronous=synchronous)
+    _sqlite_setup(engine, begin=begin, synchronous=synchronous)
     return engine
 
 
@@ -224,7 +233,9 @@ def make_engines(db: str, *, sqlite_synchronous: Synchronous = "FULL") -> Engine
             writer=_sqlite_engine(url, begin="BEGIN IMMEDIATE", synchronous=sqlite_synchronous),
             reader=_sqlite_engine(url, begin="BEGIN", synchronous=sqlite_synchronous),
             url=url.render_as_string(hide_password=True),
-            sync_writer=_sqlite_sync_engine(url, synchronous=sqlite_synchronous),
+            sync_writer=_sqlite_sync_engine(url, begin="BEGIN IMMEDIATE",
+                                            synchronous=sqlite_synchronous),
+            sync_reader=_sqlite_sync_engine(url, begin="BEGIN", synchronous=sqlite_synchronous),
         )
     return Engines(writer=_postgres_engine(url, pool_size=2),
                    reader=_postgres_engine(url, pool_size=4),

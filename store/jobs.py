@@ -10,20 +10,19 @@ never wait on each other; SQLite has one writer, which serialises claims by itse
 
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy import Connection, text
 
 from trialledger.core.errors import TrialLedgerError
 from trialledger.store.ledger import _DB_NOW, Ledger, _guarded, gone_from_this_host
 from trialledger.store.writer import in_slices, now
 
+T = TypeVar("T")
 NAMESPACE = uuid.UUID("6f0c35f4-5d52-4c1e-9a0b-7d1f6a0f7b11")  # trial ids of jobs
 TRIAL_COLUMNS = ("job", "trial_id", "task", "k_index", "state", "attempts", "final_session_id",
                  "outcome", "reward", "scored", "input_tokens", "output_tokens",
@@ -69,17 +68,16 @@ class Jobs:
         self._now = _DB_NOW[ledger.dialect]
         self.postgres = ledger.dialect == "postgresql"
 
-    @contextlib.asynccontextmanager
-    async def _atomic(self) -> AsyncIterator[AsyncConnection]:
-        """A connection for statements that are each atomic on their own: on PostgreSQL in
+    async def _atomic(self, work: Callable[[Connection], T]) -> T:
+        """`work(conn)` for statements that are each atomic on their own: on PostgreSQL in
         autocommit (no BEGIN and COMMIT round trips: a claim or a settle is one statement,
-        half the round trips); on SQLite a write transaction (its single writer lock)."""
+        half the round trips); on SQLite in one write transaction (its single writer lock)
+        run in one crossing to the database thread (`Engines.transaction`)."""
         if not self.postgres:
-            async with self._engines.writer.begin() as conn:
-                yield conn
-            return
+            return await self._engines.transaction(work)
         async with self._engines.writer.connect() as conn:
-            yield await conn.execution_options(isolation_level="AUTOCOMMIT")
+            auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            return await auto.run_sync(lambda sync: work(sync))
 
     async def define(self, name: str, config: Mapping[str, Any],
                      tasks: Sequence[tuple[str, str]]) -> bool:
@@ -157,46 +155,46 @@ class Jobs:
                  f"SELECT q.trial_id FROM job_queue q WHERE {' AND '.join(where)} AND "
                  f"q.state = 'running' AND q.lease_expires < {self._now} "
                  f"ORDER BY q.k_index, q.task LIMIT 1{lock}"]
-        async with self._atomic() as conn:
+
+        def take(conn: Connection) -> Claim | None:
             for index, pick in enumerate(picks):
                 if index:
-                    await self._release_orphans(conn)
-                got = (await conn.execute(text(
+                    self._release_orphans(conn)
+                got = conn.execute(text(
                     f"UPDATE job_queue SET state = 'running', lease_token = :tok, "
                     f"runner_id = :r, lease_expires = {self._now} + :lease "
                     f"WHERE trial_id = ({pick}) "
-                    f"RETURNING trial_id, task, k_index, task_dir"), params)).first()
+                    f"RETURNING trial_id, task, k_index, task_dir"), params).first()
                 if got is not None:
                     return Claim(got[0], got[1], int(got[2]), got[3], token)
-        return None
+            return None
 
-    async def _release_orphans(self, conn: Any) -> None:
+        return await self._atomic(take)
+
+    @staticmethod
+    def _release_orphans(conn: Connection) -> None:
         """Leases held by processes of this host that are gone expire at once (a killed
         `job run` resumed on the same machine need not wait out its lease)."""
-        rows = (await conn.execute(text(
-            "SELECT q.trial_id, q.runner_id FROM job_queue q WHERE q.state = 'running'"))).all()
+        rows = conn.execute(text(
+            "SELECT q.trial_id, q.runner_id FROM job_queue q WHERE q.state = 'running'")).all()
         for tid, runner in rows:
             if gone_from_this_host(runner or ""):
-                await conn.execute(text(
+                conn.execute(text(
                     "UPDATE job_queue SET lease_expires = 0 WHERE trial_id = :t"), {"t": tid})
 
     async def renew(self, claim: Claim, lease_s: float) -> bool:
         """Extend the lease; False when it is no longer ours (taken over)."""
-        async with self._atomic() as conn:
-            done = await conn.execute(text(
-                f"UPDATE job_queue SET lease_expires = {self._now} + :lease "
-                "WHERE trial_id = :t AND lease_token = :tok AND state = 'running'"),
-                {"lease": lease_s, "t": claim.trial_id, "tok": claim.token})
-        return bool(done.rowcount)
+        return await self._atomic(lambda conn: bool(conn.execute(text(
+            f"UPDATE job_queue SET lease_expires = {self._now} + :lease "
+            "WHERE trial_id = :t AND lease_token = :tok AND state = 'running'"),
+            {"lease": lease_s, "t": claim.trial_id, "tok": claim.token}).rowcount))
 
     async def settle(self, claim: Claim, state: str) -> bool:
         """End our hold: `done`, or `queued` to release the trial to whoever claims next."""
-        async with self._atomic() as conn:
-            done = await conn.execute(text(
-                "UPDATE job_queue SET state = :s, lease_token = NULL, lease_expires = NULL "
-                "WHERE trial_id = :t AND lease_token = :tok"),
-                {"s": state, "t": claim.trial_id, "tok": claim.token})
-        return bool(done.rowcount)
+        return await self._atomic(lambda conn: bool(conn.execute(text(
+            "UPDATE job_queue SET state = :s, lease_token = NULL, lease_expires = NULL "
+            "WHERE trial_id = :t AND lease_token = :tok"),
+            {"s": state, "t": claim.trial_id, "tok": claim.token}).rowcount))
 
     async def environment_failed(self, job: str, task: str, reason: str) -> None:
         """Mark every unfinished trial of a task whose environment cannot be prepared."""

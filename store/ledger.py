@@ -333,12 +333,11 @@ class Ledger:
     async def heartbeat(self, runner_id: str) -> None:
         """Say that `runner_id` is alive now (in the database's clock)."""
         db_now = _DB_NOW[self.dialect]
-        async with self._engines.writer.begin() as conn:
-            await conn.execute(text(
-                f"INSERT INTO runners (runner_id, heartbeat, host, pid) "
-                f"VALUES (:r, {db_now}, :h, :p) ON CONFLICT (runner_id) "
-                f"DO UPDATE SET heartbeat = {db_now}, host = :h, pid = :p"),
-                {"r": runner_id, "h": socket.gethostname(), "p": os.getpid()})
+        await self._engines.transaction(lambda conn: conn.execute(text(
+            f"INSERT INTO runners (runner_id, heartbeat, host, pid) "
+            f"VALUES (:r, {db_now}, :h, :p) ON CONFLICT (runner_id) "
+            f"DO UPDATE SET heartbeat = {db_now}, host = :h, pid = :p"),
+            {"r": runner_id, "h": socket.gethostname(), "p": os.getpid()}))
 
     async def live_runners(self, within_s: float = RUNNER_ALIVE_S) -> dict[str, float]:
         """Runners whose heartbeat is younger than `within_s`: id → its age in seconds."""
@@ -443,12 +442,10 @@ class Ledger:
 
     async def events(self, session_id: str, *, after_seq: int = 0) -> list[StoredEvent]:
         """A session's stored events after `after_seq`, in order."""
-        async with self._engines.reader.begin() as conn:
-            rows = (await conn.execute(
-                select(EVENTS.c.position, EVENTS.c.recorded_at, EVENTS.c.hash, EVENTS.c.data)
-                .where(EVENTS.c.session_id == session_id, EVENTS.c.seq > after_seq)
-                .order_by(EVENTS.c.seq)
-            )).all()
+        rows = await self._engines.read(lambda conn: conn.execute(
+            select(EVENTS.c.position, EVENTS.c.recorded_at, EVENTS.c.hash, EVENTS.c.data)
+            .where(EVENTS.c.session_id == session_id, EVENTS.c.seq > after_seq)
+            .order_by(EVENTS.c.seq)).all())
         return [StoredEvent.from_row(*row) for row in rows]
 
     async def view(self, session_id: str, *, policy: str | Policy | None = None) -> SessionView:
@@ -479,12 +476,9 @@ class Ledger:
         if unknown:
             raise ValueError(f"sessions has no column {', '.join(sorted(unknown))}")
         clauses = " AND ".join(f"{name} = :{name}" for name in where) or "1 = 1"
-        async with self._engines.reader.begin() as conn:
-            result = await conn.execute(
-                text(f"SELECT * FROM sessions WHERE {clauses} ORDER BY created_at, session_id"),
-                where,
-            )
-            return [dict(row._mapping) for row in result]
+        sql = text(f"SELECT * FROM sessions WHERE {clauses} ORDER BY created_at, session_id")
+        return await self._engines.read(
+            lambda conn: [dict(row._mapping) for row in conn.execute(sql, where)])
 
     async def listing(self, *, task: str | None = None, state: str | None = None,
                       cause: str | None = None) -> list[dict[str, Any]]:

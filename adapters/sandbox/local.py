@@ -257,11 +257,18 @@ class LocalSandbox:
         if self.overlay:
             self._check_overlay()
 
+    @property
+    def _lower(self) -> Path:
+        """The overlay's lower folder: the image's root, else the session's workdir."""
+        if self.image is not None and self.image.root is not None:
+            return self.image.root
+        return self.host_work
+
     def _check_overlay(self) -> None:
         """Refuse now, not at launch, when no overlay of this lower folder can be made under
         the session folders' file system: tried once per process and pair of file systems
         (a mount in a private namespace costs a few ms, a third of a sandbox start)."""
-        lower = self.image.root if self.image is not None else self.host_work
+        lower = self._lower
         key = (os.stat(lower).st_dev, os.stat(self.root).st_dev)
         if key not in _overlays_made:
             done = subprocess.run([*self._prefix([]), "true"], capture_output=True,
@@ -324,7 +331,7 @@ class LocalSandbox:
             return []
         overlays: list[str] = []
         if self.overlay:
-            lower = self.image.root if self.image is not None else self.host_work
+            lower = self._lower
             options = (f"lowerdir={lower},upperdir={self.root / 'upper'},"
                        f"workdir={self.root / 'overlay-work'}")
             if os.geteuid() != 0:
