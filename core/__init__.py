@@ -51,6 +51,7 @@ from trialledger.core.events import (
     parse_event,
     parse_events,
     parse_jsonl,
+    parse_stored,
 )
 from trialledger.core.machine import STATES, Session, State
 from trialledger.core.observations import Observations, ToolCall
@@ -124,6 +125,7 @@ __all__ = [
     "parse_event",
     "parse_events",
     "parse_jsonl",
+    "parse_stored",
     "redact",
     "register_policy",
     "replay",

@@ -545,6 +545,19 @@ def parse_event(obj: Mapping[str, Any] | Event) -> Event:
     return event
 
 
+def parse_stored(text: str) -> Event:
+    """An event from its canonical text as the store holds it: validated straight from the
+    JSON (about half the time of `json.loads` and `parse_event`); one of an older schema,
+    or text that does not validate, goes through `parse_event` (upcast, or `BadEvent`)."""
+    try:
+        event = _EVENT_ADAPTER.validate_json(text)
+    except ValidationError:
+        return parse_event(json.loads(text))
+    if event.schema_ != SCHEMA_VERSION[event.type]:
+        return parse_event(json.loads(text))
+    return event
+
+
 def parse_events(events: Iterable[Mapping[str, Any] | Event]) -> list[Event]:
     """`parse_event` of each, a `BadEvent` naming the index of the first bad one: the one
     parsing loop of replay and the store."""

@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import multiprocessing
 import runpy
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 from sqlalchemy import select
 
-from trialledger.core import replay
+from trialledger.core import Event, parse_stored
+from trialledger.core.replay import rederive
+from trialledger.store.projections import TABLE_OF
 from trialledger.store.writer import EVENTS, IN_LIMIT
+
+SESSIONS = TABLE_OF["sessions"]
 
 if TYPE_CHECKING:
     from trialledger.store.ledger import Ledger
@@ -61,19 +64,18 @@ async def chunk_differences(ledger: Ledger, session_ids: Sequence[str],
                             policy: str | None) -> list[Difference]:
     """Re-derive these sessions (their logs read in one query) and return those that
     differ, in the order given."""
-    logs: dict[str, list[dict[str, Any]]] = {sid: [] for sid in session_ids}
+    logs: dict[str, list[Event]] = {sid: [] for sid in session_ids}
     async with ledger._engines.reader.begin() as conn:
         rows = await conn.execute(
             select(EVENTS.c.session_id, EVENTS.c.data)
             .where(EVENTS.c.session_id.in_(list(session_ids)))
             .order_by(EVENTS.c.session_id, EVENTS.c.seq))
         for sid, data in rows:
-            logs[sid].append(json.loads(data))
+            logs[sid].append(parse_stored(data))  # stored: sealed and canonical
     found = []
     for sid in session_ids:
-        view = replay(logs.pop(sid), policy=policy)
-        if view.diverged_at is not None:
-            d = view.diverged_at
+        d = rederive(logs.pop(sid), policy=policy).diverged_at  # no view is built
+        if d is not None:
             found.append(Difference(
                 sid, d.seq, f"{d.recorded.rule}/{d.recorded.action}" if d.recorded else "none",
                 f"{d.derived.rule}/{d.derived.action}" if d.derived else "none"))
@@ -110,7 +112,8 @@ async def divergences(ledger: Ledger, policy: str | None, *, jobs: int,
                       on_sessions: Callable[[int], object] | None = None
                       ) -> tuple[int, list[Difference]]:
     """Every stored session re-derived by `jobs` processes (1: this one)."""
-    session_ids = [row["session_id"] for row in await ledger.sessions()]
+    session_ids = await ledger._engines.read(lambda conn: list(conn.execute(
+        select(SESSIONS.c.session_id)).scalars()))
     parts = chunks(session_ids, jobs)
     found: list[Difference] = []
     if jobs <= 1:

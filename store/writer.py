@@ -9,7 +9,6 @@ one this writer wrote, and forgets any session another process appended to since
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -36,7 +35,7 @@ from trialledger.core import (
     Session,
     TrialLedgerError,
     event_dict,
-    parse_event,
+    parse_stored,
 )
 from trialledger.core.canonical import GENESIS, canonical_text, chain_hash
 from trialledger.store.engine import Engines
@@ -79,7 +78,7 @@ class StoredEvent:
     @classmethod
     def from_row(cls, position: int, recorded_at: str, digest: str, data: str) -> StoredEvent:
         """A stored row back as an event (its canonical text parsed)."""
-        return cls(parse_event(json.loads(data)), position, recorded_at, digest)
+        return cls(parse_stored(data), position, recorded_at, digest)
 
 
 @dataclass

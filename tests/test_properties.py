@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.logs import sample, session_logs
-from trialledger.core import event_dict, replay
+from trialledger.core import event_dict, parse_event, parse_stored, replay
 from trialledger.core.canonical import canonical_text, chain, first_broken_link
 
 Log = list[dict[str, Any]]
@@ -30,6 +30,14 @@ def test_replaying_a_rederived_log_gives_the_same_view(log: Log) -> None:
     assert again.model_dump(mode="json") == view.model_dump(mode="json")
     evidence_only = [event_dict(e) for e in view.events if e.type != "outcome.decided"]
     assert replay(evidence_only).model_dump(mode="json") == view.model_dump(mode="json")
+
+
+@fast
+@given(log=session_logs())
+def test_an_event_read_back_from_its_stored_text_is_the_event(log: Log) -> None:
+    for event in replay(log).events:  # the store's fast path agrees with the checked one
+        text = canonical_text(event_dict(event))
+        assert parse_stored(text) == parse_event(event_dict(event)) == event
 
 
 @fast
