@@ -125,7 +125,7 @@ def _replay_diff(args: argparse.Namespace) -> int:
 
     async def diff(ledger: Ledger) -> tuple[int, list[Any]]:
         with Progress(console=Console(stderr=True), transient=True) as progress:
-            task = progress.add_task("re-deriving", total=len(await ledger.sessions()))
+            task = progress.add_task("re-deriving", total=await ledger.session_count())
             return await ledger.divergences(
                 args.policy, jobs=args.jobs, policy_files=[args.policy_file] if
                 args.policy_file else [], on_sessions=lambda n: progress.advance(task, n))

@@ -480,6 +480,11 @@ class Ledger:
         return await self._engines.read(
             lambda conn: [dict(row._mapping) for row in conn.execute(sql, where)])
 
+    async def session_count(self) -> int:
+        """How many sessions the store holds."""
+        return int(await self._engines.read(
+            lambda conn: conn.execute(text("SELECT count(*) FROM sessions")).scalar_one()))
+
     async def listing(self, *, task: str | None = None, state: str | None = None,
                       cause: str | None = None) -> list[dict[str, Any]]:
         """Sessions with their last decision and tokens (`trialledger ls`), oldest first."""
@@ -569,6 +574,6 @@ class Ledger:
 
 # Every public method of the store raises `StoreUnavailable` for a driver's error.
 for _name in ("seed", "start", "append", "close", "heartbeat", "live_runners", "recover",
-              "import_log", "events", "view", "tail", "sessions", "listing", "resolve",
-              "export", "audit", "divergences", "rebuild_projections"):
+              "import_log", "events", "view", "tail", "sessions", "session_count", "listing",
+              "resolve", "export", "audit", "divergences", "rebuild_projections"):
     setattr(Ledger, _name, _guarded(getattr(Ledger, _name)))
