@@ -9,6 +9,12 @@
  *
  *     init --status-fd N [--oom-score-adj K] -- COMMAND ARGS...
  *
+ * Before bwrap, in the runner's private mount namespace, it also makes the session's
+ * overlays and the read-only binds of what the sandbox user may not read, then execs the
+ * rest (one program start where a shell and a `mount` per mount took several):
+ *
+ *     init --stage [OPTIONS TARGET]... -- [SOURCE TARGET]... -- COMMAND ARGS...
+ *
  * Built by `trialledger setup` or on first use: gcc -static -O2 -o init init.c
  */
 #define _GNU_SOURCE
@@ -18,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -56,8 +63,35 @@ static void raise_oom_score(const char *value) {
     }
 }
 
+static int stage_failed(const char *what, const char *target) {
+    fprintf(stderr, "init --stage: %s %s: %s\n", what, target, strerror(errno));
+    return 125;
+}
+
+/* Overlays (mount options, target) up to "--", then read-only binds (source, target) up
+ * to "--", then exec the command. */
+static int stage(int argc, char **argv) {
+    int i = 2;
+    for (; i + 1 < argc && strcmp(argv[i], "--") != 0; i += 2)
+        if (mount("overlay", argv[i + 1], "overlay", MS_NODEV | MS_NOSUID, argv[i]) != 0)
+            return stage_failed("mount -t overlay on", argv[i + 1]);
+    for (i++; i + 1 < argc && strcmp(argv[i], "--") != 0; i += 2)
+        if (mount(argv[i], argv[i + 1], NULL, MS_BIND, NULL) != 0 ||
+            mount(NULL, argv[i + 1], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY, NULL) != 0)
+            return stage_failed("mount --bind -o ro on", argv[i + 1]);
+    if (++i >= argc) {
+        fprintf(stderr, "usage: init --stage [OPTIONS TARGET]... -- [SOURCE TARGET]... -- "
+                        "COMMAND...\n");
+        return 125;
+    }
+    execvp(argv[i], argv + i);
+    return stage_failed("exec", argv[i]);
+}
+
 int main(int argc, char **argv) {
     int status_fd = -1, i;
+    if (argc >= 2 && strcmp(argv[1], "--stage") == 0)
+        return stage(argc, argv);
     const char *oom = NULL;
     char **command = NULL;
     if (argc == 2 && strcmp(argv[1], "--probe") == 0)

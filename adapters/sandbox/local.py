@@ -69,18 +69,6 @@ FOLDER_PREFIX = "trialledger-"
 LOCK = ".session-lock"
 _warned_no_bwrap = False
 
-# Runs as root in the spawn's private mount namespace: the overlay (if any), then each
-# staged source bound read-only onto its mount point, then the command (which drops to
-# the sandbox user). Paths come as arguments, never inside the script text.
-STAGE_SCRIPT = """set -e
-while [ "$1" != -- ]; do mount -t overlay overlay -o nodev,nosuid,"$1" "$2"; shift 2; done
-shift
-while [ "$1" != -- ]; do mount --bind -o ro "$1" "$2"; shift 2; done
-shift
-exec "$@"
-"""
-
-
 _bwrap_checked: dict[int, str | None] = {}
 _overlays_made: set[tuple[int, int]] = set()  # (lower's device, upper's): overlays work
 
@@ -326,7 +314,10 @@ class LocalSandbox:
         return role == "verifier" and self.verifier_root == "pristine" and self.image is not None
 
     def _prefix(self, staged: Sequence[tuple[Path, Path]], role: Role = "agent") -> list[str]:
-        """The private mount namespace in which the overlays and staged binds are made."""
+        """The private mount namespace in which the overlays and staged binds are made: as
+        root there, our static init (`init --stage`) mounts the overlays, binds each staged
+        source read-only onto its mount point, then execs the command (which drops to the
+        sandbox user)."""
         if not self.overlay and not staged:
             return []
         overlays: list[str] = []
@@ -344,8 +335,7 @@ class LocalSandbox:
         if os.geteuid() != 0:
             namespace[1:1] = ["--user", "--map-root-user"]
         pairs = [str(p) for pair in staged for p in pair]
-        return [*namespace, "--", "sh", "-c", STAGE_SCRIPT, "sh", *overlays, "--", *pairs,
-                "--"]
+        return [*namespace, "--", str(self.init), "--stage", *overlays, "--", *pairs, "--"]
 
     def _stage(self, source: Path, staged: list[tuple[Path, Path]]) -> Path:
         """Where bwrap takes `source` from: itself, or (root) a staged read-only bind."""
