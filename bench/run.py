@@ -243,18 +243,24 @@ def ingest(folder: Path, megabytes: int) -> Figure:
 # --- 6. PostgreSQL, 8 writer processes -------------------------------------------------------
 
 
-def postgres_writers(events: int) -> Figure:
+def postgres_writers(events: int) -> list[Figure]:
+    """The same number of events appended by 1, 2, 4 and 8 writer processes, each on a
+    fresh database of one server: how the store scales with writers."""
     from tests.pg import PostgresServer
 
     server = PostgresServer.start()
+    figures = []
     try:
-        db = server.create_database()
-        seconds, stored = workload.postgres_writers(db, processes=8, events_each=events // 8)
+        for processes in (1, 2, 4, 8):
+            db = server.create_database()
+            seconds, stored = workload.postgres_writers(
+                db, processes=processes, events_each=events // processes)
+            label = f"{processes} process" + ("es" if processes > 1 else "")
+            figures.append(Figure("PostgreSQL writers", label, stored,
+                                  seconds, extra=f"lost {events - stored}"))
     finally:
         server.stop()
-    lost = events - stored
-    return Figure("PostgreSQL writers", "8 processes", stored, seconds,
-                  extra=f"lost {lost}")
+    return figures
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -290,7 +296,7 @@ def main() -> None:
         for megabytes in size["ingest_mb"]:  # type: ignore[attr-defined]
             add(ingest(folder, int(megabytes)))
         if not args.skip_postgres:
-            add(postgres_writers(int(size["pg_events"])))
+            add(*postgres_writers(int(size["pg_events"])))
     print()
     by = {(f.name, f.method.split(" ")[0]): f for f in figures}
 
@@ -309,6 +315,10 @@ def main() -> None:
     stored = [f for f in figures if f.name == "store re-derivation"]
     if len(stored) == 2:
         ratio(f"store re-derivation, {os.cpu_count()} processes / 1", stored[1], stored[0])
+    writers = [f for f in figures if f.name == "PostgreSQL writers"]
+    if len(writers) > 1:
+        ratio(f"PostgreSQL, {writers[-1].method} / {writers[0].method}", writers[-1],
+              writers[0])
     ingests = [f for f in figures if f.name == "streaming ingest"]
     if len(ingests) == 2:
         ratio("streaming ingest, large / small throughput", ingests[1], ingests[0])
