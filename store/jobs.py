@@ -77,7 +77,7 @@ class Jobs:
             return await self._engines.transaction(work)
         async with self._engines.writer.connect() as conn:
             auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            return await auto.run_sync(lambda sync: work(sync))
+            return await auto.run_sync(work)
 
     async def define(self, name: str, config: Mapping[str, Any],
                      tasks: Sequence[tuple[str, str]]) -> bool:
