@@ -301,15 +301,6 @@ class SessionRunner:
             raw["workdir"] = self.environment.workdir if self.environment.root else "/app"
         return raw
 
-    def _limits(self) -> dict[str, Any] | None:
-        """`agent.launched.limits`: what the task asked for; not enforced (no cgroup v2
-        delegation is used yet), which the `limits_not_enforced` gap then says."""
-        if not self.task.limits:
-            return None
-        requested = {key: self.task.limits.get(key) for key in ("cpus", "memory_mb", "pids")}
-        return {"requested": requested, "enforced": False,
-                "reason": "cgroup v2 limits are not applied by this runner yet"}
-
     async def run_trial(self) -> list[SessionResult]:
         """Run the task, retrying `lost` sessions as new attempts up to `max_attempts`."""
         self._trial_key = uuid.uuid4().hex[:12]
@@ -399,6 +390,7 @@ class SessionRunner:
             sandbox_uid=self.options.sandbox_uid,
             network=network,
             environment=self.environment,
+            limits=self.task.limits,
         )
         try:
             valid = self._seed(attempt, retry_of, sandbox, trial_id)
@@ -454,7 +446,7 @@ class SessionRunner:
                 "argv": argv, "workdir": settings.workdir, "env_keys": sorted(env),
                 "config_sha256": digest, "oom_score_adj": sandbox.oom_score_adj,
                 "isolation": sandbox.isolation, "runner_id": self.options.runner_id,
-                "environment": self.environment.record(), "limits": self._limits(),
+                "environment": self.environment.record(), "limits": sandbox.limits_record(),
                 "model_proxy": True,
             }}])
             await self._run_and_capture(rec, sandbox, run, settings, secrets)

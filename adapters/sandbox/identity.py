@@ -21,6 +21,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,14 +44,30 @@ class SandboxUser:
         """Whether launching needs a switch from our own uid (we are root)."""
         return os.geteuid() != self.uid
 
-    def setpriv(self) -> list[str]:
-        """The argv prefix that drops to this user (no groups, no new privileges) under a
-        process limit: the dedicated user's processes and threads, all sessions together,
-        stay below `PROCESS_LIMIT`, so a fork bomb in a sandbox cannot exhaust the host."""
-        if not self.switches:
+    def staged(self, init: Path, overlays: Sequence[str] = (), binds: Sequence[str] = (),
+               cgroup: Path | None = None) -> list[str]:
+        """The argv prefix our static init (`init --stage`) makes of a launch: in a private
+        mount namespace, when there is anything to mount, the overlays (options, target)
+        and the read-only binds (source, target); then, as root, the drop to this user (no
+        groups, no new privileges) under a process limit: the dedicated user's processes
+        and threads, all sessions together, stay below `PROCESS_LIMIT`, so a fork bomb in
+        a sandbox cannot exhaust the host. Not root, a user namespace maps us to root for
+        the mounts, and there is nothing to drop. First of all it joins `cgroup` (the
+        session's `cgroup.procs`), when the session has one."""
+        mounting = bool(overlays or binds)
+        if not self.switches and not mounting and cgroup is None:
             return []
-        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups",
-                "--no-new-privs", "--", "prlimit", f"--nproc={PROCESS_LIMIT}", "--"]
+        namespace: list[str] = []
+        options = ["--drop", str(self.uid), str(self.gid), str(PROCESS_LIMIT)] \
+            if self.switches else []
+        if mounting and os.geteuid() == 0:
+            options.insert(0, "--mount-ns")
+        elif mounting:
+            namespace = ["unshare", "--user", "--map-root-user", "--mount", "--propagation",
+                         "private", "--"]
+        if cgroup is not None:
+            options[:0] = ["--cgroup", str(cgroup)]
+        return [*namespace, str(init), "--stage", *options, *overlays, "--", *binds, "--"]
 
 
 def sandbox_user(uid: int | None = None) -> SandboxUser:

@@ -9,23 +9,31 @@
  *
  *     init --status-fd N [--oom-score-adj K] -- COMMAND ARGS...
  *
- * Before bwrap, in the runner's private mount namespace, it also makes the session's
- * overlays and the read-only binds of what the sandbox user may not read, then execs the
- * rest (one program start where a shell and a `mount` per mount took several):
+ * Before bwrap, as the runner, it also stages the sandbox: in a private mount namespace
+ * of its own (--mount-ns) it makes the session's overlays and the read-only binds of what
+ * the sandbox user may not read, drops to that user (--drop: no groups, no new
+ * privileges, a process limit), then execs bwrap -- one program start where `unshare`,
+ * a shell, a `mount` per mount, `setpriv` and `prlimit` took several. With --cgroup it
+ * first joins the session's cgroup (writes 0 to its cgroup.procs), so that everything
+ * the sandbox starts is held by the session's limits:
  *
- *     init --stage [OPTIONS TARGET]... -- [SOURCE TARGET]... -- COMMAND ARGS...
+ *     init --stage [--cgroup PROCS] [--mount-ns] [--drop UID GID NPROC]
+ *          [OPTIONS TARGET]... -- [SOURCE TARGET]... -- COMMAND ARGS...
  *
  * Built by `trialledger setup` or on first use: gcc -static -O2 -o init init.c
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
+#include <grp.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -68,10 +76,49 @@ static int stage_failed(const char *what, const char *target) {
     return 125;
 }
 
-/* Overlays (mount options, target) up to "--", then read-only binds (source, target) up
- * to "--", then exec the command. */
+/* The sandbox user: a process limit (its processes and threads, all sessions together),
+ * no supplementary groups, every uid and gid its own, and no new privileges. */
+static int drop(const char *uid_text, const char *gid_text, const char *nproc_text) {
+    uid_t uid = (uid_t)strtoul(uid_text, NULL, 10);
+    gid_t gid = (gid_t)strtoul(gid_text, NULL, 10);
+    rlim_t nproc = (rlim_t)strtoul(nproc_text, NULL, 10);
+    struct rlimit limit = {nproc, nproc};
+    if (uid == 0)
+        return stage_failed("--drop to uid", "0");
+    if (setrlimit(RLIMIT_NPROC, &limit) != 0)
+        return stage_failed("setrlimit NPROC", nproc_text);
+    if (setgroups(0, NULL) != 0 || setresgid(gid, gid, gid) != 0)
+        return stage_failed("setresgid", gid_text);
+    if (setresuid(uid, uid, uid) != 0)
+        return stage_failed("setresuid", uid_text);
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
+        return stage_failed("prctl", "PR_SET_NO_NEW_PRIVS");
+    return 0;
+}
+
+/* [--cgroup PROCS] [--mount-ns] [--drop UID GID NPROC], overlays (mount options, target) up to "--", then
+ * read-only binds (source, target) up to "--", then exec the command. */
 static int stage(int argc, char **argv) {
-    int i = 2;
+    int i = 2, failed;
+    char **user = NULL;
+    if (i + 1 < argc && strcmp(argv[i], "--cgroup") == 0) {
+        int fd = open(argv[i + 1], O_WRONLY | O_CLOEXEC);
+        if (fd < 0 || write(fd, "0", 1) != 1)
+            return stage_failed("join the cgroup of", argv[i + 1]);
+        close(fd);
+        i += 2;
+    }
+    if (i < argc && strcmp(argv[i], "--mount-ns") == 0) {
+        if (unshare(CLONE_NEWNS) != 0)
+            return stage_failed("unshare", "CLONE_NEWNS");
+        if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
+            return stage_failed("mount --make-rprivate", "/");
+        i++;
+    }
+    if (i + 3 < argc && strcmp(argv[i], "--drop") == 0) {
+        user = argv + i + 1;
+        i += 4;
+    }
     for (; i + 1 < argc && strcmp(argv[i], "--") != 0; i += 2)
         if (mount("overlay", argv[i + 1], "overlay", MS_NODEV | MS_NOSUID, argv[i]) != 0)
             return stage_failed("mount -t overlay on", argv[i + 1]);
@@ -80,10 +127,13 @@ static int stage(int argc, char **argv) {
             mount(NULL, argv[i + 1], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY, NULL) != 0)
             return stage_failed("mount --bind -o ro on", argv[i + 1]);
     if (++i >= argc) {
-        fprintf(stderr, "usage: init --stage [OPTIONS TARGET]... -- [SOURCE TARGET]... -- "
-                        "COMMAND...\n");
+        fprintf(stderr, "usage: init --stage [--cgroup PROCS] [--mount-ns] "
+                        "[--drop UID GID NPROC] [OPTIONS TARGET]... -- [SOURCE TARGET]... "
+                        "-- COMMAND...\n");
         return 125;
     }
+    if (user != NULL && (failed = drop(user[0], user[1], user[2])) != 0)
+        return failed;
     execvp(argv[i], argv + i);
     return stage_failed("exec", argv[i]);
 }

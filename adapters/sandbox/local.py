@@ -59,6 +59,7 @@ from trialledger.adapters.sandbox.bwrap import (
     bwrap_argv,
     mounts,
 )
+from trialledger.adapters.sandbox.cgroup import CONTROLLERS, LimitsNotEnforced, SessionCgroup
 from trialledger.adapters.sandbox.identity import SandboxUser, ensure_init, sandbox_user
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
@@ -81,8 +82,8 @@ def bwrap_problem(user: SandboxUser) -> str | None:
             problem: str | None = "bwrap is not installed (apt-get install bubblewrap)"
         else:
             done = subprocess.run(
-                [*user.setpriv(), "bwrap", "--unshare-user", "--disable-userns", "--cap-drop",
-                 "ALL", "--unshare-pid", "--as-pid-1", "--ro-bind", "/", "/", "true"],
+                [*user.staged(ensure_init()), "bwrap", "--unshare-user", "--disable-userns",
+                 "--cap-drop", "ALL", "--unshare-pid", "--as-pid-1", "--ro-bind", "/", "/", "true"],
                 capture_output=True, text=True, check=False)
             problem = None if done.returncode == 0 else (
                 f"bwrap cannot create its namespaces here: {done.stderr.strip()[-200:]}")
@@ -170,6 +171,7 @@ class LocalSandbox:
         sandbox_uid: int | None = None,
         network: Network | None = None,
         environment: Environment = HOST,
+        limits: Mapping[str, float] | None = None,
     ) -> None:
         self.workdir = workdir
         self.environment = environment
@@ -208,7 +210,11 @@ class LocalSandbox:
         self._lock = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._lock, fcntl.LOCK_EX)
         self._verifications = 0
+        self.limits = dict(limits or {})
+        self.cgroup: SessionCgroup | None = None
+        self.limits_reason: str | None = None
         try:
+            self._hold_limits()
             self._lay_out(workspace)
         except BaseException:
             self.discard()
@@ -244,6 +250,25 @@ class LocalSandbox:
                 _chown_tree(self.root / "upper", self.user)
         if self.overlay:
             self._check_overlay()
+
+    def _hold_limits(self) -> None:
+        """A cgroup of the session's own for its limits, where the host delegates one."""
+        if not self.limits:
+            return
+        if self.isolation != "bwrap":
+            self.limits_reason = "process-group isolation starts no cgroup of the session"
+            return
+        try:
+            self.cgroup = SessionCgroup.create(self.limits, self.marker)
+        except LimitsNotEnforced as why:
+            self.limits_reason = str(why)
+
+    def limits_record(self) -> dict[str, Any] | None:
+        """`agent.launched.limits`: what the task asked for, and whether it holds."""
+        if not self.limits:
+            return None
+        return {"requested": {key: self.limits.get(key) for key in CONTROLLERS},
+                "enforced": self.cgroup is not None, "reason": self.limits_reason}
 
     @property
     def _lower(self) -> Path:
@@ -314,12 +339,9 @@ class LocalSandbox:
         return role == "verifier" and self.verifier_root == "pristine" and self.image is not None
 
     def _prefix(self, staged: Sequence[tuple[Path, Path]], role: Role = "agent") -> list[str]:
-        """The private mount namespace in which the overlays and staged binds are made: as
-        root there, our static init (`init --stage`) mounts the overlays, binds each staged
-        source read-only onto its mount point, then execs the command (which drops to the
-        sandbox user)."""
-        if not self.overlay and not staged:
-            return []
+        """What runs before bwrap: our static init (`init --stage`) mounts the overlays
+        and binds each staged source read-only onto its mount point in a private mount
+        namespace, drops to the sandbox user, then execs bwrap."""
         overlays: list[str] = []
         if self.overlay:
             lower = self._lower
@@ -331,11 +353,8 @@ class LocalSandbox:
         if self._pristine_view(role):
             assert self.image is not None and self.image.root is not None
             overlays += self._overlay(self.image.root, f"pristine-{self._verifications}")
-        namespace = ["unshare", "--mount", "--propagation", "private"]
-        if os.geteuid() != 0:
-            namespace[1:1] = ["--user", "--map-root-user"]
-        pairs = [str(p) for pair in staged for p in pair]
-        return [*namespace, "--", str(self.init), "--stage", *overlays, "--", *pairs, "--"]
+        return self.user.staged(self.init, overlays, [str(p) for pair in staged for p in pair],
+                                self.cgroup.procs if self.cgroup is not None else None)
 
     def _stage(self, source: Path, staged: list[tuple[Path, Path]]) -> Path:
         """Where bwrap takes `source` from: itself, or (root) a staged read-only bind."""
@@ -360,8 +379,7 @@ class LocalSandbox:
         placed = [dataclasses.replace(m, source=str(self._stage(Path(m.source), staged)))
                   if m.staged and m.source is not None else m for m in mounts(spawn)]
         self._clear_mount_points([(m.target, m.whole) for m in placed])
-        return [*self._prefix(staged, role), *self.user.setpriv(),
-                *bwrap_argv(spawn, placed, command)]
+        return [*self._prefix(staged, role), *bwrap_argv(spawn, placed, command)]
 
     def _spawn_plan(self, role: Role, *, info_fd: int, verifier_logs: Path | None,
                     block_fd: int | None) -> Spawn:
@@ -582,7 +600,11 @@ class LocalSandbox:
             await run.aclose()
 
     def discard(self) -> None:
-        """Remove the session's folders (they hold config.toml with grant tokens)."""
+        """Remove the session's folders (they hold config.toml with grant tokens), and its
+        cgroup with whatever is left in it."""
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
         shutil.rmtree(self.root, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.close(self._lock)
