@@ -222,10 +222,11 @@ class LocalSandbox:
 
     def _lay_out(self, workspace: Path | None) -> None:
         self.session_dir = self.root / "home"
-        self.host_work = self.root / "work"
-        self.stage = self.root / "stage"
-        for folder in (self.session_dir, self.host_work, self.stage):
-            folder.mkdir()
+        self.host_work = self.root / "work"  # the workdir on the host (none over an image)
+        self.stage = self.root / "stage"  # mount points of staged binds, made when needed
+        self.session_dir.mkdir()
+        if self.image is None:
+            self.host_work.mkdir()
         self.private_roots = (str(self.session_dir), PRIVATE)
         if self.overlay:
             for name in ("upper", "overlay-work", "merged"):
@@ -245,7 +246,8 @@ class LocalSandbox:
         if self.user.switches:
             self.root.chmod(0o711)  # the sandbox user may pass, not list
             for folder in (self.session_dir, self.host_work):
-                _chown_tree(folder, self.user)
+                if folder.exists():
+                    _chown_tree(folder, self.user)
             if self.overlay:
                 _chown_tree(self.root / "upper", self.user)
         if self.overlay:
@@ -362,6 +364,7 @@ class LocalSandbox:
             return source
         point = self.stage / hashlib.sha256(str(source).encode()).hexdigest()[:16]
         if not point.exists():
+            self.stage.mkdir(exist_ok=True)
             if source.is_dir():
                 point.mkdir()
             else:
