@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sqlite3
 import subprocess
 import sys
@@ -253,14 +254,29 @@ def postgres_writers(events: int) -> list[Figure]:
     try:
         for processes in (1, 2, 4, 8):
             db = server.create_database()
+            before = _cpu_seconds()
             seconds, stored = workload.postgres_writers(
                 db, processes=processes, events_each=events // processes)
+            ours, machine = (after - was for after, was in zip(_cpu_seconds(), before, strict=True))
             label = f"{processes} process" + ("es" if processes > 1 else "")
-            figures.append(Figure("PostgreSQL writers", label, stored,
-                                  seconds, extra=f"lost {events - stored}"))
+            figures.append(Figure(
+                "PostgreSQL writers", label, stored, seconds,
+                extra=f"lost {events - stored}; CPU/event: writers {ours / stored * 1e6:.0f} "
+                      f"us, server and the rest {(machine - ours) / stored * 1e6:.0f} us; "
+                      f"cores busy {machine / seconds / (os.cpu_count() or 1):.0%}"))
     finally:
         server.stop()
     return figures
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds used so far by our finished child processes, and by the whole machine
+    (from /proc/stat: what the writers used, and what PostgreSQL's server did beside)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open("/proc/stat", encoding="ascii") as stat:
+        ticks = [int(t) for t in stat.readline().split()[1:]]
+    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+    return children.ru_utime + children.ru_stime, busy / os.sysconf("SC_CLK_TCK")
 
 
 # --- the run --------------------------------------------------------------------------------

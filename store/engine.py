@@ -6,9 +6,11 @@ checkpoints) but the last commits before a power cut may be lost (never corrupte
 choose it with `Ledger.open(..., sqlite_synchronous="NORMAL")`. Writers take the write
 lock at `BEGIN IMMEDIATE`, so a transaction never fails half-way for want of it.
 
-On PostgreSQL every write transaction first takes one advisory lock, so transactions
-commit in the order of the positions they were given: a reader tailing by position can
-never skip an event that commits later with a smaller position.
+On PostgreSQL every write transaction takes one advisory lock before it numbers
+positions and holds it to its commit, so transactions commit in the order of the
+positions they were given: a reader tailing by position can never skip an event that
+commits later with a smaller position. (The appends' writer folds and hashes its batch
+before taking it, and checks under it that nothing it folded moved meanwhile.)
 """
 
 from __future__ import annotations

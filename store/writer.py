@@ -126,6 +126,9 @@ class Request:
     wake: anyio.Event = field(default_factory=anyio.Event)
 
 
+# The log's end and the sessions appended to after $1, in one snapshot.
+CATCH_UP_PG = ("SELECT (SELECT max(position) FROM events), (SELECT array_agg(DISTINCT "
+               "session_id) FROM events WHERE position > $1)")
 IN_LIMIT = 900  # values per `IN (…)`: below 999, the least any SQLite build allows
 
 
@@ -152,6 +155,7 @@ class Writer:
         self._lock = anyio.Lock()  # held by `rebuild` against concurrent commits
         self._last_position: int | None = None  # the log's end after our last commit
         self._insert_event = engines.driver_sql("events", EVENT_COLUMNS)
+        self._optimistic = engines.dialect == "postgresql"  # fold before the writers' lock
 
     async def submit(self, request: Request) -> list[StoredEvent]:
         """Queue an append and wait for the commit that carries it.
@@ -203,7 +207,7 @@ class Writer:
         touched: dict[str, OpenSession] = {}
         try:
             await self.engines.transaction(
-                lambda conn: self._transaction(conn, batch, touched), serialize=True)
+                lambda conn: self._transaction(conn, batch, touched))
         except BaseException as error:
             for sid in touched:  # their in-memory folds hold what was not committed
                 self.open.pop(sid, None)
@@ -224,8 +228,38 @@ class Writer:
 
     def _transaction(self, conn: Connection, batch: list[Request],
                      touched: dict[str, OpenSession]) -> None:
-        """The commit's work, inside its write transaction (one thread hop on SQLite)."""
-        self._catch_up(conn)
+        """The commit's work, inside its write transaction (one thread hop on SQLite).
+
+        SQLite's BEGIN IMMEDIATE already holds the write lock. On PostgreSQL the batch is
+        folded, hashed and rendered first, while other processes commit theirs, and the
+        writers' lock is taken only for the rest (positions, inserts, the commit); if
+        another process appended meanwhile to a session this batch touched, or could have
+        taken one of its caller-given event ids, the batch is folded again under the lock.
+        """
+        if not self._optimistic:
+            self._fold(conn, batch, touched)
+            self._write(conn, touched)
+            return
+        # What moved since our last commit is asked once, under the lock, not also here.
+        self._fold(conn, batch, touched, catch_up=self._last_position is None)
+        self.engines.lock_writers(conn)
+        moved = self._catch_up(conn)
+        if moved & touched.keys() or (moved and any(
+                e.event_id for r in batch for e in r.events)):
+            for sid in touched:
+                self.open.pop(sid, None)
+            touched.clear()
+            for request in batch:
+                request.result = request.error = None
+            self._fold(conn, batch, touched)
+        self._write(conn, touched)
+
+    def _fold(self, conn: Connection, batch: list[Request],
+              touched: dict[str, OpenSession], *, catch_up: bool = True) -> None:
+        """Apply each request to its folded session, in memory (a failed one keeps its
+        error and leaves its session as it was)."""
+        if catch_up:
+            self._catch_up(conn)
         self._load_missing(conn, batch)
         foreign = self._foreign_ids(conn, batch)
         held = self._leases(conn, batch)
@@ -239,21 +273,32 @@ class Writer:
                 request.result = self._apply(request, recorded_at, foreign, touched)
             except TrialLedgerError as error:
                 request.error = error
-        self._write(conn, touched)
 
-    def _catch_up(self, conn: Connection) -> None:
-        """Forget every cached session another process appended to since our last commit."""
+    def _catch_up(self, conn: Connection) -> set[str]:
+        """Forget every cached session another process appended to since our last commit
+        (or look); return their ids."""
+        if self._optimistic and self._last_position is not None:  # one round trip
+            end, ids = conn.exec_driver_sql(CATCH_UP_PG, (self._last_position,)).one()
+            moved = set(ids or ())
+            for sid in moved:
+                self.open.pop(sid, None)
+            self._last_position = end or 0
+            return moved
         end = conn.execute(select(func.max(EVENTS.c.position))).scalar() or 0
         if end == self._last_position:
-            return
+            return set()
+        moved = set()
         if self._last_position is None:
+            moved = set(self.open)
             self.open.clear()
         else:
-            moved = conn.execute(select(EVENTS.c.session_id).distinct()
-                                 .where(EVENTS.c.position > self._last_position))
-            for (sid,) in moved.all():
+            rows = conn.execute(select(EVENTS.c.session_id).distinct()
+                                .where(EVENTS.c.position > self._last_position))
+            moved = {sid for (sid,) in rows.all()}
+            for sid in moved:
                 self.open.pop(sid, None)
         self._last_position = end
+        return moved
 
     def _load_missing(self, conn: Connection, batch: list[Request]) -> None:
         missing = list({r.session_id: None for r in batch
