@@ -126,9 +126,13 @@ class Request:
     wake: anyio.Event = field(default_factory=anyio.Event)
 
 
-# The log's end and the sessions appended to after $1, in one snapshot.
-CATCH_UP_PG = ("SELECT (SELECT max(position) FROM events), (SELECT array_agg(DISTINCT "
-               "session_id) FROM events WHERE position > $1)")
+# The log's end and the sessions appended to after $1, in one snapshot; and the position
+# sequence moved past the $2 positions about to be given (a sequence ahead of the log is
+# harmless: positions are given from the log's end).
+CATCH_UP_PG = ("SELECT end_, (SELECT array_agg(DISTINCT session_id) FROM events "
+               "WHERE position > $1), setval(pg_get_serial_sequence('events', 'position'), "
+               "GREATEST(end_ + $2, 1)) FROM (SELECT COALESCE(max(position), 0) AS end_ "
+               "FROM events) AS log")
 IN_LIMIT = 900  # values per `IN (…)`: below 999, the least any SQLite build allows
 
 
@@ -238,21 +242,25 @@ class Writer:
         """
         if not self._optimistic:
             self._fold(conn, batch, touched)
-            self._write(conn, touched)
+            self._write(conn, self._render(touched))
             return
         # What moved since our last commit is asked once, under the lock, not also here.
         self._fold(conn, batch, touched, catch_up=self._last_position is None)
+        rendered = self._render(touched)
         self.engines.lock_writers(conn)
-        moved = self._catch_up(conn)
+        moved = self._catch_up(conn, len(rendered[0]))
+        sequence_kept = True
         if moved & touched.keys() or (moved and any(
                 e.event_id for r in batch for e in r.events)):
+            sequence_kept = False  # the batch folded again may hold more events
             for sid in touched:
                 self.open.pop(sid, None)
             touched.clear()
             for request in batch:
                 request.result = request.error = None
             self._fold(conn, batch, touched)
-        self._write(conn, touched)
+            rendered = self._render(touched)
+        self._write(conn, rendered, sequence_kept=sequence_kept)
 
     def _fold(self, conn: Connection, batch: list[Request],
               touched: dict[str, OpenSession], *, catch_up: bool = True) -> None:
@@ -274,11 +282,13 @@ class Writer:
             except TrialLedgerError as error:
                 request.error = error
 
-    def _catch_up(self, conn: Connection) -> set[str]:
+    def _catch_up(self, conn: Connection, positions: int = 0) -> set[str]:
         """Forget every cached session another process appended to since our last commit
-        (or look); return their ids."""
+        (or look); return their ids. (PostgreSQL, optimistic: also keep the position
+        sequence past the `positions` about to be given.)"""
         if self._optimistic and self._last_position is not None:  # one round trip
-            end, ids = conn.exec_driver_sql(CATCH_UP_PG, (self._last_position,)).one()
+            end, ids, _ = conn.exec_driver_sql(
+                CATCH_UP_PG, (self._last_position, positions)).one()
             moved = set(ids or ())
             for sid in moved:
                 self.open.pop(sid, None)
@@ -411,9 +421,22 @@ class Writer:
             self.secrets[sid] = request.secrets
         return originals + results
 
-    def _write(self, conn: Connection, touched: dict[str, OpenSession]) -> None:
-        new = [s for open_ in touched.values() for s in open_.stored[-len(open_.fresh):]
-               if open_.fresh]
+    @staticmethod
+    def _render(touched: dict[str, OpenSession]) -> tuple[list[StoredEvent], Changes]:
+        """The events to insert and the projection rows, from the folded batch (nothing
+        here needs the log's order: positions are given in `_write`)."""
+        new = [s for open_ in touched.values() if open_.fresh
+               for s in open_.stored[-len(open_.fresh):]]
+        changes = Changes()
+        for open_ in touched.values():
+            if open_.fresh:
+                changes.session(open_.session, open_.projected, open_.fresh,
+                                head_hash=open_.head_hash)
+        return new, changes
+
+    def _write(self, conn: Connection, rendered: tuple[list[StoredEvent], Changes], *,
+               sequence_kept: bool = False) -> None:
+        new, changes = rendered
         if not new:
             return
         # Positions are given here, under the write lock, after the log's current end:
@@ -428,12 +451,8 @@ class Writer:
                          stored.canonical, stored.hash))
         conn.exec_driver_sql(self._insert_event, rows)
         self._last_position = start + len(new)
-        self.engines.positions_taken(conn, self._last_position)
-        changes = Changes()
-        for open_ in touched.values():
-            if open_.fresh:
-                changes.session(open_.session, open_.projected, open_.fresh,
-                                head_hash=open_.head_hash)
+        if not sequence_kept:
+            self.engines.positions_taken(conn, self._last_position)
         changes.write(conn)
 
     async def rebuild(self, session_ids: Iterable[str]) -> int:

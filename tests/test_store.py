@@ -263,6 +263,23 @@ async def test_another_writer_is_noticed_before_the_next_append(db: str) -> None
         assert (await first.audit()).ok
 
 
+async def test_the_position_sequence_stays_past_the_log(db: str) -> None:
+    """Positions are given by the writer; PostgreSQL's column default (its sequence) must
+    still never hand out one already taken, through the batch folded once or again."""
+    async with await Ledger.open(db) as first, await Ledger.open(db) as second:
+        sid = (await first.seed(seed_data())).session_id
+        events = run_of("clean")
+        await first.append(sid, events[:2])
+        await second.append(sid, events[2:4])
+        await first.append(sid, events[4:])  # folded again: `second` moved the session
+        if first.dialect == "postgresql":
+            [(last, taken)] = await raw(first, "SELECT nextval(pg_get_serial_sequence("
+                                               "'events', 'position')), max(position) FROM events")
+            assert last > taken
+        positions = sorted(p for (p,) in await raw(first, "SELECT position FROM events"))
+        assert positions == list(range(1, len(positions) + 1))
+
+
 async def test_secrets_are_scrubbed_before_they_are_stored(db: str) -> None:
     token = "tok-9f8e7d6c5b4a3210"
     grants = [{"name": "docs", "kind": "mcp", "url": "http://127.0.0.1:1/mcp",
