@@ -427,7 +427,7 @@ class Ledger:
                 f"{session.policy.name} derives ({d.derived.rule if d.derived else 'none'})",
             )
         await self._writer.submit(Request(session.session_id, list(session.events), 0,
-                                          derived=True))
+                                          folded=session))
         return session.session_id
 
     def _prepare(self, events: Iterable[Mapping[str, Any] | Event],

@@ -118,7 +118,7 @@ class Request:
     expected_seq: int | None
     secrets: tuple[str, ...] | None = None  # set when the request seeds the session
     new_id: bool = False  # the session id was just made up: nothing to load
-    derived: bool = False  # a whole log the machine just derived, decisions included
+    folded: Session | None = None  # a whole log the machine just folded, decisions derived
     fence: Fence | None = None  # a job trial's lease, checked in the commit's transaction
     result: list[StoredEvent] | None = None
     error: BaseException | None = None
@@ -397,9 +397,9 @@ class Writer:
             raise ConcurrencyConflict(sid, request.expected_seq, session.head_seq)
         mark = session.mark()
         try:
-            if request.derived and session.head_seq == 0:  # folded once already: load it
-                for event in fresh:
-                    session.load(event)
+            if request.folded is not None and session.head_seq == 0:
+                # the whole log, folded once already by the caller: taken as it is
+                open_.session = request.folded
                 appended = fresh
             else:  # the machine derives any decision again (a harness never writes one)
                 appended = [numbered for event in fresh if event.type != "outcome.decided"
