@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.logs import sample, session_logs
-from trialledger.core import event_dict, parse_event, parse_stored, replay
+from trialledger.core import BadEvent, event_dict, parse_event, parse_events, parse_stored, replay
 from trialledger.core.canonical import canonical_text, chain, first_broken_link
 
 Log = list[dict[str, Any]]
@@ -38,6 +38,40 @@ def test_an_event_read_back_from_its_stored_text_is_the_event(log: Log) -> None:
     for event in replay(log).events:  # the store's fast path agrees with the checked one
         text = canonical_text(event_dict(event))
         assert parse_stored(text) == parse_event(event_dict(event)) == event
+
+
+def _one_by_one(log: Log) -> list[Any] | str:
+    """The reference: each event parsed alone, the first bad one named by its index."""
+    parsed = []
+    for index, raw in enumerate(log):
+        try:
+            parsed.append(parse_event(raw))
+        except BadEvent as error:
+            return str(error.at(index=index))
+    return parsed
+
+
+def _at_once(log: Log) -> list[Any] | str:
+    try:
+        return list(parse_events(log))
+    except BadEvent as error:
+        return str(error)
+
+
+BREAKAGES = [{"schema": 99}, {"schema": 1}, {"type": "no.such"}, {"at": "yesterday"},
+             {"position": 7}, {"data": 5}, {"seq": "x"}]
+
+
+@fast
+@given(log=session_logs(), data=st.data())
+def test_a_log_parsed_at_once_is_the_log_parsed_event_by_event(
+        log: Log, data: st.DataObject) -> None:
+    assert _at_once(log) == _one_by_one(log)
+    index = data.draw(st.integers(0, len(log) - 1))
+    changed = data.draw(st.lists(st.sampled_from(BREAKAGES), min_size=1, max_size=2))
+    bad = [*log[:index], {**log[index], **{k: v for c in changed for k, v in c.items()}},
+           *log[index + 1:]]
+    assert _at_once(bad) == _one_by_one(bad)  # the same events, or the same error
 
 
 @fast
