@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hypothesis import assume, given, settings
@@ -128,3 +129,21 @@ def test_chain_detects_any_single_tampering(log: Log, data: st.DataObject) -> No
         assume(i != j)  # a one-event log has nothing to swap with
         tampered[i], tampered[j] = tampered[j], tampered[i]
     assert first_broken_link(tampered, head_seq=head_seq, head_hash=head_hash) is not None
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20)
+
+
+@fast
+@given(data=JSON_VALUES, at=st.text(), kind=st.text(), seq=st.integers(1, 10**9))
+def test_canonical_text_is_sorted_compact_json(data: Any, at: str, kind: str, seq: int) -> None:
+    fields = {"session_id": "s", "seq": seq, "event_id": "e", "type": kind, "at": at,
+              "data": data, "schema": 1, "position": 3}  # a store field is left out
+    expected = json.dumps({k: v for k, v in fields.items() if k != "position"},
+                          sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False)
+    assert canonical_text(fields) == expected
