@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, column, delete, insert, table, text
+from sqlalchemy import Connection, and_, bindparam, column, delete, insert, table
 
 from trialledger.core import Decision, Event, Session, SessionSeeded
 from trialledger.core.events import GapRecordedData, ModelCall, ModelCallData
@@ -54,10 +54,16 @@ TABLE_OF = {name: table(name, *(column(c) for c in columns))  # each projection'
             for name, columns in TABLES.items()}
 SESSION_CHANGES = ("session_id", "state", "outcome", "close_reason", "closed_at", "head_seq",
                    "head_hash", "environment_ref", "environment_digest")
-UPDATE_SESSION = text(
-    "UPDATE sessions SET "
-    + ", ".join(f"{c} = :{c}" for c in SESSION_CHANGES[1:])
-    + " WHERE session_id = :session_id")
+
+
+def _update_session(numbered: bool) -> str:
+    """The `sessions` update in a driver's own parameter style (`$n` or `?`)."""
+    marks = [f"${i}" if numbered else "?" for i in range(1, len(SESSION_CHANGES) + 1)]
+    sets = ", ".join(f"{c} = {m}" for c, m in zip(SESSION_CHANGES[1:], marks, strict=False))
+    return f"UPDATE sessions SET {sets} WHERE session_id = {marks[-1]}"
+
+
+UPDATE_SESSION = {"sqlite": _update_session(False), "postgresql": _update_session(True)}
 
 
 @dataclass
@@ -73,17 +79,23 @@ def session_row(session: Session, *, head_hash: str) -> Row:
     seed = session.events[0]
     assert isinstance(seed, SessionSeeded)
     data = seed.data
+    return {
+        "trial_id": data.trial_id, "attempt": data.attempt,
+        "retry_of": data.retry_of, "task": data.task, "agent_name": data.agent.name,
+        "agent_version": data.agent.version, "model": data.model, "runner_id": data.runner_id,
+        "created_at": seed.at, **session_changes(session, head_hash=head_hash),
+    }
+
+
+def session_changes(session: Session, *, head_hash: str) -> Row:
+    """The `sessions` columns an append can change (`SESSION_CHANGES`)."""
     last = session.events[-1]
     closed = last if last.type == "session.closed" else None  # closed is terminal
     return {
-        "session_id": session.session_id, "trial_id": data.trial_id, "attempt": data.attempt,
-        "retry_of": data.retry_of, "task": data.task, "agent_name": data.agent.name,
-        "agent_version": data.agent.version, "model": data.model, "runner_id": data.runner_id,
-        "state": session.state, "outcome": outcome_of(session),
-        "close_reason": closed.data.reason if closed else None,
-        "created_at": seed.at, "closed_at": closed.at if closed else None,
-        "head_seq": session.head_seq, "head_hash": head_hash,
-        **_environment(session),
+        "session_id": session.session_id, "state": session.state,
+        "outcome": outcome_of(session), "close_reason": closed.data.reason if closed else None,
+        "closed_at": closed.at if closed else None, "head_seq": session.head_seq,
+        "head_hash": head_hash, **_environment(session),
     }
 
 
@@ -161,10 +173,11 @@ class Changes:
                 *, head_hash: str) -> None:
         """Gather the rows that `appended` (just folded into `session`) changes."""
         sid = session.session_id
-        row = session_row(session, head_hash=head_hash)
         if appended and appended[0].type == "session.seeded":
+            row = session_row(session, head_hash=head_hash)
             self.new_sessions.append(row)
         else:
+            row = session_changes(session, head_hash=head_hash)
             self.session_updates.append(row)
         touched_tools: dict[str, None] = {}
         for event in appended:
@@ -213,9 +226,10 @@ class Changes:
                                [{"sid": s} for s in self.outcome_rewrites])
         if self.new_sessions:
             conn.execute(insert(TABLE_OF["sessions"]), self.new_sessions)
-        if self.session_updates:
-            conn.execute(UPDATE_SESSION, [{c: r[c] for c in SESSION_CHANGES}
-                                                for r in self.session_updates])
+        if self.session_updates:  # in the driver's own form: no per-row processing
+            conn.exec_driver_sql(UPDATE_SESSION[conn.dialect.name], [
+                (*(r[c] for c in SESSION_CHANGES[1:]), r["session_id"])
+                for r in self.session_updates])
         for name, rows in self.inserts.items():
             if rows:
                 conn.execute(insert(TABLE_OF[name]), rows)
