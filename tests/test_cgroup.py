@@ -50,6 +50,15 @@ def test_no_delegation_and_a_lookalike_folder_are_refused(tmp_path: Path) -> Non
         "cgroup.controllers", "cgroup.procs", "cgroup.subtree_control"]  # nothing made
 
 
+def test_a_real_cgroup2_mount_is_taken_as_delegated() -> None:
+    """Only looked at: nothing is created or enabled by `delegated`."""
+    with open("/proc/mounts", encoding="utf-8") as mounts:
+        points = [line.split()[1] for line in mounts if line.split()[2] == "cgroup2"]
+    if not points:
+        pytest.skip("this kernel mounts no cgroup v2 hierarchy")
+    assert cgroup.delegated({cgroup.DELEGATED_ENV: points[0]}) == Path(points[0])
+
+
 def test_the_init_joins_the_cgroup_before_anything_starts(tmp_path: Path) -> None:
     procs, ran = tmp_path / "cgroup.procs", tmp_path / "ran"
     procs.write_text("")

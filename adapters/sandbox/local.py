@@ -82,7 +82,8 @@ def bwrap_problem(user: SandboxUser) -> str | None:
             problem: str | None = "bwrap is not installed (apt-get install bubblewrap)"
         else:
             done = subprocess.run(
-                [*user.staged(ensure_init()), "bwrap", "--unshare-user", "--disable-userns",
+                [*(user.staged(ensure_init()) if user.switches else []), "bwrap",
+                 "--unshare-user", "--disable-userns",
                  "--cap-drop", "ALL", "--unshare-pid", "--as-pid-1", "--ro-bind", "/", "/", "true"],
                 capture_output=True, text=True, check=False)
             problem = None if done.returncode == 0 else (
