@@ -34,7 +34,7 @@ SESSIONS = TABLE_OF["sessions"]
 if TYPE_CHECKING:
     from trialledger.store.ledger import Ledger
 
-CHUNKS_PER_PROCESS = 4  # more chunks than processes: a slow chunk does not idle the others
+CHUNKS_PER_PROCESS = 4  # more runs than processes: a slow one does not idle the others
 MAX_CHUNK = IN_LIMIT  # sessions per chunk: one query's `IN (…)`, and progress moves
 
 
@@ -82,17 +82,19 @@ async def chunk_differences(ledger: Ledger, session_ids: Sequence[str],
     return found
 
 
-def _worker_chunk(db: str, session_ids: list[str], policy: str | None,
-                  policy_files: tuple[str, ...]) -> list[Difference]:
-    """One chunk, in a worker process: load the policy files, open the store, derive."""
+def _worker_chunks(db: str, parts: list[list[str]], policy: str | None,
+                   policy_files: tuple[str, ...]) -> list[list[Difference]]:
+    """A run of chunks, in a worker process: load the policy files, open the store once
+    (≈ 12 ms here, which per chunk of 900 sessions had been a tenth of the work), and
+    derive chunk by chunk (one chunk's logs in memory at a time)."""
     from trialledger.store.ledger import Ledger
 
     for path in policy_files:
         runpy.run_path(path)
 
-    async def go() -> list[Difference]:
+    async def go() -> list[list[Difference]]:
         async with await Ledger.open(db, create=False) as ledger:
-            return await chunk_differences(ledger, session_ids, policy)
+            return [await chunk_differences(ledger, part, policy) for part in parts]
 
     with _no_gc():  # the worker process is ours: no collector pauses during the fold
         return anyio.run(go)
@@ -105,6 +107,14 @@ def chunks(session_ids: Sequence[str], processes: int) -> list[list[str]]:
         return []
     size = max(1, min(MAX_CHUNK, math.ceil(len(ordered) / (processes * CHUNKS_PER_PROCESS))))
     return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+
+def runs(parts: list[list[str]], processes: int) -> list[list[list[str]]]:
+    """The chunks in contiguous runs, a few per process: what one worker call derives."""
+    if not parts:
+        return []
+    size = math.ceil(len(parts) / min(len(parts), processes * CHUNKS_PER_PROCESS))
+    return [parts[i:i + size] for i in range(0, len(parts), size)]
 
 
 async def divergences(ledger: Ledger, policy: str | None, *, jobs: int,
@@ -124,10 +134,13 @@ async def divergences(ledger: Ledger, policy: str | None, *, jobs: int,
         return len(session_ids), found
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = [pool.submit(_worker_chunk, ledger.db, part, policy, tuple(policy_files))
-                   for part in parts]
-        for part, future in zip(parts, futures, strict=True):  # in order: deterministic
-            found += await anyio.to_thread.run_sync(future.result)
-            if on_sessions is not None:
-                on_sessions(len(part))
+        batches = runs(parts, jobs)
+        futures = [pool.submit(_worker_chunks, ledger.db, batch, policy, tuple(policy_files))
+                   for batch in batches]
+        for batch, future in zip(batches, futures, strict=True):  # in order: deterministic
+            derived = await anyio.to_thread.run_sync(future.result)
+            for part, differences in zip(batch, derived, strict=True):
+                found += differences
+                if on_sessions is not None:
+                    on_sessions(len(part))
     return len(session_ids), found

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tests.logs import sample, session_logs
 from trialledger.core import BadEvent, event_dict, parse_event, parse_events, parse_stored, replay
 from trialledger.core.canonical import canonical_text, chain, first_broken_link
+from trialledger.store import rederive
 
 Log = list[dict[str, Any]]
 CLOSE_AT = "2026-11-29T23:59:59Z"
@@ -147,3 +148,16 @@ def test_canonical_text_is_sorted_compact_json(data: Any, at: str, kind: str, se
                           sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                           allow_nan=False)
     assert canonical_text(fields) == expected
+
+
+@fast
+@given(sessions=st.integers(0, 5000), processes=st.integers(1, 16))
+def test_runs_of_chunks_cover_every_session_once_in_order(sessions: int, processes: int
+                                                          ) -> None:
+    ids = [f"{n:08d}" for n in range(sessions)]
+    parts = rederive.chunks(ids, processes)
+    batches = rederive.runs(parts, processes)
+    assert [sid for batch in batches for part in batch for sid in part] == ids
+    assert len(batches) <= processes * rederive.CHUNKS_PER_PROCESS
+    assert all(batch and all(part for part in batch) for batch in batches)
+    assert all(len(part) <= rederive.MAX_CHUNK for part in parts)
