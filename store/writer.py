@@ -147,6 +147,14 @@ def _same_content(a: Event, b: Event) -> bool:
     return a.model_dump(include=keys) == b.model_dump(include=keys)
 
 
+def _folded_as_reloaded(session: Session) -> bool:
+    """Whether `session` has the policy a fold of its stored log gives (the seed's, else
+    v1): an import re-derives a log without one under its recorded decisions' policy."""
+    seed = session.seed
+    named = seed.data.settings.policy if seed is not None else None
+    return session.policy.name == (named or "v1")
+
+
 class Writer:
     """Commits appends, keeps open sessions folded, and writes their projection rows."""
 
@@ -398,8 +406,11 @@ class Writer:
         mark = session.mark()
         try:
             if request.folded is not None and session.head_seq == 0:
-                # the whole log, folded once already by the caller: taken as it is
-                open_.session = request.folded
+                if _folded_as_reloaded(request.folded):  # folded once already: taken
+                    open_.session = request.folded
+                else:
+                    for event in fresh:
+                        session.load(event)
                 appended = fresh
             else:  # the machine derives any decision again (a harness never writes one)
                 appended = [numbered for event in fresh if event.type != "outcome.decided"

@@ -20,6 +20,7 @@ from trialledger.core import (
 )
 from trialledger.store import Ledger, SchemaOutOfDate
 from trialledger.store.engine import open_engines
+from trialledger.store.writer import Writer
 
 pytestmark = pytest.mark.anyio
 
@@ -239,6 +240,23 @@ async def test_export_then_import_elsewhere_gives_the_same_view(db: str, tmp_pat
         assert (await other.view(sid)).model_dump() == replay(exported).model_dump()
         assert await other.import_log(exported) == sid  # the same log again: a no-op
         assert len(await other.events(sid)) == len(exported)
+
+
+async def test_an_open_imported_session_is_folded_as_the_store_reloads_it(db: str) -> None:
+    """A log decided under v2 whose seed names no policy: the import re-derives it under
+    v2 (its recorded decisions' policy), but the store folds it under the seed's (v1)
+    whenever it reads it back, so the open session it keeps must be folded that way too,
+    or later appends would be judged by whichever fold happened to be in memory."""
+    log = replay(SCENARIOS["clean"][0].events, policy="v2").model_dump(mode="json")["events"]
+    assert log[0]["data"]["settings"].get("policy") is None
+    assert "session.closed" not in {e["type"] for e in log}  # open: the writer keeps it
+    assert {e["data"]["policy"] for e in log if e["type"] == "outcome.decided"} == {"v2"}
+    async with await Ledger.open(db) as ledger:
+        sid = await ledger.import_log(log)
+        cached = ledger._writer.open[sid].session
+        reloaded = await ledger._engines.read(lambda conn: Writer.load(conn, sid).session)
+        assert cached.policy.name == reloaded.policy.name
+        assert [e.seq for e in cached.events] == [e.seq for e in reloaded.events]
 
 
 async def test_import_refuses_a_log_whose_decisions_diverge(db: str) -> None:
