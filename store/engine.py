@@ -34,6 +34,13 @@ BUSY_TIMEOUT_MS = 30_000  # how long a SQLite statement waits for another's writ
 BUSY_ENV = "TRIALLEDGER_SQLITE_BUSY_MS"  # overrides it (after it, appends retry: runner.py)
 Synchronous = Literal["FULL", "NORMAL", "EXTRA", "OFF"]
 T = TypeVar("T")
+POSITION_SEQUENCE = "pg_get_serial_sequence('events', 'position')"  # PostgreSQL's default
+
+
+def driver_marks(dialect: str, count: int) -> list[str]:
+    """`count` parameter marks in the driver's own style (`$1`… for asyncpg, `?` for
+    sqlite3), for `exec_driver_sql`."""
+    return [f"${i}" if dialect == "postgresql" else "?" for i in range(1, count + 1)]
 
 
 class UnsupportedDatabase(TrialLedgerError):
@@ -126,16 +133,14 @@ class Engines:
     def driver_sql(self, table: str, columns: tuple[str, ...]) -> str:
         """An INSERT in the driver's own parameter style, for `exec_driver_sql` executemany
         (it skips SQLAlchemy's per-row parameter processing on the hot path)."""
-        count = len(columns)
-        marks = ([f"${i}" for i in range(1, count + 1)] if self.dialect == "postgresql"
-                 else ["?"] * count)
+        marks = driver_marks(self.dialect, len(columns))
         return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(marks)})"
 
     def positions_taken(self, conn: Connection, last: int) -> None:
         """Keep PostgreSQL's position sequence past the positions the writer gave."""
         if self.dialect == "postgresql":
             conn.execute(
-                text("SELECT setval(pg_get_serial_sequence('events', 'position'), :last)"),
+                text(f"SELECT setval({POSITION_SEQUENCE}, :last)"),
                 {"last": last})
 
     async def dispose(self) -> None:

@@ -26,6 +26,7 @@ from trialledger.core import Decision, Event, Session, SessionSeeded
 from trialledger.core.events import GapRecordedData, ModelCall, ModelCallData
 from trialledger.core.observations import ToolTraces, derived_gaps
 from trialledger.core.replay import outcome_of
+from trialledger.store.engine import driver_marks
 
 Row = dict[str, Any]
 SESSION_COLUMNS = ("session_id", "trial_id", "attempt", "retry_of", "task", "agent_name",
@@ -56,14 +57,14 @@ SESSION_CHANGES = ("session_id", "state", "outcome", "close_reason", "closed_at"
                    "head_hash", "environment_ref", "environment_digest")
 
 
-def _update_session(numbered: bool) -> str:
-    """The `sessions` update in a driver's own parameter style (`$n` or `?`)."""
-    marks = [f"${i}" if numbered else "?" for i in range(1, len(SESSION_CHANGES) + 1)]
-    sets = ", ".join(f"{c} = {m}" for c, m in zip(SESSION_CHANGES[1:], marks, strict=False))
-    return f"UPDATE sessions SET {sets} WHERE session_id = {marks[-1]}"
+def _update_session(dialect: str) -> str:
+    """The `sessions` update in the dialect's driver's own parameter style."""
+    *marks, last = driver_marks(dialect, len(SESSION_CHANGES))
+    sets = ", ".join(f"{c} = {m}" for c, m in zip(SESSION_CHANGES[1:], marks, strict=True))
+    return f"UPDATE sessions SET {sets} WHERE session_id = {last}"
 
 
-UPDATE_SESSION = {"sqlite": _update_session(False), "postgresql": _update_session(True)}
+UPDATE_SESSION = {dialect: _update_session(dialect) for dialect in ("sqlite", "postgresql")}
 
 
 @dataclass

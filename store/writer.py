@@ -38,7 +38,7 @@ from trialledger.core import (
     parse_stored,
 )
 from trialledger.core.canonical import GENESIS, canonical_text, chain_hash
-from trialledger.store.engine import Engines
+from trialledger.store.engine import POSITION_SEQUENCE, Engines
 from trialledger.store.projections import TABLE_OF, TABLES, Changes, Projected
 
 EVENT_COLUMNS = ("position", "session_id", "seq", "event_id", "type", "at", "recorded_at",
@@ -130,9 +130,8 @@ class Request:
 # sequence moved past the $2 positions about to be given (a sequence ahead of the log is
 # harmless: positions are given from the log's end).
 CATCH_UP_PG = ("SELECT end_, (SELECT array_agg(DISTINCT session_id) FROM events "
-               "WHERE position > $1), setval(pg_get_serial_sequence('events', 'position'), "
-               "GREATEST(end_ + $2, 1)) FROM (SELECT COALESCE(max(position), 0) AS end_ "
-               "FROM events) AS log")
+               f"WHERE position > $1), setval({POSITION_SEQUENCE}, GREATEST(end_ + $2, 1)) "
+               "FROM (SELECT COALESCE(max(position), 0) AS end_ FROM events) AS log")
 IN_LIMIT = 900  # values per `IN (…)`: below 999, the least any SQLite build allows
 
 
