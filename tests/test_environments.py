@@ -356,16 +356,26 @@ def test_an_unavailable_engine_is_named(monkeypatch: pytest.MonkeyPatch) -> None
         environments.pick_engine()
 
 
-async def test_requested_limits_are_recorded_and_their_absence_said(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bwrap, why", [(None, "TRIALLEDGER_CGROUP is unset"),
+                                         (False, "process-group isolation")])
+async def test_requested_limits_are_recorded_and_their_absence_said(
+        tmp_path: Path, bwrap: bool | None, why: str) -> None:
     task = make_task(tmp_path / "task", test_sh="exit 0\n",
                      toml="[environment]\ncpus = 2\nmemory_mb = 512\n")
-    ran = await run_task(str(tmp_path / "t.db"), task, [message()])
+    ran = await run_task(str(tmp_path / "t.db"), task, [message()], use_bwrap=bwrap)
     limits = launched(ran).limits
     assert limits["requested"] == {"cpus": 2, "memory_mb": 512, "pids": None}
-    assert limits["enforced"] is False and "TRIALLEDGER_CGROUP is unset" in limits["reason"]
+    assert limits["enforced"] is False and why in limits["reason"]
     gaps = [g for g in ran.view.observations.gaps if g.code == "limits_not_enforced"]
     assert len(gaps) == 1 and "cpus=2" in (gaps[0].detail or "")
     assert launched(ran).environment == {"kind": "host", "ref": None, "digest": None}
+
+
+async def test_no_requested_limits_are_recorded_as_none(tmp_path: Path) -> None:
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    ran = await run_task(str(tmp_path / "t.db"), task, [message()])
+    assert launched(ran).limits is None
+    assert not [g for g in ran.view.observations.gaps if g.code == "limits_not_enforced"]
 
 
 @pytest.mark.parametrize("root, reward", [("agent", 0.0), ("pristine", 1.0)])
