@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _json
 import hashlib
 import json
 import uuid
@@ -33,15 +34,23 @@ def session_id_for_seed(seed_data: Mapping[str, Any]) -> str:
     return str(uuid.uuid5(NS, text))
 
 
-# One encoder for every event (`json.dumps` with these options builds a new one per call).
-_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                              allow_nan=False)
+# One encoder for every event, made once: `json.dumps` with these options builds a
+# `JSONEncoder` per call, which builds its C encoder and a dict of markers per call (the
+# markers find cycles; an event's fields come from `model_dump`, which refuses them, so
+# this encoder runs without: a cycle would still stop at the recursion limit).
+_ENCODER = _json.make_encoder(
+    None, json.JSONEncoder().default, _json.encode_basestring, None,  # markers, indent
+    ":", ",", True, False, False)  # separators, sort_keys, skipkeys, allow_nan
+
+
+def _encode(value: Any) -> str:
+    return "".join(_ENCODER(value, 0))
 
 
 def canonical_text(fields: Mapping[str, Any]) -> str:
     """The canonical JSON text of an event's seven identity fields: keys sorted, no
     whitespace, UTF-8 as is, no NaN or infinity."""
-    return _CANONICAL.encode({key: fields[key] for key in CANONICAL_KEYS})
+    return _encode({key: fields[key] for key in CANONICAL_KEYS})
 
 
 def chain_hash(prev_hash: str, canonical: str) -> str:

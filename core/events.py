@@ -417,6 +417,9 @@ class ItemCompleted(_Envelope):
     data: ItemData
 
 
+ITEM_EVENTS = (ItemStarted, ItemUpdated, ItemCompleted)  # for isinstance (a union is built per use)
+
+
 class StreamError(_Envelope):
     type: Literal["stream.error"] = "stream.error"
     data: StreamErrorData

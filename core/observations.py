@@ -8,13 +8,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from trialledger.core.events import (
+    ITEM_EVENTS,
     Decision,
     Event,
     Gap,
     GapRecorded,
-    ItemCompleted,
-    ItemStarted,
-    ItemUpdated,
     SessionSeeded,
 )
 from trialledger.core.policy import Policy
@@ -130,7 +128,7 @@ class ToolTraces:
 
     def feed(self, event: Event) -> str | None:
         """Fold one event; return the item id when it touched a tool call."""
-        if not isinstance(event, ItemStarted | ItemUpdated | ItemCompleted):
+        if not isinstance(event, ITEM_EVENTS):
             return None
         item: dict[str, Any] = event.data.item
         if item.get("type") not in TOOL_ITEMS:

@@ -15,6 +15,7 @@ from typing import Literal
 from trialledger.core.errors import PolicyNameTaken, UnknownPolicy
 from trialledger.core.events import (
     CODEX_STREAM_TYPES,
+    ITEM_EVENTS,
     AgentExited,
     AgentLaunched,
     AgentStderr,
@@ -23,9 +24,6 @@ from trialledger.core.events import (
     Decision,
     Event,
     Gap,
-    ItemCompleted,
-    ItemStarted,
-    ItemUpdated,
     ModelCall,
     ModelCallData,
     SandboxLost,
@@ -271,7 +269,7 @@ class Policy:
                     last_fatal_stream = message
                     if not fatal or fatal[-1] != message:
                         fatal.append(message)
-            elif isinstance(event, ItemStarted | ItemUpdated | ItemCompleted):
+            elif isinstance(event, ITEM_EVENTS):
                 item = event.data.item
                 if item.get("type") == "error":
                     warnings[item.get("id", len(warnings))] = str(item.get("message", ""))

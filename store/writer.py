@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from sqlalchemy import (
@@ -83,22 +83,23 @@ class StoredEvent:
 
 @dataclass
 class OpenSession:
-    """A folded open session and what the store keeps beside it."""
+    """A folded open session and what the store keeps beside it.
+
+    Its stored events are not kept (the session's fold holds the events, and the ids say
+    where each is): every object cached per event is one more for each of the garbage
+    collector's full passes to walk, and an idempotent repeat, the only reader, is rare.
+    """
 
     session: Session
-    stored: list[StoredEvent] = field(default_factory=list)
-    ids: dict[str, int] = field(default_factory=dict)  # event_id → index in `stored`
+    head_hash: str = GENESIS
+    ids: dict[str, int] = field(default_factory=dict)  # event_id → seq
     projected: Projected = field(default_factory=Projected)
-    fresh: list[Event] = field(default_factory=list)  # appended in the commit under way
+    fresh: list[StoredEvent] = field(default_factory=list)  # appended in the commit under way
 
-    @property
-    def head_hash(self) -> str:
-        return self.stored[-1].hash if self.stored else GENESIS
-
-    def remember(self, stored: StoredEvent) -> None:
-        if stored.event.event_id:
-            self.ids[stored.event.event_id] = len(self.stored)
-        self.stored.append(stored)
+    def remember(self, event: Event, digest: str) -> None:
+        assert event.event_id is not None and event.seq is not None  # numbered events
+        self.ids[event.event_id] = event.seq
+        self.head_hash = digest
 
 
 class LeaseLost(TrialLedgerError):
@@ -132,10 +133,11 @@ class Request:
 CATCH_UP_PG = ("SELECT end_, (SELECT array_agg(DISTINCT session_id) FROM events "
                f"WHERE position > $1), setval({POSITION_SEQUENCE}, GREATEST(end_ + $2, 1)) "
                "FROM (SELECT COALESCE(max(position), 0) AS end_ FROM events) AS log")
+T = TypeVar("T")
 IN_LIMIT = 900  # values per `IN (…)`: below 999, the least any SQLite build allows
 
 
-def in_slices(values: list[str]) -> list[list[str]]:
+def in_slices(values: list[T]) -> list[list[T]]:
     """`values` in parts small enough for one `IN (…)` each (a batch of thousands of
     concurrent imports names more ids than one statement may hold)."""
     return [values[i:i + IN_LIMIT] for i in range(0, len(values), IN_LIMIT)]
@@ -285,7 +287,7 @@ class Writer:
                         request.fence[1]:
                     raise LeaseLost(f"trial {request.fence[0]} is no longer held by "
                                     f"this runner (its lease was taken over)")
-                request.result = self._apply(request, recorded_at, foreign, touched)
+                request.result = self._apply(conn, request, recorded_at, foreign, touched)
             except TrialLedgerError as error:
                 request.error = error
 
@@ -325,17 +327,16 @@ class Writer:
         rows: list[Any] = []
         for part in in_slices(missing):
             rows += conn.execute(
-                select(EVENTS.c.session_id, EVENTS.c.position, EVENTS.c.recorded_at,
-                       EVENTS.c.hash, EVENTS.c.data)
+                select(EVENTS.c.session_id, EVENTS.c.hash, EVENTS.c.data)
                 .where(EVENTS.c.session_id.in_(part))
                 .order_by(EVENTS.c.session_id, EVENTS.c.seq)).all()
-        for sid, position, recorded_at, digest, data in rows:
+        for sid, digest, data in rows:
             open_ = self.open.get(sid) or self.open.setdefault(
                 sid, OpenSession(Session(sid)))
-            stored = StoredEvent.from_row(position, recorded_at, digest, data)
-            open_.session.load(stored.event)
-            open_.projected.tools.feed(stored.event)
-            open_.remember(stored)
+            event = parse_stored(data)
+            open_.session.load(event)
+            open_.projected.tools.feed(event)
+            open_.remember(event, digest)
         for known in (self.open.get(sid) for sid in missing):
             if known is not None:
                 known.projected.gaps_at = known.session.transition_seq
@@ -344,13 +345,13 @@ class Writer:
     def load(conn: Connection, session_id: str) -> OpenSession:
         """A session folded from its stored log (for rebuilding)."""
         rows = conn.execute(
-            select(EVENTS.c.position, EVENTS.c.recorded_at, EVENTS.c.hash, EVENTS.c.data)
+            select(EVENTS.c.hash, EVENTS.c.data)
             .where(EVENTS.c.session_id == session_id).order_by(EVENTS.c.seq))
         open_ = OpenSession(Session(session_id))
-        for row in rows.all():
-            stored = StoredEvent.from_row(*row)
-            open_.session.load(stored.event)
-            open_.remember(stored)
+        for digest, data in rows.all():
+            event = parse_stored(data)
+            open_.session.load(event)
+            open_.remember(event, digest)
         return open_
 
     def _leases(self, conn: Connection, batch: list[Request]) -> dict[str, str]:
@@ -380,25 +381,24 @@ class Writer:
             found.update(rows.all())
         return found
 
-    def _apply(self, request: Request, recorded_at: str, foreign: dict[str, str],
-               touched: dict[str, OpenSession]) -> list[StoredEvent]:
+    def _apply(self, conn: Connection, request: Request, recorded_at: str,
+               foreign: dict[str, str], touched: dict[str, OpenSession]) -> list[StoredEvent]:
         sid = request.session_id
         open_ = self.open.get(sid) or OpenSession(Session(sid))
-        originals: list[StoredEvent] = []
+        originals: list[int] = []  # the seqs of events already in the log
         fresh: list[Event] = []
         for event in request.events:
             if event.event_id in foreign and foreign[event.event_id] != sid:
                 raise EventIdConflict(event.event_id)
-            index = open_.ids.get(event.event_id or "")
-            if index is None:
+            seq = open_.ids.get(event.event_id or "")
+            if seq is None:
                 fresh.append(event)
                 continue
-            original = open_.stored[index]
-            if not _same_content(original.event, event):
+            if not _same_content(open_.session.events[seq - 1], event):
                 raise EventIdConflict(event.event_id or "")
-            originals.append(original)
+            originals.append(seq)
         if not fresh:
-            return originals  # every event already stored: an idempotent no-op
+            return self._stored(conn, open_, originals)  # an idempotent no-op
         session = open_.session
         if request.expected_seq is not None and request.expected_seq != session.head_seq:
             raise ConcurrencyConflict(sid, request.expected_seq, session.head_seq)
@@ -422,26 +422,43 @@ class Writer:
         for event in appended:
             canonical = canonical_text(event_dict(event))
             prev = chain_hash(prev, canonical)
-            stored = StoredEvent(event, 0, recorded_at, prev, canonical)
-            open_.remember(stored)
-            results.append(stored)
-        open_.fresh += appended
+            open_.remember(event, prev)
+            results.append(StoredEvent(event, 0, recorded_at, prev, canonical))
+        open_.fresh += results
         self.open[sid] = touched[sid] = open_
         if request.secrets is not None:
             self.secrets[sid] = request.secrets
-        return originals + results
+        return self._stored(conn, open_, originals) + results
+
+    @staticmethod
+    def _stored(conn: Connection, open_: OpenSession, seqs: list[int]) -> list[StoredEvent]:
+        """The stored events at `seqs` of an open session, in that order: those of the
+        commit under way as they are (their positions are given when it writes), the
+        others read back."""
+        if not seqs:
+            return []
+        first_fresh = open_.session.head_seq - len(open_.fresh) + 1
+        found = dict(enumerate(open_.fresh, start=first_fresh))
+        older = sorted({seq for seq in seqs if seq < first_fresh})
+        for part in in_slices(older):
+            rows = conn.execute(
+                select(EVENTS.c.seq, EVENTS.c.position, EVENTS.c.recorded_at, EVENTS.c.hash,
+                       EVENTS.c.data)
+                .where(EVENTS.c.session_id == open_.session.session_id,
+                       EVENTS.c.seq.in_(part)))
+            found.update((seq, StoredEvent.from_row(*row)) for seq, *row in rows.all())
+        return [found[seq] for seq in seqs]
 
     @staticmethod
     def _render(touched: dict[str, OpenSession]) -> tuple[list[StoredEvent], Changes]:
         """The events to insert and the projection rows, from the folded batch (nothing
         here needs the log's order: positions are given in `_write`)."""
-        new = [s for open_ in touched.values() if open_.fresh
-               for s in open_.stored[-len(open_.fresh):]]
+        new = [s for open_ in touched.values() for s in open_.fresh]
         changes = Changes()
         for open_ in touched.values():
             if open_.fresh:
-                changes.session(open_.session, open_.projected, open_.fresh,
-                                head_hash=open_.head_hash)
+                changes.session(open_.session, open_.projected,
+                                [s.event for s in open_.fresh], head_hash=open_.head_hash)
         return new, changes
 
     def _write(self, conn: Connection, rendered: tuple[list[StoredEvent], Changes], *,

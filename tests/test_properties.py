@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -148,6 +150,14 @@ def test_canonical_text_is_sorted_compact_json(data: Any, at: str, kind: str, se
                           sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                           allow_nan=False)
     assert canonical_text(fields) == expected
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_canonical_text_refuses_what_json_cannot_say(bad: float) -> None:
+    fields = {"session_id": "s", "seq": 1, "event_id": "e", "type": "t", "at": "a",
+              "data": {"x": [bad]}, "schema": 1}
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        canonical_text(fields)
 
 
 @fast

@@ -73,6 +73,27 @@ async def test_event_id_is_idempotent_and_conflicts_on_other_content(db: str) ->
         assert len(await ledger.events(second)) == 1
 
 
+async def test_repeated_events_return_what_was_stored_in_the_order_asked(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        run = [{**event, "event_id": f"e{n}"} for n, event in enumerate(run_of("clean")[:4])]
+        first = await ledger.append(sid, run[:3])
+        async with await Ledger.open(db) as again:  # nothing cached: read back
+            repeated = await again.append(sid, [run[2], run[0]])
+            assert [(s.position, s.hash, s.event.seq) for s in repeated] == [
+                (s.position, s.hash, s.event.seq) for s in (first[2], first[0])]
+        results: list[list[Any]] = []
+
+        async def append() -> None:
+            results.append(await ledger.append(sid, [run[3], run[1]]))
+        async with anyio.create_task_group() as tg:  # both in one commit
+            tg.start_soon(append)
+            tg.start_soon(append)
+        one, two = ({s.event.seq: (s.position, s.hash) for s in r} for r in results)
+        assert one == two and sorted(one) == [3, 5]  # run[3] stored once, as seq 5
+        assert len(await ledger.events(sid)) == 5
+
+
 async def test_an_append_is_all_or_nothing(db: str) -> None:
     async with await Ledger.open(db) as ledger:
         sid = (await ledger.seed(seed_data())).session_id
