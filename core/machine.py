@@ -210,8 +210,11 @@ class Session:
                     self.state, event.type, (), f"action {event.data.action!r} cannot apply here"
                 )
         seq = len(self.events) + 1
-        numbered = _numbered(event, self.session_id, seq,
-                             event.event_id or event_id_for(self.session_id, seq))
+        event_id = event.event_id or event_id_for(self.session_id, seq)
+        # An event that already holds its place (a stored one, reloaded or re-derived) is
+        # kept as it is: it is immutable, and a copy is three more objects to collect.
+        numbered = event if (event.seq, event.session_id, event.event_id) == (
+            seq, self.session_id, event_id) else _numbered(event, self.session_id, seq, event_id)
         if isinstance(numbered, OutcomeDecided):
             self.decisions.append(numbered.data)
         elif isinstance(numbered, SessionSeeded) and not self._fixed:
