@@ -210,8 +210,9 @@ class Changes:
             self.add("gaps", [gap_row(sid, e.data) for e in appended
                               if e.type == "gap.recorded"])
 
-    def write(self, conn: Connection) -> None:
-        """Apply the gathered changes inside the commit's transaction."""
+    def write(self, conn: Connection, *, sessions_updated: bool = False) -> None:
+        """Apply the gathered changes inside the commit's transaction (`sessions_updated`:
+        but the session updates, which the caller wrote with its events)."""
         if self.tool_rewrites:
             tools = TABLE_OF["tool_calls"]
             conn.execute(delete(tools).where(and_(
@@ -227,7 +228,7 @@ class Changes:
                                [{"sid": s} for s in self.outcome_rewrites])
         if self.new_sessions:
             conn.execute(insert(TABLE_OF["sessions"]), self.new_sessions)
-        if self.session_updates:  # in the driver's own form: no per-row processing
+        if self.session_updates and not sessions_updated:  # driver form: no per-row work
             conn.exec_driver_sql(UPDATE_SESSION[conn.dialect.name], [
                 (*(r[c] for c in SESSION_CHANGES[1:]), r["session_id"])
                 for r in self.session_updates])

@@ -39,7 +39,13 @@ from trialledger.core import (
 )
 from trialledger.core.canonical import GENESIS, canonical_text, chain_hash
 from trialledger.store.engine import POSITION_SEQUENCE, Engines
-from trialledger.store.projections import TABLE_OF, TABLES, Changes, Projected
+from trialledger.store.projections import (
+    SESSION_CHANGES,
+    TABLE_OF,
+    TABLES,
+    Changes,
+    Projected,
+)
 
 EVENT_COLUMNS = ("position", "session_id", "seq", "event_id", "type", "at", "recorded_at",
                  "schema", "data", "hash")
@@ -134,6 +140,29 @@ CATCH_UP_PG = ("SELECT end_, (SELECT array_agg(DISTINCT session_id) FROM events 
                f"WHERE position > $1), setval({POSITION_SEQUENCE}, GREATEST(end_ + $2, 1)) "
                "FROM (SELECT COALESCE(max(position), 0) AS end_ FROM events) AS log")
 T = TypeVar("T")
+# PostgreSQL: a commit's events and its `sessions` updates in one statement, each column
+# one array parameter (under the writers' lock every round trip holds the others up).
+_PG_ARRAYS = {"position": "bigint[]", "seq": "int[]", "schema": "int[]", "head_seq": "int[]"}
+
+
+def _unnest(columns: tuple[str, ...], first: int) -> str:
+    arrays = (f"${n}::{_PG_ARRAYS.get(c, 'text[]')}" for n, c in enumerate(columns, first))
+    return f"unnest({', '.join(arrays)})"
+
+
+EVENTS_AND_SESSIONS_PG = (
+    f"WITH inserted AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
+    f"SELECT * FROM {_unnest(EVENT_COLUMNS, 1)}) "
+    f"UPDATE sessions AS s SET {', '.join(f'{c} = u.{c}' for c in SESSION_CHANGES[1:])} "
+    f"FROM {_unnest(SESSION_CHANGES, len(EVENT_COLUMNS) + 1)} "
+    f"AS u({', '.join(SESSION_CHANGES)}) WHERE s.session_id = u.session_id")
+
+
+def _columns(rows: list[tuple[Any, ...]], width: int) -> list[list[Any]]:
+    """Rows as `width` column lists (empty lists for no rows)."""
+    return [[row[i] for row in rows] for i in range(width)]
+
+
 IN_LIMIT = 900  # values per `IN (…)`: below 999, the least any SQLite build allows
 
 
@@ -476,11 +505,16 @@ class Writer:
             rows.append((stored.position, event.session_id, event.seq, event.event_id,
                          event.type, event.at, stored.recorded_at, event.schema_,
                          stored.canonical, stored.hash))
-        conn.exec_driver_sql(self._insert_event, rows)
+        if self._optimistic:  # one round trip less under the writers' lock
+            sessions = [tuple(r[c] for c in SESSION_CHANGES) for r in changes.session_updates]
+            conn.exec_driver_sql(EVENTS_AND_SESSIONS_PG, (
+                *_columns(rows, len(EVENT_COLUMNS)), *_columns(sessions, len(SESSION_CHANGES))))
+        else:
+            conn.exec_driver_sql(self._insert_event, rows)
         self._last_position = start + len(new)
         if not sequence_kept:
             self.engines.positions_taken(conn, self._last_position)
-        changes.write(conn)
+        changes.write(conn, sessions_updated=self._optimistic)
 
     async def rebuild(self, session_ids: Iterable[str]) -> int:
         """Recompute every projection row from the log."""
