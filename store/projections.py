@@ -16,6 +16,7 @@ exactly what the appends wrote:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,7 +103,7 @@ def session_changes(session: Session, *, head_hash: str) -> Row:
 
 def _environment(session: Session) -> Row:
     """The environment a schema-2 `agent.launched` names (null: the host, or none yet)."""
-    for event in session.events[1:]:
+    for event in itertools.islice(session.events, 1, None):  # no copy of the whole log
         if event.type == "agent.launched":
             environment = event.data.ran_in
             return {"environment_ref": environment.get("ref"),
@@ -206,9 +207,8 @@ class Changes:
             projected.gaps_at = session.transition_seq
             self.gap_rewrites.append(sid)
             self.add("gaps", [gap_row(sid, g) for g in gaps_as_of_last_change(session)])
-        else:
-            self.add("gaps", [gap_row(sid, e.data) for e in appended
-                              if e.type == "gap.recorded"])
+        elif gaps := [gap_row(sid, e.data) for e in appended if e.type == "gap.recorded"]:
+            self.add("gaps", gaps)
 
     def write(self, conn: Connection, *, sessions_updated: bool = False) -> None:
         """Apply the gathered changes inside the commit's transaction (`sessions_updated`:

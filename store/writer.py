@@ -431,7 +431,9 @@ class Writer:
         session = open_.session
         if request.expected_seq is not None and request.expected_seq != session.head_seq:
             raise ConcurrencyConflict(sid, request.expected_seq, session.head_seq)
-        mark = session.mark()
+        # `apply` changes nothing when it refuses an event: a mark to roll back to is only
+        # needed across several.
+        mark = session.mark() if len(fresh) > 1 or request.folded is not None else None
         try:
             if request.folded is not None and session.head_seq == 0:
                 if _folded_as_reloaded(request.folded):  # folded once already: taken
@@ -444,7 +446,8 @@ class Writer:
                 appended = [numbered for event in fresh if event.type != "outcome.decided"
                             for numbered in session.apply(event)]
         except TrialLedgerError:
-            session.rollback(mark)
+            if mark is not None:
+                session.rollback(mark)
             raise
         prev = open_.head_hash
         results = []
@@ -457,7 +460,7 @@ class Writer:
         self.open[sid] = touched[sid] = open_
         if request.secrets is not None:
             self.secrets[sid] = request.secrets
-        return self._stored(conn, open_, originals) + results
+        return self._stored(conn, open_, originals) + results if originals else results
 
     @staticmethod
     def _stored(conn: Connection, open_: OpenSession, seqs: list[int]) -> list[StoredEvent]:

@@ -103,6 +103,8 @@ async def test_an_append_is_all_or_nothing(db: str) -> None:
         with pytest.raises(BadEvent) as caught:
             await ledger.append(sid, [events[0], {"type": "agent.exited", "at": "x"}])
         assert caught.value.index == 1
+        with pytest.raises(IllegalTransition):
+            await ledger.append(sid, [events[-1]])  # one event, refused by `seeded`
         assert len(await ledger.events(sid)) == 1
         await ledger.append(sid, events, expected_seq=1)  # the session is still usable
         assert (await ledger.view(sid)).state == "graded"
