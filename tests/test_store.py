@@ -94,6 +94,51 @@ async def test_repeated_events_return_what_was_stored_in_the_order_asked(db: str
         assert len(await ledger.events(sid)) == 5
 
 
+async def until(condition: Any) -> None:
+    """Wait (at most 10 s) until `condition()` holds."""
+    with anyio.fail_after(10):
+        while not condition():
+            await anyio.sleep(0.005)
+
+
+async def test_a_cancelled_waiting_append_writes_nothing_and_holds_no_one_up(
+        tmp_path: Path) -> None:
+    """A caller cancelled while its append waits behind a commit: its event is not written,
+    and the callers queued after it are still served (the lead once passed to it stalled)."""
+    import sqlite3
+
+    db = str(tmp_path / "s.db")
+    async with await Ledger.open(db) as ledger:
+        writer = ledger._writer
+        sid = (await ledger.seed(seed_data())).session_id
+        launch, turn = run_of("clean")[:2]
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # the leading commit waits on this write lock
+        gone = anyio.Event()
+        waiting = anyio.CancelScope()
+
+        async def cancelled() -> None:
+            with waiting:
+                await ledger.append(sid, [{**turn, "at": "2026-11-29T08:00:09Z"}])
+            gone.set()
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ledger.append, sid, [launch])
+                await until(lambda: writer._leading and not writer._pending)
+                tg.start_soon(cancelled)
+                await until(lambda: len(writer._pending) == 1)
+                waiting.cancel()
+                await gone.wait()
+                tg.start_soon(ledger.append, sid, [turn])
+                await until(lambda: any(r.events[0].at == turn["at"] for r in writer._pending))
+                blocker.execute("ROLLBACK")
+        blocker.close()
+        stored = await ledger.events(sid)
+        assert [(s.event.seq, s.event.type, s.event.at) for s in stored[1:]] == [
+            (2, launch["type"], launch["at"]), (3, turn["type"], turn["at"])]
+
+
 async def test_an_append_is_all_or_nothing(db: str) -> None:
     async with await Ledger.open(db) as ledger:
         sid = (await ledger.seed(seed_data())).session_id
