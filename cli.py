@@ -1174,5 +1174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def entry() -> int:
+    """The `trialledger` command: `main` in a process whose garbage collector is set for
+    appending at volume (`store.collector`; a library call of `main` leaves it as is)."""
+    from trialledger.store.collector import tune_collector
+
+    tune_collector()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -10,6 +10,7 @@ Prints a table, then one `ratio ...` line per comparison. Needs the `bench` extr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -19,14 +20,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 from bench import proxy, workload
-from trialledger.store import Ledger
+from trialledger.store import Ledger, tune_collector
 
 FULL = {"sessions": 1000, "events": 100_000, "rederive": 1_000_000, "store_rederive": 1_000_000,
         "query_sessions": 100_000,
@@ -60,12 +61,23 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
+def tuned(measure: Callable[[], Figure]) -> Figure:
+    """`measure()` with the collector set as the `trialledger` command sets it for itself
+    (`tune_collector`), then set back: what a service that embeds the store gets."""
+    previous = tune_collector()
+    try:
+        figure = measure()
+    finally:
+        gc.set_threshold(*previous)
+    return replace(figure, method="trialledger, tune_collector()")
+
+
 # --- 1. durable appends, one event per call, many concurrent sessions ---------------------
 
 
-def durable_ours(folder: Path, sessions: int, events: int) -> Figure:
+def durable_ours(folder: Path, sessions: int, events: int, name: str = "ours") -> Figure:
     async def run() -> float:
-        async with await Ledger.open(str(folder / "ours.db")) as ledger:
+        async with await Ledger.open(str(folder / f"{name}.db")) as ledger:
             sids = await workload.seed_running(ledger, sessions)
             per = events // sessions
             start = time.perf_counter()
@@ -104,11 +116,11 @@ def durable_raw(folder: Path, events: int, cap_s: float) -> Figure:
 # --- 2. batched import ----------------------------------------------------------------------
 
 
-def import_ours(folder: Path, sessions: int, events: int) -> Figure:
+def import_ours(folder: Path, sessions: int, events: int, name: str = "import") -> Figure:
     logs = workload.session_logs(sessions, events // sessions)
 
     async def run() -> float:
-        async with await Ledger.open(str(folder / "import.db")) as ledger:
+        async with await Ledger.open(str(folder / f"{name}.db")) as ledger:
             start = time.perf_counter()
             async with anyio.create_task_group() as tg:
                 for log in logs:
@@ -301,9 +313,11 @@ def main() -> None:
 
         n_sessions, n_events = int(size["sessions"]), int(size["events"])
         add(durable_ours(folder, n_sessions, n_events))
+        add(tuned(lambda: durable_ours(folder, n_sessions, n_events, "tuned")))
         add(durable_eventsourcing(folder, n_sessions, n_events, cap))
         add(durable_raw(folder, n_events, cap))
         add(import_ours(folder, n_sessions, n_events))
+        add(tuned(lambda: import_ours(folder, n_sessions, n_events, "import-tuned")))
         add(import_raw(folder, n_events))
         add(rederive_ours(int(size["rederive"])))
         add(rederive_eventsourcing(folder, int(size["rederive"]), cap))
@@ -324,8 +338,12 @@ def main() -> None:
           by[("durable appends", "eventsourcing")])
     ratio("durable appends, ours / raw sqlite3", by[("durable appends", "trialledger")],
           by[("durable appends", "raw")])
+    ratio("durable appends, tuned collector / raw sqlite3",
+          by[("durable appends", "trialledger,")], by[("durable appends", "raw")])
     ratio("batched import, ours / raw executemany", by[("batched import", "trialledger")],
           by[("batched import", "raw")])
+    ratio("batched import, tuned collector / raw executemany",
+          by[("batched import", "trialledger,")], by[("batched import", "raw")])
     ratio("re-derivation, ours / eventsourcing", by[("re-derivation", "trialledger")],
           by[("re-derivation", "eventsourcing")])
     stored = [f for f in figures if f.name == "store re-derivation"]

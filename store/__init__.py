@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from trialledger.store.collector import tune_collector
     from trialledger.store.ledger import (
         AmbiguousSession,
         AuditReport,
@@ -25,9 +26,10 @@ if TYPE_CHECKING:
 
 __all__ = ["AmbiguousSession", "AuditReport", "Difference", "LeaseLost", "Ledger", "NoDatabase",
            "NoSession", "SchemaOutOfDate", "Seeded", "StoreUnavailable", "StoredEvent",
-           "upgrade_database"]
+           "tune_collector", "upgrade_database"]
+# Where each name lives (the others are the ledger's).
 _WHERE = {"SchemaOutOfDate": "migrate", "upgrade_database": "migrate", "LeaseLost": "writer",
-          "StoredEvent": "writer", "Difference": "rederive"}  # the others are the ledger's
+          "StoredEvent": "writer", "Difference": "rederive", "tune_collector": "collector"}
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:

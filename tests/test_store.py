@@ -515,3 +515,25 @@ async def test_a_batch_larger_than_a_statements_limit_is_asked_in_slices(
         holder.close()
         assert len(await ledger.sessions()) == 800
         assert (await ledger.audit()).ok
+
+
+async def test_the_store_leaves_its_callers_collector_alone_and_the_command_tunes_its_own(
+        db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from trialledger import cli
+    from trialledger.store.collector import THRESHOLDS
+
+    before = gc.get_threshold()
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        await ledger.append(sid, run_of("clean"))
+        await ledger.divergences(jobs=1)
+    assert gc.get_threshold() == before != THRESHOLDS
+    seen: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(cli, "main", lambda: seen.append(gc.get_threshold()) or 0)
+    try:
+        assert cli.entry() == 0
+    finally:
+        gc.set_threshold(*before)
+    assert seen == [THRESHOLDS]
