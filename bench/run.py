@@ -258,21 +258,23 @@ def ingest(folder: Path, megabytes: int) -> Figure:
 
 def postgres_writers(events: int) -> list[Figure]:
     """The same number of events appended by 1, 2, 4 and 8 writer processes, each on a
-    fresh database of one server: how the store scales with writers."""
+    fresh database of one server: how the store scales with writers; then 8 writers with
+    the collector as the `trialledger` command sets it (a job's workers run so)."""
     from tests.pg import PostgresServer
 
     server = PostgresServer.start()
     figures = []
     try:
-        for processes in (1, 2, 4, 8):
+        for processes, tuned in ((1, False), (2, False), (4, False), (8, False), (8, True)):
             db = server.create_database()
             before = _cpu_seconds()
             seconds, stored = workload.postgres_writers(
-                db, processes=processes, events_each=events // processes)
+                db, processes=processes, events_each=events // processes, tuned=tuned)
             ours, machine = (after - was for after, was in zip(_cpu_seconds(), before, strict=True))
             label = f"{processes} process" + ("es" if processes > 1 else "")
             figures.append(Figure(
-                "PostgreSQL writers", label, stored, seconds,
+                "PostgreSQL writers", label + (", tune_collector()" if tuned else ""),
+                stored, seconds,
                 extra=f"lost {events - stored}; CPU/event: writers {ours / stored * 1e6:.0f} "
                       f"us, server and the rest {(machine - ours) / stored * 1e6:.0f} us; "
                       f"cores busy {machine / seconds / (os.cpu_count() or 1):.0%}"))
@@ -350,9 +352,11 @@ def main() -> None:
     if len(stored) == 2:
         ratio(f"store re-derivation, {os.cpu_count()} processes / 1", stored[1], stored[0])
     writers = [f for f in figures if f.name == "PostgreSQL writers"]
-    if len(writers) > 1:
-        ratio(f"PostgreSQL, {writers[-1].method} / {writers[0].method}", writers[-1],
+    if len(writers) > 2:
+        ratio(f"PostgreSQL, {writers[-2].method} / {writers[0].method}", writers[-2],
               writers[0])
+        ratio(f"PostgreSQL, {writers[-1].method} / {writers[-2].method}", writers[-1],
+              writers[-2])
     ingests = [f for f in figures if f.name == "streaming ingest"]
     if len(ingests) == 2:
         ratio("streaming ingest, large / small throughput", ingests[1], ingests[0])

@@ -15,7 +15,7 @@ import anyio
 
 from tests.scenarios import CLEAN, LogBuilder
 from trialledger.core import event_dict, replay
-from trialledger.store import Ledger
+from trialledger.store import Ledger, tune_collector
 
 PAYLOAD = "x" * 200  # an agent message of this text makes an event of ~330 bytes
 SEED = LogBuilder().events[0]["data"]
@@ -168,7 +168,10 @@ def codex_logs(folder: Path, megabytes: int) -> tuple[Path, Path]:
     return exec_log, rollout
 
 
-def _pg_writer(db: str, count: int, pipe: Any) -> None:
+def _pg_writer(db: str, count: int, pipe: Any, tuned: bool) -> None:
+    if tuned:  # as a `trialledger` command (a job's worker) runs
+        tune_collector()
+
     async def run() -> None:
         async with await Ledger.open(db) as ledger:
             sids = await seed_running(ledger, PG_SESSIONS_PER_WRITER)
@@ -180,13 +183,15 @@ def _pg_writer(db: str, count: int, pipe: Any) -> None:
     pipe.send(os.getpid())
 
 
-def postgres_writers(db: str, *, processes: int, events_each: int) -> tuple[float, int]:
-    """Seconds for `processes` writer processes to append, and the events found after."""
+def postgres_writers(db: str, *, processes: int, events_each: int, tuned: bool = False
+                     ) -> tuple[float, int]:
+    """Seconds for `processes` writer processes to append, and the events found after
+    (`tuned`: each with `tune_collector()`)."""
     anyio.run(_build, db)
     context = multiprocessing.get_context("fork")
     _, send = context.Pipe(duplex=False)
     start = time.perf_counter()
-    workers = [context.Process(target=_pg_writer, args=(db, events_each, send))
+    workers = [context.Process(target=_pg_writer, args=(db, events_each, send, tuned))
                for _ in range(processes)]
     for worker in workers:
         worker.start()
