@@ -140,7 +140,6 @@ class Request:
 CATCH_UP_PG = ("SELECT end_, (SELECT array_agg(DISTINCT session_id) FROM events "
                f"WHERE position > $1), setval({POSITION_SEQUENCE}, GREATEST(end_ + $2, 1)) "
                "FROM (SELECT COALESCE(max(position), 0) AS end_ FROM events) AS log")
-T = TypeVar("T")
 # PostgreSQL: a commit's events and its `sessions` updates in one statement, each column
 # one array parameter (under the writers' lock every round trip holds the others up).
 _PG_ARRAYS = {"position": "bigint[]", "seq": "int[]", "schema": "int[]", "head_seq": "int[]"}
@@ -164,6 +163,7 @@ def _columns(rows: list[tuple[Any, ...]], width: int) -> list[list[Any]]:
     return [[row[i] for row in rows] for i in range(width)]
 
 
+T = TypeVar("T")
 IN_LIMIT = 900  # values per `IN (…)`: below 999, the least any SQLite build allows
 
 
