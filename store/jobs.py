@@ -20,7 +20,8 @@ from sqlalchemy import Connection, text
 
 from trialledger.core.errors import TrialLedgerError
 from trialledger.store.ledger import _DB_NOW, Ledger, _guarded, gone_from_this_host
-from trialledger.store.writer import in_slices, now
+from trialledger.store.log import in_slices
+from trialledger.store.writer import now
 
 T = TypeVar("T")
 NAMESPACE = uuid.UUID("6f0c35f4-5d52-4c1e-9a0b-7d1f6a0f7b11")  # trial ids of jobs

@@ -54,11 +54,12 @@ from trialledger.store.engine import (
     shown,
     sqlite_path,
 )
+from trialledger.store.log import EVENTS
 from trialledger.store.migrate import ensure_current
 from trialledger.store.projections import SESSION_COLUMNS
 from trialledger.store.rederive import Difference
 from trialledger.store.rederive import divergences as every_divergence
-from trialledger.store.writer import EVENTS, Fence, Request, StoredEvent, Writer, now
+from trialledger.store.writer import Fence, Request, StoredEvent, Writer, now
 
 SESSIONS = table("sessions", *(column(c) for c in SESSION_COLUMNS))
 LIVE_STATES = ("seeded", "starting", "running", "failed-live")

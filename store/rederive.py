@@ -26,8 +26,8 @@ from sqlalchemy import select
 
 from trialledger.core import Event, parse_stored
 from trialledger.core.replay import rederive
+from trialledger.store.log import EVENTS, IN_LIMIT
 from trialledger.store.projections import TABLE_OF
-from trialledger.store.writer import EVENTS, IN_LIMIT
 
 SESSIONS = TABLE_OF["sessions"]
 

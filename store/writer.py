@@ -13,21 +13,10 @@ import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
-from sqlalchemy import (
-    Column,
-    Connection,
-    Integer,
-    MetaData,
-    Table,
-    Text,
-    delete,
-    func,
-    select,
-    text,
-)
+from sqlalchemy import Connection, delete, func, select, text
 
 from trialledger.core import (
     ConcurrencyConflict,
@@ -39,24 +28,16 @@ from trialledger.core import (
     parse_stored,
 )
 from trialledger.core.canonical import GENESIS, canonical_text, chain_hash
-from trialledger.store.engine import POSITION_SEQUENCE, Engines
-from trialledger.store.projections import (
-    SESSION_CHANGES,
-    TABLE_OF,
-    TABLES,
-    Changes,
-    Projected,
+from trialledger.store.engine import Engines
+from trialledger.store.log import (
+    CATCH_UP_PG,
+    EVENT_COLUMNS,
+    EVENTS,
+    EVENTS_AND_SESSIONS_PG,
+    columns,
+    in_slices,
 )
-
-EVENT_COLUMNS = ("position", "session_id", "seq", "event_id", "type", "at", "recorded_at",
-                 "schema", "data", "hash")
-# A full Table (not a bare `table()`): RETURNING rows in parameter order needs its key.
-EVENTS = Table(
-    "events", MetaData(),
-    Column("position", Integer, primary_key=True, autoincrement=True),
-    *(Column(name, Integer if name in ("seq", "schema") else Text)
-      for name in EVENT_COLUMNS[1:]),
-)
+from trialledger.store.projections import SESSION_CHANGES, TABLE_OF, TABLES, Changes, Projected
 
 
 def now() -> str:
@@ -132,45 +113,6 @@ class Request:
     error: BaseException | None = None
     done: bool = False
     wake: asyncio.Future[None] | None = None  # made when the request waits for a leader
-
-
-# The log's end and the sessions appended to after $1, in one snapshot; and the position
-# sequence moved past the $2 positions about to be given (a sequence ahead of the log is
-# harmless: positions are given from the log's end).
-CATCH_UP_PG = ("SELECT end_, (SELECT array_agg(DISTINCT session_id) FROM events "
-               f"WHERE position > $1), setval({POSITION_SEQUENCE}, GREATEST(end_ + $2, 1)) "
-               "FROM (SELECT COALESCE(max(position), 0) AS end_ FROM events) AS log")
-# PostgreSQL: a commit's events and its `sessions` updates in one statement, each column
-# one array parameter (under the writers' lock every round trip holds the others up).
-_PG_ARRAYS = {"position": "bigint[]", "seq": "int[]", "schema": "int[]", "head_seq": "int[]"}
-
-
-def _unnest(columns: tuple[str, ...], first: int) -> str:
-    arrays = (f"${n}::{_PG_ARRAYS.get(c, 'text[]')}" for n, c in enumerate(columns, first))
-    return f"unnest({', '.join(arrays)})"
-
-
-EVENTS_AND_SESSIONS_PG = (
-    f"WITH inserted AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
-    f"SELECT * FROM {_unnest(EVENT_COLUMNS, 1)}) "
-    f"UPDATE sessions AS s SET {', '.join(f'{c} = u.{c}' for c in SESSION_CHANGES[1:])} "
-    f"FROM {_unnest(SESSION_CHANGES, len(EVENT_COLUMNS) + 1)} "
-    f"AS u({', '.join(SESSION_CHANGES)}) WHERE s.session_id = u.session_id")
-
-
-def _columns(rows: list[tuple[Any, ...]], width: int) -> list[list[Any]]:
-    """Rows as `width` column lists (empty lists for no rows)."""
-    return [[row[i] for row in rows] for i in range(width)]
-
-
-T = TypeVar("T")
-IN_LIMIT = 900  # values per `IN (…)`: below 999, the least any SQLite build allows
-
-
-def in_slices(values: list[T]) -> list[list[T]]:
-    """`values` in parts small enough for one `IN (…)` each (a batch of thousands of
-    concurrent imports names more ids than one statement may hold)."""
-    return [values[i:i + IN_LIMIT] for i in range(0, len(values), IN_LIMIT)]
 
 
 # A waiting caller sleeps on a bare asyncio future, not an `anyio.Event` (which builds an
@@ -529,7 +471,7 @@ class Writer:
         if self._optimistic:  # one round trip less under the writers' lock
             sessions = [tuple(r[c] for c in SESSION_CHANGES) for r in changes.session_updates]
             conn.exec_driver_sql(EVENTS_AND_SESSIONS_PG, (
-                *_columns(rows, len(EVENT_COLUMNS)), *_columns(sessions, len(SESSION_CHANGES))))
+                *columns(rows, len(EVENT_COLUMNS)), *columns(sessions, len(SESSION_CHANGES))))
         else:
             conn.exec_driver_sql(self._insert_event, rows)
         self._last_position = start + len(new)
