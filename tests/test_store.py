@@ -481,7 +481,6 @@ async def test_a_batch_larger_than_a_statements_limit_is_asked_in_slices(
     import uuid
 
     from sqlalchemy import event
-    from sqlalchemy.util import await_
 
     from tests.scenarios import CLEAN, LogBuilder
 
@@ -492,15 +491,14 @@ async def test_a_batch_larger_than_a_statements_limit_is_asked_in_slices(
         logs.append(builder.events)
     db = tmp_path / "many.db"
     async with await Ledger.open(str(db)) as ledger:
-        writer = ledger._engines.writer
+        writer = ledger._engines.sync_writer  # where a commit's transaction runs on SQLite
+        assert writer is not None
 
-        @event.listens_for(writer.sync_engine, "connect")
-        def _small(dbapi_connection: Any, _record: Any) -> None:
-            driver = dbapi_connection.driver_connection  # aiosqlite: its own thread
-            await_(driver._execute(driver._conn.setlimit,
-                                   sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 2000))
+        @event.listens_for(writer, "connect")
+        def _small(dbapi_connection: sqlite3.Connection, _record: Any) -> None:
+            dbapi_connection.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 2000)
 
-        await writer.dispose()  # every writer connection from now on has the small limit
+        writer.dispose()  # every writer connection from now on has the small limit
         holder = sqlite3.connect(db, isolation_level=None)
         holder.execute("BEGIN IMMEDIATE")  # the writer waits: every import queues up
 
