@@ -161,7 +161,7 @@ class Writer:
         request is done, then hands the lead to the oldest waiting request. The others
         sleep on their own request, so a commit wakes exactly the callers it served. A
         caller cancelled while its request is still queued takes it back out (nothing of
-        it is written), and passes the lead on if it had just been handed it.
+        it is written), and passes the lead on if it had been handed it.
         """
         self._pending.append(request)
         if self._leading:
@@ -169,10 +169,8 @@ class Writer:
             try:
                 await request.wake
             except BaseException:
-                if request in self._pending:  # not taken into a commit yet
-                    self._pending.remove(request)
-                    if _woken(request):  # it was to lead next
-                        self._hand_off()
+                if self._withdraw(request) and _woken(request):  # it was to lead next
+                    self._hand_off()
                 raise
         if not request.done:
             self._leading = True
@@ -185,6 +183,9 @@ class Writer:
                     for served in batch:
                         if served is not request:
                             _wake(served)
+            except BaseException:
+                self._withdraw(request)  # cancelled while gathering: it would lead itself next
+                raise
             finally:
                 self._hand_off()
         if request.error is not None:
@@ -198,6 +199,13 @@ class Writer:
         while queued != len(self._pending):
             queued = len(self._pending)
             await anyio.sleep(0)
+
+    def _withdraw(self, request: Request) -> bool:
+        """Take a request not yet in a commit back out of the queue; whether it was there."""
+        if request in self._pending:
+            self._pending.remove(request)
+            return True
+        return False
 
     def _hand_off(self) -> None:
         if self._pending:

@@ -139,6 +139,46 @@ async def test_a_cancelled_waiting_append_writes_nothing_and_holds_no_one_up(
             (2, launch["type"], launch["at"]), (3, turn["type"], turn["at"])]
 
 
+async def test_a_caller_cancelled_just_as_it_is_handed_the_lead_passes_it_on(
+        tmp_path: Path) -> None:
+    """The leader finishes and hands the lead to the oldest waiter, which is cancelled as
+    it takes it (before its batch): its event is not written, and the lead goes on to the
+    next waiter (it had handed the lead to itself, and every caller behind it waited)."""
+    import sqlite3
+
+    db = str(tmp_path / "s.db")
+    async with await Ledger.open(db) as ledger:
+        writer = ledger._writer
+        sid = (await ledger.seed(seed_data())).session_id
+        launch, turn = run_of("clean")[:2]
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # the leading commit waits on this write lock
+        waiting = anyio.CancelScope()
+
+        async def lead() -> None:
+            await ledger.append(sid, [launch])  # returns in the step that hands the lead on
+            waiting.cancel()  # so the next waiter is cancelled before it can take it
+
+        async def cancelled() -> None:
+            with waiting:
+                await ledger.append(sid, [{**turn, "at": "2026-11-29T08:00:09Z"}])
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lead)
+                await until(lambda: writer._leading and not writer._pending)
+                tg.start_soon(cancelled)
+                await until(lambda: len(writer._pending) == 1)
+                tg.start_soon(ledger.append, sid, [turn])
+                await until(lambda: len(writer._pending) == 2)
+                blocker.execute("ROLLBACK")
+        blocker.close()
+        assert waiting.cancelled_caught
+        stored = await ledger.events(sid)
+        assert [(s.event.seq, s.event.at) for s in stored[1:]] == [
+            (2, launch["at"]), (3, turn["at"])]
+
+
 async def test_an_append_is_all_or_nothing(db: str) -> None:
     async with await Ledger.open(db) as ledger:
         sid = (await ledger.seed(seed_data())).session_id
