@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -101,42 +104,55 @@ async def until(condition: Any) -> None:
             await anyio.sleep(0.005)
 
 
+LAUNCH, TURN = run_of("clean")[:2]
+DROPPED = {**TURN, "at": "2026-11-29T08:00:09Z"}  # what a cancelled caller appends
+
+
+@contextlib.asynccontextmanager
+async def a_held_commit(tmp_path: Path) -> AsyncIterator[tuple[Ledger, str, Any]]:
+    """A seeded store whose next commit waits on a SQLite write lock held elsewhere:
+    (the ledger, the session, a function that lets the lock go)."""
+    db = str(tmp_path / "s.db")
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            yield ledger, sid, lambda: blocker.execute("ROLLBACK")
+        finally:
+            blocker.close()
+
+
+async def after_the_seed(ledger: Ledger, sid: str) -> list[tuple[int | None, str]]:
+    return [(s.event.seq, s.event.at) for s in (await ledger.events(sid))[1:]]
+
+
 async def test_a_cancelled_waiting_append_writes_nothing_and_holds_no_one_up(
         tmp_path: Path) -> None:
     """A caller cancelled while its append waits behind a commit: its event is not written,
     and the callers queued after it are still served (the lead once passed to it stalled)."""
-    import sqlite3
-
-    db = str(tmp_path / "s.db")
-    async with await Ledger.open(db) as ledger:
+    async with a_held_commit(tmp_path) as (ledger, sid, release):
         writer = ledger._writer
-        sid = (await ledger.seed(seed_data())).session_id
-        launch, turn = run_of("clean")[:2]
-        blocker = sqlite3.connect(db, isolation_level=None)
-        blocker.execute("BEGIN IMMEDIATE")  # the leading commit waits on this write lock
         gone = anyio.Event()
         waiting = anyio.CancelScope()
 
         async def cancelled() -> None:
             with waiting:
-                await ledger.append(sid, [{**turn, "at": "2026-11-29T08:00:09Z"}])
+                await ledger.append(sid, [DROPPED])
             gone.set()
 
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(ledger.append, sid, [launch])
+                tg.start_soon(ledger.append, sid, [LAUNCH])
                 await until(lambda: writer._leading and not writer._pending)
                 tg.start_soon(cancelled)
                 await until(lambda: len(writer._pending) == 1)
                 waiting.cancel()
                 await gone.wait()
-                tg.start_soon(ledger.append, sid, [turn])
-                await until(lambda: any(r.events[0].at == turn["at"] for r in writer._pending))
-                blocker.execute("ROLLBACK")
-        blocker.close()
-        stored = await ledger.events(sid)
-        assert [(s.event.seq, s.event.type, s.event.at) for s in stored[1:]] == [
-            (2, launch["type"], launch["at"]), (3, turn["type"], turn["at"])]
+                tg.start_soon(ledger.append, sid, [TURN])
+                await until(lambda: any(r.events[0].at == TURN["at"] for r in writer._pending))
+                release()
+        assert await after_the_seed(ledger, sid) == [(2, LAUNCH["at"]), (3, TURN["at"])]
 
 
 async def test_a_caller_cancelled_just_as_it_is_handed_the_lead_passes_it_on(
@@ -144,24 +160,17 @@ async def test_a_caller_cancelled_just_as_it_is_handed_the_lead_passes_it_on(
     """The leader finishes and hands the lead to the oldest waiter, which is cancelled as
     it takes it (before its batch): its event is not written, and the lead goes on to the
     next waiter (it had handed the lead to itself, and every caller behind it waited)."""
-    import sqlite3
-
-    db = str(tmp_path / "s.db")
-    async with await Ledger.open(db) as ledger:
+    async with a_held_commit(tmp_path) as (ledger, sid, release):
         writer = ledger._writer
-        sid = (await ledger.seed(seed_data())).session_id
-        launch, turn = run_of("clean")[:2]
-        blocker = sqlite3.connect(db, isolation_level=None)
-        blocker.execute("BEGIN IMMEDIATE")  # the leading commit waits on this write lock
         waiting = anyio.CancelScope()
 
         async def lead() -> None:
-            await ledger.append(sid, [launch])  # returns in the step that hands the lead on
-            waiting.cancel()  # so the next waiter is cancelled before it can take it
+            await ledger.append(sid, [LAUNCH])  # returns in the step that hands the lead on
+            waiting.cancel()  # so the next waiter is cancelled as it takes it
 
         async def cancelled() -> None:
             with waiting:
-                await ledger.append(sid, [{**turn, "at": "2026-11-29T08:00:09Z"}])
+                await ledger.append(sid, [DROPPED])
 
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
@@ -169,14 +178,11 @@ async def test_a_caller_cancelled_just_as_it_is_handed_the_lead_passes_it_on(
                 await until(lambda: writer._leading and not writer._pending)
                 tg.start_soon(cancelled)
                 await until(lambda: len(writer._pending) == 1)
-                tg.start_soon(ledger.append, sid, [turn])
+                tg.start_soon(ledger.append, sid, [TURN])
                 await until(lambda: len(writer._pending) == 2)
-                blocker.execute("ROLLBACK")
-        blocker.close()
+                release()
         assert waiting.cancelled_caught
-        stored = await ledger.events(sid)
-        assert [(s.event.seq, s.event.at) for s in stored[1:]] == [
-            (2, launch["at"]), (3, turn["at"])]
+        assert await after_the_seed(ledger, sid) == [(2, LAUNCH["at"]), (3, TURN["at"])]
 
 
 async def test_an_append_is_all_or_nothing(db: str) -> None:
@@ -517,7 +523,6 @@ async def test_a_batch_larger_than_a_statements_limit_is_asked_in_slices(
     ~8,800 event ids — more than one statement may hold once SQLite's variable limit is
     lowered to 2,000 (this machine's build allows 250,000, which 23,000 concurrent imports
     overflowed in the re-derivation benchmark): the writer asks in slices."""
-    import sqlite3
     import uuid
 
     from sqlalchemy import event
