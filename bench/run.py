@@ -13,7 +13,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import sqlite3
 import subprocess
 import sys
@@ -88,6 +87,19 @@ def durable_ours(folder: Path, sessions: int, events: int, name: str = "ours") -
 
     seconds = anyio.run(run)
     return Figure("durable appends", "trialledger (group commit)", events, seconds)
+
+
+def durable_processes(folder: Path, sessions: int, events: int) -> Figure:
+    """The same appends from one writer process per core, each with its share of the
+    sessions, on one SQLite file (as a job's workers run, `tune_collector()` in each)."""
+    processes = os.cpu_count() or 1
+    run = workload.writer_processes(
+        str(folder / "processes.db"), processes=processes,
+        sessions_each=sessions // processes, events_each=events // processes, tuned=True)
+    return Figure("durable appends", f"trialledger, {processes} processes, tune_collector()",
+                  run.stored, run.seconds,
+                  extra=f"lost {events - run.stored}; CPU/event {run.cpu / run.stored * 1e6:.0f}"
+                        f" us; cores busy {run.machine_cpu / run.seconds / processes:.0%}")
 
 
 def durable_eventsourcing(folder: Path, sessions: int, events: int, cap_s: float) -> Figure:
@@ -267,31 +279,21 @@ def postgres_writers(events: int) -> list[Figure]:
     figures = []
     try:
         for processes, tuned in ((1, False), (2, False), (4, False), (8, False), (8, True)):
-            db = server.create_database()
-            before = _cpu_seconds()
-            seconds, stored = workload.postgres_writers(
-                db, processes=processes, events_each=events // processes, tuned=tuned)
-            ours, machine = (after - was for after, was in zip(_cpu_seconds(), before, strict=True))
+            run = workload.writer_processes(
+                server.create_database(), processes=processes,
+                sessions_each=workload.PG_SESSIONS_PER_WRITER,
+                events_each=events // processes, tuned=tuned)
             label = f"{processes} process" + ("es" if processes > 1 else "")
             figures.append(Figure(
                 "PostgreSQL writers", label + (", tune_collector()" if tuned else ""),
-                stored, seconds,
-                extra=f"lost {events - stored}; CPU/event: writers {ours / stored * 1e6:.0f} "
-                      f"us, server and the rest {(machine - ours) / stored * 1e6:.0f} us; "
-                      f"cores busy {machine / seconds / (os.cpu_count() or 1):.0%}"))
+                run.stored, run.seconds,
+                extra=f"lost {events - run.stored}; CPU/event: writers "
+                      f"{run.cpu / run.stored * 1e6:.0f} us, server and the rest "
+                      f"{(run.machine_cpu - run.cpu) / run.stored * 1e6:.0f} us; cores busy "
+                      f"{run.machine_cpu / run.seconds / (os.cpu_count() or 1):.0%}"))
     finally:
         server.stop()
     return figures
-
-
-def _cpu_seconds() -> tuple[float, float]:
-    """CPU seconds used so far by our finished child processes, and by the whole machine
-    (from /proc/stat: what the writers used, and what PostgreSQL's server did beside)."""
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    with open("/proc/stat", encoding="ascii") as stat:
-        ticks = [int(t) for t in stat.readline().split()[1:]]
-    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
-    return children.ru_utime + children.ru_stime, busy / os.sysconf("SC_CLK_TCK")
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -317,6 +319,7 @@ def main() -> None:
         n_sessions, n_events = int(size["sessions"]), int(size["events"])
         add(durable_ours(folder, n_sessions, n_events))
         add(tuned(lambda: durable_ours(folder, n_sessions, n_events, "tuned")))
+        add(durable_processes(folder, n_sessions, n_events))
         add(durable_eventsourcing(folder, n_sessions, n_events, cap))
         add(durable_raw(folder, n_events, cap))
         add(import_ours(folder, n_sessions, n_events))
@@ -331,24 +334,30 @@ def main() -> None:
         if not args.skip_postgres:
             add(*postgres_writers(int(size["pg_events"])))
     print()
-    by = {(f.name, f.method.split(" ")[0]): f for f in figures}
+
+    def pick(name: str, method: str) -> Figure:
+        """The figure of workload `name` whose method starts with `method`."""
+        return next(f for f in figures if f.name == name and f.method.startswith(method))
 
     def ratio(label: str, ours: Figure, reference: Figure) -> None:
         print(f"ratio {label}: {ours.rate / reference.rate:.2f}x "
               f"({ours.rate:,.0f} vs {reference.rate:,.0f} {ours.unit})")
 
-    ratio("durable appends, ours / eventsourcing", by[("durable appends", "trialledger")],
-          by[("durable appends", "eventsourcing")])
-    ratio("durable appends, ours / raw sqlite3", by[("durable appends", "trialledger")],
-          by[("durable appends", "raw")])
+    ratio("durable appends, ours / eventsourcing", pick("durable appends", "trialledger ("),
+          pick("durable appends", "eventsourcing"))
+    ratio("durable appends, ours / raw sqlite3", pick("durable appends", "trialledger ("),
+          pick("durable appends", "raw"))
     ratio("durable appends, tuned collector / raw sqlite3",
-          by[("durable appends", "trialledger,")], by[("durable appends", "raw")])
-    ratio("batched import, ours / raw executemany", by[("batched import", "trialledger")],
-          by[("batched import", "raw")])
+          pick("durable appends", "trialledger, tune"), pick("durable appends", "raw"))
+    ratio(f"durable appends, {os.cpu_count()} processes / raw sqlite3",
+          pick("durable appends", f"trialledger, {os.cpu_count()} processes"),
+          pick("durable appends", "raw"))
+    ratio("batched import, ours / raw executemany", pick("batched import", "trialledger ("),
+          pick("batched import", "raw"))
     ratio("batched import, tuned collector / raw executemany",
-          by[("batched import", "trialledger,")], by[("batched import", "raw")])
-    ratio("re-derivation, ours / eventsourcing", by[("re-derivation", "trialledger")],
-          by[("re-derivation", "eventsourcing")])
+          pick("batched import", "trialledger, tune"), pick("batched import", "raw"))
+    ratio("re-derivation, ours / eventsourcing", pick("re-derivation", "trialledger"),
+          pick("re-derivation", "eventsourcing"))
     stored = [f for f in figures if f.name == "store re-derivation"]
     if len(stored) == 2:
         ratio(f"store re-derivation, {os.cpu_count()} processes / 1", stored[1], stored[0])

@@ -8,6 +8,7 @@ import os
 import sqlite3
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -168,37 +169,62 @@ def codex_logs(folder: Path, megabytes: int) -> tuple[Path, Path]:
     return exec_log, rollout
 
 
-def _pg_writer(db: str, count: int, pipe: Any, tuned: bool) -> None:
+@dataclass
+class Writers:
+    """What `writer_processes` measured, from the moment every writer had seeded its
+    sessions to the last one's end."""
+
+    seconds: float
+    stored: int  # the appended events found in the store after
+    cpu: float  # CPU seconds of the writer processes
+    machine_cpu: float  # CPU seconds of the whole machine (the database server's too)
+
+
+def _writer(db: str, sessions: int, count: int, ready: Any, report: Any,
+            tuned: bool) -> None:
     if tuned:  # as a `trialledger` command (a job's worker) runs
         tune_collector()
 
-    async def run() -> None:
+    async def run() -> float:
         async with await Ledger.open(db) as ledger:
-            sids = await seed_running(ledger, PG_SESSIONS_PER_WRITER)
+            sids = await seed_running(ledger, sessions)
+            await anyio.to_thread.run_sync(ready.wait)  # every writer has seeded: go
+            start = time.process_time()
             async with anyio.create_task_group() as tg:
                 for sid in sids:
-                    tg.start_soon(append_one_by_one, ledger, sid,
-                                  count // PG_SESSIONS_PER_WRITER)
-    anyio.run(run)
-    pipe.send(os.getpid())
+                    tg.start_soon(append_one_by_one, ledger, sid, count // sessions)
+        return time.process_time() - start
+    report.put(anyio.run(run))
 
 
-def postgres_writers(db: str, *, processes: int, events_each: int, tuned: bool = False
-                     ) -> tuple[float, int]:
-    """Seconds for `processes` writer processes to append, and the events found after
-    (`tuned`: each with `tune_collector()`)."""
+def writer_processes(db: str, *, processes: int, sessions_each: int, events_each: int,
+                     tuned: bool = False) -> Writers:
+    """`processes` writer processes, each appending one event per call to sessions of its
+    own, `events_each` events each (`tuned`: each with `tune_collector()`)."""
     anyio.run(_build, db)
     context = multiprocessing.get_context("fork")
-    _, send = context.Pipe(duplex=False)
-    start = time.perf_counter()
-    workers = [context.Process(target=_pg_writer, args=(db, events_each, send, tuned))
+    ready, report = context.Barrier(processes + 1), context.Queue()
+    workers = [context.Process(target=_writer,
+                               args=(db, sessions_each, events_each, ready, report, tuned))
                for _ in range(processes)]
     for worker in workers:
         worker.start()
+    ready.wait(timeout=600)
+    start, machine = time.perf_counter(), machine_cpu_seconds()
+    cpu = sum(report.get(timeout=600) for _ in workers)
     for worker in workers:
         worker.join()
-    seconds = time.perf_counter() - start
-    return seconds, anyio.run(_count_messages, db)
+    seconds, machine = time.perf_counter() - start, machine_cpu_seconds() - machine
+    assert all(worker.exitcode == 0 for worker in workers)
+    return Writers(seconds, anyio.run(_count_messages, db), cpu, machine)
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds the whole machine has used since boot (/proc/stat: all but idle and
+    iowait)."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        ticks = [int(t) for t in stat.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 async def _build(db: str) -> None:

@@ -4,7 +4,9 @@ SQLite runs in WAL mode with `synchronous=FULL` by default: an acknowledged appe
 survives power loss. `synchronous=NORMAL` is faster (no fsync per commit, only at
 checkpoints) but the last commits before a power cut may be lost (never corrupted);
 choose it with `Ledger.open(..., sqlite_synchronous="NORMAL")`. Writers take the write
-lock at `BEGIN IMMEDIATE`, so a transaction never fails half-way for want of it.
+lock at `BEGIN IMMEDIATE`, so a transaction never fails half-way for want of it; the
+appends' writer prepares its batch in a read transaction before that
+(`prepared_transaction`).
 
 On PostgreSQL every write transaction takes one advisory lock before it numbers
 positions and holds it to its commit, so transactions commit in the order of the
@@ -34,6 +36,7 @@ BUSY_TIMEOUT_MS = 30_000  # how long a SQLite statement waits for another's writ
 BUSY_ENV = "TRIALLEDGER_SQLITE_BUSY_MS"  # overrides it (after it, appends retry: runner.py)
 Synchronous = Literal["FULL", "NORMAL", "EXTRA", "OFF"]
 T = TypeVar("T")
+P = TypeVar("P")
 POSITION_SEQUENCE = "pg_get_serial_sequence('events', 'position')"  # PostgreSQL's default
 
 
@@ -113,6 +116,35 @@ class Engines:
             return await anyio.to_thread.run_sync(_in_thread, self.sync_writer, work)
         async with self.writer.begin() as conn:
             return await conn.run_sync(self._locked if serialize else _call, work)
+
+    async def prepared_transaction(self, prepare: Callable[[Connection], P],
+                                   work: Callable[[Connection, P], T]) -> T:
+        """`work(conn, prepare(conn))` committed, with the writers' lock held only for `work`.
+
+        `prepare` reads a snapshot of the store and does everything that need not be
+        serialized; `work` runs under the writers' lock and must check that what
+        `prepare` read still holds. On SQLite `prepare` runs in a read transaction of its
+        own (WAL: beside another process's write) and `work` in a `BEGIN IMMEDIATE`
+        transaction, both in one crossing to a worker thread; on PostgreSQL both run in
+        one transaction, which takes the advisory lock between them."""
+        if self.sync_writer is not None:
+            return await anyio.to_thread.run_sync(self._two_phases, prepare, work)
+        async with self.writer.begin() as conn:
+            return await conn.run_sync(self._prepared_locked, prepare, work)
+
+    def _two_phases(self, prepare: Callable[[Connection], P],
+                    work: Callable[[Connection, P], T]) -> T:
+        assert self.sync_reader is not None and self.sync_writer is not None
+        with self.sync_reader.begin() as conn:
+            prepared = prepare(conn)
+        with self.sync_writer.begin() as conn:
+            return work(conn, prepared)
+
+    def _prepared_locked(self, conn: Connection, prepare: Callable[[Connection], P],
+                         work: Callable[[Connection, P], T]) -> T:
+        prepared = prepare(conn)
+        self.lock_writers(conn)
+        return work(conn, prepared)
 
     async def read(self, work: Callable[[Connection], T]) -> T:
         """`work(conn)` inside one read transaction (one crossing on SQLite, as above)."""

@@ -2,9 +2,11 @@
 
 Appends from concurrent callers are **group-committed**: whoever finds no commit in
 flight commits everything queued so far in one transaction, while each caller awaits its
-own result. Open sessions stay folded in memory (so an append never re-reads history);
-inside the write lock each commit first compares the log's last position with the last
-one this writer wrote, and forgets any session another process appended to since.
+own result. Open sessions stay folded in memory (so an append never re-reads history).
+A commit folds its batch before it takes the writers' lock, while other processes write
+theirs; under the lock it compares the log's last position with the last one this writer
+wrote, forgets any session another process appended to since, and folds the batch again
+if what it folded moved.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class LeaseLost(TrialLedgerError):
     was taken over): nothing appended."""
 
 
+Rendered = tuple[list[StoredEvent], Changes]  # a batch's events to insert, and its rows
+Prepared = tuple[Rendered, dict[str, str] | None]  # … and the fenced trials' leases it saw
 Fence = tuple[str, str]  # (trial_id, lease token): appends only while the lease is this one
 
 
@@ -152,7 +156,7 @@ class Writer:
         self._lock = anyio.Lock()  # held by `rebuild` against concurrent commits
         self._last_position: int | None = None  # the log's end after our last commit
         self._insert_event = engines.driver_sql("events", EVENT_COLUMNS)
-        self._optimistic = engines.dialect == "postgresql"  # fold before the writers' lock
+        self._postgres = engines.dialect == "postgresql"
 
     async def submit(self, request: Request) -> list[StoredEvent]:
         """Queue an append and wait for the commit that carries it.
@@ -216,8 +220,9 @@ class Writer:
     async def _commit(self, batch: list[Request]) -> None:
         touched: dict[str, OpenSession] = {}
         try:
-            await self.engines.transaction(
-                lambda conn: self._transaction(conn, batch, touched))
+            await self.engines.prepared_transaction(
+                lambda conn: self._prepare(conn, batch, touched),
+                lambda conn, prepared: self._finish(conn, batch, touched, prepared))
         except BaseException as error:
             for sid in touched:  # their in-memory folds hold what was not committed
                 self.open.pop(sid, None)
@@ -236,28 +241,25 @@ class Writer:
                 self.open.pop(sid, None)
                 self.secrets.pop(sid, None)
 
-    def _transaction(self, conn: Connection, batch: list[Request],
-                     touched: dict[str, OpenSession]) -> None:
-        """The commit's work, inside its write transaction (one thread hop on SQLite).
+    def _prepare(self, conn: Connection, batch: list[Request],
+                 touched: dict[str, OpenSession]) -> Prepared:
+        """Fold, hash and render the batch before the writers' lock, while other processes
+        commit theirs. (What moved since our last commit is asked once, under the lock.)"""
+        held = self._fold(conn, batch, touched, catch_up=self._last_position is None)
+        return self._render(touched), held
 
-        SQLite's BEGIN IMMEDIATE already holds the write lock. On PostgreSQL the batch is
-        folded, hashed and rendered first, while other processes commit theirs, and the
-        writers' lock is taken only for the rest (positions, inserts, the commit); if
-        another process appended meanwhile to a session this batch touched, or could have
-        taken one of its caller-given event ids, the batch is folded again under the lock.
-        """
-        if not self._optimistic:
-            self._fold(conn, batch, touched)
-            self._write(conn, self._render(touched))
-            return
-        # What moved since our last commit is asked once, under the lock, not also here.
-        self._fold(conn, batch, touched, catch_up=self._last_position is None)
-        rendered = self._render(touched)
-        self.engines.lock_writers(conn)
+    def _finish(self, conn: Connection, batch: list[Request],
+                touched: dict[str, OpenSession], prepared: Prepared) -> None:
+        """Under the writers' lock: if another process appended meanwhile to a session the
+        batch touched, or could have taken one of its caller-given event ids, or (SQLite,
+        where the fold read an earlier snapshot) a fenced trial's lease changed hands, fold
+        the batch again here; then write it."""
+        rendered, held = prepared
         moved = self._catch_up(conn, len(rendered[0]))
         sequence_kept = True
         if moved & touched.keys() or (moved and any(
-                e.event_id for r in batch for e in r.events)):
+                e.event_id for r in batch for e in r.events)) or (
+                held is not None and not self._postgres and self._leases(conn, batch) != held):
             sequence_kept = False  # the batch folded again may hold more events
             for sid in touched:
                 self.open.pop(sid, None)
@@ -269,9 +271,11 @@ class Writer:
         self._write(conn, rendered, sequence_kept=sequence_kept)
 
     def _fold(self, conn: Connection, batch: list[Request],
-              touched: dict[str, OpenSession], *, catch_up: bool = True) -> None:
+              touched: dict[str, OpenSession], *, catch_up: bool = True
+              ) -> dict[str, str] | None:
         """Apply each request to its folded session, in memory (a failed one keeps its
-        error and leaves its session as it was)."""
+        error and leaves its session as it was); return the fenced trials' leases as read
+        (None: no request is fenced)."""
         if catch_up:
             self._catch_up(conn)
         self._load_missing(conn, batch)
@@ -287,12 +291,13 @@ class Writer:
                 request.result = self._apply(conn, request, recorded_at, foreign, touched)
             except TrialLedgerError as error:
                 request.error = error
+        return held if any(r.fence is not None for r in batch) else None
 
     def _catch_up(self, conn: Connection, positions: int = 0) -> set[str]:
         """Forget every cached session another process appended to since our last commit
         (or look); return their ids. (PostgreSQL, optimistic: also keep the position
         sequence past the `positions` about to be given.)"""
-        if self._optimistic and self._last_position is not None:  # one round trip
+        if self._postgres and self._last_position is not None:  # one round trip
             end, ids, _ = conn.exec_driver_sql(
                 CATCH_UP_PG, (self._last_position, positions)).one()
             moved = set(ids or ())
@@ -450,7 +455,7 @@ class Writer:
         return [found[seq] for seq in seqs]
 
     @staticmethod
-    def _render(touched: dict[str, OpenSession]) -> tuple[list[StoredEvent], Changes]:
+    def _render(touched: dict[str, OpenSession]) -> Rendered:
         """The events to insert and the projection rows, from the folded batch (nothing
         here needs the log's order: positions are given in `_write`)."""
         new = [s for open_ in touched.values() for s in open_.fresh]
@@ -461,7 +466,7 @@ class Writer:
                                 [s.event for s in open_.fresh], head_hash=open_.head_hash)
         return new, changes
 
-    def _write(self, conn: Connection, rendered: tuple[list[StoredEvent], Changes], *,
+    def _write(self, conn: Connection, rendered: Rendered, *,
                sequence_kept: bool = False) -> None:
         new, changes = rendered
         if not new:
@@ -476,7 +481,7 @@ class Writer:
             rows.append((stored.position, event.session_id, event.seq, event.event_id,
                          event.type, event.at, stored.recorded_at, event.schema_,
                          stored.canonical, stored.hash))
-        if self._optimistic:  # one round trip less under the writers' lock
+        if self._postgres:  # one round trip less under the writers' lock
             sessions = [tuple(r[c] for c in SESSION_CHANGES) for r in changes.session_updates]
             conn.exec_driver_sql(EVENTS_AND_SESSIONS_PG, (
                 *columns(rows, len(EVENT_COLUMNS)), *columns(sessions, len(SESSION_CHANGES))))
@@ -485,7 +490,7 @@ class Writer:
         self._last_position = start + len(new)
         if not sequence_kept:
             self.engines.positions_taken(conn, self._last_position)
-        changes.write(conn, sessions_updated=self._optimistic)
+        changes.write(conn, sessions_updated=self._postgres)
 
     async def rebuild(self, session_ids: Iterable[str]) -> int:
         """Recompute every projection row from the log."""

@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 from sqlalchemy import text
+from sqlalchemy.util import await_
 
 from tests.scenarios import SCENARIOS, run_of, seed_data, seed_of
 from trialledger.core import (
@@ -393,6 +394,81 @@ async def test_another_writer_is_noticed_before_the_next_append(db: str) -> None
         await first.append(sid, events[4:], expected_seq=5)
         assert (await first.view(sid)).state == "graded"
         assert (await first.audit()).ok
+
+
+@contextlib.contextmanager
+def after_the_fold(ledger: Ledger, meanwhile: Any) -> Any:
+    """Await `meanwhile()` once, as another process would run it, in the gap between the
+    writer's fold of its next batch and the writers' lock it writes that batch under."""
+    writer, fold = ledger._writer, ledger._writer._prepare
+    pending = [meanwhile]
+
+    def folded_then_meanwhile(*args: Any) -> Any:
+        prepared = fold(*args)
+        while pending:  # on a worker thread (SQLite), in SQLAlchemy's greenlet (PostgreSQL)
+            job = pending.pop()
+            anyio.from_thread.run(job) if ledger.dialect == "sqlite" else await_(job())
+        return prepared
+
+    writer._prepare = folded_then_meanwhile  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del writer._prepare
+    assert not pending  # the gap was reached
+
+
+async def test_a_session_moved_between_the_fold_and_the_write_is_folded_again(
+        db: str) -> None:
+    """A writer folds its batch before it takes the writers' lock; if another process
+    appends to the same session in between, the batch is folded again under the lock: an
+    append that expected the old head is refused, one that expected nothing follows the
+    other's events. (Writing the first fold would give two events one seq.)"""
+    async with await Ledger.open(db) as first, await Ledger.open(db) as second:
+        sid = (await first.seed(seed_data())).session_id
+        events = run_of("clean")
+        await first.append(sid, events[:2])
+        with after_the_fold(first, lambda: second.append(sid, events[2:3])), \
+                pytest.raises(ConcurrencyConflict):
+            await first.append(sid, events[3:4], expected_seq=3)
+        with after_the_fold(first, lambda: second.append(sid, events[3:4])):
+            (stored,) = await first.append(sid, events[4:5])
+        assert stored.event.seq == 6
+        assert [s.event.type for s in await first.events(sid)] == [
+            "session.seeded", *(e["type"] for e in events[:5])]
+        assert (await first.audit()).ok
+
+
+async def test_a_lease_taken_over_between_the_fold_and_the_write_fences_the_append(
+        tmp_path: Path) -> None:
+    """On SQLite the fold reads a snapshot taken before the write lock: a trial's lease
+    taken over after it is still caught, under the lock, and nothing of the old holder's
+    is stored. (On PostgreSQL the fold reads the lease `FOR SHARE` in the transaction
+    that writes, so a takeover waits for the append's commit instead.)"""
+    from trialledger.core import validate_seed
+    from trialledger.store import LeaseLost
+    from trialledger.store.jobs import Jobs
+
+    db = str(tmp_path / "fenced.db")
+    async with await Ledger.open(db) as ledger, await Ledger.open(db) as other:
+        config = {"model": "m", "settings": {}, "grants": [], "k": 1, "max_attempts": 1}
+        await Jobs(ledger).define("f", config, [("t", "/tasks/t")])
+        old = await Jobs(ledger).claim("f", "old-holder", 0.2)
+        assert old is not None
+        log = run_of("clean")
+        seed = seed_data(trial_id=old.trial_id, task="t")
+        sid = (await ledger.start(validate_seed(seed), fence=(old.trial_id, old.token))
+               ).session_id
+        await anyio.sleep(0.5)  # the old holder's lease expires: another runner may take it
+        taken = []
+
+        async def take_over() -> None:
+            taken.append(await Jobs(other).claim("f", "new-holder", 60))
+
+        with after_the_fold(ledger, take_over), pytest.raises(LeaseLost):
+            await ledger.append(sid, log[:2], fence=(old.trial_id, old.token))
+        assert taken[0] is not None and taken[0].token != old.token
+        assert len(await ledger.events(sid)) == 1
 
 
 async def test_the_position_sequence_stays_past_the_log(db: str) -> None:
