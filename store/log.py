@@ -20,7 +20,11 @@ EVENTS = Table(
       for name in EVENT_COLUMNS[1:]),
 )
 
-# The log's end and the sessions appended to after $1, in one snapshot; and the position
+# SQLite: the sessions appended to after ? (repeats and all). Not `SELECT DISTINCT`: SQLite
+# answers that by scanning the whole (session_id, seq) index, the length of the log on
+# every commit; this reads only the rows after the position.
+MOVED_SINCE_SQLITE = "SELECT session_id FROM events WHERE position > ?"
+# PostgreSQL: the log's end and the sessions appended to after $1, in one snapshot; and the position
 # sequence moved past the $2 positions about to be given (a sequence ahead of the log is
 # harmless: positions are given from the log's end).
 CATCH_UP_PG = ("SELECT end_, (SELECT array_agg(DISTINCT session_id) FROM events "

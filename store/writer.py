@@ -36,6 +36,7 @@ from trialledger.store.log import (
     EVENT_COLUMNS,
     EVENTS,
     EVENTS_AND_SESSIONS_PG,
+    MOVED_SINCE_SQLITE,
     columns,
     in_slices,
 )
@@ -313,8 +314,7 @@ class Writer:
             moved = set(self.open)
             self.open.clear()
         else:
-            rows = conn.execute(select(EVENTS.c.session_id).distinct()
-                                .where(EVENTS.c.position > self._last_position))
+            rows = conn.exec_driver_sql(MOVED_SINCE_SQLITE, (self._last_position,))
             moved = {sid for (sid,) in rows.all()}
             for sid in moved:
                 self.open.pop(sid, None)

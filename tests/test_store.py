@@ -471,6 +471,21 @@ async def test_a_lease_taken_over_between_the_fold_and_the_write_fences_the_appe
         assert len(await ledger.events(sid)) == 1
 
 
+async def test_a_commit_reads_only_what_other_processes_appended_since_its_last(
+        tmp_path: Path) -> None:
+    """Under SQLite's write lock each commit asks which sessions other processes appended
+    to since its last: that read must seek by position, not scan an index of the whole log
+    (it did, through `SELECT DISTINCT`: 6 ms a commit at 100k events, growing with the log)."""
+    from trialledger.store.log import MOVED_SINCE_SQLITE
+
+    db = tmp_path / "plan.db"
+    async with await Ledger.open(str(db)):
+        pass
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        plan = conn.execute(f"EXPLAIN QUERY PLAN {MOVED_SINCE_SQLITE}", (0,)).fetchall()
+    assert [step[-1] for step in plan] == ["SEARCH events USING INTEGER PRIMARY KEY (rowid>?)"]
+
+
 async def test_the_position_sequence_stays_past_the_log(db: str) -> None:
     """Positions are given by the writer; PostgreSQL's column default (its sequence) must
     still never hand out one already taken, through the batch folded once or again."""
