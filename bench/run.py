@@ -90,16 +90,22 @@ def durable_ours(folder: Path, sessions: int, events: int, name: str = "ours") -
 
 
 def durable_processes(folder: Path, sessions: int, events: int) -> Figure:
-    """The same appends from one writer process per core, each with its share of the
-    sessions, on one SQLite file (as a job's workers run, `tune_collector()` in each)."""
-    processes = os.cpu_count() or 1
-    run = workload.writer_processes(
-        str(folder / "processes.db"), processes=processes,
-        sessions_each=sessions // processes, events_each=events // processes, tuned=True)
-    return Figure("durable appends", f"trialledger, {processes} processes, tune_collector()",
-                  run.stored, run.seconds,
-                  extra=f"lost {events - run.stored}; CPU/event {run.cpu / run.stored * 1e6:.0f}"
-                        f" us; cores busy {run.machine_cpu / run.seconds / processes:.0%}")
+    """The same appends from one process per core, each with its share of the sessions, on
+    one SQLite file (as a job's workers run: `tune_collector()` in each)."""
+    processes, db = os.cpu_count() or 1, str(folder / "processes.db")
+    run = workload.in_processes(
+        db, workload.appending(sessions // processes, events // processes),
+        processes=processes, tuned=True)
+    _, stored = workload.stored(db, after=len(workload.SETUP) + 1)
+    return across_processes("durable appends", processes, run, stored,
+                            f"lost {events - stored} events")
+
+
+def across_processes(name: str, processes: int, run: workload.Processes, count: int,
+                     lost: str) -> Figure:
+    return Figure(name, f"trialledger, {processes} processes, tune_collector()", count,
+                  run.seconds, extra=f"{lost}; CPU/event {run.cpu / count * 1e6:.0f} us; "
+                  f"cores busy {run.machine_cpu / run.seconds / processes:.0%}")
 
 
 def durable_eventsourcing(folder: Path, sessions: int, events: int, cap_s: float) -> Figure:
@@ -142,6 +148,19 @@ def import_ours(folder: Path, sessions: int, events: int, name: str = "import") 
     seconds = anyio.run(run)
     total = sum(len(log) for log in logs)
     return Figure("batched import", "trialledger (whole pipeline)", total, seconds)
+
+
+def import_processes(folder: Path, sessions: int, events: int) -> Figure:
+    """The same logs imported by one process per core, each its share, into one SQLite
+    file (`tune_collector()` in each, as `trialledger import` runs)."""
+    processes, db = os.cpu_count() or 1, str(folder / "import-processes.db")
+    run = workload.in_processes(
+        db, workload.importing(sessions // processes, events // processes),
+        processes=processes, tuned=True)
+    count = len(workload.session_logs(1, events // sessions)[0]) * sessions  # as imported
+    stored, _ = workload.stored(db)
+    return across_processes("batched import", processes, run, count,
+                            f"lost {sessions - stored} sessions")
 
 
 def import_raw(folder: Path, events: int) -> Figure:
@@ -279,17 +298,18 @@ def postgres_writers(events: int) -> list[Figure]:
     figures = []
     try:
         for processes, tuned in ((1, False), (2, False), (4, False), (8, False), (8, True)):
-            run = workload.writer_processes(
-                server.create_database(), processes=processes,
-                sessions_each=workload.PG_SESSIONS_PER_WRITER,
-                events_each=events // processes, tuned=tuned)
+            db = server.create_database()
+            run = workload.in_processes(
+                db, workload.appending(workload.PG_SESSIONS_PER_WRITER, events // processes),
+                processes=processes, tuned=tuned)
+            _, stored = workload.stored(db, after=len(workload.SETUP) + 1)
             label = f"{processes} process" + ("es" if processes > 1 else "")
             figures.append(Figure(
                 "PostgreSQL writers", label + (", tune_collector()" if tuned else ""),
-                run.stored, run.seconds,
-                extra=f"lost {events - run.stored}; CPU/event: writers "
-                      f"{run.cpu / run.stored * 1e6:.0f} us, server and the rest "
-                      f"{(run.machine_cpu - run.cpu) / run.stored * 1e6:.0f} us; cores busy "
+                stored, run.seconds,
+                extra=f"lost {events - stored}; CPU/event: writers "
+                      f"{run.cpu / stored * 1e6:.0f} us, server and the rest "
+                      f"{(run.machine_cpu - run.cpu) / stored * 1e6:.0f} us; cores busy "
                       f"{run.machine_cpu / run.seconds / (os.cpu_count() or 1):.0%}"))
     finally:
         server.stop()
@@ -324,6 +344,7 @@ def main() -> None:
         add(durable_raw(folder, n_events, cap))
         add(import_ours(folder, n_sessions, n_events))
         add(tuned(lambda: import_ours(folder, n_sessions, n_events, "import-tuned")))
+        add(import_processes(folder, n_sessions, n_events))
         add(import_raw(folder, n_events))
         add(rederive_ours(int(size["rederive"])))
         add(rederive_eventsourcing(folder, int(size["rederive"]), cap))
@@ -356,6 +377,9 @@ def main() -> None:
           pick("batched import", "raw"))
     ratio("batched import, tuned collector / raw executemany",
           pick("batched import", "trialledger, tune"), pick("batched import", "raw"))
+    ratio(f"batched import, {os.cpu_count()} processes / raw executemany",
+          pick("batched import", f"trialledger, {os.cpu_count()} processes"),
+          pick("batched import", "raw"))
     ratio("re-derivation, ours / eventsourcing", pick("re-derivation", "trialledger"),
           pick("re-derivation", "eventsourcing"))
     stored = [f for f in figures if f.name == "store re-derivation"]

@@ -8,6 +8,7 @@ import os
 import sqlite3
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,14 +57,15 @@ async def append_one_by_one(ledger: Ledger, session_id: str, count: int) -> None
         head = stored[-1].event.seq or head
 
 
-def session_logs(sessions: int, messages: int, *, with_decisions: bool = False
-                 ) -> list[list[dict[str, Any]]]:
-    """Complete session logs (seed, launch, messages, a clean ending) as JSONL dicts."""
+def session_logs(sessions: int, messages: int, *, with_decisions: bool = False,
+                 first: int = 0) -> list[list[dict[str, Any]]]:
+    """Complete session logs (seed, launch, messages, a clean ending) as JSONL dicts, of
+    the sessions numbered from `first`."""
     tail = [*(line for line in CLEAN[-1:])]
     logs = []
     for n in range(sessions):
         builder = LogBuilder()
-        builder.events[0]["session_id"] = str(uuid.UUID(int=n + 1))
+        builder.events[0]["session_id"] = str(uuid.UUID(int=first + n + 1))
         builder.launched().codex(CLEAN[:3])
         for i in range(messages - 3):
             builder.events.append(message(i))
@@ -170,43 +172,42 @@ def codex_logs(folder: Path, megabytes: int) -> tuple[Path, Path]:
 
 
 @dataclass
-class Writers:
-    """What `writer_processes` measured, from the moment every writer had seeded its
-    sessions to the last one's end."""
+class Processes:
+    """What `in_processes` measured, from the moment every process was ready to the last
+    one's end."""
 
     seconds: float
-    stored: int  # the appended events found in the store after
-    cpu: float  # CPU seconds of the writer processes
-    machine_cpu: float  # CPU seconds of the whole machine (the database server's too)
+    cpu: float  # CPU seconds of the processes
+    machine_cpu: float  # CPU seconds of the whole machine (a database server's too)
 
 
-def _writer(db: str, sessions: int, count: int, ready: Any, report: Any,
-            tuned: bool) -> None:
+# A process's part of a workload: given its store and its index, get ready (untimed), and
+# return what is timed.
+Job = Callable[[Ledger, int], Awaitable[Callable[[], Awaitable[None]]]]
+
+
+def _process(db: str, job: Job, index: int, ready: Any, report: Any, tuned: bool) -> None:
     if tuned:  # as a `trialledger` command (a job's worker) runs
         tune_collector()
 
     async def run() -> float:
         async with await Ledger.open(db) as ledger:
-            sids = await seed_running(ledger, sessions)
-            await anyio.to_thread.run_sync(ready.wait)  # every writer has seeded: go
+            timed = await job(ledger, index)
+            await anyio.to_thread.run_sync(ready.wait)  # every process is ready: go
             start = time.process_time()
-            async with anyio.create_task_group() as tg:
-                for sid in sids:
-                    tg.start_soon(append_one_by_one, ledger, sid, count // sessions)
+            await timed()
         return time.process_time() - start
     report.put(anyio.run(run))
 
 
-def writer_processes(db: str, *, processes: int, sessions_each: int, events_each: int,
-                     tuned: bool = False) -> Writers:
-    """`processes` writer processes, each appending one event per call to sessions of its
-    own, `events_each` events each (`tuned`: each with `tune_collector()`)."""
+def in_processes(db: str, job: Job, *, processes: int, tuned: bool = False) -> Processes:
+    """`job` run by `processes` processes on one store (`tuned`: each with
+    `tune_collector()`)."""
     anyio.run(_build, db)
     context = multiprocessing.get_context("fork")
     ready, report = context.Barrier(processes + 1), context.Queue()
-    workers = [context.Process(target=_writer,
-                               args=(db, sessions_each, events_each, ready, report, tuned))
-               for _ in range(processes)]
+    workers = [context.Process(target=_process, args=(db, job, index, ready, report, tuned))
+               for index in range(processes)]
     for worker in workers:
         worker.start()
     ready.wait(timeout=600)
@@ -216,7 +217,34 @@ def writer_processes(db: str, *, processes: int, sessions_each: int, events_each
         worker.join()
     seconds, machine = time.perf_counter() - start, machine_cpu_seconds() - machine
     assert all(worker.exitcode == 0 for worker in workers)
-    return Writers(seconds, anyio.run(_count_messages, db), cpu, machine)
+    return Processes(seconds, cpu, machine)
+
+
+def appending(sessions: int, events: int) -> Job:
+    """Seed `sessions` sessions; timed: append `events` to them, one per call."""
+    async def job(ledger: Ledger, _index: int) -> Callable[[], Awaitable[None]]:
+        sids = await seed_running(ledger, sessions)
+
+        async def timed() -> None:
+            async with anyio.create_task_group() as tg:
+                for sid in sids:
+                    tg.start_soon(append_one_by_one, ledger, sid, events // sessions)
+        return timed
+    return job
+
+
+def importing(sessions: int, events: int) -> Job:
+    """Build `sessions` logs of `events` in all (each process its own sessions); timed:
+    import them, all at once."""
+    async def job(ledger: Ledger, index: int) -> Callable[[], Awaitable[None]]:
+        logs = session_logs(sessions, events // sessions, first=index * sessions)
+
+        async def timed() -> None:
+            async with anyio.create_task_group() as tg:
+                for log in logs:
+                    tg.start_soon(ledger.import_log, log)
+        return timed
+    return job
 
 
 def machine_cpu_seconds() -> float:
@@ -232,7 +260,13 @@ async def _build(db: str) -> None:
         pass
 
 
-async def _count_messages(db: str) -> int:
+async def _stored(db: str, after: int) -> tuple[int, int]:
     async with await Ledger.open(db) as ledger:
         rows = await ledger.sessions()
-        return sum(row["head_seq"] - 3 for row in rows)
+        return len(rows), sum(row["head_seq"] - after for row in rows)
+
+
+def stored(db: str, *, after: int = 0) -> tuple[int, int]:
+    """The sessions stored in `db`, and their events not counting the first `after` of
+    each."""
+    return anyio.run(_stored, db, after)
