@@ -405,12 +405,15 @@ def after_the_fold(ledger: Ledger, meanwhile: Any) -> Any:
 
     def folded_then_meanwhile(*args: Any) -> Any:
         prepared = fold(*args)
-        while pending:  # on a worker thread (SQLite), in SQLAlchemy's greenlet (PostgreSQL)
+        while pending:
             job = pending.pop()
-            anyio.from_thread.run(job) if ledger.dialect == "sqlite" else await_(job())
+            if ledger.dialect == "sqlite":  # the fold ran on a worker thread
+                anyio.from_thread.run(job)
+            else:  # in SQLAlchemy's greenlet, inside the event loop
+                await_(job())
         return prepared
 
-    writer._prepare = folded_then_meanwhile  # type: ignore[method-assign]
+    writer._prepare = folded_then_meanwhile
     try:
         yield
     finally:
