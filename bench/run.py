@@ -366,25 +366,18 @@ def main() -> None:
 
     ratio("durable appends, ours / eventsourcing", pick("durable appends", "trialledger ("),
           pick("durable appends", "eventsourcing"))
-    ratio("durable appends, ours / raw sqlite3", pick("durable appends", "trialledger ("),
-          pick("durable appends", "raw"))
-    ratio("durable appends, tuned collector / raw sqlite3",
-          pick("durable appends", "trialledger, tune"), pick("durable appends", "raw"))
-    ratio(f"durable appends, {os.cpu_count()} processes / raw sqlite3",
-          pick("durable appends", f"trialledger, {os.cpu_count()} processes"),
-          pick("durable appends", "raw"))
-    ratio("batched import, ours / raw executemany", pick("batched import", "trialledger ("),
-          pick("batched import", "raw"))
-    ratio("batched import, tuned collector / raw executemany",
-          pick("batched import", "trialledger, tune"), pick("batched import", "raw"))
-    ratio(f"batched import, {os.cpu_count()} processes / raw executemany",
-          pick("batched import", f"trialledger, {os.cpu_count()} processes"),
-          pick("batched import", "raw"))
+    cores = os.cpu_count()
+    for name, raw in (("durable appends", "raw sqlite3"), ("batched import", "raw executemany")):
+        reference = pick(name, "raw")
+        ratio(f"{name}, ours / {raw}", pick(name, "trialledger ("), reference)
+        ratio(f"{name}, tuned collector / {raw}", pick(name, "trialledger, tune"), reference)
+        ratio(f"{name}, {cores} processes / {raw}", pick(name, f"trialledger, {cores} processes"),
+              reference)
     ratio("re-derivation, ours / eventsourcing", pick("re-derivation", "trialledger"),
           pick("re-derivation", "eventsourcing"))
     stored = [f for f in figures if f.name == "store re-derivation"]
     if len(stored) == 2:
-        ratio(f"store re-derivation, {os.cpu_count()} processes / 1", stored[1], stored[0])
+        ratio(f"store re-derivation, {cores} processes / 1", stored[1], stored[0])
     writers = [f for f in figures if f.name == "PostgreSQL writers"]
     if len(writers) > 2:
         ratio(f"PostgreSQL, {writers[-2].method} / {writers[0].method}", writers[-2],
