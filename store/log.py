@@ -20,16 +20,18 @@ EVENTS = Table(
       for name in EVENT_COLUMNS[1:]),
 )
 
-# SQLite: the sessions appended to after ? (repeats and all). Not `SELECT DISTINCT`: SQLite
-# answers that by scanning the whole (session_id, seq) index, the length of the log on
-# every commit; this reads only the rows after the position.
-MOVED_SINCE_SQLITE = "SELECT session_id FROM events WHERE position > ?"
-# PostgreSQL: the log's end and the sessions appended to after $1, in one snapshot; and the position
-# sequence moved past the $2 positions about to be given (a sequence ahead of the log is
-# harmless: positions are given from the log's end).
-CATCH_UP_PG = ("SELECT end_, (SELECT array_agg(DISTINCT session_id) FROM events "
-               f"WHERE position > $1), setval({POSITION_SEQUENCE}, GREATEST(end_ + $2, 1)) "
-               "FROM (SELECT COALESCE(max(position), 0) AS end_ FROM events) AS log")
+# SQLite: the session and id of every event appended after ?. Not `SELECT DISTINCT`:
+# SQLite answers that by scanning the whole (session_id, seq) index, the length of the log
+# on every commit; this reads only the rows after the position.
+MOVED_SINCE_SQLITE = "SELECT session_id, event_id FROM events WHERE position > ?"
+# PostgreSQL: the log's end, and the sessions and event ids appended after $1, in one
+# snapshot; and the position sequence moved past the $2 positions about to be given (a
+# sequence ahead of the log is harmless: positions are given from the log's end).
+CATCH_UP_PG = ("SELECT end_, moved.sessions, moved.ids, "
+               f"setval({POSITION_SEQUENCE}, GREATEST(end_ + $2, 1)) "
+               "FROM (SELECT COALESCE(max(position), 0) AS end_ FROM events) AS log, "
+               "(SELECT array_agg(DISTINCT session_id) AS sessions, array_agg(event_id) AS ids "
+               "FROM events WHERE position > $1) AS moved")
 # PostgreSQL: a commit's events and its `sessions` updates in one statement, each column
 # one array parameter (under the writers' lock every round trip holds the others up).
 _PG_ARRAYS = {"position": "bigint[]", "seq": "int[]", "schema": "int[]", "head_seq": "int[]"}

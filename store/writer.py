@@ -93,6 +93,19 @@ class OpenSession:
         self.head_hash = digest
 
 
+@dataclass
+class Moved:
+    """What other processes appended since a writer last looked."""
+
+    sessions: set[str]
+    ids: set[str] | None  # the event ids they stored (None: not known, any may be)
+
+    def took_any(self, ids: Iterable[str | None]) -> bool:
+        """Whether another process stored one of `ids` (the ones given) meanwhile."""
+        given = (i for i in ids if i)
+        return any(given) if self.ids is None else any(i in self.ids for i in given)
+
+
 class LeaseLost(TrialLedgerError):
     """An append fenced by a job trial's lease that is no longer the caller's (the trial
     was taken over): nothing appended."""
@@ -258,8 +271,8 @@ class Writer:
         rendered, held = prepared
         moved = self._catch_up(conn, len(rendered[0]))
         sequence_kept = True
-        if moved & touched.keys() or (moved and any(
-                e.event_id for r in batch for e in r.events)) or (
+        if moved.sessions & touched.keys() or moved.took_any(
+                e.event_id for r in batch for e in r.events) or (
                 held is not None and not self._postgres and self._leases(conn, batch) != held):
             sequence_kept = False  # the batch folded again may hold more events
             for sid in touched:
@@ -294,31 +307,28 @@ class Writer:
                 request.error = error
         return held if any(r.fence is not None for r in batch) else None
 
-    def _catch_up(self, conn: Connection, positions: int = 0) -> set[str]:
+    def _catch_up(self, conn: Connection, positions: int = 0) -> Moved:
         """Forget every cached session another process appended to since our last commit
-        (or look); return their ids. (PostgreSQL, optimistic: also keep the position
-        sequence past the `positions` about to be given.)"""
+        (or look); say which, and which event ids it stored. (PostgreSQL, optimistic: also
+        keep the position sequence past the `positions` about to be given.)"""
         if self._postgres and self._last_position is not None:  # one round trip
-            end, ids, _ = conn.exec_driver_sql(
+            end, sessions, ids, _ = conn.exec_driver_sql(
                 CATCH_UP_PG, (self._last_position, positions)).one()
-            moved = set(ids or ())
-            for sid in moved:
-                self.open.pop(sid, None)
-            self._last_position = end or 0
-            return moved
-        end = conn.execute(select(func.max(EVENTS.c.position))).scalar() or 0
-        if end == self._last_position:
-            return set()
-        moved = set()
-        if self._last_position is None:
-            moved = set(self.open)
-            self.open.clear()
+            moved = Moved(set(sessions or ()), set(ids or ()))
         else:
-            rows = conn.exec_driver_sql(MOVED_SINCE_SQLITE, (self._last_position,))
-            moved = {sid for (sid,) in rows.all()}
-            for sid in moved:
-                self.open.pop(sid, None)
-        self._last_position = end
+            end = conn.execute(select(func.max(EVENTS.c.position))).scalar() or 0
+            if end == self._last_position:
+                return Moved(set(), set())
+            if self._last_position is None:  # anything may have moved
+                moved = Moved(set(self.open), None)
+            else:
+                rows = conn.exec_driver_sql(MOVED_SINCE_SQLITE, (self._last_position,)).all()
+                moved = Moved({sid for sid, _ in rows}, {eid for _, eid in rows})
+        if moved.ids is None:
+            self.open.clear()
+        for sid in moved.sessions:
+            self.open.pop(sid, None)
+        self._last_position = end or 0
         return moved
 
     def _load_missing(self, conn: Connection, batch: list[Request]) -> None:

@@ -442,6 +442,37 @@ async def test_a_session_moved_between_the_fold_and_the_write_is_folded_again(
         assert (await first.audit()).ok
 
 
+async def test_an_event_id_taken_between_the_fold_and_the_write_is_refused(db: str) -> None:
+    """Another process stores an event under the id an append gives, after the append's
+    fold found the id free: the batch is folded again under the lock, and the append is
+    refused with `EventIdConflict`, writing nothing. Ids the append does not give, stored in
+    that gap, leave its fold as it was."""
+    async with await Ledger.open(db) as first, await Ledger.open(db) as second:
+        mine = (await first.seed(seed_data())).session_id
+        theirs = (await second.seed(seed_data())).session_id
+        launched, started, item = run_of("clean")[:3]
+        await first.append(mine, [launched])
+        await second.append(theirs, [launched])
+        writer, fold = first._writer, first._writer._fold
+        folds: list[int] = []
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            folds.append(1)
+            return fold(*args, **kwargs)
+
+        writer._fold = counted
+        with after_the_fold(first, lambda: second.append(
+                theirs, [{**started, "event_id": "taken"}])), pytest.raises(EventIdConflict):
+            await first.append(mine, [{**started, "event_id": "taken"}])
+        assert len(folds) == 2 and len(await first.events(mine)) == 2
+        folds.clear()
+        with after_the_fold(first, lambda: second.append(
+                theirs, [{**item, "event_id": "theirs"}])):
+            (stored,) = await first.append(mine, [{**started, "event_id": "mine"}])
+        assert len(folds) == 1 and stored.event.seq == 3
+        assert (await first.audit()).ok
+
+
 async def test_a_lease_taken_over_between_the_fold_and_the_write_fences_the_append(
         tmp_path: Path) -> None:
     """On SQLite the fold reads a snapshot taken before the write lock: a trial's lease
