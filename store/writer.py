@@ -265,7 +265,7 @@ class Writer:
     def _finish(self, conn: Connection, batch: list[Request],
                 touched: dict[str, OpenSession], prepared: Prepared) -> None:
         """Under the writers' lock: if another process appended meanwhile to a session the
-        batch touched, or could have taken one of its caller-given event ids, or (SQLite,
+        batch touched, or stored an event under an id the batch gives, or (SQLite,
         where the fold read an earlier snapshot) a fenced trial's lease changed hands, fold
         the batch again here; then write it."""
         rendered, held = prepared
