@@ -20,18 +20,22 @@ EVENTS = Table(
       for name in EVENT_COLUMNS[1:]),
 )
 
+# The most events appended by others since a writer last looked that its catch-up lists
+# (under the writers' lock); past it the writer forgets its whole cache instead.
+CATCH_UP_ROWS = 50_000
 # SQLite: the session and id of every event appended after ?. Not `SELECT DISTINCT`:
 # SQLite answers that by scanning the whole (session_id, seq) index, the length of the log
 # on every commit; this reads only the rows after the position.
 MOVED_SINCE_SQLITE = "SELECT session_id, event_id FROM events WHERE position > ?"
-# PostgreSQL: the log's end, and the sessions and event ids appended after $1, in one
-# snapshot; and the position sequence moved past the $2 positions about to be given (a
-# sequence ahead of the log is harmless: positions are given from the log's end).
+# PostgreSQL: the log's end, and the sessions and event ids of at most $3 events appended
+# after $1, in one snapshot; and the position sequence moved past the $2 positions about
+# to be given (a sequence ahead of the log is harmless: positions are given from the
+# log's end).
 CATCH_UP_PG = ("SELECT end_, moved.sessions, moved.ids, "
                f"setval({POSITION_SEQUENCE}, GREATEST(end_ + $2, 1)) "
                "FROM (SELECT COALESCE(max(position), 0) AS end_ FROM events) AS log, "
                "(SELECT array_agg(DISTINCT session_id) AS sessions, array_agg(event_id) AS ids "
-               "FROM events WHERE position > $1) AS moved")
+               "FROM events WHERE position > $1 AND position <= $1 + $3) AS moved")
 # PostgreSQL: a commit's events and its `sessions` updates in one statement, each column
 # one array parameter (under the writers' lock every round trip holds the others up).
 _PG_ARRAYS = {"position": "bigint[]", "seq": "int[]", "schema": "int[]", "head_seq": "int[]"}

@@ -33,6 +33,7 @@ from trialledger.core.canonical import GENESIS, canonical_text, chain_hash
 from trialledger.store.engine import Engines
 from trialledger.store.log import (
     CATCH_UP_PG,
+    CATCH_UP_ROWS,
     EVENT_COLUMNS,
     EVENTS,
     EVENTS_AND_SESSIONS_PG,
@@ -309,26 +310,30 @@ class Writer:
 
     def _catch_up(self, conn: Connection, positions: int = 0) -> Moved:
         """Forget every cached session another process appended to since our last commit
-        (or look); say which, and which event ids it stored. (PostgreSQL, optimistic: also
-        keep the position sequence past the `positions` about to be given.)"""
-        if self._postgres and self._last_position is not None:  # one round trip
+        (or look); say which, and which event ids it stored. Past `CATCH_UP_ROWS` events
+        (a writer idle while others wrote on) it reads none of them and forgets every
+        cached session instead. (PostgreSQL, optimistic: also keep the position sequence
+        past the `positions` about to be given.)"""
+        last, moved = self._last_position, None
+        if self._postgres and last is not None:  # one round trip
             end, sessions, ids, _ = conn.exec_driver_sql(
-                CATCH_UP_PG, (self._last_position, positions)).one()
-            moved = Moved(set(sessions or ()), set(ids or ()))
+                CATCH_UP_PG, (last, positions, CATCH_UP_ROWS)).one()
+            end = end or 0
+            if end - last <= CATCH_UP_ROWS:
+                moved = Moved(set(sessions or ()), set(ids or ()))
         else:
             end = conn.execute(select(func.max(EVENTS.c.position))).scalar() or 0
-            if end == self._last_position:
+            if end == last:
                 return Moved(set(), set())
-            if self._last_position is None:  # anything may have moved
-                moved = Moved(set(self.open), None)
-            else:
-                rows = conn.exec_driver_sql(MOVED_SINCE_SQLITE, (self._last_position,)).all()
+            if last is not None and end - last <= CATCH_UP_ROWS:
+                rows = conn.exec_driver_sql(MOVED_SINCE_SQLITE, (last,)).all()
                 moved = Moved({sid for sid, _ in rows}, {eid for _, eid in rows})
-        if moved.ids is None:
+        if moved is None:  # never looked, or too much moved to list: anything may have
+            moved = Moved(set(self.open), None)
             self.open.clear()
         for sid in moved.sessions:
             self.open.pop(sid, None)
-        self._last_position = end or 0
+        self._last_position = end
         return moved
 
     def _load_missing(self, conn: Connection, batch: list[Request]) -> None:

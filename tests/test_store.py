@@ -473,6 +473,42 @@ async def test_an_event_id_taken_between_the_fold_and_the_write_is_refused(db: s
         assert (await first.audit()).ok
 
 
+async def test_a_writer_that_fell_far_behind_forgets_its_cache_instead_of_listing_it(
+        db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer idle while others appended more than `CATCH_UP_ROWS` events does not list
+    them under the writers' lock (it could be millions of ids): it forgets every cached
+    session and treats every given id as possibly taken, and so still refuses a stale
+    expectation and an id taken meanwhile."""
+    from trialledger.store import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "CATCH_UP_ROWS", 2)
+    async with await Ledger.open(db) as first, await Ledger.open(db) as second:
+        mine = (await first.seed(seed_data())).session_id
+        shared = (await first.seed(seed_data())).session_id
+        launched, started, item = run_of("clean")[:3]
+        await first.append(mine, [launched])
+        await first.append(shared, [launched])
+        caught: list[Any] = []
+        catch_up = first._writer._catch_up
+
+        def recorded(*args: Any) -> Any:
+            caught.append(catch_up(*args))
+            return caught[-1]
+
+        first._writer._catch_up = recorded
+        await second.append(shared, [started, item])  # two: listed
+        with pytest.raises(ConcurrencyConflict):
+            await first.append(shared, [started], expected_seq=2)
+        assert caught[0].sessions == {shared} and caught[0].ids is not None  # under the lock
+        theirs = (await second.seed(seed_data())).session_id
+        await second.append(theirs, [launched, {**started, "event_id": "taken"}])  # three
+        caught.clear()
+        with pytest.raises(EventIdConflict):
+            await first.append(mine, [{**started, "event_id": "taken"}])
+        assert caught[0].ids is None and caught[0].sessions == {mine, shared}  # all forgotten
+        assert len(await first.events(mine)) == 2 and (await first.audit()).ok
+
+
 async def test_a_lease_taken_over_between_the_fold_and_the_write_fences_the_append(
         tmp_path: Path) -> None:
     """On SQLite the fold reads a snapshot taken before the write lock: a trial's lease
