@@ -421,6 +421,18 @@ def after_the_fold(ledger: Ledger, meanwhile: Any) -> Any:
     assert not pending  # the gap was reached
 
 
+def returns_of(obj: Any, name: str) -> list[Any]:
+    """What each later call of `obj.<name>` returns, recorded (the method works as before)."""
+    method, returned = getattr(obj, name), []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        returned.append(method(*args, **kwargs))
+        return returned[-1]
+
+    setattr(obj, name, recording)
+    return returned
+
+
 async def test_a_session_moved_between_the_fold_and_the_write_is_folded_again(
         db: str) -> None:
     """A writer folds its batch before it takes the writers' lock; if another process
@@ -453,14 +465,7 @@ async def test_an_event_id_taken_between_the_fold_and_the_write_is_refused(db: s
         launched, started, item = run_of("clean")[:3]
         await first.append(mine, [launched])
         await second.append(theirs, [launched])
-        writer, fold = first._writer, first._writer._fold
-        folds: list[int] = []
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            folds.append(1)
-            return fold(*args, **kwargs)
-
-        writer._fold = counted
+        folds = returns_of(first._writer, "_fold")
         with after_the_fold(first, lambda: second.append(
                 theirs, [{**started, "event_id": "taken"}])), pytest.raises(EventIdConflict):
             await first.append(mine, [{**started, "event_id": "taken"}])
@@ -488,14 +493,7 @@ async def test_a_writer_that_fell_far_behind_forgets_its_cache_instead_of_listin
         launched, started, item = run_of("clean")[:3]
         await first.append(mine, [launched])
         await first.append(shared, [launched])
-        caught: list[Any] = []
-        catch_up = first._writer._catch_up
-
-        def recorded(*args: Any) -> Any:
-            caught.append(catch_up(*args))
-            return caught[-1]
-
-        first._writer._catch_up = recorded
+        caught = returns_of(first._writer, "_catch_up")
         await second.append(shared, [started, item])  # two: listed
         with pytest.raises(ConcurrencyConflict):
             await first.append(shared, [started], expected_seq=2)
