@@ -1,8 +1,8 @@
 """The single writer behind a `Ledger`: group commit over folded open sessions.
 
-Appends from concurrent callers are **group-committed**: whoever finds no commit in
-flight commits everything queued so far in one transaction, while each caller awaits its
-own result. Open sessions stay folded in memory (so an append never re-reads history).
+Appends from concurrent callers are **group-committed** (`group.py`): whoever finds no
+commit in flight commits everything queued so far in one transaction, while each caller
+awaits its own result. Open sessions stay folded in memory (so an append never re-reads history).
 A commit folds its batch before it takes the writers' lock, while other processes write
 theirs; under the lock it compares the log's last position with the last one this writer
 wrote, forgets any session another process appended to since, and folds the batch again
@@ -11,7 +11,6 @@ if what it folded moved.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -31,6 +30,7 @@ from trialledger.core import (
 )
 from trialledger.core.canonical import GENESIS, canonical_text, chain_hash
 from trialledger.store.engine import Engines
+from trialledger.store.group import GroupCommit, Waiter
 from trialledger.store.log import (
     CATCH_UP_PG,
     CATCH_UP_ROWS,
@@ -118,7 +118,7 @@ Fence = tuple[str, str]  # (trial_id, lease token): appends only while the lease
 
 
 @dataclass(eq=False)
-class Request:
+class Request(Waiter):
     """One caller's append, waiting for the commit that carries it."""
 
     session_id: str
@@ -129,21 +129,6 @@ class Request:
     folded: Session | None = None  # a whole log the machine just folded, decisions derived
     fence: Fence | None = None  # a job trial's lease, checked in the commit's transaction
     result: list[StoredEvent] | None = None
-    error: BaseException | None = None
-    done: bool = False
-    wake: asyncio.Future[None] | None = None  # made when the request waits for a leader
-
-
-# A waiting caller sleeps on a bare asyncio future, not an `anyio.Event` (which builds an
-# asyncio event and looks up the running library per request): the store runs on asyncio
-# only (its drivers do), and a wake-up per appended event is on the hot path.
-def _wake(request: Request) -> None:
-    if request.wake is not None and not request.wake.done():  # (done: it was cancelled)
-        request.wake.set_result(None)
-
-
-def _woken(request: Request) -> bool:
-    return request.wake is not None and request.wake.done() and not request.wake.cancelled()
 
 
 def _same_content(a: Event, b: Event) -> bool:
@@ -166,71 +151,17 @@ class Writer:
         self.engines = engines
         self.open: dict[str, OpenSession] = {}
         self.secrets: dict[str, tuple[str, ...]] = {}
-        self._pending: list[Request] = []
-        self._leading = False  # a caller is committing the queue
+        self.queue: GroupCommit[Request] = GroupCommit(self._commit)
         self._lock = anyio.Lock()  # held by `rebuild` against concurrent commits
         self._last_position: int | None = None  # the log's end after our last commit
         self._insert_event = engines.driver_sql("events", EVENT_COLUMNS)
         self._postgres = engines.dialect == "postgresql"
 
     async def submit(self, request: Request) -> list[StoredEvent]:
-        """Queue an append and wait for the commit that carries it.
-
-        One caller at a time leads: it commits everything queued, in batches, until its own
-        request is done, then hands the lead to the oldest waiting request. The others
-        sleep on their own request, so a commit wakes exactly the callers it served. A
-        caller cancelled while its request is still queued takes it back out (nothing of
-        it is written), and passes the lead on if it had been handed it.
-        """
-        self._pending.append(request)
-        if self._leading:
-            request.wake = asyncio.get_running_loop().create_future()
-            try:
-                await request.wake
-            except BaseException:
-                if self._withdraw(request) and _woken(request):  # it was to lead next
-                    self._hand_off()
-                raise
-        if not request.done:
-            self._leading = True
-            try:
-                while not request.done:
-                    await self._gather()
-                    batch, self._pending = self._pending, []
-                    with anyio.CancelScope(shield=True):  # a cancelled leader never aborts others
-                        await self._commit(batch)
-                    for served in batch:
-                        if served is not request:
-                            _wake(served)
-            except BaseException:
-                self._withdraw(request)  # cancelled while gathering: it would lead itself next
-                raise
-            finally:
-                self._hand_off()
-        if request.error is not None:
-            raise request.error
+        """Queue an append and wait for the commit that carries it (`GroupCommit`)."""
+        await self.queue.submit(request)
         assert request.result is not None
         return request.result
-
-    async def _gather(self) -> None:
-        """Let the callers a commit just woke queue their next appends (the group commit)."""
-        queued = -1
-        while queued != len(self._pending):
-            queued = len(self._pending)
-            await anyio.sleep(0)
-
-    def _withdraw(self, request: Request) -> bool:
-        """Take a request not yet in a commit back out of the queue; whether it was there."""
-        if request in self._pending:
-            self._pending.remove(request)
-            return True
-        return False
-
-    def _hand_off(self) -> None:
-        if self._pending:
-            _wake(self._pending[0])  # it finds its request not done, and leads
-        else:
-            self._leading = False
 
     async def _commit(self, batch: list[Request]) -> None:
         touched: dict[str, OpenSession] = {}

@@ -145,13 +145,13 @@ async def test_a_cancelled_waiting_append_writes_nothing_and_holds_no_one_up(
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ledger.append, sid, [LAUNCH])
-                await until(lambda: writer._leading and not writer._pending)
+                await until(lambda: writer.queue.leading and not writer.queue.pending)
                 tg.start_soon(cancelled)
-                await until(lambda: len(writer._pending) == 1)
+                await until(lambda: len(writer.queue.pending) == 1)
                 waiting.cancel()
                 await gone.wait()
                 tg.start_soon(ledger.append, sid, [TURN])
-                await until(lambda: any(r.events[0].at == TURN["at"] for r in writer._pending))
+                await until(lambda: any(r.events[0].at == TURN["at"] for r in writer.queue.pending))
                 release()
         assert await after_the_seed(ledger, sid) == [(2, LAUNCH["at"]), (3, TURN["at"])]
 
@@ -176,11 +176,11 @@ async def test_a_caller_cancelled_just_as_it_is_handed_the_lead_passes_it_on(
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(lead)
-                await until(lambda: writer._leading and not writer._pending)
+                await until(lambda: writer.queue.leading and not writer.queue.pending)
                 tg.start_soon(cancelled)
-                await until(lambda: len(writer._pending) == 1)
+                await until(lambda: len(writer.queue.pending) == 1)
                 tg.start_soon(ledger.append, sid, [TURN])
-                await until(lambda: len(writer._pending) == 2)
+                await until(lambda: len(writer.queue.pending) == 2)
                 release()
         assert waiting.cancelled_caught
         assert await after_the_seed(ledger, sid) == [(2, LAUNCH["at"]), (3, TURN["at"])]
