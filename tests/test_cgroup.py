@@ -1,4 +1,4 @@
-"""Session limits with cgroup v2 (SPEC §12).
+"""Session limits with cgroups (SPEC §11, §12).
 
 This machine's cgroup v2 hierarchy has none of the cpu, memory and pids controllers (they
 are bound to cgroup v1), and a test must not create cgroups on the host, so what runs here
@@ -65,12 +65,32 @@ def test_the_init_joins_the_cgroup_before_anything_starts(tmp_path: Path) -> Non
     procs, ran = tmp_path / "cgroup.procs", tmp_path / "ran"
     procs.write_text("")
     me = SandboxUser(os.geteuid(), os.getegid())  # no drop: only the join is tested
-    stage = me.staged(ensure_init(), cgroup=procs)
+    stage = me.staged(ensure_init(), cgroups=[procs])
     assert stage[stage.index("--stage") + 1:][:2] == ["--cgroup", str(procs)]
     subprocess.run([*stage, "touch", str(ran)], check=True, timeout=10)
     assert procs.read_text() == "0" and ran.exists()  # "0": the writer itself joins
     ran.unlink()
-    done = subprocess.run([*me.staged(ensure_init(), cgroup=tmp_path / "none" / "procs"),
+    missing = tmp_path / "none" / "procs"
+    done = subprocess.run([*me.staged(ensure_init(), cgroups=[missing]),
                            "touch", str(ran)], capture_output=True, text=True, timeout=10)
     assert done.returncode == 125 and "join the cgroup" in done.stderr
     assert not ran.exists()  # a sandbox that cannot be held is not started
+
+
+def test_without_any_pids_controller_the_shared_limit_is_said(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner with neither a delegated folder nor (root) a v1 hierarchy: nothing is made,
+    and the session's record says its process limit is the uid's, shared."""
+    monkeypatch.setattr(cgroup, "v1_hierarchies", lambda: {})
+    made, why = cgroup.hold({}, "s" * 16, {})
+    assert made is None and why is not None and "shared" in why
+    made, why = cgroup.hold({"cpus": 1}, "s" * 16, {})
+    assert made is None and why is not None and "TRIALLEDGER_CGROUP is unset" in why
+
+
+def test_v1_files_are_written_in_an_order_the_kernel_takes() -> None:
+    files = cgroup.settings_v1({"cpus": 0.5, "memory_mb": 64, "pids": 10})
+    assert list(files["cpu"]) == ["cpu.cfs_period_us", "cpu.cfs_quota_us"]
+    assert files["cpu"]["cpu.cfs_quota_us"] == "50000"
+    assert list(files["memory"]) == ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
+    assert files["pids"] == {"pids.max": "10"}

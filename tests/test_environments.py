@@ -356,19 +356,23 @@ def test_an_unavailable_engine_is_named(monkeypatch: pytest.MonkeyPatch) -> None
         environments.pick_engine()
 
 
-@pytest.mark.parametrize("bwrap, why", [(None, "TRIALLEDGER_CGROUP is unset"),
-                                         (False, "process-group isolation")])
-async def test_requested_limits_are_recorded_and_their_absence_said(
-        tmp_path: Path, bwrap: bool | None, why: str) -> None:
+@pytest.mark.parametrize("isolation", ["bwrap", "process-group"])
+async def test_requested_limits_are_held_by_the_sessions_cgroups(tmp_path: Path,
+                                                                 isolation: str) -> None:
+    """A root runner with no delegated cgroup v2 folder uses the host's cgroup v1
+    hierarchies (these machines mount cpu, memory and pids there)."""
     task = make_task(tmp_path / "task", test_sh="exit 0\n",
                      toml="[environment]\ncpus = 2\nmemory_mb = 512\n")
-    ran = await run_task(str(tmp_path / "t.db"), task, [message()], use_bwrap=bwrap)
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(
+        "grep /trialledger/ /proc/self/cgroup | cut -d: -f2"),
+        message()], isolation=isolation)
     limits = launched(ran).limits
-    assert limits["requested"] == {"cpus": 2, "memory_mb": 512, "pids": None}
-    assert limits["enforced"] is False and why in limits["reason"]
-    gaps = [g for g in ran.view.observations.gaps if g.code == "limits_not_enforced"]
-    assert len(gaps) == 1 and "cpus=2" in (gaps[0].detail or "")
-    assert launched(ran).environment == {"kind": "host", "ref": None, "digest": None}
+    assert limits == {"requested": {"cpus": 2, "memory_mb": 512, "pids": None},
+                      "enforced": True, "reason": None}
+    assert not [g for g in ran.view.observations.gaps if g.code == "limits_not_enforced"]
+    if isolation == "process-group":  # no cgroup namespace: the host's paths show
+        out = ran.view.observations.tool_calls[0].output
+        assert sorted(out.split()) == ["cpu", "memory", "pids"], out
 
 
 async def test_no_requested_limits_are_recorded_as_none(tmp_path: Path) -> None:

@@ -329,7 +329,7 @@ def test_sandbox_refuses_slash_without_bwrap(tmp_path: Path) -> None:
     from trialledger.adapters.sandbox.local import LocalSandbox
 
     with pytest.raises(SandboxRefused, match="overlay"):
-        LocalSandbox(session_key="x" * 8, workdir="/", use_bwrap=False)
+        LocalSandbox(session_key="x" * 8, workdir="/", isolation="process-group")
 
 
 async def test_a_launch_that_cannot_spawn_is_a_lost_sandbox(

@@ -13,6 +13,7 @@ import pytest
 
 from tests.runs import make_task, run_task
 from trialledger.adapters.demo.endpoint import message, shell
+from trialledger.adapters.sandbox.identity import sandbox_user
 from trialledger.adapters.sandbox.local import LocalSandbox, _marked_pids
 
 pytestmark = pytest.mark.anyio
@@ -109,9 +110,11 @@ async def test_the_agent_runs_as_an_unprivileged_user_in_its_own_pid_namespace(
     assert (sandbox.host_work / "ok").exists()
 
 
-@pytest.mark.parametrize("bwrap", [True, False], ids=["bwrap", "process-group"])
-async def test_a_daemonised_grandchild_is_gone_after_the_run(tmp_path: Path, bwrap: bool) -> None:
-    sandbox = LocalSandbox(session_key=f"daemon-{bwrap}", workdir="/app", use_bwrap=bwrap)
+@pytest.mark.parametrize("isolation", ["bwrap", "process-group"])
+async def test_a_daemonised_grandchild_is_gone_after_the_run(tmp_path: Path, isolation: str
+                                                             ) -> None:
+    sandbox = LocalSandbox(session_key=f"daemon-{isolation}", workdir="/app",
+                           isolation=isolation)
     try:
         out, _ = await run_in(sandbox, "setsid nohup sleep 1000 >/dev/null 2>&1 & echo started")
         assert out.strip() == "started"
@@ -165,12 +168,15 @@ async def test_raise_oom_score_adj(tmp_path: Path, raise_it: bool, expected: str
     assert launched.oom_score_adj == (1000 if raise_it else None)
 
 
-async def test_without_bwrap_the_run_falls_back_to_a_process_group(tmp_path: Path) -> None:
+async def test_a_process_group_runs_only_when_asked_and_never_as_root(tmp_path: Path) -> None:
     task = make_task(tmp_path / "task", test_sh='test -f "$TRIALLEDGER_TESTS_DIR/test.sh"\n')
     ran = await run_task(str(tmp_path / "t.db"), task,
-                         [shell("echo hi > made.txt; pwd"), message()], use_bwrap=False)
+                         [shell("echo hi > made.txt; id -u"), message()],
+                         isolation="process-group")
     launched = next(e for e in ran.view.events if e.type == "agent.launched").data
     assert launched.isolation == "process-group"
+    (call,) = ran.view.observations.tool_calls
+    assert call.output.split() == [str(sandbox_user().uid)] and sandbox_user().uid != 0
     assert ran.view.decision.rule == "completed" and ran.view.rewards == {"reward": 1.0}
 
 

@@ -1,13 +1,17 @@
-"""Resource limits with cgroup v2 (SPEC §12).
+"""A cgroup of each session's own: its process limit always, its task's limits when asked
+(SPEC §11 "Processes per session", §12 "Limits").
 
-Where the host delegates a writable cgroup v2 folder to the runner (named by
-`TRIALLEDGER_CGROUP`; with systemd, a unit with `Delegate=yes` whose runner process lives
-in a child), each session that asks for `cpus`, `memory_mb` or `pids` gets a cgroup of its
-own below it: `cpu.max`, `memory.max` (and `memory.swap.max` 0, so swap does not lift the
-limit) and `pids.max` are written before anything starts, every process of the sandbox
-starts inside it (our init joins it before bwrap), and it is killed and removed with the
-session. Elsewhere nothing is moved or created, and the session records why its limits
-were not enforced. The runner never moves itself: it embeds in other services.
+Every sandbox gets a `pids.max` of its own (the task's `pids`, else `DEFAULT_PIDS`), so one
+agent's processes never limit another's: the sandbox user's `RLIMIT_NPROC` counts every
+session of that uid together, and an agent that filled it made other runners' sandboxes
+fail to start. Where the host delegates a writable cgroup v2 folder to the runner (named
+by `TRIALLEDGER_CGROUP`; with systemd, a unit with `Delegate=yes`), the session's cgroup
+is made below it; else a root runner uses the cgroup v1 hierarchies the host mounts, one
+cgroup per hierarchy under a `trialledger` folder inside the runner's own cgroup (so the
+sandbox stays inside whatever holds the runner). The limits are written before anything
+joins; our init joins every one of them before bwrap starts; at the end whatever is left
+inside is killed and the cgroups removed. The runner never moves itself: it embeds in
+other services.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import errno
 import logging
 import os
 import re
+import signal
 import time
 import uuid
 from collections.abc import Mapping
@@ -26,6 +31,8 @@ from pathlib import Path
 DELEGATED_ENV = "TRIALLEDGER_CGROUP"
 CPU_PERIOD_US = 100_000
 CONTROLLERS = {"cpus": "cpu", "memory_mb": "memory", "pids": "pids"}
+DEFAULT_PIDS = 4096  # a session's processes and threads when its task names no `pids`
+V1_PARENT = "trialledger"
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +45,7 @@ def settings(requested: Mapping[str, float]) -> dict[str, str]:
     """The cgroup v2 interface files and values that enforce `requested` (pure)."""
     files: dict[str, str] = {}
     if (cpus := requested.get("cpus")) is not None:
-        quota = max(1_000, round(cpus * CPU_PERIOD_US))  # the kernel's least quota is 1 ms
-        files["cpu.max"] = f"{quota} {CPU_PERIOD_US}"
+        files["cpu.max"] = f"{_quota(cpus)} {CPU_PERIOD_US}"
     if (memory_mb := requested.get("memory_mb")) is not None:
         files["memory.max"] = str(round(memory_mb * 1024 * 1024))
         files["memory.swap.max"] = "0"
@@ -48,16 +54,49 @@ def settings(requested: Mapping[str, float]) -> dict[str, str]:
     return files
 
 
-def _fstype(path: Path) -> str | None:
-    """The file system type of the mount that holds `path` (from /proc/self/mountinfo)."""
-    best, fstype = "", None
+def settings_v1(requested: Mapping[str, float]) -> dict[str, dict[str, str]]:
+    """The cgroup v1 files, per controller, that enforce `requested`, in writing order
+    (pure): the period before the quota, the memory limit before memory+swap."""
+    files: dict[str, dict[str, str]] = {}
+    if (cpus := requested.get("cpus")) is not None:
+        files["cpu"] = {"cpu.cfs_period_us": str(CPU_PERIOD_US),
+                        "cpu.cfs_quota_us": str(_quota(cpus))}
+    if (memory_mb := requested.get("memory_mb")) is not None:
+        limit = str(round(memory_mb * 1024 * 1024))
+        files["memory"] = {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit}
+    if (pids := requested.get("pids")) is not None:
+        files["pids"] = {"pids.max": str(int(pids))}
+    return files
+
+
+def _quota(cpus: float) -> int:
+    return max(1_000, round(cpus * CPU_PERIOD_US))  # the kernel's least quota is 1 ms
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def _mounts() -> list[tuple[str, str, str, list[str]]]:
+    """(root inside its file system, mount point, file system type, super options) of
+    every mount of this process."""
+    found = []
     with open("/proc/self/mountinfo", encoding="utf-8") as mounts:
         for line in mounts:
             fields = line.split()
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
-            inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
-            if inside and len(point) >= len(best):
-                best, fstype = point, fields[fields.index("-") + 1]
+            after = fields[fields.index("-") + 1:]
+            found.append((_unescape(fields[3]), _unescape(fields[4]), after[0],
+                          after[2].split(",") if len(after) > 2 else []))
+    return found
+
+
+def _fstype(path: Path) -> str | None:
+    """The file system type of the mount that holds `path`."""
+    best, fstype = "", None
+    for _, point, kind, _ in _mounts():
+        inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, fstype = point, kind
     return fstype
 
 
@@ -74,6 +113,28 @@ def delegated(environ: Mapping[str, str] = os.environ) -> Path:
     if not os.access(folder, os.W_OK):
         raise LimitsNotEnforced(f"the cgroup {folder} is not writable by the runner")
     return folder
+
+
+def v1_hierarchies() -> dict[str, Path]:
+    """Controller → the runner's own cgroup folder in each mounted cgroup v1 hierarchy
+    that has one of `CONTROLLERS` (empty when not root: those cgroups are root's)."""
+    if os.geteuid() != 0:
+        return {}
+    own: dict[str, str] = {}
+    with open("/proc/self/cgroup", encoding="utf-8") as lines:
+        for line in lines:
+            _, names, path = line.rstrip("\n").split(":", 2)
+            for name in names.split(","):
+                own[name] = path
+    found: dict[str, Path] = {}
+    for root, point, kind, options in _mounts():
+        for controller in set(CONTROLLERS.values()) & set(options):
+            mine = own.get(controller)
+            if kind != "cgroup" or mine is None or controller in found:
+                continue
+            if mine == root or mine.startswith(root.rstrip("/") + "/"):
+                found[controller] = Path(point) / mine[len(root):].lstrip("/")
+    return {name: folder for name, folder in found.items() if os.access(folder, os.W_OK)}
 
 
 def _enable(parent: Path, controllers: set[str]) -> None:
@@ -95,55 +156,132 @@ def _enable(parent: Path, controllers: set[str]) -> None:
                                 f"children of {parent}: {error.strerror}") from None
 
 
+def _make(folder: Path, files: Mapping[str, str]) -> None:
+    """A new cgroup at `folder` with `files` written (a file the kernel lacks, such as
+    swap accounting, is skipped: there is nothing to escape through)."""
+    try:
+        folder.mkdir()
+    except OSError as error:
+        raise LimitsNotEnforced(f"cannot create a session cgroup at {folder}: "
+                                f"{error.strerror}") from None
+    try:
+        for name, value in files.items():
+            if name in ("memory.swap.max", "memory.memsw.limit_in_bytes") \
+                    and not (folder / name).exists():
+                continue
+            (folder / name).write_text(value)
+    except OSError as error:
+        _remove(folder, 0)
+        raise LimitsNotEnforced(f"cannot write the limits of {folder}: "
+                                f"{error.strerror}") from None
+
+
 @dataclass(frozen=True)
 class SessionCgroup:
-    """One session's cgroup: every process of its sandbox runs inside."""
+    """One session's cgroups (one folder per hierarchy): every process of its sandbox runs
+    inside all of them. `held` names the limits they enforce (keys of `CONTROLLERS`)."""
 
-    path: Path
+    paths: tuple[Path, ...]
+    held: frozenset[str]
 
     @property
-    def procs(self) -> Path:
-        """The file a process writes 0 to, to join."""
-        return self.path / "cgroup.procs"
+    def procs(self) -> tuple[Path, ...]:
+        """The files a process writes 0 to, to join."""
+        return tuple(path / "cgroup.procs" for path in self.paths)
 
     @classmethod
     def create(cls, requested: Mapping[str, float], session_key: str,
                environ: Mapping[str, str] = os.environ) -> SessionCgroup:
-        """A new cgroup under the delegated one, its limits written before anyone joins."""
+        """A new cgroup under the delegated cgroup v2 folder, its limits written before
+        anyone joins."""
         parent = delegated(environ)
         _enable(parent, {CONTROLLERS[key] for key in requested if key in CONTROLLERS})
-        path = parent / f"trialledger-{session_key[:16]}-{uuid.uuid4().hex[:8]}"
+        path = parent / _name(session_key)
+        _make(path, settings(requested))
+        return cls((path,), frozenset(requested) & set(CONTROLLERS))
+
+    @classmethod
+    def create_v1(cls, requested: Mapping[str, float], session_key: str,
+                  hierarchies: Mapping[str, Path]) -> SessionCgroup:
+        """New cgroups in the v1 `hierarchies` (controller → the runner's own folder) for
+        the `requested` limits they can hold (each under a `trialledger` folder)."""
+        made: list[Path] = []
+        name = _name(session_key)
         try:
-            path.mkdir()
-        except OSError as error:
-            raise LimitsNotEnforced(f"cannot create a session cgroup under {parent}: "
-                                    f"{error.strerror}") from None
-        group = cls(path)
-        try:
-            for name, value in settings(requested).items():
-                if name == "memory.swap.max" and not (path / name).exists():
-                    continue  # a kernel without swap accounting: no swap to escape through
-                (path / name).write_text(value)
-        except OSError as error:
-            group.remove()
-            raise LimitsNotEnforced(f"cannot write the limits of {path}: "
-                                    f"{error.strerror}") from None
-        return group
+            for controller, files in settings_v1(requested).items():
+                if controller not in hierarchies:
+                    continue
+                parent = hierarchies[controller] / V1_PARENT
+                with contextlib.suppress(FileExistsError):
+                    parent.mkdir()
+                _make(parent / name, files)
+                made.append(parent / name)
+        except LimitsNotEnforced:
+            for path in made:
+                _remove(path, 0)
+            raise
+        held = {key for key, controller in CONTROLLERS.items()
+                if key in requested and controller in hierarchies}
+        return cls(tuple(made), frozenset(held))
 
     def remove(self, timeout_s: float = 2.0) -> None:
-        """Kill whatever is left inside, then remove the cgroup (once it is empty)."""
-        with contextlib.suppress(OSError):
-            (self.path / "cgroup.kill").write_text("1")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.path.rmdir()
+        """Kill whatever is left inside, then remove the cgroups (once they are empty)."""
+        for path in self.paths:
+            _remove(path, timeout_s)
+
+
+def hold(requested: Mapping[str, float], session_key: str,
+         environ: Mapping[str, str] = os.environ) -> tuple[SessionCgroup | None, str | None]:
+    """The session's cgroups for `requested` plus a process limit (the task's `pids`,
+    else `DEFAULT_PIDS`): the delegated cgroup v2 folder's when there is one with every
+    controller, else (root) the cgroup v1 hierarchies'. Also why a limit asked for, or the
+    session's own process limit, is not enforced (None: everything holds)."""
+    wanted = {"pids": float(DEFAULT_PIDS),
+              **{k: v for k, v in requested.items() if k in CONTROLLERS}}
+    try:
+        return SessionCgroup.create(wanted, session_key, environ), None
+    except LimitsNotEnforced as why:
+        reason = str(why)
+    hierarchies = v1_hierarchies()
+    cgroup = None
+    if any(CONTROLLERS[key] in hierarchies for key in wanted):
+        try:
+            cgroup = SessionCgroup.create_v1(wanted, session_key, hierarchies)
+        except LimitsNotEnforced as why:
+            reason = f"{reason}; {why}"
+    missing = sorted(set(wanted) - (cgroup.held if cgroup is not None else set()))
+    if not missing:
+        return cgroup, None
+    if missing == ["pids"] and "pids" not in requested:
+        return cgroup, (f"no pids controller for the session ({reason}): the sandbox "
+                        f"user's process limit is shared by this runner's sessions")
+    if os.geteuid() == 0:
+        reason = f"{reason}; no cgroup v1 hierarchy holds {', '.join(missing)}"
+    return cgroup, reason
+
+
+def _name(session_key: str) -> str:
+    return f"trialledger-{session_key[:16]}-{uuid.uuid4().hex[:8]}"
+
+
+def _remove(path: Path, timeout_s: float) -> None:
+    """Kill every process in the cgroup `path` (cgroup.kill in v2; each listed process in
+    v1), then remove it once it is empty."""
+    with contextlib.suppress(OSError):
+        (path / "cgroup.kill").write_text("1")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            for pid in (path / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            if error.errno != errno.EBUSY or time.monotonic() > deadline:
+                log.warning("the session cgroup %s is left behind: %s", path, error.strerror)
                 return
-            except FileNotFoundError:
-                return
-            except OSError as error:
-                if error.errno != errno.EBUSY or time.monotonic() > deadline:
-                    log.warning("the session cgroup %s is left behind: %s", self.path,
-                                error.strerror)
-                    return
-                time.sleep(0.01)
+            time.sleep(0.01)

@@ -28,7 +28,7 @@ from pathlib import Path
 from trialledger.adapters.sandbox.base import SandboxRefused
 
 SANDBOX_USER = "trialledger-sandbox"
-PROCESS_LIMIT = 8192  # RLIMIT_NPROC of the dedicated sandbox user (cgroups are not ours)
+PROCESS_LIMIT = 8192  # RLIMIT_NPROC of the sandbox user where no session pids cgroup exists
 INIT_SOURCE = Path(__file__).with_name("init.c")
 
 
@@ -45,29 +45,29 @@ class SandboxUser:
         return os.geteuid() != self.uid
 
     def staged(self, init: Path, overlays: Sequence[str] = (), binds: Sequence[str] = (),
-               cgroup: Path | None = None) -> list[str]:
-        """The argv prefix our static init (`init --stage`) makes of a launch: in a private
-        mount namespace, when there is anything to mount, the overlays (options, target)
-        and the read-only binds (source, target); then, as root, the drop to this user (no
-        groups, no new privileges) under a process limit: the dedicated user's processes
-        and threads, all sessions together, stay below `PROCESS_LIMIT`, so a fork bomb in
-        a sandbox cannot exhaust the host. Not root, a user namespace maps us to root for
-        the mounts, and there is nothing to drop. First of all it joins `cgroup` (the
-        session's `cgroup.procs`), when the session has one."""
+               cgroups: Sequence[Path] = (), nproc: int = PROCESS_LIMIT) -> list[str]:
+        """The argv prefix our static init (`init --stage`) makes of a launch: first it
+        joins `cgroups` (each a session cgroup's `cgroup.procs`); in a private mount
+        namespace, when there is anything to mount, the overlays (options, target) and the
+        read-only binds (source, target); then, as root, the drop to this user (no groups,
+        no new privileges) under the process limit `nproc`: the dedicated user's processes
+        and threads, all sessions together, where no pids cgroup of the session's own
+        holds them; 0 when one does, so no other session's processes count against this
+        one. Not root, a user namespace maps us to root for the mounts, and there is
+        nothing to drop."""
         mounting = bool(overlays or binds)
-        if not self.switches and not mounting and cgroup is None:
+        if not self.switches and not mounting and not cgroups:
             return []
         namespace: list[str] = []
-        options = ["--drop", str(self.uid), str(self.gid), str(PROCESS_LIMIT)] \
-            if self.switches else []
+        options = ["--drop", str(self.uid), str(self.gid), str(nproc)] if self.switches else []
         if mounting and os.geteuid() == 0:
             options.insert(0, "--mount-ns")
         elif mounting:
             namespace = ["unshare", "--user", "--map-root-user", "--mount", "--propagation",
                          "private", "--"]
-        if cgroup is not None:
-            options[:0] = ["--cgroup", str(cgroup)]
-        return [*namespace, str(init), "--stage", *options, *overlays, "--", *binds, "--"]
+        joins = [option for procs in cgroups for option in ("--cgroup", str(procs))]
+        return [*namespace, str(init), "--stage", *joins, *options, *overlays, "--", *binds,
+                "--"]
 
 
 def sandbox_user(uid: int | None = None) -> SandboxUser:
@@ -121,7 +121,8 @@ def libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where the runner keeps what it builds for the sandbox (the init, Codex's copy)."""
     if os.geteuid() == 0:
         return Path("/var/cache/trialledger")
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -131,7 +132,7 @@ def _cache_dir() -> Path:
 def init_path() -> Path:
     """Where the init for this source lives (built or not)."""
     digest = hashlib.sha256(INIT_SOURCE.read_bytes()).hexdigest()[:16]
-    return _cache_dir() / f"init-{digest}"
+    return cache_dir() / f"init-{digest}"
 
 
 def ensure_init() -> Path:

@@ -12,12 +12,13 @@
  * Before bwrap, as the runner, it also stages the sandbox: in a private mount namespace
  * of its own (--mount-ns) it makes the session's overlays and the read-only binds of what
  * the sandbox user may not read, drops to that user (--drop: no groups, no new
- * privileges, a process limit), then execs bwrap -- one program start where `unshare`,
- * a shell, a `mount` per mount, `setpriv` and `prlimit` took several. With --cgroup it
- * first joins the session's cgroup (writes 0 to its cgroup.procs), so that everything
- * the sandbox starts is held by the session's limits:
+ * privileges, a process limit unless NPROC is 0), then execs bwrap -- one program start
+ * where `unshare`, a shell, a `mount` per mount, `setpriv` and `prlimit` took several.
+ * With --cgroup (once per hierarchy) it first joins the session's cgroups (writes 0 to
+ * each cgroup.procs), so that everything the sandbox starts is held by the session's
+ * limits:
  *
- *     init --stage [--cgroup PROCS] [--mount-ns] [--drop UID GID NPROC]
+ *     init --stage [--cgroup PROCS]... [--mount-ns] [--drop UID GID NPROC]
  *          [OPTIONS TARGET]... -- [SOURCE TARGET]... -- COMMAND ARGS...
  *
  * Built by `trialledger setup` or on first use: gcc -static -O2 -o init init.c
@@ -76,13 +77,19 @@ static int stage_failed(const char *what, const char *target) {
     return 125;
 }
 
-/* The sandbox user: a process limit (its processes and threads, all sessions together),
- * no supplementary groups, every uid and gid its own, and no new privileges. */
+/* The sandbox user: no supplementary groups, every uid and gid its own, no new
+ * privileges, and a process limit: NPROC (its processes and threads, all sessions
+ * together) where no pids cgroup of the session's own holds it, else (0) the highest we
+ * may set, so that other sessions' processes do not count against this one. */
 static int drop(const char *uid_text, const char *gid_text, const char *nproc_text) {
     uid_t uid = (uid_t)strtoul(uid_text, NULL, 10);
     gid_t gid = (gid_t)strtoul(gid_text, NULL, 10);
     rlim_t nproc = (rlim_t)strtoul(nproc_text, NULL, 10);
     struct rlimit limit = {nproc, nproc};
+    if (nproc == 0 && getrlimit(RLIMIT_NPROC, &limit) == 0)
+        limit.rlim_cur = limit.rlim_max; /* as high as we may: raising the hard limit
+                                             needs CAP_SYS_RESOURCE, which a container's
+                                             root may lack */
     if (uid == 0)
         return stage_failed("--drop to uid", "0");
     if (setrlimit(RLIMIT_NPROC, &limit) != 0)
@@ -96,12 +103,12 @@ static int drop(const char *uid_text, const char *gid_text, const char *nproc_te
     return 0;
 }
 
-/* [--cgroup PROCS] [--mount-ns] [--drop UID GID NPROC], overlays (mount options, target) up to "--", then
+/* [--cgroup PROCS]... [--mount-ns] [--drop UID GID NPROC], overlays (mount options, target) up to "--", then
  * read-only binds (source, target) up to "--", then exec the command. */
 static int stage(int argc, char **argv) {
     int i = 2, failed;
     char **user = NULL;
-    if (i + 1 < argc && strcmp(argv[i], "--cgroup") == 0) {
+    while (i + 1 < argc && strcmp(argv[i], "--cgroup") == 0) {
         int fd = open(argv[i + 1], O_WRONLY | O_CLOEXEC);
         if (fd < 0 || write(fd, "0", 1) != 1)
             return stage_failed("join the cgroup of", argv[i + 1]);
@@ -127,7 +134,7 @@ static int stage(int argc, char **argv) {
             mount(NULL, argv[i + 1], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY, NULL) != 0)
             return stage_failed("mount --bind -o ro on", argv[i + 1]);
     if (++i >= argc) {
-        fprintf(stderr, "usage: init --stage [--cgroup PROCS] [--mount-ns] "
+        fprintf(stderr, "usage: init --stage [--cgroup PROCS]... [--mount-ns] "
                         "[--drop UID GID NPROC] [OPTIONS TARGET]... -- [SOURCE TARGET]... "
                         "-- COMMAND...\n");
         return 125;

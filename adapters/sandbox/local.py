@@ -1,4 +1,4 @@
-"""The local sandbox (SPEC §11): bubblewrap when it can sandbox, else a process group.
+"""The local sandbox (SPEC §11): bubblewrap, or a process group only when asked for.
 
 Under **bwrap** the agent runs as the unprivileged sandbox user (never mapped to host
 root; `identity.py`), with every capability dropped, no nested user namespaces and a
@@ -17,9 +17,13 @@ When the runner is root, every mount source that is not world-readable (the Code
 binary, the tests, granted paths) is first bound read-only onto a staging folder in a
 private mount namespace, so the sandbox user can bind it without reading the host.
 
-Without bwrap the agent runs in its own process group, every process carrying the
-`TRIALLEDGER_SUPERVISOR` marker; cleanup kills the stragglers the marker finds. That mode
-does not stop the agent from writing outside its workdir (`isolation` says which ran).
+bwrap's ability to sandbox is checked before every session, exactly as the session will
+run (as the sandbox user, in its cgroups), and a failure is checked once more: a bwrap that
+cannot sandbox refuses the session, never falls back. Only when the operator asks for
+`isolation="process-group"` does the agent run in its own process group instead — still
+as the sandbox user, never as root — every process carrying the `TRIALLEDGER_SUPERVISOR`
+marker; cleanup kills the stragglers the marker finds. That mode does not stop the agent
+from writing outside its workdir, and every session records it (`isolation`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,8 +64,13 @@ from trialledger.adapters.sandbox.bwrap import (
     bwrap_argv,
     mounts,
 )
-from trialledger.adapters.sandbox.cgroup import CONTROLLERS, LimitsNotEnforced, SessionCgroup
-from trialledger.adapters.sandbox.identity import SandboxUser, ensure_init, sandbox_user
+from trialledger.adapters.sandbox.cgroup import CONTROLLERS, SessionCgroup, hold
+from trialledger.adapters.sandbox.identity import (
+    PROCESS_LIMIT,
+    SandboxUser,
+    ensure_init,
+    sandbox_user,
+)
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 
@@ -68,39 +78,30 @@ log = logging.getLogger(__name__)
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 FOLDER_PREFIX = "trialledger-"
 LOCK = ".session-lock"
-_warned_no_bwrap = False
-
-_bwrap_checked: dict[int, str | None] = {}
+ISOLATIONS = ("bwrap", "process-group")
+RECHECK_AFTER_S = 0.2
 _overlays_made: set[tuple[int, int]] = set()  # (lower's device, upper's): overlays work
 
 
-def bwrap_problem(user: SandboxUser) -> str | None:
-    """Why bwrap cannot sandbox here as `user` (None: it can). Checked once per user: a
-    missing bwrap, no user namespaces, or a seccomp/AppArmor policy that forbids them."""
-    if user.uid not in _bwrap_checked:
-        if shutil.which("bwrap") is None:
-            problem: str | None = "bwrap is not installed (apt-get install bubblewrap)"
-        else:
-            done = subprocess.run(
-                [*(user.staged(ensure_init()) if user.switches else []), "bwrap",
-                 "--unshare-user", "--disable-userns",
-                 "--cap-drop", "ALL", "--unshare-pid", "--as-pid-1", "--ro-bind", "/", "/", "true"],
-                capture_output=True, text=True, check=False)
-            problem = None if done.returncode == 0 else (
-                f"bwrap cannot create its namespaces here: {done.stderr.strip()[-200:]}")
-        _bwrap_checked[user.uid] = problem
-    return _bwrap_checked[user.uid]
-
-
-def bwrap_available(user: SandboxUser | None = None) -> bool:
-    """Whether bwrap can sandbox as `user` (said once when it cannot)."""
-    global _warned_no_bwrap
-    problem = bwrap_problem(user or sandbox_user())
-    if problem is not None and not _warned_no_bwrap:
-        _warned_no_bwrap = True
-        log.warning("%s: falling back to process-group isolation, which does not confine "
-                    "the agent (isolation: process-group)", problem)
-    return problem is None
+def bwrap_problem(user: SandboxUser, cgroups: Sequence[Path] = (),
+                  nproc: int = PROCESS_LIMIT) -> str | None:
+    """Why bwrap cannot sandbox here as `user` (None: it can): a missing bwrap, no user
+    namespaces, or a seccomp/AppArmor policy that forbids them. Run as a session runs (the
+    drop to `user` under `nproc`, joined to `cgroups`) and, when it fails, once more: a
+    transient failure (another session's processes filling a shared limit, say) is
+    never taken for the machine's, and nothing is cached."""
+    if shutil.which("bwrap") is None:
+        return "bwrap is not installed (apt-get install bubblewrap)"
+    command = [*user.staged(ensure_init(), cgroups=cgroups, nproc=nproc), "bwrap",
+               "--unshare-user", "--disable-userns", "--cap-drop", "ALL", "--unshare-pid",
+               "--as-pid-1", "--ro-bind", "/", "/", "true"]
+    for attempt in range(2):
+        if attempt:
+            time.sleep(RECHECK_AFTER_S)
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode == 0:
+            return None
+    return f"bwrap cannot create its namespaces here: {done.stderr.strip()[-200:]}"
 
 
 def _contains(outer: Path, inner: Path) -> bool:
@@ -166,7 +167,7 @@ class LocalSandbox:
         codex: CodexInstall | None = None,
         readonly_paths: Sequence[Path] = (),
         protected_paths: Sequence[Path] = (),
-        use_bwrap: bool | None = None,
+        isolation: str = "bwrap",
         raise_oom_score_adj: bool = False,
         verifier_root: str = "agent",
         sandbox_uid: int | None = None,
@@ -177,24 +178,13 @@ class LocalSandbox:
         self.workdir = workdir
         self.environment = environment
         self.image = environment if environment.root is not None else None
-        user = sandbox_user(sandbox_uid) if use_bwrap is not False else None
-        bwrap = user is not None and (use_bwrap or bwrap_available(user))
-        if use_bwrap and user is not None and (problem := bwrap_problem(user)):
-            raise SandboxRefused(problem)
-        self.isolation = "bwrap" if bwrap else "process-group"
-        self.user = user if bwrap and user else SandboxUser(os.geteuid(), os.getegid())
+        if isolation not in ISOLATIONS:
+            raise SandboxRefused(f"isolation {isolation!r}: expected bwrap or process-group")
+        self.isolation = isolation
+        self.user = sandbox_user(sandbox_uid)  # never host root, in either isolation
         self.overlay = workdir == "/" or self.image is not None
-        if self.image is not None and not bwrap:
-            problem = bwrap_problem(user) if user is not None else "bwrap was turned off"
-            raise SandboxRefused(f"the task's {environment.kind} environment needs bwrap, "
-                                 f"which cannot sandbox here: {problem}")
-        if self.overlay and not bwrap:
-            raise SandboxRefused("workdir / needs a per-session overlay, which needs bwrap "
-                                 "(apt-get install bubblewrap); refusing to let the agent "
-                                 "write to the host's root")
-        if network is not None and network.isolated and not bwrap:
-            raise SandboxRefused("allow_internet = false needs a private network namespace, "
-                                 "which needs bwrap (apt-get install bubblewrap)")
+        if isolation == "process-group":
+            self._refuse_unconfined(environment, network)
         self.network = network
         if verifier_root == "pristine" and workdir == "/":
             raise SandboxRefused("verifier_root = pristine needs a workdir other than /")
@@ -215,11 +205,40 @@ class LocalSandbox:
         self.cgroup: SessionCgroup | None = None
         self.limits_reason: str | None = None
         try:
-            self._hold_limits()
+            self.cgroup, self.limits_reason = hold(self.limits, self.marker)
+            if isolation == "bwrap" and (problem := bwrap_problem(
+                    self.user, self._cgroup_procs, self._nproc)) is not None:
+                raise SandboxRefused(f"{problem} (refusing to run the agent unconfined; "
+                                     f"--isolation process-group runs it without a sandbox)")
             self._lay_out(workspace)
         except BaseException:
             self.discard()
             raise
+        if isolation == "process-group":
+            log.warning("session %s runs in a process group as uid %d, not in a sandbox "
+                        "(isolation: process-group)", session_key, self.user.uid)
+
+    def _refuse_unconfined(self, environment: Environment, network: Network | None) -> None:
+        """What a process group cannot do safely: an image, workdir /, a private network."""
+        if self.image is not None:
+            raise SandboxRefused(f"the task's {environment.kind} environment needs bwrap; "
+                                 f"--isolation process-group cannot run it")
+        if self.overlay:
+            raise SandboxRefused("workdir / needs a per-session overlay, which needs bwrap; "
+                                 "refusing to let the agent write to the host's root")
+        if network is not None and network.isolated:
+            raise SandboxRefused("allow_internet = false needs a private network namespace, "
+                                 "which needs bwrap; --isolation process-group cannot run it")
+
+    @property
+    def _cgroup_procs(self) -> tuple[Path, ...]:
+        return self.cgroup.procs if self.cgroup is not None else ()
+
+    @property
+    def _nproc(self) -> int:
+        """The sandbox user's process rlimit for this session: none (0) when a pids cgroup
+        of the session's own holds its processes, else the shared `PROCESS_LIMIT`."""
+        return 0 if self.cgroup is not None and "pids" in self.cgroup.held else PROCESS_LIMIT
 
     def _lay_out(self, workspace: Path | None) -> None:
         self.session_dir = self.root / "home"
@@ -254,24 +273,13 @@ class LocalSandbox:
         if self.overlay:
             self._check_overlay()
 
-    def _hold_limits(self) -> None:
-        """A cgroup of the session's own for its limits, where the host delegates one."""
-        if not self.limits:
-            return
-        if self.isolation != "bwrap":
-            self.limits_reason = "process-group isolation starts no cgroup of the session"
-            return
-        try:
-            self.cgroup = SessionCgroup.create(self.limits, self.marker)
-        except LimitsNotEnforced as why:
-            self.limits_reason = str(why)
-
     def limits_record(self) -> dict[str, Any] | None:
-        """`agent.launched.limits`: what the task asked for, and whether it holds."""
-        if not self.limits:
+        """`agent.launched.limits`: what the task asked for, and whether it holds (also
+        when nothing was asked for but the session has no process limit of its own)."""
+        if not self.limits and self.limits_reason is None:
             return None
         return {"requested": {key: self.limits.get(key) for key in CONTROLLERS},
-                "enforced": self.cgroup is not None, "reason": self.limits_reason}
+                "enforced": self.limits_reason is None, "reason": self.limits_reason}
 
     @property
     def _lower(self) -> Path:
@@ -357,7 +365,7 @@ class LocalSandbox:
             assert self.image is not None and self.image.root is not None
             overlays += self._overlay(self.image.root, f"pristine-{self._verifications}")
         return self.user.staged(self.init, overlays, [str(p) for pair in staged for p in pair],
-                                self.cgroup.procs if self.cgroup is not None else None)
+                                self._cgroup_procs, self._nproc)
 
     def _stage(self, source: Path, staged: list[tuple[Path, Path]]) -> Path:
         """Where bwrap takes `source` from: itself, or (root) a staged read-only bind."""
@@ -446,7 +454,7 @@ class LocalSandbox:
         block_r, block_w = os.pipe() if forwarding else (None, None)
         inner = self._init(command, status_w)
         argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, verifier_logs=verifier_logs,
-                            block_fd=block_r) if bwrap else inner)
+                            block_fd=block_r) if bwrap else [*self._prefix([]), *inner])
         env = {**env, SUPERVISOR_ENV: self.marker}
         try:
             process = await anyio.open_process(
@@ -571,7 +579,7 @@ class LocalSandbox:
             command = [shell, "/tests/test.sh"]
             env = {**self.base_env(), "TRIALLEDGER_VERIFIER_DIR": "/logs/verifier"}
         else:
-            tests = self.tests or Path("/nonexistent")
+            tests = self._unconfined_tests()
             command = ["bash", str(tests / "test.sh")]
             env = {**_minimal_env(), "TRIALLEDGER_VERIFIER_DIR": str(logs),
                    "TRIALLEDGER_TESTS_DIR": str(tests)}
@@ -580,6 +588,18 @@ class LocalSandbox:
                                                   verifier_logs=logs, tails=tails)
         return VerifierRun(code, timed_out, logs, stdout=tails[0].text(),
                            stderr=tails[1].text())
+
+    def _unconfined_tests(self) -> Path:
+        """The tests as a process-group verifier reads them: run as the sandbox user, it
+        gets a copy of its own, made after the agent is gone."""
+        if self.tests is None:
+            return Path("/nonexistent")
+        if not self.user.switches:
+            return self.tests
+        copy = self.root / f"tests-{self._verifications}"
+        shutil.copytree(self.tests, copy, symlinks=True)
+        _chown_tree(copy, self.user)
+        return copy
 
     async def _run_bounded(self, command: list[str], timeout_s: float, *,
                            env: Mapping[str, str], role: Role,
