@@ -271,7 +271,7 @@ def _run_options(args: argparse.Namespace) -> Any:
         model_base_url=args.model_base_url, model=getattr(args, "model", None) or "",
         api_key=api_key, grants=grants, overrides=_parse_set(getattr(args, "set", None) or []),
         codex_bin=args.codex_bin, max_attempts=getattr(args, "max_attempts", 1),
-        sandbox_uid=args.sandbox_uid,
+        sandbox_uid=args.sandbox_uid, isolation=args.isolation,
         protected_paths=_store_files(args.db),
         **({"runner_id": args.runner_id} if args.runner_id else {}),
     )
@@ -726,8 +726,10 @@ def _store_files(db: str) -> list[Path]:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    """Prepare this machine for sandboxed runs: the sandbox user (as root), the static
-    init, and a check that bwrap can sandbox here."""
+    """Prepare this machine for sandboxed runs: the sandbox user and the build user (as
+    root), the static init, and a check that bwrap can sandbox here."""
+    from trialledger.adapters.builder import BUILD_USER, create_build_user
+    from trialledger.adapters.environment import EnvironmentUnavailable
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.sandbox.identity import (
         SANDBOX_USER,
@@ -746,11 +748,16 @@ def cmd_setup(args: argparse.Namespace) -> int:
             user = sandbox_user(args.sandbox_uid)
             out.print(f"sandbox uid {user.uid}")
         out.print(f"sandbox init: {ensure_init()}")
-    except SandboxRefused as error:
+        if os.geteuid() == 0:
+            builder, made = create_build_user()
+            out.print(f"build user {BUILD_USER} (uid {builder.uid}, storage "
+                      f"{builder.storage}) {'created' if made else 'already exists'}")
+    except (SandboxRefused, EnvironmentUnavailable) as error:
         raise Refused(str(error)) from None
     problem = bwrap_problem(user)
     if problem is not None:
-        out.print(f"isolation: process-group ({problem}); workdir / is refused")
+        out.print(f"isolation: bwrap cannot sandbox here ({problem}); runs are refused "
+                  f"unless --isolation process-group")
         return EXIT_FOUND
     out.print("isolation: bwrap")
     return EXIT_OK
@@ -883,6 +890,9 @@ def _with_run_options(p: argparse.ArgumentParser, *, json_help: str, of_job: boo
     p.add_argument("--runner-id", help="this runner's id (default: host-pid)")
     p.add_argument("--json", action="store_true", help=json_help)
     _with_sandbox_uid(p)
+    p.add_argument("--isolation", choices=("bwrap", "process-group"), default="bwrap",
+                   help="bwrap (default; a bwrap that cannot sandbox refuses the run) or "
+                        "process-group: the agent runs unconfined, as the sandbox uid")
     _with_cache(p)
     p.add_argument("--engine", choices=("podman", "docker"),
                    help="the container engine for docker_image and Dockerfile tasks "
@@ -1099,8 +1109,9 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("digest", nargs="*", help="digests (or unique prefixes) to remove")
     prune.set_defaults(handler=cmd_cache)
 
-    p = _command(commands, "setup", help="create the sandbox user (as root), build the "
-                                          "sandbox init, check that bwrap can sandbox")
+    p = _command(commands, "setup", help="create the sandbox and build users (as root), "
+                                          "build the sandbox init, check that bwrap can "
+                                          "sandbox")
     _with_sandbox_uid(p)
     p.set_defaults(handler=cmd_setup)
 

@@ -5,7 +5,8 @@ Sources (`task.toml` `[environment]`, at most one):
     docker_image = "REF"      podman or docker storage: `image inspect` + `save`
     image_archive = "PATH"    an OCI archive or docker-archive tarball
     rootfs = "PATH"           a root filesystem folder or tarball
-    environment/Dockerfile    built with the engine, tagged by its context's sha256
+    environment/Dockerfile    built rootless by the build user (adapters/build.py), tagged
+                              by its context's sha256
 
 Images go through the well-kept tools: `skopeo copy` into an OCI layout, then `umoci unpack
 --rootless` (layers, whiteouts and the image's `User` looked up in its `/etc/passwd`);
@@ -148,14 +149,16 @@ def pick_engine(choice: str | None = None) -> str:
                                  f"(apt-get install podman)")
 
 
-def _tool(argv: Sequence[str], what: str, *, timeout: float = TOOL_TIMEOUT_S) -> str:
-    """Run a tool; its stdout, or one line saying what failed."""
+def _tool(argv: Sequence[str], what: str, *, timeout: float = TOOL_TIMEOUT_S,
+          as_user: Sequence[str] = (), env: dict[str, str] | None = None) -> str:
+    """Run a tool (behind `as_user`, a prefix that switches user, with `env` when given);
+    its stdout, or one line saying what failed."""
     if shutil.which(argv[0]) is None:
         raise EnvironmentUnavailable(f"{what}: {argv[0]} is not installed "
                                      f"(apt-get install {argv[0]})")
     try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, check=False,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
+        done = subprocess.run([*as_user, *argv], capture_output=True, text=True, check=False,
+                              timeout=timeout, stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired:
         raise EnvironmentUnavailable(f"{what}: {argv[0]} ran past {timeout:g} s") from None
     if done.returncode != 0:
@@ -413,21 +416,6 @@ def context_digest(context: Path) -> str:
     return digest.hexdigest()
 
 
-def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | None
-                       ) -> Environment:
-    """Build `environment/Dockerfile` once per context digest, then use it as an image."""
-    context = source.path
-    tag = f"localhost/trialledger-build:{context_digest(context)[:32]}"
-    exists = subprocess.run([engine, "image", "exists" if engine == "podman" else "inspect",
-                             tag], capture_output=True, check=False).returncode == 0
-    if not exists:
-        build = [engine, "build", "-t", tag, "-f", str(context / "Dockerfile"), str(context)]
-        if engine == "podman":
-            build[2:2] = ["--isolation", "chroot"]
-        _tool(build, "environment/Dockerfile build", timeout=source.build_timeout_s)
-    return prepare_engine_image(tag, engine, cache, owner, shown="Dockerfile")
-
-
 # --- root filesystems ---------------------------------------------------------------------
 
 def _pack(folder: Path, cache: Cache) -> Path:
@@ -495,6 +483,8 @@ def prepare(source: Source | None, cache: Cache, *, owner: int | None,
     if source.kind == "docker_image":
         made = prepare_engine_image(source.value, pick_engine(engine), cache, owner)
     elif source.kind == "dockerfile":
+        from trialledger.adapters.build import prepare_dockerfile  # it builds on this module
+
         made = prepare_dockerfile(source, pick_engine(engine), cache, owner)
     elif source.kind == "image_archive":
         made = prepare_archive(source.path, source.value, cache, owner)

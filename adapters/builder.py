@@ -1,0 +1,223 @@
+"""Who builds Dockerfiles (docs/SPEC.md §12): never host root.
+
+A `RUN` step of `podman build --isolation chroot` keeps CAP_SYS_CHROOT and can leave its
+chroot, so a build runs rootless, as a user none of whose ids is privileged on the host:
+- a root runner builds as `trialledger-build`, a system user `trialledger setup` creates
+  (`create_build_user`) with a subordinate range of its own (65,536 ids, far above the
+  session slots) and an engine storage of its own (`/var/lib/trialledger/build`, 0700);
+- a runner that is not root builds as itself, in its own storage, with its own range.
+Inside a `RUN` step root is the build user and every other id one of its range, so an
+escape reaches the host as those ids only; whatever a build leaves running as them is
+killed after it (`sweep`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import pwd
+import signal
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from trialledger.adapters.environment import (
+    DEFAULT_PATH,
+    EnvironmentUnavailable,
+    default_cache_dir,
+)
+
+BUILD_USER = "trialledger-build"
+BUILD_IDS = 65_536
+# Far above the session slots (64 × 65,536 from 2**20), so a later slot range never meets it.
+BUILD_IDS_FLOOR = 1 << 28
+STATE = Path("/var/lib/trialledger")
+STORAGE = STATE / "build"  # the build user's HOME, XDG folders and engine storage
+SCRATCH = STATE / "builds"  # one private folder per build
+SUBIDS = {"subuid": Path("/etc/subuid"), "subgid": Path("/etc/subgid")}
+WHAT = "environment/Dockerfile build"
+
+
+@dataclass(frozen=True)
+class Builder:
+    """Who builds Dockerfiles here, and where its engine keeps images."""
+
+    uid: int
+    gid: int
+    name: str
+    storage: Path | None  # the build user's own; None: the runner's, which builds itself
+    lock: Path  # builds into one storage take turns
+    scratch: Path  # where each build's private folder is made
+
+    @property
+    def as_user(self) -> list[str]:
+        """The prefix that runs a command as the build user (nothing: the runner itself)."""
+        if self.storage is None:
+            return []
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups", "--"]
+
+    def env(self, tmp: Path) -> dict[str, str]:
+        """The build user's environment: nothing of ours, every folder in its storage."""
+        if self.storage is None:
+            return {**os.environ, "TMPDIR": str(tmp)}
+        home = self.storage
+        return {"PATH": DEFAULT_PATH, "HOME": str(home), "USER": self.name,
+                "LOGNAME": self.name, "TMPDIR": str(tmp),
+                "XDG_RUNTIME_DIR": str(home / "run"), "XDG_CONFIG_HOME": str(home / "config"),
+                "XDG_DATA_HOME": str(home / "data"), "XDG_CACHE_HOME": str(home / "cache")}
+
+
+def subordinate_ranges(path: Path, name: str, uid: int) -> list[tuple[int, int]]:
+    """The (start, count) ranges `/etc/subuid` or `/etc/subgid` gives a user."""
+    return [(start, count) for who, start, count in _entries(path) if who in (name, str(uid))]
+
+
+def _entries(path: Path) -> list[tuple[str, int, int]]:
+    found = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            fields = line.strip().split(":")
+            if len(fields) == 3 and fields[1].isdigit() and fields[2].isdigit():
+                found.append((fields[0], int(fields[1]), int(fields[2])))
+    return found
+
+
+def build_user() -> Builder:
+    """Who builds: the runner itself when not root (with a range of its own), else the
+    build user `trialledger setup` made — never root."""
+    if os.geteuid() != 0:
+        uid, gid = os.geteuid(), os.getegid()
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            name = str(uid)
+        if not all(subordinate_ranges(path, name, uid) for path in SUBIDS.values()):
+            raise EnvironmentUnavailable(
+                f"{WHAT}: {name} has no subordinate ids in /etc/subuid and /etc/subgid, which "
+                f"a rootless build needs (add a range, or build as root after `trialledger "
+                f"setup`)")
+        return Builder(uid, gid, name, None, default_cache_dir() / "build.lock",
+                       Path(tempfile.gettempdir()))
+    try:
+        entry = pwd.getpwnam(BUILD_USER)
+    except KeyError:
+        raise EnvironmentUnavailable(f"{WHAT}: there is no {BUILD_USER} user to build as "
+                                     f"(builds never run as root): run `trialledger setup`"
+                                     ) from None
+    if entry.pw_uid == 0 or entry.pw_gid == 0:
+        raise EnvironmentUnavailable(f"{WHAT}: the {BUILD_USER} user must be unprivileged")
+    for path in SUBIDS.values():
+        if not any(count >= BUILD_IDS for _, count in
+                   subordinate_ranges(path, BUILD_USER, entry.pw_uid)):
+            raise EnvironmentUnavailable(f"{WHAT}: {BUILD_USER} has no range in {path}: run "
+                                         f"`trialledger setup`")
+    _prepare_storage(entry.pw_uid, entry.pw_gid)
+    return Builder(entry.pw_uid, entry.pw_gid, BUILD_USER, STORAGE, STATE / "build.lock",
+                   SCRATCH)
+
+
+def create_build_user() -> tuple[Builder, bool]:
+    """Create the build user, its subordinate range and its storage where missing (root
+    only; an existing range is kept); the builder, and whether anything was created."""
+    if os.geteuid() != 0:
+        raise EnvironmentUnavailable("only root creates (and needs) the build user")
+    created = False
+    try:
+        entry = pwd.getpwnam(BUILD_USER)
+    except KeyError:
+        _useradd()
+        entry = pwd.getpwnam(BUILD_USER)
+        created = True
+    missing = [file for file, path in SUBIDS.items() if not any(
+        count >= BUILD_IDS for _, count in subordinate_ranges(path, BUILD_USER, entry.pw_uid))]
+    if missing:
+        start = free_range_start()  # one start, free in both files
+        ids = f"{start}-{start + BUILD_IDS - 1}"
+        _setup_tool(["usermod", *(a for file in missing for a in (f"--add-{file}s", ids)),
+                     BUILD_USER])
+        created = True
+    return build_user(), created
+
+
+def free_range_start() -> int:
+    """The first 65,536-aligned start at or above 2**28 whose 65,536 ids meet no entry of
+    /etc/subuid or /etc/subgid (anyone's) and no user's or group's id."""
+    taken = [(start, start + count) for path in SUBIDS.values()
+             for _, start, count in _entries(path)]
+    ids = {e.pw_uid for e in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+    start = BUILD_IDS_FLOOR
+    while (any(low < start + BUILD_IDS and start < high for low, high in taken)
+           or any(start <= i < start + BUILD_IDS for i in ids)):
+        start += BUILD_IDS
+    if start + BUILD_IDS > 1 << 32:
+        raise EnvironmentUnavailable("no free subordinate id range for the build user")
+    return start
+
+
+def _useradd() -> None:
+    command = ["useradd", "--system", "--no-create-home", "--home-dir", str(STORAGE),
+               "--shell", "/usr/sbin/nologin", "--user-group", BUILD_USER]
+    with contextlib.suppress(KeyError):
+        grp.getgrnam(BUILD_USER)
+        command[-2:-1] = ["--gid", BUILD_USER]
+    _setup_tool(command)
+
+
+def _setup_tool(argv: Sequence[str]) -> None:
+    done = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise EnvironmentUnavailable(f"{argv[0]} {BUILD_USER} failed: {done.stderr.strip()}")
+
+
+def _own(folder: Path, uid: int, gid: int, mode: int) -> None:
+    """Make `folder` (never a link) and give it to `uid` with `mode`."""
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=mode)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _prepare_storage(uid: int, gid: int) -> None:
+    try:
+        STATE.parent.mkdir(parents=True, exist_ok=True)
+        _own(STATE, 0, 0, 0o755)
+        _own(SCRATCH, 0, 0, 0o711)
+        _own(STORAGE, uid, gid, 0o700)
+        _own(STORAGE / "run", uid, gid, 0o700)  # XDG_RUNTIME_DIR
+    except OSError as error:
+        raise EnvironmentUnavailable(f"the build storage {STORAGE}: {error.strerror} "
+                                     f"({error.filename})") from None
+
+
+def sweep(builder: Builder) -> None:
+    """Kill whatever still runs as the build user or one of its range: a `RUN` step can
+    leave its group, and nothing of one build may outlive it (never a runner's own)."""
+    if builder.storage is None:
+        return
+    ranges = [(builder.uid, 1), *subordinate_ranges(SUBIDS["subuid"], builder.name,
+                                                    builder.uid)]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            fd = os.pidfd_open(int(pid))  # the process itself, whatever reuses its pid
+            try:
+                if any(start <= uid < start + count for uid in _uids(pid)
+                       for start, count in ranges):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            finally:
+                os.close(fd)
+
+
+def _uids(pid: str) -> list[int]:
+    """A process's real, effective, saved and filesystem uids."""
+    with open(f"/proc/{pid}/status", encoding="utf-8") as status:
+        for line in status:
+            if line.startswith("Uid:"):
+                return [int(field) for field in line.split()[1:]]
+    return []
