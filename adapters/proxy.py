@@ -7,8 +7,13 @@ namespace on a socket the runner opened there), forwards every request to its up
 arrives (SSE unchanged: `Accept-Encoding: identity` upstream, no buffering).
 
 The model's proxy also holds the real API key: Codex is given a per-session token, which
-the proxy requires (401 without it) and replaces with the key, so the key never enters
-the sandbox. No HTTP is parsed by hand here.
+the proxy requires (401 without it, nothing recorded) and replaces with the key, so the key
+never enters the sandbox. It forwards only the routes Codex uses (`MODEL_ROUTES`); what it
+refuses itself — another route (403), a body over `REQUEST_LIMIT` (413), more than
+`CONCURRENT_LIMIT` calls at once (503) — is recorded with an error of
+`core.events.PROXY_REFUSALS`, which no policy reads as the endpoint's failure. Request
+bodies stream upstream as they arrive (never buffered whole), and each proxy has its own
+upstream connection pool. No HTTP is parsed by hand here.
 """
 
 from __future__ import annotations
@@ -16,12 +21,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import logging
 import os
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -30,9 +34,13 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 from aiohttp import web
 
+from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
 from trialledger.core.usage import token_count
 
 REQUEST_LIMIT = 256 * 2**20  # bytes of one request body
+CONCURRENT_LIMIT = 8  # calls one proxy forwards at once (Codex itself makes one or two)
+# (method, path under the upstream's base path): what Codex asks a Responses endpoint.
+MODEL_ROUTES = frozenset({("POST", "/responses"), ("GET", "/models")})
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and what the proxy sets itself.
 DROPPED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
@@ -41,13 +49,16 @@ DROPPED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-au
 
 
 class StreamObserver:
-    """What a model call's answer says, read from its server-sent events as they pass:
-    `response.completed`, the response's id, model, usage and output item types. Bounded:
-    an event over `EVENT_LIMIT` bytes is skipped, never buffered further."""
+    """What a model call's answer says, read as it passes: from its server-sent events
+    (`response.completed`), or with `streamed=False` from a whole JSON body (a response
+    whose `status` is `completed`); the response's id, model, usage and output item types
+    alike. Bounded: an event or a whole body over `EVENT_LIMIT` bytes is skipped, never
+    buffered further, and JSON over `core.boundedjson`'s limits is ignored."""
 
     EVENT_LIMIT = 4 * 2**20
 
-    def __init__(self) -> None:
+    def __init__(self, *, streamed: bool = True) -> None:
+        self.streamed = streamed
         self._pending = bytearray()
         self._skipping = False
         self.completed = False
@@ -58,6 +69,13 @@ class StreamObserver:
 
     def feed(self, chunk: bytes) -> None:
         """Take the next bytes of the answer."""
+        if not self.streamed:
+            if not self._skipping:
+                self._pending += chunk
+            if len(self._pending) > self.EVENT_LIMIT:
+                self._pending.clear()
+                self._skipping = True
+            return
         self._pending += chunk.replace(b"\r\n", b"\n")
         while (end := self._pending.find(b"\n\n")) != -1:
             block = bytes(self._pending[:end])
@@ -70,34 +88,65 @@ class StreamObserver:
             self._pending.clear()
             self._skipping = True
 
+    def finish(self) -> None:
+        """The answer ended cleanly: a whole body is read now."""
+        if self.streamed or self._skipping:
+            return
+        body = _json_object(bytes(self._pending))
+        self._pending.clear()
+        if body is None:
+            return
+        self._response(body)
+        items = body.get("output")
+        for item in items if isinstance(items, list) else ():
+            if isinstance(item, dict):
+                self._item(item)
+        if body.get("status") == "completed":
+            self._completed(body)
+
     WANTED = (b"response.completed", b"response.output_item.done", b"response.created")
 
     def _event(self, block: bytes) -> None:
         if not any(kind in block for kind in self.WANTED):
             return  # the bulk (text deltas) passes unparsed
-        data = b"\n".join(line[5:].lstrip() for line in block.split(b"\n")
-                          if line.startswith(b"data:"))
-        try:
-            event = json.loads(data)
-        except (ValueError, RecursionError):
-            return
-        if not isinstance(event, dict):
+        event = _json_object(b"\n".join(line[5:].lstrip() for line in block.split(b"\n")
+                                        if line.startswith(b"data:")))
+        if event is None:
             return
         kind = event.get("type")
         found = event.get("response")
         response: dict[str, Any] = found if isinstance(found, dict) else {}
+        self._response(response)
+        item = event.get("item")
+        if kind == "response.output_item.done" and isinstance(item, dict):
+            self._item(item)
+        if kind == "response.completed":
+            self._completed(response)
+
+    def _response(self, response: dict[str, Any]) -> None:
         if isinstance(response.get("id"), str):
             self.response_id = response["id"]
         if isinstance(response.get("model"), str):
             self.model = response["model"]
-        item = event.get("item")
-        if kind == "response.output_item.done" and isinstance(item, dict):
-            name = item.get("name")
-            self.output.append(f"function_call:{name}" if item.get("type") == "function_call"
-                               and isinstance(name, str) else str(item.get("type")))
-        if kind == "response.completed":
-            self.completed = True
-            self.usage = _usage(response.get("usage"))
+
+    def _item(self, item: dict[str, Any]) -> None:
+        name = item.get("name")
+        self.output.append(f"function_call:{name}" if item.get("type") == "function_call"
+                           and isinstance(name, str) else str(item.get("type")))
+
+    def _completed(self, response: dict[str, Any]) -> None:
+        self.completed = True
+        self.usage = _usage(response.get("usage"))
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    """A JSON object within `StreamObserver`'s limit and `bounded_loads`' depth, or None
+    for anything else (hostile JSON is refused cheaply, never parsed deep)."""
+    try:
+        found = bounded_loads(data, limit=StreamObserver.EVENT_LIMIT)
+    except UnsafeJSON:
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _usage(raw: object) -> dict[str, int | None] | None:
@@ -126,6 +175,17 @@ class Upstream:
     token: str | None = None  # what the client must present (Bearer); None: anything
     authorization: str | None = None  # what replaces it upstream (None: passed through)
     extra_headers: Mapping[str, str] = field(default_factory=dict)
+    routes: frozenset[tuple[str, str]] | None = None  # (method, path under the base path)
+    # forwarded, e.g. MODEL_ROUTES; None: every request
+
+    def admits(self, method: str, raw_target: str) -> bool:
+        """Whether a request (its method and target exactly as sent) is forwarded. The raw
+        target is compared, so no encoding, dot segment or absolute form slips past."""
+        if self.routes is None:
+            return True
+        path = raw_target.split("?", 1)[0]
+        prefix = urlsplit(self.base_url).path.rstrip("/")
+        return any(method == m and path == prefix + under for m, under in self.routes)
 
     def url_for(self, path_qs: str) -> str:
         """The upstream URL of a request path as the client sent it."""
@@ -160,6 +220,17 @@ _QUIET.addHandler(logging.NullHandler())
 _QUIET.propagate = False
 
 
+def _refusal(status: int, text: str) -> web.Response:
+    """The proxy's own answer; the connection closes, so an unread body is never drained."""
+    answer = web.Response(status=status, text=f"trialledger proxy: {text}")
+    answer.force_close()
+    return answer
+
+
+class _BodyCut(Exception):
+    """The request body was cut: past the limit, or the client went away mid-body."""
+
+
 def _drop(request: web.BaseRequest) -> None:
     """Close the client's connection without an answer (what a dead endpoint does)."""
     if request.transport is not None:
@@ -176,7 +247,8 @@ def trust(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
 
 class SessionProxy:
     """One loopback listener forwarding to one upstream, for one session's life; with a
-    `sink`, every request is reported as a `model.call` (never its body or headers)."""
+    `sink`, every request is reported as a `model.call` (never its body or headers). Each
+    instance has its own upstream connection pool: sessions never share a connection."""
 
     def __init__(self, upstream: Upstream, *, sink: CallSink | None = None) -> None:
         self.upstream = upstream
@@ -184,17 +256,14 @@ class SessionProxy:
         self._runner: web.ServerRunner | None = None
         self._client: aiohttp.ClientSession | None = None
         self._calls = 0
+        self._open = 0  # calls being forwarded now
         self._reports: set[asyncio.Task[None]] = set()
         self.port: int | None = None
 
     async def start(self, listener: socket.socket | None = None) -> int:
         """Serve on `listener` (a bound socket), else on a free loopback port; the port."""
+        # (bodies are streamed, never read whole: aiohttp's client_max_size does not apply)
         server = web.Server(self._forward, access_log=None, logger=_QUIET)
-        # A Responses request carries the whole conversation: far more than aiohttp's
-        # default 1 MiB body cap, so the cap is Codex-sized (still bounded).
-        server.request_factory = lambda message, payload, protocol, writer, task: (
-            web.BaseRequest(message, payload, protocol, writer, task,
-                            asyncio.get_running_loop(), client_max_size=REQUEST_LIMIT))
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         if listener is None:
@@ -205,7 +274,8 @@ class SessionProxy:
         self.port = int(listener.getsockname()[1])
         self._client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(ssl=trust(os.environ.get("SSL_CERT_FILE"),
-                                                     os.environ.get("SSL_CERT_DIR"))),
+                                                     os.environ.get("SSL_CERT_DIR")),
+                                           limit=CONCURRENT_LIMIT),
             auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None, connect=30))
         return self.port
 
@@ -216,20 +286,58 @@ class SessionProxy:
         return hmac.compare_digest(given.encode(), f"Bearer {self.upstream.token}".encode())
 
     async def _forward(self, request: web.BaseRequest) -> web.StreamResponse:
-        if not self._authorized(request):
-            return web.Response(status=401, text="trialledger proxy: not this session's token")
+        if not self._authorized(request):  # weighs nothing: no record, no upstream
+            return _refusal(401, "not this session's token")
         self._calls += 1
         call = {"call": self._calls, "method": request.method, "path": request.path_qs,
                 "started_at": _utc_now(), "http_status": None, "error": None,
                 "last_byte_at": None}
         observer = StreamObserver()
+        refused = self._refused(request)
+        if refused is not None:
+            status, call["error"], text = refused
+            call["http_status"] = status
+            self._report(call, observer)
+            return _refusal(status, text)
+        self._open += 1
         try:
             return await self._relay(request, call, observer)
         except asyncio.CancelledError:
             call["error"] = call["error"] or "client_closed"
             raise
         finally:
+            self._open -= 1
             self._report(call, observer)
+
+    def _refused(self, request: web.BaseRequest) -> tuple[int, str, str] | None:
+        """What the proxy answers itself, before anything goes upstream: (status, the
+        recorded error, text), or None to forward."""
+        if not self.upstream.admits(request.method, request.raw_path):
+            return 403, "refused_path", "not a route Codex uses"
+        if (request.content_length or 0) > REQUEST_LIMIT:
+            return 413, "refused_size", f"a request body is at most {REQUEST_LIMIT} bytes"
+        if self._open >= CONCURRENT_LIMIT:
+            return 503, "refused_concurrency", f"at most {CONCURRENT_LIMIT} calls at once"
+        return None
+
+    @staticmethod
+    async def _body(request: web.BaseRequest, call: dict[str, Any]) -> AsyncIterator[bytes]:
+        """The request body as it arrives, cut (and the call marked) past the limit or
+        when the client goes away mid-body."""
+        sent = 0
+        while True:
+            try:
+                chunk = await request.content.readany()
+            except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError) as error:
+                call["error"] = "client_closed"
+                raise _BodyCut from error
+            if not chunk:
+                return
+            sent += len(chunk)
+            if sent > REQUEST_LIMIT:
+                call["error"] = "refused_size"
+                raise _BodyCut
+            yield chunk
 
     async def _relay(self, request: web.BaseRequest, call: dict[str, Any],
                      observer: StreamObserver) -> web.StreamResponse:
@@ -239,17 +347,23 @@ class SessionProxy:
         if self.upstream.authorization is not None:
             headers["Authorization"] = self.upstream.authorization
         headers.update(self.upstream.extra_headers)
-        body = await request.read()
+        if request.content_length is not None:
+            headers["Content-Length"] = str(request.content_length)
+        body = self._body(request, call) if request.body_exists else None
         try:
             upstream = await self._client.request(
                 request.method, self.upstream.url_for(request.path_qs), headers=headers,
                 data=body, allow_redirects=False)
         except (aiohttp.ClientError, OSError, TimeoutError) as error:
-            call["error"] = _transport_error(error)
+            if call["error"] == "refused_size":  # ours: the upstream only saw a cut body
+                call["http_status"] = 413
+                return _refusal(413, f"a request body is at most {REQUEST_LIMIT} bytes")
+            call["error"] = call["error"] or _transport_error(error)
             _drop(request)  # as if the endpoint itself were unreachable
             return web.Response(status=502)
         try:
             call["http_status"] = upstream.status
+            observer.streamed = upstream.content_type == "text/event-stream"
             answer = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for key, value in upstream.headers.items():
                 if key.lower() not in DROPPED:
@@ -259,7 +373,7 @@ class SessionProxy:
                 try:
                     chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, OSError, TimeoutError) as error:
-                    call["error"] = _transport_error(error)
+                    call["error"] = call["error"] or _transport_error(error)
                     _drop(request)  # the endpoint broke off: so does our answer
                     return answer
                 if not chunk:
@@ -271,6 +385,8 @@ class SessionProxy:
                 except (ConnectionError, RuntimeError):
                     call["error"] = "client_closed"
                     return answer
+            if 200 <= upstream.status < 300:
+                observer.finish()  # a whole response body, read once it is all here
             await answer.write_eof()
             return answer
         finally:

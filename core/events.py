@@ -162,6 +162,11 @@ class AgentLaunchedData(_Data):
 SCHEMA_2_LAUNCH_FIELDS = ("environment", "limits", "model_proxy")
 
 
+# What the proxy answers itself (SPEC §14): such a call never reached the endpoint, so it
+# is never an upstream failure and never the call a claim is weighed against.
+PROXY_REFUSALS = frozenset({"refused_path", "refused_size", "refused_concurrency"})
+
+
 class ModelCallData(_Data):
     """One request Codex made through the session's model proxy (SPEC §14)."""
 
@@ -171,7 +176,7 @@ class ModelCallData(_Data):
     started_at: Timestamp
     ended_at: Timestamp | None = None  # the event's `at`
     http_status: int | None = None
-    error: str | None = None  # an upstream transport error, or `client_closed`
+    error: str | None = None  # upstream transport error, `client_closed`, or a refusal
     completed: bool = False  # the stream reached `response.completed`
     last_byte_at: Timestamp | None = None  # when the endpoint last sent anything
     response_id: str | None = None

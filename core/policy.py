@@ -16,6 +16,7 @@ from trialledger.core.errors import PolicyNameTaken, UnknownPolicy
 from trialledger.core.events import (
     CODEX_STREAM_TYPES,
     ITEM_EVENTS,
+    PROXY_REFUSALS,
     AgentExited,
     AgentLaunched,
     AgentStderr,
@@ -42,9 +43,10 @@ STREAM_TYPES = CODEX_STREAM_TYPES - {"codex.unknown"}  # SPEC §2.2's types
 
 
 def is_responses_call(call: ModelCallData) -> bool:
-    """A `POST …/responses` model call: the ones v3 weighs (SPEC §14)."""
-    return call.method.upper() == "POST" and call.path.split("?", 1)[0].rstrip("/").endswith(
-        "/responses")
+    """A `POST …/responses` model call that reached the endpoint: the ones v3 weighs (SPEC
+    §14); one the proxy refused itself is no evidence about the endpoint."""
+    return call.error not in PROXY_REFUSALS and call.method.upper() == "POST" \
+        and call.path.split("?", 1)[0].rstrip("/").endswith("/responses")
 
 # Markers of a row: a token (not a value) says "take it from the facts or the outcome table".
 COMPUTED: Literal["computed"] = "computed"  # status: as computed from the run

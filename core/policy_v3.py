@@ -2,7 +2,7 @@
 
 A session whose `agent.launched.model_proxy` is true has `model.call` events: the harness's
 own record of every request, which the agent cannot write. v3 is v2 plus, for `POST
-…/responses` calls only:
+…/responses` calls only (and never one the proxy refused itself, `PROXY_REFUSALS`):
 - an endpoint or quota failure, and R5b's reconnect, are believed only when the last call
   failed upstream (408, 429, ≥ 500, a transport error, or an end before
   `response.completed`), with the same status code when the claim names one; an

@@ -127,6 +127,7 @@ def test_config_toml_has_the_provider_grants_and_no_phoning_home() -> None:
     assert config["check_for_update_on_startup"] is False
     assert config["analytics"] == {"enabled": False}
     assert config["history"] == {"persistence": "none"}
+    assert config["shell_environment_policy"] == {"exclude": [API_KEY_ENV]}  # not for tools
     assert config["model_reasoning_effort"] == "high"
     assert config["features"] == {"memories": False}
     assert config["mcp_servers"] == {

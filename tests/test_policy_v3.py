@@ -94,6 +94,21 @@ def test_client_closed_confirms_nothing() -> None:
     assert view.decision.rule == "probe"
 
 
+@pytest.mark.parametrize("refusal", [
+    {"path": "/v1/x/responses", "http_status": 403, "error": "refused_path"},
+    {"http_status": 413, "error": "refused_size"},
+    {"http_status": 503, "error": "refused_concurrency"},
+])
+def test_a_call_the_proxy_refused_itself_is_no_evidence(refusal: dict[str, Any]) -> None:
+    # A tool holding the token: the refused call is the last POST …/responses by number,
+    # yet the proxy answered it itself, so it neither confirms a claim nor is weighed.
+    claim = "stream disconnected before completion: error decoding response body"
+    view = session(failing(claim), [call(1), call(2, completed=False, response_id=None,
+                                                  model=None, output=[], **refusal)])
+    assert (view.decision.rule, view.decision.action) == ("probe", "probe")
+    assert "endpoint_claim_unconfirmed" in gaps(view)
+
+
 def test_a_reconnect_the_proxy_backs_is_r5b_one_it_does_not_is_graded() -> None:
     lines = [*STARTED, json.dumps({"type": "error", "message": REFUSED})]
     backed = session(lines, [call(1, http_status=None, error="refused", completed=False)],

@@ -3,7 +3,8 @@
 The model endpoint is a custom provider (`wire_api = "responses"`); each MCP grant becomes
 `[mcp_servers.<name>]` with its URL, its session token as `http_headers`, `required` and
 `tool_timeout_sec`. Approvals are off and Codex's own sandbox is bypassed (the local
-sandbox isolates it); update checks, analytics and history are off.
+sandbox isolates it); update checks, analytics and history are off; the model key's
+variable is kept out of every tool's environment (`shell_environment_policy`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def codex_config(
         config["model_reasoning_effort"] = settings.reasoning_effort
     config["model_providers"] = {PROVIDER: provider}
     config["history"] = {"persistence": "none"}
+    # The proxy token reaches Codex in its environment (`env_key`); its tools never see it.
+    config["shell_environment_policy"] = {"exclude": [API_KEY_ENV]}
     config["analytics"] = {"enabled": False}
     if settings.features is not None:
         config["features"] = dict(settings.features)

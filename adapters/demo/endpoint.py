@@ -3,8 +3,10 @@
 
 Each `POST /v1/responses` takes the next reply of the script (the last one repeats):
 a streamed assistant message, a `function_call` (so Codex runs a real shell command), an
-HTTP error status, a stream cut before `response.completed`, or a reply that hangs.
-Every request body is kept in `requests`.
+HTTP error status, a stream cut before `response.completed`, or a reply that hangs; a
+request with `"stream": false` gets the reply as one whole response object instead.
+Every request body is kept in `requests`, and every request's method and path in `seen`
+(any other method is answered 501, as the standard library's server does).
 """
 
 from __future__ import annotations
@@ -98,6 +100,14 @@ def sse_events(reply: Reply, n: int) -> list[dict[str, Any]]:
     return events
 
 
+def whole_response(reply: Reply, n: int, model: object) -> dict[str, Any]:
+    """A reply as a non-streamed answer: the whole response object."""
+    items = [e["item"] for e in sse_events(reply, n) if e["type"] == "response.output_item.done"]
+    return {"id": f"resp_{n}", "object": "response", "model": model, "output": items,
+            "status": "incomplete" if reply.kind == "cut" else "completed",
+            "usage": _usage(reply.usage)}
+
+
 class ScriptedEndpoint:
     """The endpoint; use as a context manager. `url` is the provider's base URL."""
 
@@ -116,6 +126,7 @@ class ScriptedEndpoint:
         self.tls = tls
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.seen: list[tuple[str, str]] = []  # every request's (method, path)
         self._lock = threading.Lock()
         endpoint = self
 
@@ -129,6 +140,7 @@ class ScriptedEndpoint:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length)
                 with endpoint._lock:
+                    endpoint.seen.append((self.command, self.path))
                     try:
                         endpoint.requests.append(json.loads(body or b"{}"))
                     except ValueError:
@@ -136,7 +148,15 @@ class ScriptedEndpoint:
                     endpoint.headers.append(dict(self.headers))
                     n = len(endpoint.requests)
                     reply = endpoint._reply(body, n)
-                endpoint._answer(self, reply, n)
+                    asked = endpoint.requests[-1]
+                endpoint._answer(self, reply, n, asked)
+
+            def do_other(self) -> None:
+                with endpoint._lock:
+                    endpoint.seen.append((self.command, self.path))
+                self.send_error(501, f"Unsupported method ({self.command!r})")
+
+            do_GET = do_DELETE = do_PUT = do_PATCH = do_HEAD = do_OPTIONS = do_other
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         if tls is not None:
@@ -162,12 +182,15 @@ class ScriptedEndpoint:
             return f"https://localhost:{port}/v1"
         return f"http://127.0.0.1:{port}/v1"
 
-    def _answer(self, handler: BaseHTTPRequestHandler, reply: Reply, n: int) -> None:
+    def _answer(self, handler: BaseHTTPRequestHandler, reply: Reply, n: int,
+                asked: dict[str, Any]) -> None:
         if reply.kind == "hang":
             time.sleep(reply.seconds)
-        if reply.kind == "status":
-            payload = json.dumps(reply.body).encode()
-            handler.send_response(reply.status)
+        whole = reply.kind != "status" and asked.get("stream") is False
+        if reply.kind == "status" or whole:
+            payload = json.dumps(whole_response(reply, n, asked.get("model")) if whole
+                                 else reply.body).encode()
+            handler.send_response(200 if whole else reply.status)
             handler.send_header("Content-Type", "application/json")
             handler.send_header("Content-Length", str(len(payload)))
             handler.end_headers()
