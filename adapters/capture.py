@@ -7,9 +7,9 @@ its content never reaches an event, and nothing here raises for what the agent d
 
 from __future__ import annotations
 
-import json
 import math
 import os
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,7 @@ from trialledger.adapters.sandbox.agentfiles import (
     UnsafeAgentFile,
 )
 from trialledger.core import scrub
+from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
 
 ROLLOUTS = "sessions"
 ROLLOUT_PATTERNS = ("rollout-*.jsonl", "rollout-*.jsonl.zst")
@@ -57,15 +58,25 @@ def _text_lines(tree: AgentTree, path: str, refused: list[UnsafeAgentFile]
         yield line.decode("utf-8", errors="replace")
 
 
+def refused_lines(path: str, rules: Counter[str]) -> list[UnsafeAgentFile]:
+    """One violation per rule the lines of `path` broke (so a file of a million bad lines
+    is one gap, not a million), with how many lines broke it."""
+    return [UnsafeAgentFile(path, f"{count} line(s) {rule} (skipped)")
+            for rule, count in rules.items()]
+
+
 def usage_events(tree: AgentTree, *, at: str) -> list[dict[str, Any]]:
     """`usage.native` (and gap) events from every rollout, read safely."""
     files, refused = rollouts(tree, ROLLOUT_PATTERNS[0])
     events: list[dict[str, Any]] = []
     for path in files:
+        rules: Counter[str] = Counter()
         try:
-            events += iter_usage_events(_text_lines(tree, path, refused), at=at)
+            events += iter_usage_events(_text_lines(tree, path, refused), at=at,
+                                        refused=rules)
         except UnsafeAgentFile as error:
             refused.append(error)
+        refused += refused_lines(path, rules)
     return events + [_gap(error, at) for error in refused]
 
 
@@ -137,18 +148,22 @@ def read_reward(tree: AgentTree, return_code: int | None, timed_out: bool
 
 
 def _parse_reward(name: str, raw: bytes) -> tuple[str, dict[str, Any]]:
-    """A reward file's value; a malformed one is named, never quoted."""
+    """A reward file's value; a malformed one is named, never quoted (`reward.json` goes
+    through the bounded JSON reader: its depth and numbers are the agent's to choose)."""
+    why = ""
     try:
-        text = raw.decode("utf-8")
         if name == "reward.json":
-            rewards = json.loads(text)
+            rewards = bounded_loads(raw, limit=REWARD_LIMIT)
             if isinstance(rewards, dict) and rewards and all(map(_finite, rewards.values())):
                 return "verification.recorded", {"rewards": rewards, "detail": name}
         else:
-            value = float(text.strip())
+            value = float(raw.decode("utf-8").strip())
             if math.isfinite(value):
                 return "verification.recorded", {"rewards": {"reward": value}, "detail": name}
+    except UnsafeJSON as error:
+        why = "" if error.malformed else f" ({error.rule})"
     except (ValueError, UnicodeDecodeError):
         pass
     shape = "an object of finite numbers" if name == "reward.json" else "one finite number"
-    return "verification.failed", {"reason": "bad_reward", "detail": f"{name} is not {shape}"}
+    return "verification.failed", {"reason": "bad_reward",
+                                   "detail": f"{name} is not {shape}{why}"}

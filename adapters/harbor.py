@@ -20,13 +20,15 @@ anything is stored.
 
 from __future__ import annotations
 
-import json
 import os
 import re
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trialledger.adapters.capture import refused_lines
 from trialledger.adapters.codex.rollout import usage_events
 from trialledger.adapters.codex.stream import parse_stream_line
 from trialledger.adapters.sandbox.agentfiles import AgentTree, LongLine, UnsafeAgentFile
@@ -38,6 +40,7 @@ from trialledger.core import (
     redact,
     replay,
 )
+from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
 from trialledger.store import Ledger
 
 TIMEOUT_ERRORS = frozenset({"AgentTimeoutError"})
@@ -174,12 +177,13 @@ def _at(result: dict[str, Any], *path: str) -> str | None:
 
 def _result(job: AgentTree, trial: str) -> dict[str, Any]:
     try:
-        result = json.loads(job.read(f"{trial}/result.json", RESULT_LIMIT).decode("utf-8"))
+        result = bounded_loads(job.read(f"{trial}/result.json", RESULT_LIMIT),
+                               limit=RESULT_LIMIT)
     except UnsafeAgentFile as error:
         raise HarborJobInvalid(f"trial {trial}: result.json {error.rule}") from None
-    except (ValueError, RecursionError) as error:
-        raise HarborJobInvalid(f"trial {trial}: result.json is not JSON "
-                               f"({type(error).__name__})") from None
+    except UnsafeJSON as error:
+        raise HarborJobInvalid(f"trial {trial}: result.json is {error.rule}" if error.malformed
+                               else f"trial {trial}: result.json: {error.rule}") from None
     if not isinstance(result, dict):
         raise HarborJobInvalid(f"trial {trial}: result.json is not a JSON object")
     return result
@@ -205,6 +209,24 @@ def _text_lines(job: AgentTree, path: str, gaps: list[dict[str, Any]], *,
                          "detail": f"{path} is missing: Codex's stream was not kept, so "
                                    "nothing shows that the agent ran"})
     return lines
+
+
+def _usage_events(job: AgentTree, rollouts: list[str], gaps: list[dict[str, Any]], *,
+                  at: str) -> list[dict[str, Any]]:
+    """Native usage from a trial's rollouts, read as one stream of lines; each rule their
+    lines broke is one gap per file."""
+    rules: dict[str, Counter[str]] = {path: Counter() for path in rollouts}
+    counting: Counter[str] = Counter()  # refused lines of the file being read
+
+    def lines() -> Iterator[str]:
+        for path in rollouts:
+            yield from _text_lines(job, path, gaps)
+            rules[path] += counting  # the reader asked past its last line: all were read
+            counting.clear()
+
+    events = usage_events(lines(), at=at, refused=counting)
+    gaps += [error.gap() for path in rollouts for error in refused_lines(path, rules[path])]
+    return events
 
 
 def trial_events(job: AgentTree, trial: str, *, job_retries: int = 0
@@ -257,9 +279,7 @@ def _trial_events(job: AgentTree, trial: str, result: dict[str, Any], job_retrie
                        "data": {"tail": redact(text, ()), "truncated": len(text) > 2000}})
     rollouts, refused = job.find(f"{trial}/agent/sessions", "rollout-*.jsonl")
     gaps += [error.gap() for error in refused]
-    rollout_lines = [line for path in rollouts
-                     for line in _text_lines(job, path, gaps)]
-    events += usage_events(rollout_lines, at=run_end)
+    events += _usage_events(job, rollouts, gaps, at=run_end)
     events += [{"type": "gap.recorded", "at": run_end, "data": gap} for gap in gaps]
     info = result.get("exception_info") or {}
     kind = info.get("exception_type")
@@ -302,9 +322,10 @@ def trial_folders(job: Path) -> list[str]:
 def job_retries(job: AgentTree) -> int:
     """The job's `n_retries` (0 when its result.json has none or cannot be read)."""
     try:
-        stats = json.loads(job.read("result.json", RESULT_LIMIT)).get("stats", {})
+        stats = bounded_loads(job.read("result.json", RESULT_LIMIT),
+                              limit=RESULT_LIMIT).get("stats", {})
         return int(stats.get("n_retries") or 0)
-    except (UnsafeAgentFile, ValueError, RecursionError, AttributeError, TypeError):
+    except (UnsafeAgentFile, ValueError, AttributeError, TypeError):  # UnsafeJSON among them
         return 0
 
 

@@ -28,7 +28,7 @@ import anyio
 from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
 from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
 from trialledger.adapters.task import Task, TaskInvalid
-from trialledger.store import LeaseLost, Ledger
+from trialledger.store import LeaseLost, Ledger, StoreUnavailable
 from trialledger.store.jobs import Claim, JobRefused, Jobs
 
 log = logging.getLogger(__name__)
@@ -169,21 +169,25 @@ class JobRunner:
 
     async def _hold(self, claim: Claim) -> None:
         """Run a claimed trial while renewing its lease; a lease that cannot be renewed for
-        2/3 of its length stops the trial (another worker may take it over)."""
+        2/3 of its length stops the trial (another worker may take it over). A trial that
+        fails unexpectedly ends alone (`_failed`): never the job nor the trials beside it."""
         settled = False
+        detail = None
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._renew, claim, tg.cancel_scope)
                 try:
                     done = await self._trial(claim)
                 except BaseException as error:
-                    if not _only(error, LeaseLost):
+                    if _only(error, LeaseLost):
+                        log.warning("trial %s was taken over; leaving it", claim.trial_id)
+                        tg.cancel_scope.cancel()  # taken over: another holder's trial now
+                        return
+                    if not _unexpected(error):
                         raise
-                    log.warning("trial %s was taken over; leaving it", claim.trial_id)
-                    tg.cancel_scope.cancel()  # taken over: another holder's trial now
-                    return
+                    done, detail = await self._failed(claim, error)
                 tg.cancel_scope.cancel()
-            settled = await self.jobs.settle(claim, "done")
+            settled = await self.jobs.settle(claim, "done", detail=detail)
             if settled and self.on_trial is not None:
                 said = self.on_trial(done)
                 if said is not None:
@@ -219,6 +223,25 @@ class JobRunner:
         sessions = await runner.continue_trial(claim.trial_id, lease=claim.token)
         return await self._done(claim, sessions, runner.last)
 
+    async def _failed(self, claim: Claim, error: BaseException) -> tuple[TrialDone, str]:
+        """End a trial whose run raised what no rule foresaw: its open sessions closed
+        (`recovered`, evidence kept), the error logged with its traceback, and the reason
+        kept in the queue (`detail`) — the trial is then done, unscored."""
+        detail = f"the trial ended on an unexpected error: {type(error).__name__}: {error}"
+        log.error("trial %s (%s): %s", claim.trial_id, claim.task, detail,
+                  exc_info=(type(error), error, error.__traceback__))
+        sessions: list[dict[str, Any]] = []
+        try:
+            sessions = await self.ledger.sessions(trial_id=claim.trial_id)
+            await self.ledger.recover_sessions([s["session_id"] for s in sessions
+                                                if s["state"] != "closed"])
+            sessions = await self.ledger.sessions(trial_id=claim.trial_id)
+        except Exception as again:  # e.g. an append the store refuses: the next run recovers
+            log.error("trial %s: its sessions could not be closed (%s)", claim.trial_id, again)
+        outcome = (sessions[-1]["outcome"] if sessions else None) or "error"
+        return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome,
+                         [s["session_id"] for s in sessions]), detail[:2000]
+
     async def _done(self, claim: Claim, sessions: list[dict[str, Any]],
                     last: SessionResult | None = None) -> TrialDone:
         outcome = sessions[-1]["outcome"] if sessions else "pending"
@@ -253,6 +276,14 @@ async def worker_runner(ledger: Ledger, name: str, base: RunOptions, **kwargs: A
                               f"machine (run the worker where the task folders are)")
         tasks.append(Task.load(Path(folder)))
     return JobRunner(ledger, name, tasks, options, k=int(config["k"]), **kwargs)
+
+
+def _unexpected(error: BaseException) -> bool:
+    """Whether `error` is one trial's own failure (ended alone), not a cancellation, an
+    interrupt or the store becoming unusable (which stop the whole `job run`)."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(_unexpected(e) for e in error.exceptions)
+    return isinstance(error, Exception) and not isinstance(error, StoreUnavailable)
 
 
 def _only(error: BaseException, kind: type[BaseException]) -> bool:

@@ -190,12 +190,13 @@ class Jobs:
             "WHERE trial_id = :t AND lease_token = :tok AND state = 'running'"),
             {"lease": lease_s, "t": claim.trial_id, "tok": claim.token}).rowcount))
 
-    async def settle(self, claim: Claim, state: str) -> bool:
-        """End our hold: `done`, or `queued` to release the trial to whoever claims next."""
+    async def settle(self, claim: Claim, state: str, *, detail: str | None = None) -> bool:
+        """End our hold: `done`, or `queued` to release the trial to whoever claims next;
+        `detail`: why a trial ended otherwise than by its sessions (an unexpected error)."""
         return await self._atomic(lambda conn: bool(conn.execute(text(
-            "UPDATE job_queue SET state = :s, lease_token = NULL, lease_expires = NULL "
-            "WHERE trial_id = :t AND lease_token = :tok"),
-            {"s": state, "t": claim.trial_id, "tok": claim.token}).rowcount))
+            "UPDATE job_queue SET state = :s, detail = :d, lease_token = NULL, "
+            "lease_expires = NULL WHERE trial_id = :t AND lease_token = :tok"),
+            {"s": state, "d": detail, "t": claim.trial_id, "tok": claim.token}).rowcount))
 
     async def environment_failed(self, job: str, task: str, reason: str) -> None:
         """Mark every unfinished trial of a task whose environment cannot be prepared."""

@@ -502,3 +502,97 @@ async def test_a_worker_whose_grants_differ_from_the_jobs_is_refused(tmp_path: P
         assert joined.options.model == "m" and [t.name for t in joined.tasks] == ["t"]
     stored = (tmp_path / "j.db").read_bytes()
     assert b"job-token" not in stored  # the job keeps a fingerprint, never the secret
+
+
+POISONED_REWARD = ("printf '{\"reward\": %s}' $(head -c 400 /dev/zero | tr '\\0' 1) "
+                   "> verdict.json")
+
+
+def poisoned_dataset(data: Path) -> dict[str, list[Reply]]:
+    """Two honest tasks and one whose agent writes the verdict its verifier hands on as
+    the reward: `{"reward": <400 digits>}`, past every float. The endpoint's replies by
+    turn."""
+    for name in ("clean-a", "clean-b"):
+        make_task(data / name, instruction=f"[task {name}] do it", test_sh="exit 0\n")
+    make_task(data / "poisoned", instruction="[task poisoned] do it",
+              test_sh='cp verdict.json "$TRIALLEDGER_VERIFIER_DIR/reward.json"\n')
+    return {"[task clean-a]": [message("done")], "[task clean-b]": [message("done")],
+            "[task poisoned]": [shell(POISONED_REWARD), message("planted")]}
+
+
+def test_a_poisoned_trial_ends_alone_and_the_honest_ones_are_scored(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    turns = poisoned_dataset(data)
+    db = tmp_path / "jobs.db"
+    with ScriptedEndpoint([message("unrouted")], turns=turns) as endpoint:
+        code = cli.main(["job", "run", "poison", str(data), "-n", "3", "--max-attempts", "2",
+                         *job_args(db, endpoint.url)])
+    assert code == 1, capsys.readouterr().out  # the job ended: one trial unscored
+    trials = {t["task"]: t for t in rows(db, "SELECT * FROM job_trials")}
+    assert all(t["state"] == "done" and t["attempts"] == 1 for t in trials.values()), trials
+    assert trials["clean-a"]["scored"] == trials["clean-b"]["scored"] == 1
+    assert trials["clean-a"]["reward"] == trials["clean-b"]["reward"] == 1.0
+    poisoned = trials["poisoned"]
+    assert (poisoned["scored"], poisoned["outcome"]) == (0, "unverified")  # a bad reward
+    (failed,) = rows(db, "SELECT data FROM events WHERE type = 'verification.failed' AND "
+                         f"session_id = '{poisoned['final_session_id']}'")
+    assert json.loads(failed["data"])["data"]["reason"] == "bad_reward"
+
+
+def test_an_unexpected_error_ends_its_trial_never_the_job(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What no rule foresees (here: the reward reader raising for one trial) ends that
+    trial, recorded — its session closed, the reason in the queue — and nothing else;
+    a resumed job does not run it again."""
+    from trialledger.adapters import capture
+
+    honest = capture.read_reward
+
+    def read_reward(tree: Any, return_code: int | None, timed_out: bool) -> Any:
+        if (tree.root / "boom").exists():
+            raise RuntimeError("the reward reader broke")
+        return honest(tree, return_code, timed_out)
+
+    monkeypatch.setattr(capture, "read_reward", read_reward)
+    data = tmp_path / "data"
+    turns = poisoned_dataset(data)
+    make_task(data / "poisoned", instruction="[task poisoned] do it",
+              test_sh='touch "$TRIALLEDGER_VERIFIER_DIR/boom"\n')
+    db = tmp_path / "jobs.db"
+    with ScriptedEndpoint([message("unrouted")], turns=turns) as endpoint:
+        args = ["job", "run", "boom", str(data), "-n", "3", "--max-attempts", "2",
+                *job_args(db, endpoint.url)]
+        assert cli.main(args) == 1  # a trial ended unscored
+        trials = {t["task"]: t for t in rows(db, "SELECT * FROM job_trials")}
+        assert trials["clean-a"]["scored"] == trials["clean-b"]["scored"] == 1
+        assert all(t["state"] == "done" for t in trials.values()), trials
+        (queued,) = rows(db, "SELECT detail FROM job_queue WHERE task = 'poisoned'")
+        assert "RuntimeError: the reward reader broke" in queued["detail"]
+        sessions = rows(db, "SELECT * FROM sessions WHERE task = 'poisoned'")
+        assert len(sessions) == 1 and sessions[0]["state"] == "closed"
+        assert cli.main(args) == 1  # resumed: nothing left to run
+    assert len(rows(db, "SELECT * FROM sessions")) == 3
+
+
+def _session(attempt: int, close_reason: str, outcome: str | None) -> dict[str, Any]:
+    return {"session_id": f"s{attempt}", "attempt": attempt, "close_reason": close_reason,
+            "outcome": outcome}
+
+
+@pytest.mark.parametrize(("closes", "max_attempts", "runs_again"), [
+    ([], 1, True),
+    (["cancelled"] * 3, 1, True),  # three harness failures: each gave another attempt
+    (["cancelled"] * 4, 1, False),  # a fourth: the trial ends (SPEC §13's cap)
+    (["cancelled", "recovered", "cancelled", "recovered"], 5, False),
+    (["normal", "cancelled", "cancelled", "cancelled"], 2, True),
+    (["normal", "normal"], 2, False),
+])
+def test_uncounted_attempts_are_capped(closes: list[str], max_attempts: int,
+                                       runs_again: bool) -> None:
+    from trialledger.adapters.runner import next_attempt
+
+    sessions = [_session(i + 1, reason, "retry" if reason == "normal" else "interrupted")
+                for i, reason in enumerate(closes)]
+    assert (next_attempt(sessions, max_attempts) is not None) is runs_again

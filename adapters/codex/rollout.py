@@ -8,15 +8,25 @@ that went down (Codex rewrites it when the context window fills), is not a total
 becomes a `native_usage_reset` gap instead. `token_usage_record` lines (0.171) are
 per-call figures, not totals, and are ignored. Both the 0.125 and 0.171 shapes are read
 (the latter adds `ordinal` and `cache_write_input_tokens`); a torn last line is skipped.
+
+A rollout is the agent's to write (SPEC §11): each line goes through the bounded JSON
+reader, and a line over its limits (nested deeper than 64, a non-finite number, an
+integer beyond 64 bits) is skipped and counted in `refused` by the rule it broke.
 """
 
 from __future__ import annotations
 
-import json
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from trialledger.adapters.sandbox.agentfiles import ROLLOUT_LINE_LIMIT
+from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
+
+# The file reader skips lines over ROLLOUT_LINE_LIMIT bytes (SPEC §11); decoding may turn
+# each invalid byte of one into a 3-byte U+FFFD.
+TEXT_LIMIT = 3 * ROLLOUT_LINE_LIMIT
 FIELDS = ("input_tokens", "cached_input_tokens", "output_tokens", "reasoning_output_tokens",
           "total_tokens")
 
@@ -31,12 +41,15 @@ def _counts(raw: Any) -> dict[str, int] | None:
     return counts
 
 
-def _token_counts(lines: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+def _token_counts(lines: Iterable[str], refused: Counter[str]
+                  ) -> Iterator[tuple[str, dict[str, Any]]]:
     for line in lines:
         try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a torn line (Codex flushes each line; the last may be cut)
+            record = bounded_loads(line, limit=TEXT_LIMIT)
+        except UnsafeJSON as error:
+            if not error.malformed:  # a torn line (Codex flushes each; the last may be cut)
+                refused[error.rule] += 1  # is no news; a line over the limits is the agent's
+            continue
         payload = record.get("payload") if isinstance(record, dict) else None
         if (isinstance(payload, dict) and record.get("type") == "event_msg"
                 and payload.get("type") == "token_count"
@@ -44,10 +57,12 @@ def _token_counts(lines: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
             yield str(record.get("timestamp", "")), payload["info"]
 
 
-def iter_usage_events(lines: Iterable[str], *, at: str) -> Iterator[dict[str, Any]]:
-    """The `usage.native` (and `gap.recorded`) events of a rollout's lines, one at a time."""
+def iter_usage_events(lines: Iterable[str], *, at: str, refused: Counter[str] | None = None
+                      ) -> Iterator[dict[str, Any]]:
+    """The `usage.native` (and `gap.recorded`) events of a rollout's lines, one at a time;
+    `refused` counts the lines over the reader's limits by the rule they broke."""
     previous: dict[str, int] | None = None
-    for _, info in _token_counts(lines):
+    for _, info in _token_counts(lines, Counter() if refused is None else refused):
         total = _counts(info.get("total_token_usage"))
         if total is None or total == previous:
             continue
@@ -62,9 +77,10 @@ def iter_usage_events(lines: Iterable[str], *, at: str) -> Iterator[dict[str, An
         previous = total
 
 
-def usage_events(lines: Iterable[str], *, at: str) -> list[dict[str, Any]]:
+def usage_events(lines: Iterable[str], *, at: str, refused: Counter[str] | None = None
+                 ) -> list[dict[str, Any]]:
     """The `usage.native` (and `gap.recorded`) events of one rollout's lines, stamped `at`."""
-    return list(iter_usage_events(lines, at=at))
+    return list(iter_usage_events(lines, at=at, refused=refused))
 
 
 def rollout_files(codex_home: Path) -> list[Path]:

@@ -6,18 +6,20 @@ data, Codex's top-level `error` becomes `stream.error`, an unknown type becomes
 `codex_unparsable_line` gap.
 
 The lines are untrusted (a tool can write to Codex's stdout, SPEC §11): invalid UTF-8 and
-lone surrogates (a `\\ud800` escape) become U+FFFD, and a line the sandbox cut at 1 MiB is
-kept as `codex.unknown` with its first MiB plus gap `codex_line_truncated`.
+lone surrogates (a `\\ud800` escape) become U+FFFD, a line the sandbox cut at 1 MiB is
+kept as `codex.unknown` with its first MiB plus gap `codex_line_truncated`, and JSON over
+the bounded reader's limits (nested deeper than 64, a non-finite number, an integer beyond
+64 bits) is kept as a line that is not JSON, its gap naming the rule.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from trialledger.adapters.sandbox.process import CutLine
+from trialledger.adapters.sandbox.process import LINE_LIMIT, CutLine
 from trialledger.core import BadEvent, parse_event
+from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
 from trialledger.core.events import CODEX_STREAM_TYPES, LONE_SURROGATE
 
 RENAMED = {"error": "stream.error"}  # Codex's top-level error line
@@ -41,21 +43,20 @@ class StreamRecord:
         return out
 
 
+# A line's text after decoding: the sandbox cut it at LINE_LIMIT bytes, and each invalid
+# byte may have become a 3-byte U+FFFD.
+TEXT_LIMIT = 3 * LINE_LIMIT
 
 
-MAX_DEPTH = 64  # deeper JSON is kept as an unknown line (Codex's never nests like that)
-
-
-def _repaired(value: Any, depth: int = 0) -> Any:
-    """`value` with every lone surrogate (JSON lets `\\ud800` through) made U+FFFD."""
-    if depth > MAX_DEPTH:
-        raise ValueError("nested too deep")
+def _repaired(value: Any) -> Any:
+    """`value` with every lone surrogate (JSON lets `\\ud800` through) made U+FFFD (its
+    depth is bounded by the reader, so the recursion is)."""
     if isinstance(value, str):
         return LONE_SURROGATE.sub("\ufffd", value)
     if isinstance(value, list):
-        return [_repaired(v, depth + 1) for v in value]
+        return [_repaired(v) for v in value]
     if isinstance(value, dict):
-        return {_repaired(k): _repaired(v, depth + 1) for k, v in value.items()}
+        return {_repaired(k): _repaired(v) for k, v in value.items()}
     return value
 
 
@@ -74,13 +75,11 @@ def parse_stream_line(line: str) -> StreamRecord:
     """Map one `codex exec --json` stdout line (without its newline) to a record."""
     line = LONE_SURROGATE.sub("\ufffd", line)
     try:
-        obj = _repaired(json.loads(line))
-    except (ValueError, RecursionError):
-        return StreamRecord(
-            "codex.unknown",
-            {"line": line},
-            {"code": "codex_unparsable_line", "detail": line[:200]},
-        )
+        obj = _repaired(bounded_loads(line, limit=TEXT_LIMIT))
+    except UnsafeJSON as error:
+        detail = line[:200] if error.malformed else f"{error.rule}: {line[:200]}"
+        return StreamRecord("codex.unknown", {"line": line},
+                            {"code": "codex_unparsable_line", "detail": detail})
     kind = obj.get("type") if isinstance(obj, dict) else None
     if not isinstance(kind, str) or (kind not in KNOWN and kind not in RENAMED):
         return StreamRecord("codex.unknown", {"line": line})
