@@ -30,10 +30,11 @@ import anyio
 
 from trialledger.adapters import capture
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
-from trialledger.adapters.codex.install import codex_install
+from trialledger.adapters.codex.install import codex_install, execute_only
 from trialledger.adapters.codex.stream import stream_events
 from trialledger.adapters.environment import HOST, Environment, resolve_inside
-from trialledger.adapters.proxy import Upstream
+from trialledger.adapters.proxy import MODEL_ROUTES, Upstream
+from trialledger.adapters.sandbox.identity import cache_dir
 from trialledger.adapters.sandbox.local import LocalSandbox, sweep_stale_sessions
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
@@ -126,7 +127,7 @@ class RunOptions:
     max_attempts: int = 1
     runner_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     readonly_paths: Sequence[Path] = ()  # granted read-only (never the store, task, home)
-    use_bwrap: bool | None = None
+    isolation: str = "bwrap"  # or "process-group": unconfined, only when asked for
     sandbox_uid: int | None = None  # when root: the agent's uid (default trialledger-sandbox)
     protected_paths: Sequence[Path] = ()  # never mounted (the store's file, say)
     grace_s: float = 5.0
@@ -266,7 +267,7 @@ class SessionRunner:
         self.ledger, self.task, self.options = ledger, task, options
         self.environment = environment  # prepared before any session (environment.prepare)
         self.codex = find_codex(options.codex_bin)
-        self.install = codex_install(self.codex)
+        self.install = execute_only(codex_install(self.codex), cache_dir())  # non-dumpable
         self._trial_key = uuid.uuid4().hex[:12]  # run_session's sessions share one trial
         self.last: SessionResult | None = None  # the session run last, with its view
         _sweep_once()
@@ -372,7 +373,8 @@ class SessionRunner:
         network = Network(
             Upstream(self.options.model_base_url, token=token,
                      authorization=(f"Bearer {self.options.api_key}"
-                                    if self.options.api_key else None)),
+                                    if self.options.api_key else None),
+                     routes=MODEL_ROUTES),
             [str(g["url"]) for g in self.options.grants
              if g.get("kind") == "mcp" and g.get("url")],
             isolated=not self.task.allow_internet)
@@ -384,7 +386,7 @@ class SessionRunner:
             codex=self.install,
             readonly_paths=self.options.readonly_paths,
             protected_paths=[self.task.folder, *self.options.protected_paths],
-            use_bwrap=self.options.use_bwrap,
+            isolation=self.options.isolation,
             raise_oom_score_adj=bool(settings_raw.get("raise_oom_score_adj", False)),
             verifier_root=str(settings_raw.get("verifier_root", "agent")),
             sandbox_uid=self.options.sandbox_uid,
@@ -588,6 +590,7 @@ class SessionRunner:
 
 
 FINAL = ("verify", "unverified")
+UNCOUNTED_CAP = 3  # harness failures a trial may have beyond max_attempts (SPEC §13)
 
 
 def next_attempt(sessions: Sequence[Mapping[str, Any]], max_attempts: int
@@ -595,12 +598,14 @@ def next_attempt(sessions: Sequence[Mapping[str, Any]], max_attempts: int
     """A trial's next (attempt, retry_of) from its closed sessions, oldest first; None when
     its last session ended final (`verify`, or `unverified` not by a crash) or
     `max_attempts` sessions have counted. A harness failure — closed `cancelled`, or
-    `recovered` after a crash without a verdict — never uses up an attempt."""
+    `recovered` after a crash without a verdict — never uses up an attempt, but only the
+    first `UNCOUNTED_CAP` give one: past them the trial ends (so one that fails the same
+    way each time never stays queued)."""
     last = sessions[-1] if sessions else None
     counted = sum(1 for s in sessions if s["close_reason"] not in ("cancelled", "recovered"))
     final = last is not None and last["outcome"] in FINAL and not (
         last["close_reason"] == "recovered" and last["outcome"] != "verify")
-    if final or counted >= max_attempts:
+    if final or counted >= max_attempts or len(sessions) - counted > UNCOUNTED_CAP:
         return None
     return (int(last["attempt"]) + 1 if last else 1, last["session_id"] if last else None)
 

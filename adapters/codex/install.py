@@ -6,13 +6,24 @@ the sandbox mounts just those two files at private paths, never the folder that 
 them (which may hold the store, the task or a home). A standalone native binary is
 mounted alone. Anything else (a wrapper script) is mounted alone too; what it needs
 besides must be granted explicitly as a read-only path.
+
+The native binary is mounted from an **execute-only** copy (mode 0111, in the runner's
+cache): a process whose program its user may not read is made non-dumpable by the kernel
+at exec, so Codex's tools — the same uid, no capabilities — cannot open its
+`/proc/<pid>/environ`, `fd/` or `mem`, ptrace it or take its descriptors with
+`pidfd_getfd` (its stdout and the session token stay Codex's). A wrapper script must be
+readable to run, so it gets no such protection.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import platform
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,3 +100,23 @@ def codex_install(codex: str) -> CodexInstall:
         if found is not None:
             return found
     return CodexInstall(real, native=False)
+
+
+def execute_only(install: CodexInstall, cache: Path) -> CodexInstall:
+    """The same install with its native binary replaced by an execute-only copy in
+    `cache` (made once per binary: its path, size and modification time name the copy)."""
+    if not install.native:
+        return install
+    info = install.entrypoint.stat()
+    key = hashlib.sha256(f"{install.entrypoint}\0{info.st_size}\0{info.st_mtime_ns}"
+                         .encode()).hexdigest()[:16]
+    folder = cache / "codex"
+    copy = folder / f"codex-{key}"
+    if not copy.is_file():
+        folder.mkdir(parents=True, exist_ok=True, mode=0o755)
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            made = Path(scratch) / "codex"
+            shutil.copyfile(install.entrypoint, made)
+            made.chmod(0o111)
+            os.replace(made, copy)  # atomic: concurrent runners agree
+    return dataclasses.replace(install, entrypoint=copy)
