@@ -4,4 +4,4 @@
 DEFAULT_DB = "trials.db"  # the embedded SQLite file, in the current folder
 DEFAULT_TIMEOUT_S = 10.0  # `sql`: seconds before a query is stopped
 MAX_TIMEOUT_S = 3600.0
-READER_ROLE = "trialledger_reader"  # PostgreSQL: the read-only role `sql` runs as
+READER_ROLE = "trialledger_reader"  # PostgreSQL: the reader login `sql` connects as

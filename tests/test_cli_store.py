@@ -472,3 +472,200 @@ def test_markup_in_logged_text_is_printed_never_parsed(capsys: Any, tmp_path: Pa
     assert code == 0 and "task[/evil]" in shown and "/app/[/evil][link=x]y" in shown, err
     code, listed, err = run(capsys, "ls", "--db", db)
     assert code == 0 and "[/evil]" in listed, err
+
+
+# --- `sql` stays inside its bounds: no other role's rights, no unbounded time or disk ------
+
+def _reader_store(capsys: pytest.CaptureFixture[str], postgres: Any) -> tuple[str, str]:
+    """A PostgreSQL store and its reader login (named for the store: roles are shared by
+    every database of the test server)."""
+    db = postgres.create_database()
+    role = "reader_" + db.rsplit("/", 1)[1]
+    code, _, err = run(capsys, "db", "upgrade", "--db", db, "--create-readonly-role", role)
+    assert code == 0, err
+    return db, role
+
+
+def _as_owner(db: str, statement: str) -> None:
+    import anyio
+    from sqlalchemy import text
+
+    from trialledger.store.engine import open_engines
+
+    async def go() -> None:
+        async with open_engines(db) as engines, engines.writer.begin() as conn:
+            await conn.execute(text(statement))
+
+    anyio.run(go)
+
+
+@pytest.fixture
+def drop_folder() -> Any:
+    """A folder the database server's own user may write in (where a program it ran as
+    the store's owner would leave its mark)."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="trialledger-escape-"))
+    folder.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("escape", [
+    "PERFORM set_config('role', '{owner}', false)",
+    "SET ROLE {owner}",
+    "RESET ROLE",
+    "SET SESSION AUTHORIZATION {owner}",
+    "EXECUTE 'SET ROLE {owner}'",
+])
+def test_sql_on_postgresql_cannot_take_another_roles_rights(
+        capsys: Any, postgres: Any, drop_folder: Path, escape: str) -> None:
+    """On a connection where the store's owner had SET ROLE to the reader, a DO block set
+    the role back and ran a program on the server; the reader login has no role to go to."""
+    from tests.pg import SUPERUSER
+
+    db, role = _reader_store(capsys, postgres)
+    mark = drop_folder / "ran"
+    step = escape.format(owner=SUPERUSER)
+    for query in (f"DO $$ BEGIN {step}; EXECUTE 'COPY (SELECT 1) TO PROGRAM ''touch {mark}''';"
+                  " END $$",
+                  f"DO $$ BEGIN {step}; END $$; COPY (SELECT 1) TO PROGRAM 'touch {mark}'"):
+        code, _, err = run(capsys, "sql", "--db", db, "--role", role, query)
+        assert code == 2 and err.count("\n") == 1, err
+        assert not mark.exists(), query
+    code, out, err = run(capsys, "sql", "--db", db, "--role", role, "--json",
+                         "SELECT current_user AS u, session_user AS s")
+    assert (code, json.loads(out)) == (0, [{"u": role, "s": role}]), err
+
+
+def test_sql_on_postgresql_keeps_the_bounds_set_on_the_reader_login(
+        capsys: Any, postgres: Any) -> None:
+    import time
+
+    db, role = _reader_store(capsys, postgres)
+    start = time.monotonic()
+    code, _, err = run(capsys, "sql", "--db", db, "--role", role, "--timeout", "1",
+                       "DO $$ BEGIN PERFORM set_config('statement_timeout', '0', false); "
+                       "PERFORM pg_sleep(20); END $$")
+    assert code == 2 and "past its 1 s limit" in err, err
+    assert time.monotonic() - start < 10  # the timer set when the statement began held
+    code, _, err = run(capsys, "sql", "--db", db, "--role", role,
+                       "SELECT set_config('temp_file_limit', '-1', false)")
+    assert code == 2 and "permission denied" in err, err
+    code, out, err = run(capsys, "sql", "--db", db, "--role", role, "--json",
+                         "SELECT current_setting('default_transaction_read_only') AS ro, "
+                         "current_setting('work_mem') AS mem, "
+                         "current_setting('temp_file_limit') AS temp")
+    assert (code, json.loads(out)) == (0, [{"ro": "on", "mem": "16MB", "temp": "1GB"}]), err
+    # ... and what it holds: nothing; with another role it is refused before any query
+    _as_owner(db, f"GRANT pg_read_server_files TO {role}")
+    code, _, err = run(capsys, "sql", "--db", db, "--role", role, "SELECT 1")
+    assert code == 2 and "holds pg_read_server_files" in err and err.count("\n") == 1, err
+
+
+def test_sql_on_postgresql_names_what_to_configure_when_the_reader_cannot_connect(
+        capsys: Any, postgres: Any) -> None:
+    db, role = _reader_store(capsys, postgres)
+    _as_owner(db, f"ALTER ROLE {role} NOLOGIN")  # as an older trialledger made it
+    code, _, err = run(capsys, "sql", "--db", db, "--role", role, "SELECT 1")
+    assert code == 2 and "not permitted to log in" in err and err.count("\n") == 1, err
+    assert f"--create-readonly-role {role}" in err
+    assert run(capsys, "db", "upgrade", "--db", db, "--create-readonly-role", role)[0] == 0
+    hba = postgres.folder / "data" / "pg_hba.conf"
+    before = hba.read_text()
+    hba.write_text(f"host all {role} 127.0.0.1/32 reject\n{before}")
+    try:
+        postgres._run("pg_ctl", "-D", str(postgres.folder / "data"), "reload")
+        code, _, err = run(capsys, "sql", "--db", db, "--role", role, "SELECT 1")
+    finally:
+        hba.write_text(before)
+        postgres._run("pg_ctl", "-D", str(postgres.folder / "data"), "reload")
+    assert code == 2 and "pg_hba.conf" in err and err.count("\n") == 1, err
+    from tests.pg import PASSWORD
+
+    assert PASSWORD not in err
+
+
+def _sql_in_a_process(tmp_path: Path, db: str, timeout: str, query: str
+                      ) -> tuple[int, str, float, int]:
+    """`trialledger sql` in a process of its own, its SQLite temp folder a test folder
+    (SQLite reads SQLITE_TMPDIR once per process); what it said, how long it took, and the
+    most bytes its temp files held (they are unlinked at once, so counted through /proc)."""
+    import subprocess
+    import sys
+    import time
+
+    temp = tmp_path / "sqlite-temp"
+    temp.mkdir()
+    start = time.monotonic()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "trialledger.cli", "sql", "--db", db, "--timeout", timeout,
+         query], env={**os.environ, "SQLITE_TMPDIR": str(temp)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    most = 0
+    while child.poll() is None and time.monotonic() - start < 120:
+        held = 0
+        for fd in Path(f"/proc/{child.pid}/fd").glob("*"):
+            try:
+                if os.readlink(fd).startswith(str(temp)):
+                    held += fd.stat().st_size
+            except OSError:  # closed meanwhile
+                pass
+        most = max(most, held)
+        time.sleep(0.02)
+    child.kill()
+    _, err = child.communicate()
+    return child.wait(), err, time.monotonic() - start, most
+
+
+@pytest.mark.parametrize("query", [
+    # millions of rows, ordered by random(): the sort spilled gigabytes to temp files
+    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n LIMIT 50000000) "
+    "SELECT i FROM n ORDER BY random()",
+    # few steps, each long: the progress handler alone looked at the clock after ~50 s
+    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n LIMIT 3000) "
+    "SELECT i FROM n ORDER BY length(randomblob(30000000)) + random()",
+])
+def test_sql_on_sqlite_stops_a_long_sort_at_its_deadline(
+        capsys: Any, tmp_path: Path, examples: Path, query: str) -> None:
+    db = str(tmp_path / "t.db")
+    imported(capsys, db, examples, "clean")
+    code, err, took, temp_bytes = _sql_in_a_process(tmp_path, db, "2", query)
+    assert code == 2 and "past its 2 s limit" in err and err.count("\n") == 1, err
+    assert took < 3 * 2 + 4  # three times the limit, and the process's start
+    assert temp_bytes == 0
+
+
+def test_sql_on_sqlite_refuses_a_sort_past_its_memory_and_writes_no_temp_file(
+        capsys: Any, tmp_path: Path, examples: Path) -> None:
+    db = tmp_path / "t.db"
+    imported(capsys, str(db), examples, "clean")
+    before = db.read_bytes()
+    code, err, _, temp_bytes = _sql_in_a_process(  # 2 GB to sort: it used 2 GB of temp disk
+        tmp_path, str(db), "60", "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n "
+        "LIMIT 2000) SELECT i, printf('%.1000000c', 'x') FROM n ORDER BY random()")
+    assert code == 2 and "more than 512 MiB of memory" in err and err.count("\n") == 1, err
+    assert temp_bytes == 0 and list((tmp_path / "sqlite-temp").iterdir()) == []
+    assert db.read_bytes() == before
+
+
+def test_a_sqlite_query_gives_the_heap_cap_back(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The cap is the whole process's: a service embedding the store keeps its own
+    connections uncapped once `sql` has answered (here, in this process)."""
+    import sqlite3
+
+    def cap() -> int:
+        conn = sqlite3.connect(":memory:")
+        try:
+            return int(conn.execute("PRAGMA hard_heap_limit").fetchone()[0])
+        finally:
+            conn.close()
+
+    before = cap()
+    db = str(tmp_path / "t.db")
+    assert run(capsys, "db", "upgrade", "--db", db)[0] == 0
+    code, out, _ = run(capsys, "sql", "--db", db, "--json", "SELECT count(*) AS n FROM sessions")
+    assert code == 0 and json.loads(out) == [{"n": 0}]
+    assert cap() == before
