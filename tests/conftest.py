@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,3 +54,13 @@ def _policy_registry() -> Iterator[None]:
     yield
     POLICIES.clear()
     POLICIES.update(before)
+
+
+@pytest.fixture
+def reachable_tmp() -> Iterator[Path]:
+    """A fresh folder under the temporary folder that other local users (the sandbox
+    user) can reach, 0755; pytest's own `tmp_path` is root's alone."""
+    folder = Path(tempfile.mkdtemp(prefix="tl-test-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
