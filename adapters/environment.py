@@ -121,6 +121,17 @@ def resolve_inside(root: Path, path: str, *, hops: int = 40) -> str:
     return "/" + "/".join(done)
 
 
+def within(folder: Path, relative: str) -> Path | None:
+    """`folder/relative` with every symbolic link on the way resolved (`folder` resolved
+    too), or None when that leaves `folder`: an absolute path, a `..`, or a link anywhere
+    on the way that leads out — so a task never packs or mounts a host folder."""
+    top = Path(os.path.realpath(folder))
+    if Path(relative).is_absolute():
+        return None
+    real = Path(os.path.realpath(top / relative))
+    return real if real.is_relative_to(top) else None
+
+
 @dataclass(frozen=True)
 class Entry:
     """One cache entry (for `cache ls`)."""
@@ -475,6 +486,19 @@ def prepare_rootfs(path: Path, ref: str, cache: Cache, owner: int | None) -> Env
             packed.unlink(missing_ok=True)
 
 
+def _inside_task(source: Source, *paths: str) -> Path:
+    """The first of `paths` resolved, each checked again as it is about to be read: a link
+    out of the task folder (placed after the task was loaded) is refused."""
+    found = []
+    for path in paths:
+        real = within(source.folder, path)
+        if real is None:
+            raise EnvironmentUnavailable(f"{source.kind} {path}: leads out of the task folder "
+                                         f"(a symbolic link on the way); refusing to read it")
+        found.append(real)
+    return found[0]
+
+
 def prepare(source: Source | None, cache: Cache, *, owner: int | None,
             engine: str | None = None) -> Environment:
     """Resolve, build and unpack a task's environment before any session is seeded."""
@@ -485,10 +509,11 @@ def prepare(source: Source | None, cache: Cache, *, owner: int | None,
     elif source.kind == "dockerfile":
         from trialledger.adapters.build import prepare_dockerfile  # it builds on this module
 
+        _inside_task(source, "environment", "environment/Dockerfile")
         made = prepare_dockerfile(source, pick_engine(engine), cache, owner)
     elif source.kind == "image_archive":
-        made = prepare_archive(source.path, source.value, cache, owner)
+        made = prepare_archive(_inside_task(source, source.value), source.value, cache, owner)
     else:
-        made = prepare_rootfs(source.path, source.value, cache, owner)
+        made = prepare_rootfs(_inside_task(source, source.value), source.value, cache, owner)
     # One entry serves every source of the same digest; the record names this task's.
     return dataclasses.replace(made, ref=source.value)

@@ -12,7 +12,8 @@ Our decision is re-derived from those events; Harbor's rewards become
 `verification.recorded` only where it is `verify`, and are otherwise only compared.
 
 A job folder is written by agents' harnesses and holds agents' files: it is read without
-following links (not even out of the folder), regular files only, under caps. An unsafe
+following links (not even out of the folder), regular files only, under caps, with the
+sandbox user's rights (a root runner's own would read a hard link to any file). An unsafe
 `codex.txt` or rollout is gap `unsafe_agent_file`; a trial whose `result.json` is missing,
 unsafe or malformed refuses the whole job (`HarborJobInvalid` naming the trial) before
 anything is stored.
@@ -32,6 +33,7 @@ from trialledger.adapters.capture import refused_lines
 from trialledger.adapters.codex.rollout import usage_events
 from trialledger.adapters.codex.stream import parse_stream_line
 from trialledger.adapters.sandbox.agentfiles import AgentTree, LongLine, UnsafeAgentFile
+from trialledger.adapters.sandbox.identity import sandbox_user
 from trialledger.core import (
     BadEvent,
     IllegalTransition,
@@ -319,6 +321,14 @@ def trial_folders(job: Path) -> list[str]:
                   and os.path.lexists(os.path.join(entry.path, "result.json")))
 
 
+def job_tree(job: Path) -> AgentTree:
+    """The job folder as the sandbox user reads it (docs/SPEC.md §11): its files were
+    written by agents, so a root runner opens them with that user's fs ids — a hard link
+    to a file only root may read is a gap, never its content."""
+    user = sandbox_user()  # ourselves when not root; root without `setup` is refused
+    return AgentTree(job.resolve(), user.uid, user.gid)
+
+
 def job_retries(job: AgentTree) -> int:
     """The job's `n_retries` (0 when its result.json has none or cannot be read)."""
     try:
@@ -332,7 +342,7 @@ def job_retries(job: AgentTree) -> int:
 async def import_job(ledger: Ledger, job: Path) -> list[Agreement]:
     """Import every trial folder of a Harbor job; compare each verdict with ours. Every
     trial is read and checked before the first is stored; each is stored all or nothing."""
-    tree = AgentTree(job.resolve())
+    tree = job_tree(job)
     retries = job_retries(tree)
     trials = trial_folders(job)
     if not trials:

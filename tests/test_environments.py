@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -63,11 +64,14 @@ def task_with(folder: Path, source: str, *, test_sh: str, toml: str = "") -> Tas
     elif source == "image_archive":
         images.oci_archive(images.DEBIAN_REF, folder / "image.tar")
         env += 'image_archive = "image.tar"\n'
-    elif source == "rootfs_tarball":
-        (folder / "root.tar").symlink_to(images.debian_tarball())
+    elif source == "rootfs_tarball":  # inside the task folder: a link out is refused
+        try:
+            os.link(images.debian_tarball(), folder / "root.tar")
+        except OSError:  # another file system
+            shutil.copy(images.debian_tarball(), folder / "root.tar")
         env += 'rootfs = "root.tar"\n'
     elif source == "rootfs_folder":
-        (folder / "root").symlink_to(images.busybox_root())
+        shutil.copytree(images.busybox_root(), folder / "root", symlinks=True)
         env += 'rootfs = "root"\n'
     elif source == "dockerfile":
         images.podman_image(images.DEBIAN_REF)

@@ -6,7 +6,10 @@ in a parent folder); only regular files are read (a FIFO neither blocks nor coun
 device or folder is refused), and every read is capped. When the runner is root, the
 opens (where the kernel checks permissions) run with the calling thread's fs uid and gid
 set to the sandbox user's (per-thread credentials on Linux), so a hard link to a file
-the agent could not read itself gives nothing either. A file that breaks a rule raises
+the agent could not read itself gives nothing either (the tree's own folder, which the
+harness made or was named, is opened with the runner's rights). Given a `seen` map, a
+read takes each inode once: another name of it raises `AlreadyRead`, so hard links cannot
+multiply what a caller copies. A file that breaks a rule raises
 `UnsafeAgentFile`, which callers turn into gap `unsafe_agent_file` (its path and the
 rule, never its content).
 """
@@ -45,6 +48,18 @@ class UnsafeAgentFile(TrialLedgerError):
     def gap(self) -> dict[str, str]:
         """The `gap.recorded` data for this violation."""
         return {"code": "unsafe_agent_file", "detail": str(self)}
+
+
+Seen = dict[tuple[int, int], str]  # (st_dev, st_ino) → the first name read
+
+
+class AlreadyRead(TrialLedgerError):
+    """Another name (a hard link) of a file already read through the same `seen` map: its
+    bytes are not read again, so 24 names of one big file cost one read and one copy."""
+
+    def __init__(self, path: str, first: str) -> None:
+        super().__init__(f"{path}: the same file as {first} (a hard link)")
+        self.path, self.first = path, first
 
 
 @dataclass(frozen=True)
@@ -91,18 +106,24 @@ class AgentTree:
     # --- opening ----------------------------------------------------------------------------
 
     def _open(self, relative: str, *, directory: bool) -> int:
+        top = self._open_root()
         with self._identity():
-            return self._open_as(relative, directory=directory)
+            return self._descend(top, relative, directory=directory)
 
-    def _open_as(self, relative: str, *, directory: bool) -> int:
-        parts = [p for p in relative.split("/") if p not in ("", ".")]
-        if ".." in parts:
-            raise UnsafeAgentFile(relative, "'..' in the path")
+    def _open_root(self) -> int:
+        """The tree's own folder, opened with our rights: the harness made or named it, and
+        its ancestors may be closed to the sandbox user (a Harbor job under /root)."""
         try:
-            fd = os.open(self.root, _OPEN_DIR)
+            return os.open(self.root, _OPEN_DIR)
         except OSError as error:
             raise _refusal(error, ".") from None
+
+    def _descend(self, fd: int, relative: str, *, directory: bool) -> int:
+        """From the folder `fd` (taken over) down to `relative`, one component at a time."""
+        parts = [p for p in relative.split("/") if p not in ("", ".")]
         try:
+            if ".." in parts:
+                raise UnsafeAgentFile(relative, "'..' in the path")
             for index, part in enumerate(parts):
                 last = index == len(parts) - 1
                 flags = _OPEN_DIR if (directory or not last) else _OPEN_FILE
@@ -120,7 +141,7 @@ class AgentTree:
             os.close(fd)
             raise
 
-    def _open_regular(self, relative: str, limit: int) -> int:
+    def _open_regular(self, relative: str, limit: int, seen: Seen | None = None) -> int:
         fd = self._open(relative, directory=False)
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -129,13 +150,18 @@ class AgentTree:
         if info.st_size > limit:
             os.close(fd)
             raise UnsafeAgentFile(relative, f"{info.st_size} bytes, over the {limit}-byte cap")
+        if seen is not None:  # the inode of the file opened, so no swap between look and read
+            first = seen.setdefault((info.st_dev, info.st_ino), relative)
+            if first != relative:
+                os.close(fd)
+                raise AlreadyRead(relative, first)
         return fd
 
     # --- reads (call these through `run`) ---------------------------------------------------
 
-    def read(self, relative: str, limit: int) -> bytes:
-        """A whole regular file of at most `limit` bytes."""
-        fd = self._open_regular(relative, limit)
+    def read(self, relative: str, limit: int, *, seen: Seen | None = None) -> bytes:
+        """A whole regular file of at most `limit` bytes (`seen`: see `AlreadyRead`)."""
+        fd = self._open_regular(relative, limit, seen)
         try:
             data = b""
             while len(data) <= limit and (chunk := os.read(fd, 65536)):
@@ -146,11 +172,23 @@ class AgentTree:
             raise UnsafeAgentFile(relative, f"over the {limit}-byte cap")
         return data
 
+    def tail(self, relative: str, limit: int) -> bytes:
+        """The last `limit` bytes of a regular file of any size."""
+        fd = self._open(relative, directory=False)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise UnsafeAgentFile(relative, _kind(info.st_mode))
+            return os.pread(fd, limit, max(0, info.st_size - limit))
+        finally:
+            os.close(fd)
+
     def lines(self, relative: str, *, line_limit: int = ROLLOUT_LINE_LIMIT,
-              file_limit: int = ROLLOUT_FILE_LIMIT) -> Iterator[bytes | LongLine]:
+              file_limit: int = ROLLOUT_FILE_LIMIT, seen: Seen | None = None
+              ) -> Iterator[bytes | LongLine]:
         """A regular file's lines (without newlines), streamed; a line over the cap is a
         `LongLine`. Stops at `file_limit` bytes even if the file grows while read."""
-        fd = self._open_regular(relative, file_limit)
+        fd = self._open_regular(relative, file_limit, seen)
         try:
             pending, skipping, total = bytearray(), 0, 0
             while total < file_limit and (chunk := os.read(fd, min(65536,
@@ -183,13 +221,13 @@ class AgentTree:
         on the way (symbolic links, FIFOs, devices). Links are never followed."""
         found: list[str] = []
         refused: list[UnsafeAgentFile] = []
+        try:
+            top = self._open(relative, directory=True)
+        except UnsafeAgentFile as error:
+            if error.rule != "missing":
+                refused.append(error)
+            return found, refused
         with self._identity():
-            try:
-                top = self._open_as(relative, directory=True)
-            except UnsafeAgentFile as error:
-                if error.rule != "missing":
-                    refused.append(error)
-                return found, refused
             self._walk(top, relative.strip("/"), pattern, 0, found, refused)
         return sorted(found), refused
 
