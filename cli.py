@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import anyio
 from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
+from trialledger.adapters.console import plain, printable
 from trialledger.core import (
     STATES,
     BadEvent,
@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the store (SQLAlchemy, alembic) is imported when a command 
     from trialledger.store import Ledger
 
 EXIT_OK, EXIT_FOUND, EXIT_BAD_INPUT = 0, 1, 2
+AGENT_NAMES = ("codex", "oracle", "nop")  # adapters.scripted.AGENTS (SPEC §15)
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 132)
 
 
@@ -150,8 +151,9 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
                                            reader_role=args.create_readonly_role))
     out.print(f"{shown(args.db)}: schema at revision {revision}")
     if args.create_readonly_role:
-        out.print(f"read-only role {args.create_readonly_role}: `sql` runs as it; give "
-                  "analysts a login that is a member of it, never the store's own role")
+        out.print(f"reader login {args.create_readonly_role}: `sql` connects as it (no other "
+                  "role, read-only, its time and memory bounds on the role); its password "
+                  "derives from the store URL's, so `sql --db STORE_URL` signs in as it")
     return EXIT_OK
 
 
@@ -169,7 +171,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         session_id = on_store(args.db, lambda ledger: ledger.import_log(events, secrets=secrets))
     except (BadEvent, IllegalTransition) as error:
         raise _located(path, lines, error) from None
-    out.print(session_id)
+    out.print(plain(session_id))
     return EXIT_OK
 
 
@@ -192,7 +194,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if report.ok:
         out.print(f"ok: {report.sessions} sessions, {report.events} events verified")
         return EXIT_OK
-    print(f"trialledger: audit failed: {report.fault}", file=sys.stderr)
+    print(f"trialledger: audit failed: {printable(str(report.fault))}", file=sys.stderr)
     return EXIT_FOUND
 
 
@@ -230,7 +232,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     swept = sweep_stale_sessions()  # this machine's folders of dead runners (grant tokens)
     for sid in recovered:
-        out.print(sid)
+        out.print(plain(sid))
     out.print(f"{len(recovered)} sessions recovered")
     if swept:
         out.print(f"{swept} stale session folders removed")
@@ -267,8 +269,13 @@ def _run_options(args: argparse.Namespace) -> Any:
             raise Refused(f"--grants {args.grants}: {error}") from None
         if not isinstance(grants, list):
             raise Refused(f"--grants {args.grants}: expected a JSON list of grants")
+    agent = getattr(args, "agent", None) or "codex"
+    # A worker has no --model (the job's) and learns its agent from the job.
+    if agent == "codex" and hasattr(args, "model") and not (args.model_base_url and args.model):
+        raise Refused("--agent codex (the default) needs --model-base-url and --model")
     return RunOptions(
-        model_base_url=args.model_base_url, model=getattr(args, "model", None) or "",
+        agent=agent, model_base_url=args.model_base_url or "",
+        model=getattr(args, "model", None) or "",
         api_key=api_key, grants=grants, overrides=_parse_set(getattr(args, "set", None) or []),
         codex_bin=args.codex_bin, max_attempts=getattr(args, "max_attempts", 1),
         sandbox_uid=args.sandbox_uid, isolation=args.isolation,
@@ -282,6 +289,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.runner import CodexNotFound, SessionResult, SessionRunner
     from trialledger.adapters.sandbox.base import SandboxRefused
+    from trialledger.adapters.scripted import solve_script
     from trialledger.adapters.task import Task, TaskInvalid
 
     options = _run_options(args)
@@ -302,11 +310,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                 for s in shown]
 
     async def go() -> list[Any]:
-        await check_endpoint(args.model_base_url, api_key)  # before anything is seeded
+        if options.agent == "codex":
+            await check_endpoint(args.model_base_url, api_key)  # before anything is seeded
         return await in_store(args.db, trial)
 
     try:
         task = Task.load(Path(args.task_dir))
+        if options.agent == "oracle":
+            solve_script(task)  # NoSolution: refused before anything is seeded
         environment = _prepared(task, args)  # before anything is seeded (§12)
         results = anyio.run(until_signalled, go)
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
@@ -315,7 +326,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(_session_summary(result.view)), flush=True)
         else:
-            out.print(f"{result.session_id} {result.outcome}")
+            out.print(plain(f"{result.session_id} {result.outcome}"))
     final = results[-1].view if results else None
     scored = (final is not None and final.outcome == "verify" and final.decision is not None
               and final.decision.reward_valid)
@@ -380,7 +391,8 @@ def cmd_job_run(args: argparse.Namespace) -> int:
         return await _job_summary(ledger, args.name)
 
     async def go() -> dict[str, Any]:
-        await check_endpoint(args.model_base_url, options.api_key)
+        if options.agent == "codex":
+            await check_endpoint(args.model_base_url, options.api_key)
         return await in_store(args.db, job)
 
     try:
@@ -412,7 +424,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         names = [args.job] if args.job else await Jobs(ledger).pending()
         for name in names:
             runner = await worker_runner(
-                ledger, name, options, concurrency=args.n, lease_s=args.lease_s,
+                ledger, name, options, agent=args.agent, concurrency=args.n,
+                lease_s=args.lease_s,
                 cache=Cache(args.cache_dir), engine=args.engine, owner=_owner(args),
                 on_trial=said)
             holder[:] = [runner]
@@ -421,7 +434,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return len(names)
 
     async def go() -> int:
-        await check_endpoint(args.model_base_url, options.api_key)
+        if args.model_base_url and args.agent in (None, "codex"):
+            await check_endpoint(args.model_base_url, options.api_key)
         return await in_store(args.db, work, create=False)
 
     try:
@@ -515,9 +529,9 @@ def _trial_printer(as_json: bool) -> Callable[[Any], None]:
                               "sessions": done.sessions}), flush=True)
         else:
             reward = "" if done.reward is None else f" reward {done.reward:g}"
-            out.print(f"{done.task} k={done.k_index} {done.outcome}{reward} "
-                      f"({len(done.sessions)} session{'s' * (len(done.sessions) != 1)}, "
-                      f"{time.monotonic() - started:.0f} s)", highlight=False, markup=False)
+            out.print(plain(f"{done.task} k={done.k_index} {done.outcome}{reward} "
+                            f"({len(done.sessions)} session{'s' * (len(done.sessions) != 1)}, "
+                            f"{time.monotonic() - started:.0f} s)"))
 
     return said
 
@@ -527,7 +541,8 @@ async def _job_summary(ledger: Ledger, name: str) -> dict[str, Any]:
 
     jobs = Jobs(ledger)
     return {"job": name, "tasks": await jobs.tasks(name), "trials": await jobs.trials(name),
-            "environment_failed": await jobs.failures(name)}
+            "environment_failed": await jobs.failures(name),
+            "no_solution": await jobs.failures(name, "no_solution")}
 
 
 def _all_decided(summary: Mapping[str, Any]) -> bool:
@@ -549,8 +564,9 @@ def _print_job(summary: Mapping[str, Any], *, as_json: bool) -> None:
                      f"{t['wall_s'] or 0:.0f}"])
     _table(["task", "trials", "scored", "mean reward", "pass@k", "retries", "tokens",
             "unknown usage", "wall s"], rows)
-    for task, why in summary["environment_failed"].items():
-        out.print(f"{task}: environment_failed: {why}", highlight=False, markup=False)
+    for state in ("environment_failed", "no_solution"):
+        for task, why in summary[state].items():
+            out.print(plain(f"{task}: {state}: {why}"))
 
 
 def cmd_job_show(args: argparse.Namespace) -> int:
@@ -627,24 +643,24 @@ def cmd_show(args: argparse.Namespace) -> int:
         previous = moment
     _table(["seq", "since start", "step", "type", "data"], rows)
     seed = view.events[0].data
-    out.print(f"session {view.session_id}  task {seed.task}  attempt {seed.attempt}  "
-              f"state {view.state}  outcome {view.outcome}", markup=False)
+    out.print(plain(f"session {view.session_id}  task {seed.task}  attempt {seed.attempt}  "
+                    f"state {view.state}  outcome {view.outcome}"))
     for line in explain(view):
-        out.print(line, markup=False)
+        out.print(plain(line))
     usage = view.usage
     out.print("usage: " + (f"{usage.total_tokens} tokens ({usage.input_tokens} in, "
                            f"{usage.output_tokens} out)" if usage else "unavailable"))
     for gap in view.observations.gaps:
-        out.print(f"gap {gap.code}: {_brief(gap.detail or '')}", markup=False)
+        out.print(plain(f"gap {gap.code}: {_brief(gap.detail or '')}"))
     if view.rewards is not None:
-        out.print(f"rewards: {view.rewards}", markup=False)
+        out.print(plain(f"rewards: {view.rewards}"))
     for event in view.events:  # what the verifier printed (schema 2)
         for stream in ("stdout", "stderr"):
             said = getattr(event.data, f"{stream}_tail", None) if event.type.startswith(
                 "verification.") else None
             if said:
                 out.print(f"verifier {stream} (tail):", highlight=False)
-                out.print(said.rstrip("\n"), markup=False, highlight=False)
+                out.print(plain(said.rstrip("\n")))
     return EXIT_OK
 
 
@@ -842,8 +858,8 @@ def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     table = Table()
     for name in columns:  # folded, never cut with "…": an id must stay whole to be typed
         table.add_column(name, overflow="fold")
-    for row in rows:  # cells as plain text: a value may come from the agent ("[/x]" is
-        table.add_row(*(Text("" if v is None else str(v)) for v in row))  # not markup)
+    for row in rows:  # a value may come from the agent: shown, never obeyed (console/)
+        table.add_row(*(plain(v) for v in row))
     out.print(table)
 
 
@@ -876,12 +892,17 @@ def _with_run_options(p: argparse.ArgumentParser, *, json_help: str, of_job: boo
     sandbox and the environment cache; and (`of_job`, not for a worker, which takes them
     from the job) the model, the settings and the attempts."""
     _with_db(p)
-    p.add_argument("--model-base-url", required=True, help="the Responses endpoint's base URL")
+    p.add_argument("--agent", choices=AGENT_NAMES, default=None if not of_job else "codex",
+                   help="codex (the default), or oracle (runs the task's solution/solve.sh) "
+                        "or nop (runs nothing), as Harbor's" + (
+                            "" if of_job else "; default: the job's, which any other refuses"))
+    p.add_argument("--model-base-url",
+                   help="the Responses endpoint's base URL (needed with --agent codex)")
     p.add_argument("--api-key-env", metavar="NAME", help="environment variable with the API key")
     p.add_argument("--grants", metavar="FILE.json", help="a JSON list of tool grants (a "
                    "worker's must match its job's)")
     if of_job:
-        p.add_argument("--model", required=True, help="the model name to ask for")
+        p.add_argument("--model", help="the model name to ask for (needed with --agent codex)")
         p.add_argument("--max-attempts", type=_positive, default=1,
                        help="sessions per trial at most: a retry decision runs another, up to N")
         p.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -1024,7 +1045,7 @@ def build_parser() -> argparse.ArgumentParser:
     _with_db(up)
     up.add_argument("--create-readonly-role", metavar="NAME", nargs="?", const=READER_ROLE,
                     help=f"PostgreSQL: also create a role that can only read the store "
-                         f"(default name {READER_ROLE}); `sql` runs as it")
+                         f"(default name {READER_ROLE}); `sql` connects as it")
     up.set_defaults(handler=cmd_db_upgrade)
 
     p = _command(commands, "import", help="append one session's JSONL log")
@@ -1053,7 +1074,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds before the query is stopped (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--role", default=READER_ROLE,
-                   help=f"PostgreSQL: the read-only role the query runs as (default "
+                   help=f"PostgreSQL: the reader login the query connects as (default "
                         f"{READER_ROLE}; `db upgrade --create-readonly-role` makes it)")
     p.set_defaults(handler=cmd_sql)
 
@@ -1165,11 +1186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before a command could take the signal itself
         print("trialledger: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
-    except Refused as error:
-        print(f"trialledger: {error}", file=sys.stderr)
+    except Refused as error:  # (a reason may quote a task's or an agent's text)
+        print(f"trialledger: {printable(str(error))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except TrialLedgerError as error:
-        print(f"trialledger: {error}", file=sys.stderr)
+        print(f"trialledger: {printable(str(error))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:  # `trialledger export … | head`: the reader left, quietly
         with contextlib.suppress(OSError):

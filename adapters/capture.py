@@ -20,7 +20,9 @@ from trialledger.adapters.sandbox.agentfiles import (
     REWARD_LIMIT,
     ROLLOUT_FILE_LIMIT,
     AgentTree,
+    AlreadyRead,
     LongLine,
+    Seen,
     UnsafeAgentFile,
 )
 from trialledger.core import scrub
@@ -48,9 +50,9 @@ def rollouts(tree: AgentTree, pattern: str) -> tuple[list[str], list[UnsafeAgent
     return files[:MAX_ROLLOUTS], refused
 
 
-def _text_lines(tree: AgentTree, path: str, refused: list[UnsafeAgentFile]
-                ) -> Iterator[str]:
-    for line in tree.lines(path):
+def _text_lines(tree: AgentTree, path: str, refused: list[UnsafeAgentFile], *,
+                seen: Seen | None = None) -> Iterator[str]:
+    for line in tree.lines(path, seen=seen):
         if isinstance(line, LongLine):
             refused.append(UnsafeAgentFile(path, f"a {line.size}-byte line, over the "
                                                  f"1 MiB line cap (skipped)"))
@@ -84,15 +86,19 @@ def usage_events(tree: AgentTree, *, at: str) -> list[dict[str, Any]]:
 class ArchiveResult:
     """What the archive copied, and what it refused."""
 
-    files: int = 0
-    size: int = 0
+    files: int = 0  # files written (each inode once)
+    size: int = 0  # bytes written
+    links: int = 0  # further names of a file already written: hard links, no bytes
     refused: list[UnsafeAgentFile] = field(default_factory=list)
 
 
 def copy_archive(tree: AgentTree, target: Path, secrets: Sequence[str]) -> ArchiveResult:
     """Copy the rollouts that pass the reading rules into `target` (folders 0700, files
-    0600), each line scrubbed of the session's secrets."""
+    0600), each line scrubbed of the session's secrets. Each file (inode) is read and
+    written once: its other names become hard links to that copy in the archive, so one
+    big rollout linked many times costs its bytes once."""
     result = ArchiveResult()
+    seen: Seen = {}
     for pattern in ROLLOUT_PATTERNS:
         files, refused = rollouts(tree, pattern)
         result.refused += refused
@@ -101,10 +107,13 @@ def copy_archive(tree: AgentTree, target: Path, secrets: Sequence[str]) -> Archi
             destination.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             try:
                 if path.endswith(".zst"):  # compressed: bytes as they are (not scrubbable)
-                    data = tree.read(path, ROLLOUT_FILE_LIMIT)
+                    data = tree.read(path, ROLLOUT_FILE_LIMIT, seen=seen)
                 else:
-                    data = "\n".join(scrub(line, secrets) for line in
-                                     _text_lines(tree, path, result.refused)).encode()
+                    data = "\n".join(scrub(line, secrets) for line in _text_lines(
+                        tree, path, result.refused, seen=seen)).encode()
+            except AlreadyRead as again:
+                result.links += _link(target / again.first, destination)
+                continue
             except UnsafeAgentFile as error:
                 result.refused.append(error)
                 continue
@@ -119,14 +128,31 @@ def copy_archive(tree: AgentTree, target: Path, secrets: Sequence[str]) -> Archi
     return result
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def _link(first: Path, name: Path) -> int:
+    """`name` as a hard link to the archived copy `first` (1), or nothing when `first` was
+    refused and so never written (0: its refusal is already recorded)."""
+    if not first.is_file():
+        return 0
+    name.unlink(missing_ok=True)
+    os.link(first, name)
+    return 1
 
 
-def read_reward(tree: AgentTree, return_code: int | None, timed_out: bool
-                ) -> list[tuple[str, dict[str, Any]]]:
-    """`reward.json` ({name: number}) or `reward.txt` (one number), else the exit code;
-    an unsafe reward file is a gap and a `bad_reward` (never its content)."""
+def _number(value: Any) -> float | None:
+    """A reward value as Harbor counts it: a finite number, a boolean as 1 or 0."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def read_reward(tree: AgentTree, return_code: int | None, timed_out: bool, *,
+                from_exit_code: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """What the verifier left, read as Harbor reads it (docs/SPEC.md §15): `reward.json`
+    ({name: number}) else `reward.txt` (one number); neither is `no_reward` unless the task
+    opted in to its exit code (`from_exit_code`: 0 is 1, anything else 0). An unsafe reward
+    file is a gap and a `bad_reward` (never its content)."""
     if timed_out:
         return [("verification.failed", {"reason": "timeout",
                                          "detail": "the verifier timed out"})]
@@ -139,6 +165,10 @@ def read_reward(tree: AgentTree, return_code: int | None, timed_out: bool
             return [("gap.recorded", error.gap()),
                     ("verification.failed", {"reason": "bad_reward", "detail": str(error)})]
         return [_parse_reward(name, raw)]
+    if not from_exit_code:
+        return [("verification.failed", {
+            "reason": "no_reward",
+            "detail": "the verifier wrote neither reward.json nor reward.txt"})]
     if return_code is None:
         return [("verification.failed", {"reason": "no_reward",
                                          "detail": "the verifier ended without an exit code"})]
@@ -152,10 +182,14 @@ def _parse_reward(name: str, raw: bytes) -> tuple[str, dict[str, Any]]:
     through the bounded JSON reader: its depth and numbers are the agent's to choose)."""
     why = ""
     try:
+        if not raw:
+            return "verification.failed", {"reason": "bad_reward", "detail": f"{name} is empty"}
         if name == "reward.json":
-            rewards = bounded_loads(raw, limit=REWARD_LIMIT)
-            if isinstance(rewards, dict) and rewards and all(map(_finite, rewards.values())):
-                return "verification.recorded", {"rewards": rewards, "detail": name}
+            found = bounded_loads(raw, limit=REWARD_LIMIT)
+            if isinstance(found, dict):  # `{}` is a result without names, as in Harbor
+                rewards = {str(key): _number(value) for key, value in found.items()}
+                if None not in rewards.values():
+                    return "verification.recorded", {"rewards": rewards, "detail": name}
         else:
             value = float(raw.decode("utf-8").strip())
             if math.isfinite(value):

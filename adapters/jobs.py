@@ -27,6 +27,7 @@ import anyio
 
 from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
 from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
+from trialledger.adapters.scripted import NoSolution, solve_script
 from trialledger.adapters.task import Task, TaskInvalid
 from trialledger.store import LeaseLost, Ledger, StoreUnavailable
 from trialledger.store.jobs import Claim, JobRefused, Jobs
@@ -79,7 +80,8 @@ def grant_fingerprint(grant: Mapping[str, Any]) -> dict[str, Any]:
 def job_config(options: RunOptions, k: int, max_attempts: int) -> dict[str, Any]:
     """The configuration a job is created with and resumed under (no secrets, no paths,
     no endpoint URL: those may change between machines and resumes)."""
-    return {"model": options.model, "settings": dict(options.overrides),
+    return {"agent": options.agent, "model": options.model,
+            "settings": dict(options.overrides),
             "grants": [grant_fingerprint(g) for g in options.grants],
             "k": k, "max_attempts": max_attempts}
 
@@ -140,8 +142,16 @@ class JobRunner:
 
     async def prepare_environments(self) -> None:
         """Each task's environment, before any of its trials is claimed; a task whose
-        environment fails is `environment_failed` (with the reason) and none of it runs."""
+        environment fails is `environment_failed` (with the reason), an oracle job's task
+        without `solution/solve.sh` is `no_solution` (SPEC §15), and none of it runs."""
         for task in self.tasks:
+            if self.options.agent == "oracle":
+                try:
+                    solve_script(task)
+                except NoSolution as error:
+                    self.failed[task.name] = str(error)
+                    await self.jobs.no_solution(self.name, task.name, str(error))
+                    continue
             try:
                 env = await anyio.to_thread.run_sync(functools.partial(
                     prepare, task.source, self.cache, owner=self.owner, engine=self.engine))
@@ -256,18 +266,24 @@ class JobRunner:
                          [s["session_id"] for s in sessions], reward)
 
 
-async def worker_runner(ledger: Ledger, name: str, base: RunOptions, **kwargs: Any
-                        ) -> JobRunner:
-    """A runner joining job `name` as it was created: its model, settings, grants (whose
-    fingerprints must match the worker's own `--grants`) and attempts from the store, the
-    endpoint and secrets from the worker, its tasks from the folders the job recorded."""
+async def worker_runner(ledger: Ledger, name: str, base: RunOptions, *,
+                        agent: str | None = None, **kwargs: Any) -> JobRunner:
+    """A runner joining job `name` as it was created: its agent (a worker's own `agent`, when
+    it names one, must be the job's), model, settings, grants (whose fingerprints must match
+    the worker's own `--grants`) and attempts from the store, the endpoint and secrets from
+    the worker, its tasks from the folders the job recorded."""
     jobs = Jobs(ledger)
     config = await jobs.config(name)
+    if agent is not None and agent != config["agent"]:
+        raise JobRefused(f"job {name} runs the {config['agent']} agent, not --agent {agent}")
+    if config["agent"] == "codex" and not base.model_base_url:
+        raise JobRefused(f"job {name} runs Codex: the worker needs --model-base-url")
     mine = [grant_fingerprint(g) for g in base.grants]
     if mine != config["grants"]:
         raise JobRefused(f"job {name} was created with other grants than this worker's "
                          f"--grants (names, kinds, urls or headers differ)")
-    options = dataclasses.replace(base, model=config["model"], overrides=config["settings"],
+    options = dataclasses.replace(base, agent=config["agent"], model=config["model"],
+                                  overrides=config["settings"],
                                   max_attempts=int(config["max_attempts"]))
     tasks = []
     for task, folder in await jobs.task_folders(name):

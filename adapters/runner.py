@@ -28,12 +28,14 @@ from typing import Any
 
 import anyio
 
-from trialledger.adapters import capture
+from trialledger.adapters import capture, scripted
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
-from trialledger.adapters.codex.install import codex_install, execute_only
+from trialledger.adapters.codex.install import CodexInstall, codex_install, execute_only
 from trialledger.adapters.codex.stream import stream_events
 from trialledger.adapters.environment import HOST, Environment, resolve_inside
 from trialledger.adapters.proxy import MODEL_ROUTES, Upstream
+from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
+from trialledger.adapters.sandbox.bwrap import VERIFIER_STDOUT
 from trialledger.adapters.sandbox.identity import cache_dir
 from trialledger.adapters.sandbox.local import LocalSandbox, sweep_stale_sessions
 from trialledger.adapters.sandbox.network import Network
@@ -116,10 +118,10 @@ def install_paths(codex: str) -> list[Path]:
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How to run sessions: the model endpoint, grants, settings and the runner."""
+    """How to run sessions: the agent, the model endpoint, grants, settings and the runner."""
 
-    model_base_url: str
-    model: str
+    model_base_url: str = ""  # the model endpoint and model: Codex's only (SPEC §15)
+    model: str = ""
     api_key: str | None = None
     grants: Sequence[Mapping[str, Any]] = ()
     overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -133,6 +135,19 @@ class RunOptions:
     grace_s: float = 5.0
     probe_command: Sequence[str] | None = None  # None: our init's own probe
     store_retry_s: float = STORE_RETRY_S  # appends retry this long through a store's blink
+    agent: str = "codex"  # or oracle / nop (SPEC §15): no model, no proxy, no grants
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What the agent's process is started with, and what `agent.launched` says of it."""
+
+    argv: list[str]
+    env: dict[str, str]
+    stdin: bytes
+    config_sha256: str
+    model_proxy: bool
+    oracle: scripted.OraclePlaces | None = None  # where the oracle's files are
 
 
 @dataclass(frozen=True)
@@ -266,8 +281,17 @@ class SessionRunner:
                  environment: Environment = HOST) -> None:
         self.ledger, self.task, self.options = ledger, task, options
         self.environment = environment  # prepared before any session (environment.prepare)
-        self.codex = find_codex(options.codex_bin)
-        self.install = execute_only(codex_install(self.codex), cache_dir())  # non-dumpable
+        if options.agent not in scripted.AGENTS:
+            raise scripted.UnknownAgent(f"agent {options.agent!r}: expected one of "
+                                        f"{', '.join(scripted.AGENTS)}")
+        self.scripted = options.agent in scripted.SCRIPTED
+        self.codex: str | None = None
+        self.install: CodexInstall | None = None
+        if options.agent == "oracle":
+            scripted.solve_script(task)  # NoSolution now, before any session is seeded
+        elif not self.scripted:
+            self.codex = find_codex(options.codex_bin)
+            self.install = execute_only(codex_install(self.codex), cache_dir())  # non-dumpable
         self._trial_key = uuid.uuid4().hex[:12]  # run_session's sessions share one trial
         self.last: SessionResult | None = None  # the session run last, with its view
         _sweep_once()
@@ -281,12 +305,14 @@ class SessionRunner:
             "runner_id": self.options.runner_id,
             "task": self.task.name,
             "instruction": self.task.instruction,
-            "agent": {"name": "codex", "version": codex_version(self.codex)},
-            "model": self.options.model,
+            "agent": ({"name": "codex", "version": codex_version(self.codex)}
+                      if self.codex is not None
+                      else {"name": self.options.agent, "version": scripted.VERSION}),
+            "model": None if self.scripted else self.options.model,
             # Our runner records every model call, so its sessions are decided under v3
             # (SPEC §14) unless the caller names another policy.
             "settings": {"policy": "v3", **self._settings()},
-            "grants": list(self.options.grants),
+            "grants": [] if self.scripted else list(self.options.grants),
         }
         root = self.environment.root
         resolve = ((lambda path: resolve_inside(root, path)) if root is not None
@@ -370,13 +396,14 @@ class SessionRunner:
         session_id = str(uuid.uuid4())
         settings_raw = self._settings()
         token = f"tl-session-{tokens.token_urlsafe(24)}"  # Codex's key: the proxy's alone
-        network = Network(
-            Upstream(self.options.model_base_url, token=token,
-                     authorization=(f"Bearer {self.options.api_key}"
-                                    if self.options.api_key else None),
-                     routes=MODEL_ROUTES),
-            [str(g["url"]) for g in self.options.grants
-             if g.get("kind") == "mcp" and g.get("url")],
+        network = Network(  # an oracle or nop session: no proxy (its own namespace still)
+            None if self.scripted else Upstream(
+                self.options.model_base_url, token=token,
+                authorization=(f"Bearer {self.options.api_key}"
+                               if self.options.api_key else None),
+                routes=MODEL_ROUTES),
+            [] if self.scripted else [str(g["url"]) for g in self.options.grants
+                                      if g.get("kind") == "mcp" and g.get("url")],
             isolated=not self.task.allow_internet)
         sandbox = LocalSandbox(
             session_key=session_id,
@@ -396,8 +423,8 @@ class SessionRunner:
         )
         try:
             valid = self._seed(attempt, retry_of, sandbox, trial_id)
-            seeded = await self.ledger.start(valid, session_id=session_id, secrets=[token],
-                                             fence=fence)
+            seeded = await self.ledger.start(valid, session_id=session_id,
+                                             secrets=[token, *self.task.secrets], fence=fence)
             recorder = _Recorder(self.ledger, seeded,
                                  store_retry_s=self.options.store_retry_s, fence=fence)
             try:
@@ -416,6 +443,75 @@ class SessionRunner:
 
     async def _drive(self, rec: _Recorder, sandbox: LocalSandbox, valid: ValidSeed,
                      secrets: Sequence[str]) -> None:
+        settings = valid.data.settings
+        if self.options.agent == "nop":
+            await self._run_nothing(rec, sandbox, settings)
+        elif not await self._launch_and_run(rec, sandbox, valid, secrets):
+            return  # nothing could be spawned: the session is closed
+        if rec.action == "probe":
+            await self._probe(rec, sandbox, settings)
+        await self._archive(rec, sandbox, settings, secrets)
+        if rec.action == "verify":
+            await self._verify(rec, sandbox, settings, secrets)
+        await rec.add("session.closed", {"reason": "normal"})
+
+    async def _launch_and_run(self, rec: _Recorder, sandbox: LocalSandbox, valid: ValidSeed,
+                              secrets: Sequence[str]) -> bool:
+        """Launch Codex or the oracle's `solve.sh`, record it to its end and cleanup; False
+        when it could not be spawned (the session is then lost and closed)."""
+        settings = valid.data.settings
+        launch = (self._oracle_launch(sandbox) if self.options.agent == "oracle"
+                  else await self._codex_launch(rec, sandbox, valid))
+        try:
+            run = await sandbox.launch(launch.argv, env=launch.env, stdin=launch.stdin)
+        except OSError as error:
+            await rec.add("sandbox.lost", {"detail": f"the agent could not be spawned: {error}"})
+            await rec.add("session.closed", {"reason": "normal"})
+            return False
+        try:
+            await rec.append([self._launched(sandbox, settings, launch)])
+            await self._run_and_capture(rec, sandbox, run, settings, secrets, launch.oracle)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await run.stop(0.5)
+                await run.aclose()
+                if not rec.captured:  # stopped (a signal): capture anyway, in the budget
+                    await self._capture_after_stop(rec, sandbox, run, settings, secrets,
+                                                   launch.oracle)
+        return True
+
+    def _launched(self, sandbox: LocalSandbox, settings: Settings, launch: _Launch
+                  ) -> dict[str, Any]:
+        """The `agent.launched` event of a launch."""
+        return {"type": "agent.launched", "at": now(),
+                "schema": SCHEMA_VERSION["agent.launched"], "data": {
+                    "argv": launch.argv, "workdir": settings.workdir,
+                    "env_keys": sorted(launch.env), "config_sha256": launch.config_sha256,
+                    "oom_score_adj": sandbox.oom_score_adj, "isolation": sandbox.isolation,
+                    "runner_id": self.options.runner_id,
+                    "environment": self.environment.record(),
+                    "limits": sandbox.limits_record(), "model_proxy": launch.model_proxy}}
+
+    async def _run_nothing(self, rec: _Recorder, sandbox: LocalSandbox,
+                           settings: Settings) -> None:
+        """The nop agent (SPEC §15): launched, exited 0, nothing left to clean up."""
+        await rec.append([self._launched(sandbox, settings, _Launch(
+            argv=[], env={}, stdin=b"", config_sha256=scripted.NO_CONFIG, model_proxy=False))])
+        rec.capture_deadline = anyio.current_time() + settings.session_close_timeout_s
+        rec.captured = True
+        await rec.add("agent.exited", {"return_code": 0, "timed_out": False})
+        await rec.add("cleanup.reported", {"confirmed": True, "error": None})
+
+    def _oracle_launch(self, sandbox: LocalSandbox) -> _Launch:
+        """The oracle (SPEC §15): `solve.sh` copied in and run as Harbor runs it."""
+        places = scripted.place_solution(self.task, sandbox)
+        return _Launch(argv=scripted.oracle_argv(places, sandbox),
+                       env=scripted.oracle_env(self.task, sandbox), stdin=b"",
+                       config_sha256=scripted.NO_CONFIG, model_proxy=False, oracle=places)
+
+    async def _codex_launch(self, rec: _Recorder, sandbox: LocalSandbox, valid: ValidSeed
+                            ) -> _Launch:
+        """Codex: its proxy opened, its config.toml written, the prompt on stdin."""
         settings = valid.data.settings
         network = sandbox.network
         assert network is not None
@@ -436,37 +532,12 @@ class SessionRunner:
         argv = [sandbox.codex_argv0, "exec", "--json", "--skip-git-repo-check",
                 "--dangerously-bypass-approvals-and-sandbox", "-C", sandbox.agent_workdir, "-"]
         env = agent_env(settings, self.task, sandbox, network.model_token)
-        try:
-            run = await sandbox.launch(argv, env=env, stdin=self.task.instruction.encode())
-        except OSError as error:
-            await rec.add("sandbox.lost", {"detail": f"the agent could not be spawned: {error}"})
-            await rec.add("session.closed", {"reason": "normal"})
-            return
-        try:
-            await rec.append([{"type": "agent.launched", "at": now(),
-                               "schema": SCHEMA_VERSION["agent.launched"], "data": {
-                "argv": argv, "workdir": settings.workdir, "env_keys": sorted(env),
-                "config_sha256": digest, "oom_score_adj": sandbox.oom_score_adj,
-                "isolation": sandbox.isolation, "runner_id": self.options.runner_id,
-                "environment": self.environment.record(), "limits": sandbox.limits_record(),
-                "model_proxy": True,
-            }}])
-            await self._run_and_capture(rec, sandbox, run, settings, secrets)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await run.stop(0.5)
-                await run.aclose()
-                if not rec.captured:  # stopped (a signal): capture anyway, in the budget
-                    await self._capture_after_stop(rec, sandbox, run, settings, secrets)
-        if rec.action == "probe":
-            await self._probe(rec, sandbox, settings)
-        await self._archive(rec, sandbox, settings, secrets)
-        if rec.action == "verify":
-            await self._verify(rec, sandbox, settings, secrets)
-        await rec.add("session.closed", {"reason": "normal"})
+        return _Launch(argv=argv, env=env, stdin=self.task.instruction.encode(),
+                       config_sha256=digest, model_proxy=True)
 
     async def _run_and_capture(self, rec: _Recorder, sandbox: LocalSandbox, run: LocalRun,
-                               settings: Settings, secrets: Sequence[str]) -> None:
+                               settings: Settings, secrets: Sequence[str],
+                               oracle: scripted.OraclePlaces | None = None) -> None:
         done_reading = anyio.Event()
 
         async def pump() -> None:
@@ -492,8 +563,7 @@ class SessionRunner:
             with anyio.CancelScope(shield=True):
                 await sandbox.network.aclose()
         rec.captured = True
-        await rec.append(self._stderr_event(run, secrets)
-                         + await self._usage_events(rec, sandbox))
+        await rec.append(await self._agent_output(rec, sandbox, run, secrets, oracle))
         if not status.spawned:  # the launch failed inside the sandbox: nothing ran
             await rec.add("sandbox.lost", {"detail": status.detail})
             return
@@ -503,7 +573,8 @@ class SessionRunner:
 
 
     async def _capture_after_stop(self, rec: _Recorder, sandbox: LocalSandbox, run: LocalRun,
-                                  settings: Settings, secrets: Sequence[str]) -> None:
+                                  settings: Settings, secrets: Sequence[str],
+                                  oracle: scripted.OraclePlaces | None = None) -> None:
         """What a stopped run still gives: its model calls, stderr tail and native usage,
         within the capture budget; a store that is gone by then loses only these."""
         rec.captured = True
@@ -511,12 +582,31 @@ class SessionRunner:
         with anyio.move_on_after(rec.left()), contextlib.suppress(StoreUnavailable):
             if sandbox.network is not None:
                 await sandbox.network.aclose()
-            await rec.append(self._stderr_event(run, secrets)
-                             + await self._usage_events(rec, sandbox))
+            await rec.append(await self._agent_output(rec, sandbox, run, secrets, oracle))
+
+    async def _agent_output(self, rec: _Recorder, sandbox: LocalSandbox, run: LocalRun,
+                            secrets: Sequence[str], oracle: scripted.OraclePlaces | None
+                            ) -> list[dict[str, Any]]:
+        """Codex's stderr tail and native usage; for the oracle, oracle.txt's tail as
+        `agent.stderr` (SPEC §15), or its shell's own stderr when oracle.txt is unreadable
+        (an unsafe one is also a gap)."""
+        if oracle is None:
+            return self._stderr_event(run, secrets) + await self._usage_events(rec, sandbox)
+        tail, cut, refused = await anyio.to_thread.run_sync(scripted.oracle_output, sandbox,
+                                                             oracle)
+        if refused is None:
+            return self._tail_event(tail, cut, secrets)
+        gaps = ([] if refused.rule == "missing" else
+                [{"type": "gap.recorded", "at": now(), "data": refused.gap()}])
+        return gaps + self._stderr_event(run, secrets)
+
+    @classmethod
+    def _stderr_event(cls, run: LocalRun, secrets: Sequence[str]) -> list[dict[str, Any]]:
+        return cls._tail_event(*run.stderr_tail(), secrets)
 
     @staticmethod
-    def _stderr_event(run: LocalRun, secrets: Sequence[str]) -> list[dict[str, Any]]:
-        tail, cut = run.stderr_tail()
+    def _tail_event(tail: str, cut: bool, secrets: Sequence[str]) -> list[dict[str, Any]]:
+        """`agent.stderr` of an output's end (none when it is empty)."""
         if not tail:
             return []
         redacted = redact(tail, secrets)
@@ -575,14 +665,16 @@ class SessionRunner:
             await rec.add("verification.failed",
                           {"reason": "error", "detail": "the task has no tests/test.sh"})
             return
-        run = await sandbox.verify(settings.verifier_timeout_s)
+        run = await sandbox.verify(settings.verifier_timeout_s, verifier_env(self.task, sandbox))
         if run.error is not None:
             await rec.add("verification.failed", {"reason": "error", "detail": run.error})
             return
         tree = sandbox.agent_files(run.logs)
-        found = await anyio.to_thread.run_sync(capture.read_reward, tree, run.return_code,
-                                               run.timed_out)
-        output = verifier_output(run.stdout, run.stderr, secrets)
+        found = await anyio.to_thread.run_sync(functools.partial(
+            capture.read_reward, tree, run.return_code, run.timed_out,
+            from_exit_code=self.task.reward_from_exit_code))
+        printed = await anyio.to_thread.run_sync(_printed, tree)
+        output = verifier_output(printed, "", secrets)
         await rec.append([
             {"type": kind, "at": now(), "data": {**data, **output}, "schema": SCHEMA_VERSION[kind]}
             if kind.startswith("verification.") and output else
@@ -608,6 +700,24 @@ def next_attempt(sessions: Sequence[Mapping[str, Any]], max_attempts: int
     if final or counted >= max_attempts or len(sessions) - counted > UNCOUNTED_CAP:
         return None
     return (int(last["attempt"]) + 1 if last else 1, last["session_id"] if last else None)
+
+
+def verifier_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
+    """docs/SPEC.md §15: the image's `Env` < `[environment] env` < `[verifier] env`, and
+    `HOME`, unless a table sets it, the image's (its `Env`'s, else its user's home)."""
+    env: dict[str, str] = {}
+    if (image := sandbox.image) is not None:
+        env.update(dict(image.env))
+        env.setdefault("HOME", image.home)
+    return {**env, **task.env, **task.verifier_env}
+
+
+def _printed(tree: Any) -> str:
+    """The end of what the verifier printed (`test-stdout.txt`, read safely)."""
+    try:
+        return bytes(tree.tail(VERIFIER_STDOUT, 8192)).decode("utf-8", errors="replace")
+    except UnsafeAgentFile:
+        return ""
 
 
 def verifier_output(stdout: str, stderr: str, secrets: Sequence[str]) -> dict[str, str]:

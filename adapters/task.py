@@ -9,23 +9,29 @@
     environment/Dockerfile  optional: the task's image, built when no source is named
     workspace/       optional: copied into a fresh workdir
     tests/test.sh    the verifier
+
+Every path here, and every path `task.toml` names, is resolved (links followed) before it
+is checked to stay inside the folder, so a link never leads a task to a host folder.
 """
 
 from __future__ import annotations
 
-import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source, SourceKind
+from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source, SourceKind, within
+from trialledger.adapters.taskenv import EnvUnresolved, ResolvedEnv, resolve
 from trialledger.core.errors import TrialLedgerError
 
 SOURCE_KINDS: dict[str, SourceKind] = {
     "docker_image": "docker_image", "image_archive": "image_archive", "rootfs": "rootfs"}
 SOURCES = tuple(SOURCE_KINDS)
 LIMITS = ("cpus", "memory_mb", "pids")
+# Every path of the layout is read, copied, mounted or built from: none may lead out.
+LAYOUT = ("instruction.md", "task.toml", "workspace", "tests", "tests/test.sh", "environment",
+          "environment/Dockerfile")
 
 
 class TaskInvalid(TrialLedgerError):
@@ -46,6 +52,9 @@ class Task:
     allow_internet: bool = True  # false: only the model endpoint and MCP grants
     source: Source | None = None  # None: the host environment
     limits: dict[str, float] = field(default_factory=dict)  # requested cpus/memory_mb/pids
+    reward_from_exit_code: bool = False  # [metadata.trialledger]: no reward file → exit code
+    verifier_env: dict[str, str] = field(default_factory=dict)  # [verifier] env, resolved
+    secrets: tuple[str, ...] = ()  # resolved `${VAR}` values with sensitive names
 
     @classmethod
     def load(cls, folder: Path) -> Task:
@@ -53,6 +62,8 @@ class Task:
         folder = folder.resolve()
         if not folder.is_dir():
             raise TaskInvalid(f"{folder}: no such task folder")
+        for name in LAYOUT:
+            _inside(folder, name, name)
         instruction = folder / "instruction.md"
         if not instruction.is_file():
             raise TaskInvalid(f"{folder}: no instruction.md (the prompt)")
@@ -71,6 +82,7 @@ class Task:
         if "workdir" in environment:
             settings["workdir"] = str(environment["workdir"])
         tests = folder / "tests"
+        tables = _env_tables(meta, folder)
         return cls(
             name=str(meta.get("task", {}).get("name", folder.name)),
             folder=folder,
@@ -78,17 +90,37 @@ class Task:
             workspace=folder / "workspace" if (folder / "workspace").is_dir() else None,
             tests=tests if (tests / "test.sh").is_file() else None,
             settings=settings,
-            env={str(k): str(v) for k, v in environment.get("env", {}).items()},
+            env=tables["environment"].values,
+            verifier_env=tables["verifier"].values,
+            secrets=tuple(secret for table in tables.values() for secret in table.secrets),
             allow_internet=_flag(environment, "allow_internet", folder),
             source=_source(environment, folder),
             limits=_limits(environment, folder),
+            reward_from_exit_code=_flag(meta.get("metadata", {}).get("trialledger", {}),
+                                        "reward_from_exit_code", folder, default=False,
+                                        table_name="metadata.trialledger"),
         )
 
 
-def _flag(table: dict[str, Any], key: str, folder: Path) -> bool:
-    value = table.get(key, True)
+def _env_tables(meta: dict[str, Any], folder: Path) -> dict[str, ResolvedEnv]:
+    """`[environment] env` and `[verifier] env`, their `${VAR}` values resolved."""
+    tables = {}
+    for phase in ("environment", "verifier"):
+        table = meta.get(phase, {}).get("env", {})
+        if not isinstance(table, dict):
+            raise TaskInvalid(f"{folder / 'task.toml'}: [{phase}] env must be a table")
+        try:
+            tables[phase] = resolve(table, f"{folder / 'task.toml'}: [{phase}] env")
+        except EnvUnresolved as error:
+            raise TaskInvalid(str(error)) from None
+    return tables
+
+
+def _flag(table: dict[str, Any], key: str, folder: Path, *, default: bool = True,
+          table_name: str = "environment") -> bool:
+    value = table.get(key, default)
     if not isinstance(value, bool):
-        raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {key} must be true or false")
+        raise TaskInvalid(f"{folder / 'task.toml'}: [{table_name}] {key} must be true or false")
     return value
 
 
@@ -111,11 +143,16 @@ def _source(table: dict[str, Any], folder: Path) -> Source | None:
         raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {kind} must be a string")
     source = Source(SOURCE_KINDS[kind], value, folder, float(timeout))
     if kind != "docker_image":
-        inside = Path(os.path.normpath(folder / value))
-        if Path(value).is_absolute() or not inside.is_relative_to(folder):
-            raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {kind} {value!r} must "
-                              f"be a path inside the task folder")
+        _inside(folder, value, f"task.toml [environment] {kind} {value!r}")
     return source
+
+
+def _inside(folder: Path, relative: str, named: str) -> None:
+    """Refuse a path the task names that leaves its folder, through a link anywhere on the
+    way too (resolved before the check, so no host folder is packed or mounted)."""
+    if within(folder, relative) is None:
+        raise TaskInvalid(f"{folder}: {named} must be a path inside the task folder (an "
+                          f"absolute path, '..' or a symbolic link on the way leads out)")
 
 
 def _limits(table: dict[str, Any], folder: Path) -> dict[str, float]:

@@ -126,7 +126,7 @@ class SessionSeededData(_Data):
     task: str
     instruction: str
     agent: AgentInfo
-    model: str
+    model: str | None  # null for an agent that asks no model (SPEC §15's oracle and nop)
     settings: Settings = Field(default_factory=Settings)
     grants: list[StoredGrant] = Field(default_factory=list)
 

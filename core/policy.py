@@ -35,11 +35,13 @@ from trialledger.core.events import (
     Usage,
 )
 from trialledger.core.redact import redact
-from trialledger.core.usage import recover_usage
+from trialledger.core.usage import ZERO, recover_usage
 
 Action = Literal["verify", "retry", "probe"]
 Status = Literal["completed", "incomplete", "failed"]
 STREAM_TYPES = CODEX_STREAM_TYPES - {"codex.unknown"}  # SPEC §2.2's types
+# Agents that run a script instead of a model (SPEC §15): only R1, R2 and R0 decide them.
+SCRIPTED_AGENTS = frozenset({"oracle", "nop"})
 
 
 def is_responses_call(call: ModelCallData) -> bool:
@@ -55,6 +57,7 @@ CLASSIFIED: Literal["classified"] = "classified"  # cause: the classified ending
 BY_TABLE: Literal["by_table"] = "by_table"  # action / reward_valid: the outcome table
 ENDPOINT_FROM_ERROR: Literal["endpoint_from_error"] = "endpoint_from_error"  # cause: the
 # model endpoint, with the status code parsed from the rule's error
+BY_EXIT: Literal["by_exit"] = "by_exit"  # status: from the exit alone (R0, a scripted agent)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,19 @@ class Facts:
     model_proxy: bool = False
     calls: tuple[ModelCallData, ...] = ()  # POST …/responses calls, by `call`
     asked_model: str | None = None
+    agent_name: str | None = None  # the seed's `agent.name` (§15: oracle and nop are R0's)
+
+    @property
+    def scripted(self) -> bool:
+        """Whether the agent ran a script, not a model (SPEC §15's oracle or nop)."""
+        return self.agent_name in SCRIPTED_AGENTS
+
+    @property
+    def exit_status(self) -> Status:
+        """R0's status: from the exit alone (no Codex stream to read)."""
+        if self.timed_out:
+            return "incomplete"
+        return "completed" if self.return_code == 0 else "failed"
 
 
 def _matcher(*patterns: str) -> re.Pattern[str]:
@@ -110,10 +126,11 @@ class Rule:
     when: Callable[[Facts], bool]
     action: Action | Literal["by_table"]
     http_status: int | None
-    status: Status | Literal["computed", "timed_out_or_failed"]
+    status: Status | Literal["computed", "timed_out_or_failed", "by_exit"]
     cause: str | None  # a fixed kind, CLASSIFIED, ENDPOINT_FROM_ERROR, or None
     reward_valid: bool | Literal["by_table"]
     error: Callable[[Facts], str | None] = lambda facts: facts.error
+    known_zero_usage: bool = False  # the run reached no model: usage is zero, not recovered
 
 
 def _cleanup_error(facts: Facts) -> str:
@@ -170,6 +187,22 @@ V2_RULES: tuple[Rule, ...] = tuple(
     row for rule in V1_RULES
     for row in ((ENDPOINT_UNREACHABLE, rule) if rule.name == "incomplete" else (rule,))
 )
+
+
+def _scripted_error(facts: Facts) -> str | None:
+    if facts.exit_status != "failed":
+        return None
+    if facts.return_code is None:
+        return f"{facts.agent_name} exit status unknown"
+    return f"{facts.agent_name} exited with code {facts.return_code}"
+
+
+# R0 (SPEC §15): an oracle's or nop's run is graded whatever it returned, as Harbor grades
+# it; only a lost sandbox or unconfirmed cleanup (R1, R2) keep it out of the scores.
+SCRIPTED_AGENT = Rule(name="scripted_agent", when=lambda f: True, action="verify",
+                      http_status=200, status=BY_EXIT, cause=None, reward_valid=True,
+                      error=_scripted_error, known_zero_usage=True)
+SCRIPTED_RULES: tuple[Rule, ...] = (SANDBOX_LOST, CLEANUP_UNCONFIRMED, SCRIPTED_AGENT)
 V1_AFTER_PROBE: tuple[Rule, ...] = (
     SANDBOX_LOST,
     CLEANUP_UNCONFIRMED,
@@ -215,6 +248,7 @@ class Policy:
     name: str
     rules: tuple[Rule, ...] = V1_RULES
     rules_after_probe: tuple[Rule, ...] = V1_AFTER_PROBE
+    scripted_rules: tuple[Rule, ...] = SCRIPTED_RULES  # an oracle or nop session's (§15)
     classification: tuple[tuple[str, re.Pattern[str]], ...] = V1_CLASSIFICATION
     outcome_table: Mapping[str, tuple[Action, bool]] = field(
         default_factory=lambda: dict(V1_OUTCOME_TABLE)
@@ -254,7 +288,7 @@ class Policy:
         exited = cleanup = lost = probe = stderr = None
         verify_after_error = False
         model_proxy = False
-        asked_model = None
+        asked_model = agent_name = None
         calls: list[ModelCallData] = []
         last_stream: Event | None = None  # the last Codex stream event before agent.exited
         for event in events:
@@ -288,6 +322,7 @@ class Policy:
             elif isinstance(event, SessionSeeded):
                 verify_after_error = event.data.settings.verify_after_agent_error
                 asked_model = event.data.model
+                agent_name = event.data.agent.name
             elif isinstance(event, AgentLaunched):
                 model_proxy = bool(event.data.model_proxy)
             elif isinstance(event, ModelCall) and is_responses_call(event.data):
@@ -343,6 +378,7 @@ class Policy:
             model_proxy=model_proxy,
             calls=tuple(sorted(calls, key=lambda c: c.call)),
             asked_model=asked_model,
+            agent_name=agent_name,
         )
 
     # --- the decision ----------------------------------------------------------------------
@@ -350,7 +386,8 @@ class Policy:
     def decide(self, events: Sequence[Event], *, after_probe: bool = False) -> Decision:
         """The decision for a log whose evidence is complete (or just probed)."""
         facts = self.facts(events)
-        table = self.rules_after_probe if after_probe else self.rules
+        table = (self.scripted_rules if facts.scripted
+                 else self.rules_after_probe if after_probe else self.rules)
         rule = next(r for r in table if r.when(facts))
         error = rule.error(facts)
         error = redact(error, ()) if error is not None else None
@@ -365,9 +402,11 @@ class Policy:
             status = facts.status
         elif rule.status == TIMED_OUT_OR_FAILED:
             status = "incomplete" if facts.timed_out else "failed"
+        elif rule.status == BY_EXIT:
+            status = facts.exit_status
         else:
             status = rule.status
-        usage, _ = self.usage_of(events)
+        usage = ZERO if rule.known_zero_usage else self.usage_of(events)[0]
         return Decision(
             policy=self.name,
             rule=rule.name,
@@ -377,7 +416,7 @@ class Policy:
             error=error,
             cause=self._cause(rule, facts, error),
             incomplete_reason=(
-                "max_output_tokens" if facts.output_limited
+                "max_output_tokens" if facts.output_limited and not facts.scripted
                 else "timeout" if facts.timed_out else None
             ),
             reward_valid=bool(reward_valid),

@@ -56,6 +56,12 @@ class Claim:
     token: str
 
 
+def _with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored configuration with the fields added since it was written: a job created
+    before the agent was part of it ran Codex (SPEC §15)."""
+    return {"agent": "codex", **config}
+
+
 def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     return sorted(key for key in set(old) | set(new) if old.get(key) != new.get(key))
 
@@ -96,7 +102,7 @@ class Jobs:
                     "VALUES (:n, :c, :k, :m, :t)"),
                     {"n": name, "c": stored, "k": k, "m": attempts, "t": now()})
             else:
-                old = json.loads(row[0])
+                old = _with_defaults(json.loads(row[0]))
                 changed = [f for f in _differences(old, config) if f != "k"]
                 if changed:
                     raise JobRefused(f"job {name} was created with another configuration: "
@@ -129,7 +135,7 @@ class Jobs:
                                       {"n": name})).first()
         if row is None:
             raise NoJob(f"no job named {name}")
-        return dict(json.loads(row[0]))
+        return _with_defaults(json.loads(row[0]))
 
     async def claim(self, job: str | None, runner_id: str, lease_s: float,
                     tasks: Sequence[str] | None = None) -> Claim | None:
@@ -200,22 +206,30 @@ class Jobs:
 
     async def environment_failed(self, job: str, task: str, reason: str) -> None:
         """Mark every unfinished trial of a task whose environment cannot be prepared."""
+        await self._unrunnable(job, task, "environment_failed", reason)
+
+    async def no_solution(self, job: str, task: str, reason: str) -> None:
+        """Mark every unfinished trial of an oracle job's task that has no solution (SPEC
+        §15): unscored, no session seeded, kept as `environment_failed` is."""
+        await self._unrunnable(job, task, "no_solution", reason)
+
+    async def _unrunnable(self, job: str, task: str, state: str, reason: str) -> None:
         async with self._engines.writer.begin() as conn:
             await conn.execute(text(
-                "UPDATE job_queue SET state = 'environment_failed', detail = :d, "
+                "UPDATE job_queue SET state = :s, detail = :d, "
                 "lease_token = NULL, lease_expires = NULL "
                 "WHERE job = :j AND task = :t AND state <> 'done'"),
-                {"d": reason, "j": job, "t": task})
+                {"s": state, "d": reason, "j": job, "t": task})
 
     async def requeue_environment(self, job: str, tasks: Sequence[str]) -> None:
-        """Tasks whose environment failed before get their trials back on a new run (one
-        transaction for all the tasks a run prepared)."""
+        """Tasks whose environment failed (or that had no solution) before get their trials
+        back on a new run (one transaction for all the tasks a run prepared)."""
         async with self._engines.writer.begin() as conn:
             for part in in_slices(list(tasks)):
                 names = ", ".join(f":t{i}" for i in range(len(part)))
                 await conn.execute(text(
                     "UPDATE job_queue SET state = 'queued', detail = NULL WHERE job = :j AND "
-                    f"state = 'environment_failed' AND task IN ({names})"),
+                    f"state IN ('environment_failed', 'no_solution') AND task IN ({names})"),
                     {"j": job, **{f"t{i}": task for i, task in enumerate(part)}})
 
     async def held(self, job: str, tasks: Sequence[str] | None = None) -> int:
@@ -266,10 +280,11 @@ class Jobs:
         """Rows of `job_tasks`, by task."""
         return await self._rows("SELECT * FROM job_tasks WHERE job = :j ORDER BY task", job)
 
-    async def failures(self, job: str) -> dict[str, str]:
-        """Tasks whose environment failed → why."""
+    async def failures(self, job: str, state: str = "environment_failed") -> dict[str, str]:
+        """Tasks whose environment failed (or in another unrunnable `state`, such as
+        `no_solution`) → why."""
         rows = await self._rows("SELECT DISTINCT task, detail FROM job_queue WHERE job = :j "
-                                "AND state = 'environment_failed'", job)
+                                "AND state = :s", job, {"s": state})
         return {r["task"]: r["detail"] for r in rows}
 
     async def names(self) -> list[dict[str, Any]]:
@@ -287,15 +302,17 @@ class Jobs:
             entry["trials"] += int(count)
         return list(found.values())
 
-    async def _rows(self, sql: str, job: str) -> list[dict[str, Any]]:
+    async def _rows(self, sql: str, job: str, params: Mapping[str, Any] | None = None
+                    ) -> list[dict[str, Any]]:
         async with self._engines.reader.begin() as conn:
             if (await conn.execute(text("SELECT 1 FROM jobs WHERE name = :j"),
                                    {"j": job})).first() is None:
                 raise NoJob(f"no job named {job}")
-            return [dict(r._mapping) for r in await conn.execute(text(sql), {"j": job})]
+            return [dict(r._mapping) for r in await conn.execute(text(sql),
+                                                                 {"j": job, **(params or {})})]
 
 
-for _name in ("define", "config", "claim", "renew", "settle", "environment_failed",
+for _name in ("define", "config", "claim", "renew", "settle", "environment_failed", "no_solution",
               "requeue_environment", "held", "task_folders", "pending", "progress", "trials",
               "tasks",
               "failures", "names"):

@@ -49,10 +49,15 @@ def in_process(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProce
 
 
 def make_task(folder: Path, *, instruction: str = "say hi", test_sh: str | None = None,
-              toml: str | None = None, workspace: dict[str, str] | None = None) -> Task:
-    """Write a task folder (instruction.md, task.toml, workspace/, tests/test.sh) and load it."""
+              toml: str | None = None, workspace: dict[str, str] | None = None,
+              exit_code_reward: bool = True, solve_sh: str | None = None) -> Task:
+    """Write a task folder (instruction.md, task.toml, workspace/, tests/test.sh, and
+    `solve_sh` as solution/solve.sh, the oracle's) and load it; its verifier's exit code is
+    its reward unless `exit_code_reward` is False."""
+    if solve_sh is not None:
+        samples.executable(folder / "solution" / "solve.sh", solve_sh)
     return samples.write_task(folder, instruction=instruction, test_sh=test_sh, toml=toml,
-                              workspace=workspace)
+                              workspace=workspace, exit_code_reward=exit_code_reward)
 
 
 def killer(folder: Path, trigger: str) -> Path:

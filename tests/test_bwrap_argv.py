@@ -18,7 +18,7 @@ HOST_AGENT = Spawn(
     session_dir="/tmp/trialledger-ab/home", system=SYSTEM,
     workdir_source="/tmp/trialledger-ab/work",
     codex=(("/opt/codex/bin/codex", "/run/trialledger/codex"),),
-    readonly=("/srv/data",), tests="/tasks/t/tests")
+    readonly=("/srv/data",), tests="/tmp/trialledger-ab/tests-1")
 IMAGE_AGENT = replace(HOST_AGENT, uid=0, gid=0, root="/tmp/trialledger-ab/merged",
                       system=(), workdir_source=None)
 SLASH_AGENT = replace(HOST_AGENT, workdir="/", root="/tmp/trialledger-ab/merged",
@@ -55,7 +55,7 @@ TABLE = {
         ("--symlink", "usr/bin", "/bin"), ("--ro-bind", "/etc", "/etc"),
     ], ["/tests", "/app"]),
     "verifier (root agent)": (VERIFIER, [
-        ("--ro-bind", "/tasks/t/tests", "/tests"),
+        ("--bind", "/tmp/trialledger-ab/tests-1", "/tests"),  # a fresh copy, writable
         ("--bind", "/tmp/trialledger-ab/vlogs", "/logs/verifier"),
         ("--bind", "/tmp/trialledger-ab/work", "/app"),
         ("--ro-bind", "/srv/data", "/srv/data"),
@@ -63,7 +63,7 @@ TABLE = {
     "verifier (root pristine)": (PRISTINE, [
         ("--bind", "/tmp/trialledger-ab/pristine-1-merged", "/"),
         ("--bind", "/tmp/trialledger-ab/merged/app", "/app"),
-        ("--ro-bind", "/tasks/t/tests", "/tests"),
+        ("--bind", "/tmp/trialledger-ab/tests-1", "/tests"),
     ], ["/tmp/trialledger-ab/home", "/srv/data", "/run/trialledger/codex"]),
     "probe": (PROBE, [("--ro-bind", "/var/lib/tl/init", INIT_INSIDE)],
               ["/tests", "/logs/verifier", "/run/trialledger/codex"]),
@@ -114,10 +114,10 @@ def test_only_an_isolated_network_unshares_it_and_waits_for_the_proxies() -> Non
 
 
 def test_sources_the_runner_stages_are_the_agents_host_reads() -> None:
-    """Codex, the grants and the tests are staged when the runner is root (the sandbox
-    user may not read them); nothing the agent writes is."""
+    """Codex and the grants are staged when the runner is root (the sandbox user may not
+    read them); nothing the agent writes is, nor the verifier's copy of the tests."""
     staged = {(m.source, m.target) for m in mounts(VERIFIER) if m.staged}
-    assert staged == {("/srv/data", "/srv/data"), ("/tasks/t/tests", "/tests")}
+    assert staged == {("/srv/data", "/srv/data")}
     assert {(m.source, m.target) for m in mounts(HOST_AGENT) if m.staged} == {
         ("/opt/codex/bin/codex", "/run/trialledger/codex"), ("/srv/data", "/srv/data")}
 
@@ -135,7 +135,7 @@ spawns = st.builds(
     codex=st.just((("/opt/codex/codex", "/run/trialledger/codex"),)),
     readonly=st.lists(paths, max_size=3).map(tuple),
     sees_agent_files=st.booleans(),
-    tests=st.none() | st.just("/tasks/t/tests"),
+    tests=st.none() | st.just("/tmp/trialledger-x/tests-1"),
     verifier_logs=st.none() | st.just("/tmp/trialledger-x/vlogs"),
     isolated_network=st.booleans(),
     block_fd=st.none() | st.integers(3, 50), info_fd=st.integers(3, 50))
@@ -153,7 +153,8 @@ def test_every_spawn_keeps_the_sandbox_promises(spawn: Spawn) -> None:
     assert not any(option == "--dev-bind" for option, _, _ in found)
     writable = {(source, target) for option, source, target in found if option == "--bind"}
     allowed = {(spawn.session_dir, spawn.session_dir), (spawn.root, "/"),
-               (spawn.workdir_source, spawn.workdir), (spawn.verifier_logs, "/logs/verifier")}
+               (spawn.workdir_source, spawn.workdir), (spawn.verifier_logs, "/logs/verifier"),
+               (spawn.tests, "/tests")}
     assert writable <= allowed  # the agent writes only its layers, never a host folder
     assert all(source != "/" for _, source, _ in found)  # the host's root is never mounted
     targets = [target for _, _, target in found]

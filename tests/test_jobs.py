@@ -550,10 +550,10 @@ def test_an_unexpected_error_ends_its_trial_never_the_job(
 
     honest = capture.read_reward
 
-    def read_reward(tree: Any, return_code: int | None, timed_out: bool) -> Any:
+    def read_reward(tree: Any, return_code: int | None, timed_out: bool, **kw: Any) -> Any:
         if (tree.root / "boom").exists():
             raise RuntimeError("the reward reader broke")
-        return honest(tree, return_code, timed_out)
+        return honest(tree, return_code, timed_out, **kw)
 
     monkeypatch.setattr(capture, "read_reward", read_reward)
     data = tmp_path / "data"

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import replace
+from typing import Any
 
-from tests.scenarios import CLEAN, MCP_STDERR, SCENARIOS, run
-from trialledger.core import replay
+import pytest
+from hypothesis import given, settings
+
+from tests.logs import session_logs
+from tests.scenarios import CLEAN, HTTP_429, MCP_STDERR, SCENARIOS, LogBuilder, run
+from trialledger.core import Policy, get_policy, register_policy, replay
+from trialledger.core.policy import V1_RULES, Rule
+from trialledger.core.usage import ZERO
+
+fast = settings(max_examples=60, deadline=None)
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -148,3 +157,68 @@ def test_opt_in_off_keeps_the_execution_error() -> None:
 def test_clean_run_ends_graded_and_any_exit_code_is_taken_as_given() -> None:
     d = replay(run(CLEAN, 3).events).decision
     assert d is not None and d.error == "Codex exited with code 3" and d.status == "failed"
+
+
+# --- R0 `scripted_agent` (SPEC §15): an oracle's or nop's run, graded by its exit alone ----
+
+def scripted(agent: str, rc: int | None, *, lines: tuple[str, ...] = (),
+             lost: str | None = None, **finish: Any) -> list[dict[str, Any]]:
+    """A log of `agent` (oracle or nop; model null) that printed `lines` and ended `rc`."""
+    log = LogBuilder()
+    log.events[0]["data"].update(agent={"name": agent, "version": "1.0.0"}, model=None)
+    log.launched().codex(list(lines))
+    if lost is not None:
+        return log.add("sandbox.lost", {"detail": lost}).events
+    return log.finish(rc, **finish).events
+
+
+# (agent, rc, options) → (rule, action, http, status, error, incomplete_reason, reward_valid)
+R0_ROWS: list[tuple[str, int | None, dict[str, Any], tuple[Any, ...]]] = [
+    ("oracle", 0, {}, ("scripted_agent", "verify", 200, "completed", None, None, True)),
+    ("nop", 0, {}, ("scripted_agent", "verify", 200, "completed", None, None, True)),
+    ("oracle", 3, {}, ("scripted_agent", "verify", 200, "failed",
+                       "oracle exited with code 3", None, True)),
+    ("oracle", None, {}, ("scripted_agent", "verify", 200, "failed",
+                          "oracle exit status unknown", None, True)),
+    ("nop", -9, {}, ("scripted_agent", "verify", 200, "failed", "nop exited with code -9",
+                     None, True)),
+    ("oracle", -15, {"timed_out": True}, ("scripted_agent", "verify", 200, "incomplete", None,
+                                          "timeout", True)),
+    # a Codex-like failure in its output changes nothing: no Codex rule is evaluated
+    ("oracle", 1, {"lines": tuple(HTTP_429)}, ("scripted_agent", "verify", 200, "failed",
+                                                "oracle exited with code 1", None, True)),
+    ("oracle", 0, {"confirmed": False, "error": "1 process left"}, (
+        "cleanup_unconfirmed", "retry", 502, "failed", "cleanup unconfirmed: 1 process left",
+        None, False)),
+    ("oracle", None, {"lost": "init died"}, ("sandbox_lost", "retry", 502, "failed",
+                                             "sandbox lost: init died", None, False)),
+]
+NO_R0 = register_policy(Policy(name="test-custom-rules", rules=V1_RULES[:2]))
+
+
+@pytest.mark.parametrize("policy", ["v1", "v2", "v3", NO_R0.name])
+@pytest.mark.parametrize("agent, rc, options, expected", R0_ROWS)
+def test_r0_decides_a_scripted_agent_by_its_exit(agent: str, rc: int | None,
+                                                 options: dict[str, Any],
+                                                 expected: tuple[Any, ...], policy: str) -> None:
+    d = replay(scripted(agent, rc, **options), policy=policy).decision
+    assert d is not None and d.policy == policy
+    assert (d.rule, d.action, d.http_status, d.status, d.error, d.incomplete_reason,
+            d.reward_valid) == expected
+    if d.rule == "scripted_agent":
+        assert d.cause is None and d.usage is not None
+        assert d.usage.model_dump() == ZERO.model_dump()
+
+
+@fast
+@given(log=session_logs())
+def test_a_codex_log_never_reaches_r0(log: list[dict[str, Any]]) -> None:
+    """Any legal Codex log decides as if the scripted table did not exist."""
+    for name in ("v1", "v2", "v3"):
+        base = get_policy(name)
+        trap = replace(base, name=f"{name}-trap", scripted_rules=(
+            Rule(name="trap", when=lambda f: True, action="retry", http_status=None,
+                 status="failed", cause=None, reward_valid=False),))
+        assert [d.rule for d in replay(log, policy=trap).decisions] == [
+            d.rule for d in replay(log, policy=base).decisions]
+        assert "scripted_agent" not in [d.rule for d in replay(log, policy=base).decisions]

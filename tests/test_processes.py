@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,15 +109,6 @@ async def test_a_task_pids_limit_holds_the_agent_in_either_isolation(tmp_path: P
         assert launched(ran.view).limits["enforced"] is True, isolation
 
 
-@pytest.fixture
-def shared_tmp() -> Iterator[Path]:
-    """A folder the sandbox user can reach (pytest's own are root's alone)."""
-    folder = Path(tempfile.mkdtemp(prefix="tl-test-"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 def failing_bwrap(folder: Path, failures: int) -> Path:
     """A `bwrap` first on PATH that fails its first `failures` calls, then runs the real
     one: a bwrap that cannot sandbox (for now, or for good). The sandbox user runs it."""
@@ -139,8 +128,8 @@ def failing_bwrap(folder: Path, failures: int) -> Path:
 
 
 def test_a_bwrap_that_cannot_sandbox_refuses_and_never_falls_back(
-        tmp_path: Path, shared_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = failing_bwrap(shared_tmp / "bin", failures=1000)
+        tmp_path: Path, reachable_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = failing_bwrap(reachable_tmp / "bin", failures=1000)
     monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
     key = secrets.token_hex(4)
     with pytest.raises(SandboxRefused, match="cannot create its namespaces"):
@@ -160,8 +149,8 @@ def test_a_bwrap_that_cannot_sandbox_refuses_and_never_falls_back(
 
 
 def test_a_transient_bwrap_failure_is_checked_again(
-        shared_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = failing_bwrap(shared_tmp / "bin", failures=1)
+        reachable_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = failing_bwrap(reachable_tmp / "bin", failures=1)
     monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
     sandbox = LocalSandbox(session_key="recheck-1", workdir="/app")
     try:

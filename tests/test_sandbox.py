@@ -134,7 +134,7 @@ async def test_an_escape_through_a_real_codex_tool_call_fails(
     assert call.output.strip().endswith("tried") and "not for agents" not in call.output
     assert not marker.exists()
     assert store_file.read_bytes() == b"SQLite format 3\0 not for agents"
-    assert (task.folder / "tests" / "test.sh").read_text() == "#!/bin/bash\nexit 0\n"
+    assert (task.folder / "tests" / "test.sh").read_text() == "exit 0\n"
     assert ran.view.rewards == {"reward": 1.0}
 
 

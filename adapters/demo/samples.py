@@ -63,12 +63,20 @@ sys.exit(codex.wait())
 """)
 
 
+EXIT_CODE_REWARD = "\n[metadata.trialledger]\nreward_from_exit_code = true\n"
+
+
 def write_task(folder: Path, *, instruction: str, test_sh: str | None,
-               toml: str | None = None, workspace: Mapping[str, str] | None = None) -> Task:
+               toml: str | None = None, workspace: Mapping[str, str] | None = None,
+               exit_code_reward: bool = True) -> Task:
     """Write a task folder (instruction.md, task.toml, workspace/, tests/test.sh) and load
-    it: the demo's and the tests' one task writer."""
+    it: the demo's and the tests' one task writer. Its verifier's exit code is its reward
+    (`exit_code_reward`, opted in through `[metadata.trialledger]`) unless it writes a
+    reward file, or the caller says it must, as a Harbor task does."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "instruction.md").write_text(instruction, encoding="utf-8")
+    if exit_code_reward:
+        toml = (toml or "") + EXIT_CODE_REWARD
     if toml is not None:
         (folder / "task.toml").write_text(toml, encoding="utf-8")
     for name, text in (workspace or {}).items():
@@ -76,7 +84,8 @@ def write_task(folder: Path, *, instruction: str, test_sh: str | None,
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     if test_sh is not None:
-        executable(folder / "tests" / "test.sh", "#!/bin/bash\n" + test_sh)
+        # No shebang: the verifier runs it with bash where there is one, else sh.
+        executable(folder / "tests" / "test.sh", test_sh)
     return Task.load(folder)
 
 

@@ -22,6 +22,7 @@ TESTS_INSIDE = "/tests"
 # runner's removal of the session folder stays short. Nothing of ours reads them.
 CODEX_SCRATCH = ("skills",)
 VERIFIER_LOGS_INSIDE = "/logs/verifier"
+VERIFIER_STDOUT = "test-stdout.txt"  # the verifier's stdout and stderr, as Harbor names it
 
 # Every spawn: the user namespace maps only the given uid/gid (never host root) and forbids
 # nested ones; no capability; private PID (our init is PID 1, so it gets the signals we
@@ -62,7 +63,8 @@ class Spawn:
     codex: Sequence[tuple[str, str]] = ()  # (host file, path inside): the agent's Codex
     readonly: Sequence[str] = ()  # granted host paths, bound read-only at their own paths
     sees_agent_files: bool = True  # the grants and the session folder are visible
-    tests: str | None = None  # the task's tests (the verifier's only)
+    tests: str | None = None  # a fresh writable copy of the task's tests, bound at /tests
+    # (the verifier's only; None over an overlay, whose layer holds them as a real folder)
     verifier_logs: str | None = None  # where the verifier writes its reward
     isolated_network: bool = False  # a private network namespace: only our proxies answer
     block_fd: int | None = None  # bwrap waits on it (the proxies are opened inside first)
@@ -92,7 +94,7 @@ def mounts(spawn: Spawn) -> list[Mount]:
         found.append(Mount("--bind", spawn.workdir_source, spawn.workdir))
     if spawn.role == "verifier":
         if spawn.tests is not None:
-            found.append(Mount("--ro-bind", spawn.tests, TESTS_INSIDE, staged=True))
+            found.append(Mount("--bind", spawn.tests, TESTS_INSIDE))
         if spawn.verifier_logs is not None:
             found.append(Mount("--bind", spawn.verifier_logs, VERIFIER_LOGS_INSIDE))
     return found

@@ -41,7 +41,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import anyio
@@ -59,6 +59,10 @@ from trialledger.adapters.sandbox.base import (
 from trialledger.adapters.sandbox.bwrap import (
     INIT_INSIDE,
     PRIVATE,
+    TESTS_INSIDE,
+    VERIFIER_LOGS_INSIDE,
+    VERIFIER_STDOUT,
+    Mount,
     Role,
     Spawn,
     bwrap_argv,
@@ -71,6 +75,7 @@ from trialledger.adapters.sandbox.identity import (
     ensure_init,
     sandbox_user,
 )
+from trialledger.adapters.sandbox.mountpoints import Want, make_mount_point
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 
@@ -264,7 +269,11 @@ class LocalSandbox:
         if workspace is not None and workspace.is_dir():
             shutil.copytree(workspace, copy_to, dirs_exist_ok=True, symlinks=True)
         if self.user.switches:
-            self.root.chmod(0o711)  # the sandbox user may pass, not list
+            # Only the sandbox user's group may pass (bwrap, as that user, binds the folders
+            # below), never list; no other local user reaches the session's files — a setuid
+            # file the agent made in its workdir is not theirs to run.
+            os.chown(self.root, os.geteuid(), self.user.gid)
+            self.root.chmod(0o710)
             for folder in (self.session_dir, self.host_work):
                 if folder.exists():
                     _chown_tree(folder, self.user)
@@ -390,7 +399,7 @@ class LocalSandbox:
         staged: list[tuple[Path, Path]] = []
         placed = [dataclasses.replace(m, source=str(self._stage(Path(m.source), staged)))
                   if m.staged and m.source is not None else m for m in mounts(spawn)]
-        self._clear_mount_points([(m.target, m.whole) for m in placed])
+        self._clear_mount_points(placed, role)
         return [*self._prefix(staged, role), *bwrap_argv(spawn, placed, command)]
 
     def _spawn_plan(self, role: Role, *, info_fd: int, verifier_logs: Path | None,
@@ -420,22 +429,45 @@ class LocalSandbox:
             codex=[(str(s), i) for s, i in self.codex.mounts()] if self.codex else [],
             readonly=[str(p) for p in self.readonly_paths],
             sees_agent_files=role == "agent" or self.verifier_root == "agent",
-            tests=str(self.tests) if self.tests is not None else None,
+            tests=str(self._tests_bound) if self._tests_bound is not None else None,
             verifier_logs=str(verifier_logs) if verifier_logs is not None else None,
             isolated_network=self.network is not None and self.network.isolated,
             block_fd=block_fd, info_fd=info_fd)
 
-    def _clear_mount_points(self, points: Sequence[tuple[str, bool]]) -> None:
-        """Undo what the agent planted at our mount points in its writable layer."""
-        if self.overlay:
-            for point, whole in points:
-                _clear_planted(self.root / "upper", point, whole=whole)
-            return
-        workdir = Path(self.workdir)
-        for point, whole in points:
-            inside = Path(point)
-            if inside != workdir and workdir in inside.parents:
-                _clear_planted(self.host_work, str(inside.relative_to(workdir)), whole=whole)
+    def _clear_mount_points(self, placed: Sequence[Mount], role: Role) -> None:
+        """Make each mount point bwrap will create in a tree the image or the agent controls
+        a real path (mountpoints.py), so no link there leads bwrap out of the sandbox's root
+        and `/run/trialledger`, `/tests` and `/logs` are always ours: over the root overlay,
+        in its merged view; inside the workdir or the session folder, in that folder. A
+        point inside a mount of ours (a tmpfs, `/proc`, a host folder) needs nothing."""
+        owner = (self.user.uid, self.user.gid) if self.user.switches else None
+        if self._pristine_view(role):  # the agent's workdir is bound in from its layer: a
+            # workdir it swapped for a link is put back, never followed as a bind source
+            assert self.image is not None and self.image.root is not None
+            _clear_planted(self.root / "upper", resolve_inside(self.image.root, self.workdir),
+                           whole=False)
+        writable = {str(self.host_work): self.host_work, str(self.session_dir): self.session_dir}
+        for index, mount in enumerate(placed):
+            target = PurePosixPath(mount.target)
+            within = next((m for m in reversed(placed[:index])
+                           if PurePosixPath(m.target) in (target, *target.parents)), None)
+            want: Want = "absent" if mount.kind == "--symlink" else (
+                "file" if mount.source is not None and os.path.isfile(mount.source) else "dir")
+            if within is None and self.overlay:
+                upper, lower = self._root_layers(role)
+                make_mount_point(upper, mount.target, want, lower=lower, owner=owner)
+            elif within is not None and within.kind == "--bind" and within.source in writable:
+                make_mount_point(writable[within.source],
+                                 str(target.relative_to(within.target)), want, owner=owner)
+
+    def _root_layers(self, role: Role) -> tuple[Path, Path]:
+        """The upper and lower folders of the overlay bound as the spawn's root."""
+        if self._pristine_view(role):
+            assert self.image is not None and self.image.root is not None
+            upper = self.root / f"pristine-{self._verifications}-upper"
+            upper.mkdir(exist_ok=True)
+            return upper, self.image.root
+        return self.root / "upper", self._lower
 
     def _init(self, command: Sequence[str], status_fd: int) -> list[str]:
         init = INIT_INSIDE if self.isolation == "bwrap" else str(self.init)
@@ -563,9 +595,13 @@ class LocalSandbox:
             env["PATH"] = self.image.path
         return env
 
-    async def verify(self, timeout_s: float) -> VerifierRun:
-        """Run `bash /tests/test.sh` in the workdir (tests at /tests, fresh /logs/verifier),
-        only once every agent process is gone."""
+    async def verify(self, timeout_s: float, env: Mapping[str, str] | None = None
+                     ) -> VerifierRun:
+        """Run the tests as Harbor does, once every agent process is gone: a fresh,
+        writable copy of the task's `tests/` at `/tests`, an empty `/logs/verifier`, and
+        `/tests/test.sh` executed in the workdir (its shebang honoured; without one the
+        shell runs it: bash where there is one, else sh) with `env` over the base
+        environment, its stdout and stderr together into `/logs/verifier/test-stdout.txt`."""
         self._verifications += 1
         logs = self.root / f"verifier-{self._verifications}"
         logs.mkdir(mode=0o700)
@@ -573,45 +609,70 @@ class LocalSandbox:
             os.chown(logs, self.user.uid, self.user.gid)
         if not await self._agent_gone():
             return VerifierRun(None, False, logs, "agent processes outlived the run")
+        run_it = f'exec "$0" > "$1/{VERIFIER_STDOUT}" 2>&1'
         if self.isolation == "bwrap":
-            # An image without bash (busybox) runs the script with its sh.
+            self._tests_bound = self._fresh_tests()
             shell = "bash" if self.image is None or self.image.has("bash") else "sh"
-            command = [shell, "/tests/test.sh"]
-            env = {**self.base_env(), "TRIALLEDGER_VERIFIER_DIR": "/logs/verifier"}
+            command = [shell, "-c", run_it, f"{TESTS_INSIDE}/test.sh", VERIFIER_LOGS_INSIDE]
+            env = {**self.base_env(), **(env or {}),
+                   "TRIALLEDGER_VERIFIER_DIR": VERIFIER_LOGS_INSIDE}
         else:
             tests = self._unconfined_tests()
-            command = ["bash", str(tests / "test.sh")]
-            env = {**_minimal_env(), "TRIALLEDGER_VERIFIER_DIR": str(logs),
+            command = ["bash", "-c", run_it, str(tests / "test.sh"), str(logs)]
+            env = {**_minimal_env(), **(env or {}), "TRIALLEDGER_VERIFIER_DIR": str(logs),
                    "TRIALLEDGER_TESTS_DIR": str(tests)}
-        tails = (_Tail(), _Tail())
         code, timed_out = await self._run_bounded(command, timeout_s, env=env, role="verifier",
-                                                  verifier_logs=logs, tails=tails)
-        return VerifierRun(code, timed_out, logs, stdout=tails[0].text(),
-                           stderr=tails[1].text())
+                                                  verifier_logs=logs)
+        return VerifierRun(code, timed_out, logs)
+
+    def _copy_tests(self, target: Path) -> None:
+        """The task's tests copied to `target` (links as links), the sandbox user's, with
+        `test.sh` executable (Harbor's `chmod +x`)."""
+        assert self.tests is not None
+        shutil.copytree(self.tests, target, symlinks=True, dirs_exist_ok=True)
+        script = target / "test.sh"
+        if script.is_file() and not script.is_symlink():
+            script.chmod(script.stat().st_mode | 0o111)
+        if self.user.switches:
+            _chown_tree(target, self.user)
+
+    def _fresh_tests(self) -> Path | None:
+        """The verifier's `/tests`: over an overlay that is its root, a real folder of its
+        layer (so a verifier may move it, as in a container), whatever the agent left
+        there removed first and the image's own `/tests` merged in below; else a fresh
+        copy the sandbox binds (returned)."""
+        if self.tests is None:
+            return None
+        if self.overlay and not self._pristine_view("verifier"):
+            _clear_planted(self.root / "upper", TESTS_INSIDE, whole=True)
+            layer = self.root / "upper" / TESTS_INSIDE.lstrip("/")
+            if os.path.lexists(layer):
+                shutil.rmtree(layer)
+            self._copy_tests(layer)
+            return None
+        copy = self.root / f"tests-{self._verifications}"
+        self._copy_tests(copy)
+        return copy
 
     def _unconfined_tests(self) -> Path:
-        """The tests as a process-group verifier reads them: run as the sandbox user, it
-        gets a copy of its own, made after the agent is gone."""
+        """The tests as a process-group verifier reads them: a copy of its own, made after
+        the agent is gone (it runs as the sandbox user)."""
         if self.tests is None:
             return Path("/nonexistent")
-        if not self.user.switches:
-            return self.tests
         copy = self.root / f"tests-{self._verifications}"
-        shutil.copytree(self.tests, copy, symlinks=True)
-        _chown_tree(copy, self.user)
+        self._copy_tests(copy)
         return copy
+
+    _tests_bound: Path | None = None
 
     async def _run_bounded(self, command: list[str], timeout_s: float, *,
                            env: Mapping[str, str], role: Role,
-                           verifier_logs: Path | None = None,
-                           tails: tuple[_Tail, _Tail] | None = None
-                           ) -> tuple[int | None, bool]:
+                           verifier_logs: Path | None = None) -> tuple[int | None, bool]:
         run = await self._spawn(command, env=env, role=role, verifier_logs=verifier_logs)
-        out, err = tails or (None, None)
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_drain, run.process.stdout, out)
-                tg.start_soon(_drain, run.process.stderr, err)
+                tg.start_soon(_drain, run.process.stdout)
+                tg.start_soon(_drain, run.process.stderr)
                 with anyio.move_on_after(timeout_s) as scope:
                     status = await run.wait()
                 if scope.cancelled_caught:
@@ -659,26 +720,10 @@ def _minimal_env() -> dict[str, str]:
     return {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL") if k in os.environ}
 
 
-class _Tail:
-    """The last bytes of a stream (bounded whatever the stream's length)."""
-
-    LIMIT = 8192
-
-    def __init__(self) -> None:
-        self.kept = b""
-
-    def feed(self, chunk: bytes) -> None:
-        self.kept = (self.kept + chunk)[-self.LIMIT:]
-
-    def text(self) -> str:
-        return self.kept.decode("utf-8", errors="replace")
-
-
-async def _drain(stream: Any, tail: _Tail | None = None) -> None:
+async def _drain(stream: Any) -> None:
     if stream is not None:
-        async for chunk in stream:
-            if tail is not None:
-                tail.feed(chunk)
+        async for _ in stream:
+            pass
 
 
 def _pids_where(matches: Callable[[str], bool]) -> list[int]:

@@ -38,14 +38,16 @@ class Route:
 class Network:
     """How a session's sandbox reaches the outside: the model endpoint always through its
     proxy (which holds the real key); with `isolated` (allow_internet = false) a private
-    network namespace where those proxies, and one per MCP grant, are all there is."""
+    network namespace where those proxies, and one per MCP grant, are all there is. Without
+    a `model` (an oracle or nop session, SPEC §15) there is no proxy at all."""
 
-    def __init__(self, model: Upstream, grant_urls: Sequence[str] = (), *,
+    def __init__(self, model: Upstream | None, grant_urls: Sequence[str] = (), *,
                  isolated: bool = False) -> None:
         self.isolated = isolated
         self.routes: list[Route] = []
         self._ports: dict[tuple[str, int], int] = {}
-        self._add(model)
+        if model is not None:
+            self._add(model)
         for url in grant_urls if isolated else ():
             self._add(Upstream(url))
         self._proxies: list[SessionProxy] = []
@@ -74,7 +76,7 @@ class Network:
     @property
     def model_token(self) -> str | None:
         """The token Codex presents to the model's proxy (in place of the real key)."""
-        return self.routes[0].upstream.token
+        return self.routes[0].upstream.token if self.routes else None
 
     def inside_url(self, url: str) -> str:
         """`url` as the sandbox reaches it: through its loopback proxy."""

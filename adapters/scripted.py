@@ -1,0 +1,130 @@
+"""The oracle and nop agents (docs/SPEC.md §15), Harbor's `-a oracle` and `-a nop`.
+
+`oracle` runs the task's own `solution/solve.sh` in the sandbox instead of Codex: no
+model, no proxy, no grants. The solution is copied to `/solution` over an image (its
+session layer) and to `<session folder>/solution` for a host task, whose sandbox has no
+`/solution` of its own; it runs as Harbor's does (`agents/oracle.py`, `utils/scripts.py`):
+made executable, then `bash -c '(/solution/solve.sh) > /logs/agent/oracle.txt 2>&1'` (`sh`
+over an image without bash), so a shebang is honoured and a script without one runs under
+bash. Its output goes to `/logs/agent/oracle.txt` over an image, `<session
+folder>/oracle.txt` for a host task. `nop` runs nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
+from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.task import Task, TaskInvalid
+from trialledger.core.errors import TrialLedgerError
+
+AGENTS = ("codex", "oracle", "nop")
+SCRIPTED = frozenset({"oracle", "nop"})  # as core.policy.SCRIPTED_AGENTS: decided by R0
+VERSION = "1.0.0"  # Harbor's OracleAgent.version() and NopAgent.version()
+ORACLE_LOG = "oracle.txt"
+TAIL_BYTES = 64 * 1024  # as much of oracle.txt as of Codex's stderr (redact cuts further)
+NO_CONFIG = hashlib.sha256(b"").hexdigest()  # `agent.launched.config_sha256`: no config.toml
+
+
+class NoSolution(TaskInvalid):
+    """A task the oracle cannot run: it has no `solution/solve.sh`."""
+
+
+class UnknownAgent(TrialLedgerError):
+    """An agent other than codex, oracle or nop."""
+
+
+def solve_script(task: Task) -> Path:
+    """The task's `solution/solve.sh` (`NoSolution` when it has none)."""
+    script = task.folder / "solution" / "solve.sh"
+    if not script.is_file():
+        raise NoSolution(f"{task.folder}: no solution/solve.sh, which the oracle agent runs")
+    return script
+
+
+@dataclass(frozen=True)
+class OraclePlaces:
+    """Where the oracle's files are, on the host and as the sandbox sees them."""
+
+    solution: Path  # the copy of `solution/` (host)
+    solution_inside: str
+    log_tree: Path  # a folder the harness made, from which `log` is read safely (host)
+    log: str  # oracle.txt, relative to `log_tree`
+    log_inside: str
+
+
+def oracle_places(sandbox: LocalSandbox) -> OraclePlaces:
+    """Over an image, `/solution` and `/logs/agent/oracle.txt` in the session's layer (as in
+    Harbor's container); for a host task, both in the session folder."""
+    if sandbox.image is not None:  # always under bwrap, over the session's overlay
+        layer = sandbox.root / "upper"
+        return OraclePlaces(layer / "solution", "/solution", layer,
+                            f"logs/agent/{ORACLE_LOG}", f"/logs/agent/{ORACLE_LOG}")
+    home = sandbox.session_dir
+    return OraclePlaces(home / "solution", str(home / "solution"), home, ORACLE_LOG,
+                        str(home / ORACLE_LOG))
+
+
+def place_solution(task: Task, sandbox: LocalSandbox) -> OraclePlaces:
+    """Copy `solution/` into the sandbox, its `solve.sh` executable (Harbor's `chmod +x`),
+    owned by the sandbox user, with an empty folder for `oracle.txt`."""
+    script = solve_script(task)
+    places = oracle_places(sandbox)
+    shutil.copytree(script.parent, places.solution, symlinks=True)
+    solve = places.solution / "solve.sh"
+    solve.chmod(stat.S_IMODE(solve.stat().st_mode) | 0o111)
+    logs = (places.log_tree / places.log).parent
+    logs.mkdir(parents=True, exist_ok=True)
+    if sandbox.user.switches:
+        _give(places.solution, sandbox)
+        for folder in [logs, *logs.parents]:
+            if folder == places.log_tree:
+                break
+            os.lchown(folder, sandbox.user.uid, sandbox.user.gid)
+    return places
+
+
+def _give(top: Path, sandbox: LocalSandbox) -> None:
+    """Hand a tree the runner made to the sandbox user (links not followed)."""
+    os.lchown(top, sandbox.user.uid, sandbox.user.gid)
+    if top.is_dir() and not top.is_symlink():
+        for folder, dirs, files in os.walk(top):
+            for name in [*dirs, *files]:
+                os.lchown(os.path.join(folder, name), sandbox.user.uid, sandbox.user.gid)
+
+
+def oracle_argv(places: OraclePlaces, sandbox: LocalSandbox) -> list[str]:
+    """`solve.sh` run as Harbor runs it, its stdout and stderr together into oracle.txt."""
+    shell = "bash" if sandbox.image is None or sandbox.image.has("bash") else "sh"
+    return [shell, "-c", '("$0") > "$1" 2>&1', f"{places.solution_inside}/solve.sh",
+            places.log_inside]
+
+
+def oracle_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
+    """The image's `Env` < `[environment] env` < `DEBIAN_FRONTEND=noninteractive` (Harbor's
+    oracle); HOME the image's, else the session folder (as Codex's). `[solution] env` is
+    not applied: the task loader does not read it yet."""
+    env = sandbox.base_env()
+    env["HOME"] = str(sandbox.session_dir)
+    if (image := sandbox.image) is not None:
+        env.update(dict(image.env))
+        env["HOME"] = image.home
+    return {**env, **task.env, "DEBIAN_FRONTEND": "noninteractive"}
+
+
+def oracle_output(sandbox: LocalSandbox, places: OraclePlaces
+                  ) -> tuple[str, bool, UnsafeAgentFile | None]:
+    """oracle.txt's last `TAIL_BYTES` (read as a file the agent controls), whether more was
+    cut, and why it could not be read (None: it was)."""
+    tree = sandbox.agent_files(places.log_tree)
+    try:
+        raw = tree.tail(places.log, TAIL_BYTES + 1)
+    except UnsafeAgentFile as error:
+        return "", False, error
+    return raw[-TAIL_BYTES:].decode("utf-8", errors="replace"), len(raw) > TAIL_BYTES, None
