@@ -316,6 +316,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         task = Task.load(Path(args.task_dir))
+        _warn_fields([task])
         if options.agent == "oracle":
             solve_script(task)  # NoSolution: refused before anything is seeded
         environment = _prepared(task, args)  # before anything is seeded (§12)
@@ -333,6 +334,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK if scored else EXIT_FOUND  # SPEC §10: 1 when the trial is left unscored
 
 
+def _warn_fields(tasks: Sequence[Any], skipped: Mapping[str, str] | None = None) -> None:
+    """docs/SPEC.md §15 on stderr (never stdout): each dataset task skipped as unsupported,
+    then one line per distinct field not honoured, with how many tasks have it."""
+    for name, why in (skipped or {}).items():
+        print(f"trialledger: warning: skipped task {printable(name)}: {printable(why)}",
+              file=sys.stderr)
+    counts: dict[tuple[str, str], int] = {}
+    for task in tasks:
+        for field, reason in task.ignored_fields.items():
+            counts[field, reason] = counts.get((field, reason), 0) + 1
+    for (field, reason), n in sorted(counts.items()):
+        print(f"trialledger: warning: {printable(field)} {printable(reason)} "
+              f"({n} task{'s' * (n != 1)})", file=sys.stderr)
+
+
 def _prepared(task: Any, args: argparse.Namespace) -> Any:
     """The task's environment, built and unpacked into the cache (EnvironmentUnavailable:
     one line naming what is missing; nothing seeded)."""
@@ -342,7 +358,8 @@ def _prepared(task: Any, args: argparse.Namespace) -> Any:
     if task.source is None:
         return HOST
     owner = sandbox_user(args.sandbox_uid).uid if os.geteuid() == 0 else None
-    return prepare(task.source, Cache(args.cache_dir), owner=owner, engine=args.engine)
+    return prepare(task.source, Cache(args.cache_dir), owner=owner, engine=args.engine,
+                   pull=args.pull, force_build=args.force_build)
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -385,7 +402,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
         runner = JobRunner(
             ledger, args.name, tasks, options, k=args.k, concurrency=args.n,
             lease_s=args.lease_s, cache=Cache(args.cache_dir), engine=args.engine,
-            owner=_owner(args), on_trial=said)
+            pull=args.pull, force_build=args.force_build, owner=_owner(args), on_trial=said)
         holder.append(runner)
         await _with_live(ledger, args.name, not args.json, runner.run)
         return await _job_summary(ledger, args.name)
@@ -396,8 +413,10 @@ def cmd_job_run(args: argparse.Namespace) -> int:
         return await in_store(args.db, job)
 
     try:
-        tasks = load_tasks([Path(p) for p in args.tasks], args.include or (),
-                           args.exclude or ())
+        selection = load_tasks([Path(p) for p in args.tasks], args.include or (),
+                               args.exclude or ())
+        tasks = selection.tasks
+        _warn_fields(tasks, selection.skipped)
         summary = anyio.run(lambda: until_signalled(go, stop=_stopper(holder, args.grace),
                                                     grace_s=args.grace))
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
@@ -426,8 +445,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             runner = await worker_runner(
                 ledger, name, options, agent=args.agent, concurrency=args.n,
                 lease_s=args.lease_s,
-                cache=Cache(args.cache_dir), engine=args.engine, owner=_owner(args),
-                on_trial=said)
+                cache=Cache(args.cache_dir), engine=args.engine, pull=args.pull,
+                force_build=args.force_build, owner=_owner(args), on_trial=said)
             holder[:] = [runner]
             await _with_live(ledger, name, not args.json,
                              functools.partial(runner.run, define=False))
@@ -661,6 +680,52 @@ def cmd_show(args: argparse.Namespace) -> int:
             if said:
                 out.print(f"verifier {stream} (tail):", highlight=False)
                 out.print(plain(said.rstrip("\n")))
+    if kept := _kept_files(view):
+        out.print(f"kept files ({len(kept)}; `trialledger artifacts` reads them):")
+        for entry in kept:
+            out.print(plain(f"  {entry.path}  {entry.size} bytes"))
+    return EXIT_OK
+
+
+def _kept_files(view: Any) -> list[Any]:
+    """The files the session's verification lists (schema 3; none before)."""
+    return [entry for event in view.events if event.type.startswith("verification.")
+            for entry in event.data.files]
+
+
+def cmd_artifacts(args: argparse.Namespace) -> int:
+    """A session's kept files (SPEC §15): listed with their folder, one printed, or copied
+    (`--out`); a file is given back only when the event lists it, it is no link and its
+    bytes still have the recorded sha256."""
+    from trialledger.adapters import artifacts
+
+    async def view_of(ledger: Ledger) -> Any:
+        return await ledger.view(await ledger.resolve(args.session))
+
+    view = on_store(args.db, view_of, create=False)
+    kept = _kept_files(view)
+    chosen = [artifacts.listed(kept, args.path)] if args.path else kept
+    folder = artifacts.session_folder(view.events[0].data.settings.sandbox_logs_dir,
+                                      view.session_id)
+    if not args.path and not args.out:
+        _table(["path", "size", "sha256"], [[e.path, e.size, e.sha256] for e in kept])
+    if not os.path.isdir(folder):
+        print(f"trialledger: the artifact folder is not on this machine: it would be "
+              f"{printable(str(folder))} (on the machine of runner "
+              f"{printable(view.events[0].data.runner_id)})", file=sys.stderr)
+        return EXIT_FOUND
+    if args.out:
+        for written in artifacts.copy_kept(folder, chosen, args.out):
+            out.print(plain(str(written)))
+    elif args.path:
+        data = artifacts.read_kept(folder, chosen[0])
+        if (raw := getattr(sys.stdout, "buffer", None)) is not None:
+            raw.write(data)
+            raw.flush()
+        else:  # a text stream (a test's, say)
+            sys.stdout.write(data.decode("utf-8", errors="replace"))
+    else:
+        out.print(plain(f"folder: {folder}"))
     return EXIT_OK
 
 
@@ -918,6 +983,12 @@ def _with_run_options(p: argparse.ArgumentParser, *, json_help: str, of_job: boo
     p.add_argument("--engine", choices=("podman", "docker"),
                    help="the container engine for docker_image and Dockerfile tasks "
                         "(default: podman when installed, else docker)")
+    p.add_argument("--pull", action="store_true",
+                   help="pull a docker_image missing from the engine's local storage "
+                        "(default: build it from environment/Dockerfile, else refuse)")
+    p.add_argument("--force-build", action="store_true",
+                   help="build a docker_image task from its environment/Dockerfile even when "
+                        "the image is present")
 
 
 def _with_cache(p: argparse.ArgumentParser) -> None:
@@ -996,6 +1067,9 @@ EXAMPLES = {  # each subcommand's --help ends with these
     "ls": ["trialledger ls --db trials.db --state graded",
            "trialledger ls --cause model_endpoint --json"],
     "show": ["trialledger show 3f2a"],
+    "artifacts": ["trialledger artifacts 3f2a",
+                  "trialledger artifacts 3f2a verifier/test-stdout.txt",
+                  "trialledger artifacts 3f2a --out kept/"],
     "demo": ["trialledger demo --db demo.db"],
     "import-harbor": ["trialledger import-harbor --db trials.db jobs/2026-10-20__14-03-05"],
     "recover": ["trialledger recover --db trials.db --runner build-7-41233",
@@ -1149,6 +1223,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("session", help="the session id, or a prefix only it starts with")
     p.add_argument("--json", action="store_true", help="the whole view as JSON")
     p.set_defaults(handler=cmd_show)
+
+    p = _command(commands, "artifacts", help="list, print or copy the files a session kept")
+    _with_db(p)
+    p.add_argument("session", help="the session id, or a prefix only it starts with")
+    p.add_argument("path", nargs="?", help="one kept file, as listed (verifier/…): printed")
+    p.add_argument("--out", type=Path, metavar="DIR",
+                   help="copy the files (or PATH) under DIR instead, checked as printing is")
+    p.set_defaults(handler=cmd_artifacts)
 
     p = _command(commands, "demo", help="run real Codex through sample tasks, offline")
     _with_db(p)

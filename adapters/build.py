@@ -29,6 +29,7 @@ from trialledger.adapters.environment import (
     Source,
     _tool,
     context_digest,
+    copy_tree,
     prepare_archive,
 )
 
@@ -97,7 +98,7 @@ def _workspace(builder: Builder) -> Iterator[Workspace]:
 
 def _stage_context(builder: Builder, work: Workspace, context: Path) -> None:
     """A copy of the context, made in our folder, then given to the build user."""
-    copy_context(context, work.context)
+    copy_tree(context, work.context)
     _give(builder, work.context)
 
 
@@ -109,32 +110,6 @@ def _give(builder: Builder, root: Path) -> None:
     for folder, dirs, files in os.walk(root):
         for name in [*dirs, *files]:
             os.lchown(os.path.join(folder, name), builder.uid, builder.gid)
-
-
-def copy_context(source: Path, target: Path) -> None:
-    """Folders, regular files and symlinks (as links, never followed) of a build context,
-    with their modes; nothing else (no fifo, device or socket)."""
-    target.mkdir(mode=0o700)
-    for folder, dirs, files in os.walk(source):
-        here = target / os.path.relpath(folder, source)
-        for name in [*dirs, *files]:
-            path, made = os.path.join(folder, name), here / name
-            info = os.lstat(path)
-            if stat.S_ISLNK(info.st_mode):
-                os.symlink(os.readlink(path), made)
-            elif stat.S_ISDIR(info.st_mode):
-                made.mkdir(mode=0o700)
-            elif stat.S_ISREG(info.st_mode):
-                shutil.copyfile(path, made, follow_symlinks=False)
-                made.chmod(stat.S_IMODE(info.st_mode) & 0o777)
-    # A folder without u+w would refuse its contents, so folders get their modes last,
-    # deepest first.
-    for folder, dirs, _files in sorted(os.walk(source), reverse=True):
-        for name in dirs:
-            original = os.lstat(os.path.join(folder, name))
-            if stat.S_ISDIR(original.st_mode):
-                made = target / os.path.relpath(folder, source) / name
-                made.chmod(stat.S_IMODE(original.st_mode) & 0o777)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""What the runner captures from files the agent controls (SPEC §8, §11): usage from the
-rollouts, the archive, and the verifier's reward — all through `AgentTree`'s safe reads.
+"""What the runner captures from files the agent controls (SPEC §8, §11, §15): usage from
+the rollouts, the archive, the verifier's reward and its files — all through `AgentTree`'s
+safe reads.
 
 A file that breaks a reading rule becomes gap `unsafe_agent_file` (its path and the rule);
 its content never reaches an event, and nothing here raises for what the agent did.
@@ -7,8 +8,10 @@ its content never reaches an event, and nothing here raises for what the agent d
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -117,15 +120,98 @@ def copy_archive(tree: AgentTree, target: Path, secrets: Sequence[str]) -> Archi
             except UnsafeAgentFile as error:
                 result.refused.append(error)
                 continue
-            fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                         0o600)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
+            write_private(destination, data)
             result.files += 1
             result.size += len(data)
     for folder, _, _ in os.walk(target):
         os.chmod(folder, 0o700)
     return result
+
+
+MAX_KEPT_FILES = 256  # per capture pass (SPEC §15), then its `*_truncated` gap
+MAX_KEPT_BYTES = 16 * 1024 * 1024
+FIRST_KEPT = ("test-stdout.txt", "reward.json", "reward.txt")  # kept before the rest
+
+
+@dataclass
+class KeptFiles:
+    """What a capture pass kept: the `files` entries of the verification event, what
+    broke a reading rule, and how many files it left out (over its caps, or out of time)."""
+
+    files: list[dict[str, Any]] = field(default_factory=list)  # {path, size, sha256}
+    refused: list[UnsafeAgentFile] = field(default_factory=list)
+    left_out: int = 0
+    out_of_time: bool = False
+
+
+def keep_files(tree: AgentTree, target: Path, name: str, secrets: Sequence[str], *,
+               budget_s: float) -> KeptFiles:
+    """Copy every regular file under `tree` into `target/name` (folders 0700, files 0600),
+    each scrubbed of the session's secrets (its name too), at most `MAX_KEPT_FILES` files
+    and `MAX_KEPT_BYTES` bytes, stopping between files once `budget_s` has passed. Each
+    inode is read and written once (another name of it becomes a hard link to that copy);
+    a link, FIFO or device is refused, never followed or opened. Entries are listed by
+    their path in `target` (`verifier/test-stdout.txt`)."""
+    deadline = time.monotonic() + budget_s
+    found, refused = tree.find("", "*")
+    result = KeptFiles(refused=[UnsafeAgentFile(f"{name}/{e.path.lstrip('/')}", e.rule)
+                                for e in refused])
+    paths = sorted((p.lstrip("/") for p in found),
+                   key=lambda p: (FIRST_KEPT.index(p) if p in FIRST_KEPT else len(FIRST_KEPT), p))
+    seen: Seen = {}
+    kept: dict[str, dict[str, Any]] = {}  # source path → its entry
+    written: set[str] = set()
+    room = MAX_KEPT_BYTES
+    for index, path in enumerate(paths):
+        if time.monotonic() >= deadline:
+            result.out_of_time, result.left_out = True, result.left_out + len(paths) - index
+            break
+        shown = scrub(path, secrets)
+        if len(result.files) >= MAX_KEPT_FILES:
+            result.left_out += 1
+            continue
+        if shown in written:
+            result.refused.append(UnsafeAgentFile(f"{name}/{path}",
+                                                  "its name, scrubbed, is another's"))
+            continue
+        destination = target / name / shown
+        try:
+            data = tree.read(path, room, seen=seen)
+        except AlreadyRead as again:
+            if again.first in kept:
+                destination.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                _link(target / kept[again.first]["path"], destination)
+                result.files.append({**kept[again.first], "path": f"{name}/{shown}"})
+                written.add(shown)
+            continue
+        except UnsafeAgentFile as error:
+            if error.rule.endswith("-byte cap"):  # over what the pass has room left for
+                result.left_out += 1
+            else:
+                result.refused.append(UnsafeAgentFile(f"{name}/{path}", error.rule))
+            continue
+        data = scrub(data.decode("utf-8", "surrogateescape"), secrets).encode(
+            "utf-8", "surrogateescape")  # bytes that are not UTF-8 stay as they were
+        if len(data) > room:  # a scrub that made it longer
+            result.left_out += 1
+            continue
+        write_private(destination, data)
+        room -= len(data)
+        written.add(shown)
+        kept[path] = {"path": f"{name}/{shown}", "size": len(data),
+                      "sha256": hashlib.sha256(data).hexdigest()}
+        result.files.append(kept[path])
+    for folder, _, _ in os.walk(target / name):  # `mkdir(parents=True)` ignores the mode
+        os.chmod(folder, 0o700)
+    return result
+
+
+def write_private(destination: Path, data: bytes) -> None:
+    """`data` as a new 0600 file, its folders made 0700 (never through a link)."""
+    destination.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
 
 
 def _link(first: Path, name: Path) -> int:

@@ -2,7 +2,8 @@
 session and unpacked once per digest into a cache that sessions only read.
 
 Sources (`task.toml` `[environment]`, at most one):
-    docker_image = "REF"      podman or docker storage: `image inspect` + `save`
+    docker_image = "REF"      podman or docker storage: `image inspect` + `save`; when missing,
+                              pulled (`--pull`), else built from environment/Dockerfile
     image_archive = "PATH"    an OCI archive or docker-archive tarball
     rootfs = "PATH"           a root filesystem folder or tarball
     environment/Dockerfile    built rootless by the build user (adapters/build.py), tagged
@@ -76,6 +77,9 @@ class Environment:
     uid: int = 0  # the image's User inside the sandbox
     gid: int = 0
     home: str = "/root"
+    # The task's environment/ folder, copied onto the workdir in each session's layer: a
+    # docker_image task without a Dockerfile (docs/SPEC.md §15, as Harbor uploads it).
+    upload: Path | None = None
 
     def record(self) -> dict[str, Any]:
         """`agent.launched.environment`."""
@@ -231,7 +235,8 @@ class Cache:
             try:
                 made = unpack(scratch)
                 rootless(scratch / "rootfs", owner)
-                meta = {**asdict(made), "root": None, "env": [list(p) for p in made.env],
+                meta = {**asdict(made), "root": None, "upload": None,
+                        "env": [list(p) for p in made.env],
                         "size": _tree_size(scratch / "rootfs"),
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                 (scratch / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
@@ -410,6 +415,96 @@ def prepare_engine_image(ref: str, engine: str, cache: Cache, owner: int | None,
     return made
 
 
+def missing(ref: str, engine: str) -> str | None:
+    """None when the engine's local storage holds `ref`, else what the engine said."""
+    try:
+        _tool([engine, "image", "inspect", "--format", "{{.Id}}", ref], ref)
+    except EnvironmentUnavailable as error:
+        return str(error).removeprefix(f"{ref}: ")
+    return None
+
+
+def prepare_docker_image(source: Source, engine: str, cache: Cache, owner: int | None, *,
+                         pull: bool = False, force_build: bool = False) -> Environment:
+    """A `docker_image` task (docs/SPEC.md §15): the image when the engine has it (pulled
+    first with `pull`); else, or always with `force_build`, built from the task's
+    environment/Dockerfile and tagged like any build, never with the image's name."""
+    ref = source.value
+    dockerfile = os.path.lexists(source.folder / "environment" / "Dockerfile")
+    absent = None if dockerfile and force_build else missing(ref, engine)
+    if dockerfile and (force_build or (absent is not None and not pull)):
+        built = _build(dataclasses.replace(source, kind="dockerfile", value="Dockerfile"),
+                       engine, cache, owner)
+        return dataclasses.replace(built, ref=f"Dockerfile (for {ref})")
+    if absent is not None and pull:
+        _tool([engine, "pull", ref], f"docker_image {ref}: pull failed")
+    elif absent is not None:
+        raise EnvironmentUnavailable(f"docker_image {ref}: not in {engine}'s local storage "
+                                     f"({absent}); --pull pulls it")
+    made = prepare_engine_image(ref, engine, cache, owner)
+    return dataclasses.replace(made, ref=ref, upload=_upload(source))
+
+
+def _upload(source: Source) -> Path | None:
+    """The environment/ folder Harbor uploads onto the workdir of a prebuilt image's
+    container: one that is not empty and holds no build spec (its `definition.py`)."""
+    folder = source.folder / "environment"
+    if not folder.is_dir() or any(os.path.lexists(folder / name)
+                                  for name in ("Dockerfile", "docker-compose.yaml")):
+        return None
+    real = _inside_task(source, "environment")
+    return real if any(real.iterdir()) else None
+
+
+def copy_tree(source: Path, target: Path) -> None:
+    """Folders, regular files and symlinks (as links, never followed) of `source`, with
+    their modes, into `target` (made when missing); nothing else (no fifo, device or
+    socket). What `target` holds already is replaced, never written through (a link there
+    is removed, not followed). A build context and a prebuilt image's environment/ are
+    copied this way."""
+    for end in (source, target):
+        if end.is_symlink() or (end == source and not end.is_dir()):
+            raise EnvironmentUnavailable(f"{end}: must be a folder, not a link")
+    target.mkdir(mode=0o700, exist_ok=True)
+    for folder, dirs, files in os.walk(source):
+        here = target / os.path.relpath(folder, source)
+        for name in [*dirs, *files]:
+            path, made = os.path.join(folder, name), here / name
+            info = os.lstat(path)
+            if not _cleared(made, folder=stat.S_ISDIR(info.st_mode)):
+                continue  # a folder already there: the copy goes into it
+            if stat.S_ISLNK(info.st_mode):
+                os.symlink(os.readlink(path), made)
+            elif stat.S_ISDIR(info.st_mode):
+                made.mkdir(mode=0o700)
+            elif stat.S_ISREG(info.st_mode):
+                shutil.copyfile(path, made, follow_symlinks=False)
+                made.chmod(stat.S_IMODE(info.st_mode) & 0o777)
+    # A folder without u+w would refuse its contents, so folders get their modes last,
+    # deepest first.
+    for folder, dirs, _files in sorted(os.walk(source), reverse=True):
+        for name in dirs:
+            original = os.lstat(os.path.join(folder, name))
+            if stat.S_ISDIR(original.st_mode):
+                made = target / os.path.relpath(folder, source) / name
+                made.chmod(stat.S_IMODE(original.st_mode) & 0o777)
+
+
+def _cleared(path: Path, *, folder: bool) -> bool:
+    """Make room for a copy at `path`: False when a `folder` is there already (kept)."""
+    try:
+        there = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return True
+    if stat.S_ISDIR(there):
+        if folder:
+            return False
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+    return True
+
+
 def context_digest(context: Path) -> str:
     """The sha256 of a build context: every path, its mode and its bytes, sorted."""
     digest = hashlib.sha256()
@@ -499,18 +594,26 @@ def _inside_task(source: Source, *paths: str) -> Path:
     return found[0]
 
 
+def _build(source: Source, engine: str, cache: Cache, owner: int | None) -> Environment:
+    """environment/Dockerfile, built by the build user (adapters/build.py)."""
+    from trialledger.adapters.build import prepare_dockerfile  # it builds on this module
+
+    _inside_task(source, "environment", "environment/Dockerfile")
+    return prepare_dockerfile(source, engine, cache, owner)
+
+
 def prepare(source: Source | None, cache: Cache, *, owner: int | None,
-            engine: str | None = None) -> Environment:
-    """Resolve, build and unpack a task's environment before any session is seeded."""
+            engine: str | None = None, pull: bool = False, force_build: bool = False
+            ) -> Environment:
+    """Resolve, build and unpack a task's environment before any session is seeded (`pull`
+    and `force_build`: what a missing or present `docker_image` gets, §15)."""
     if source is None:
         return HOST
     if source.kind == "docker_image":
-        made = prepare_engine_image(source.value, pick_engine(engine), cache, owner)
-    elif source.kind == "dockerfile":
-        from trialledger.adapters.build import prepare_dockerfile  # it builds on this module
-
-        _inside_task(source, "environment", "environment/Dockerfile")
-        made = prepare_dockerfile(source, pick_engine(engine), cache, owner)
+        return prepare_docker_image(source, pick_engine(engine), cache, owner, pull=pull,
+                                    force_build=force_build)
+    if source.kind == "dockerfile":
+        made = _build(source, pick_engine(engine), cache, owner)
     elif source.kind == "image_archive":
         made = prepare_archive(_inside_task(source, source.value), source.value, cache, owner)
     else:

@@ -28,7 +28,7 @@ import anyio
 from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
 from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
 from trialledger.adapters.scripted import NoSolution, solve_script
-from trialledger.adapters.task import Task, TaskInvalid
+from trialledger.adapters.task import Task, TaskInvalid, UnsupportedField
 from trialledger.store import LeaseLost, Ledger, StoreUnavailable
 from trialledger.store.jobs import Claim, JobRefused, Jobs
 
@@ -36,24 +36,35 @@ log = logging.getLogger(__name__)
 LEASE_S = 60.0
 
 
+@dataclass(frozen=True)
+class TaskSelection:
+    """The tasks a job runs, and a dataset's tasks skipped as unsupported (name → why)."""
+
+    tasks: list[Task]
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
 def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
-               exclude: Sequence[str] = ()) -> list[Task]:
+               exclude: Sequence[str] = ()) -> TaskSelection:
     """Task folders, or dataset folders whose subfolders are tasks; filtered by globs on the
-    task name (a folder's base name); two tasks of one name are refused."""
-    folders: list[Path] = []
+    task name (a folder's base name); two tasks of one name are refused. A dataset's task
+    that asks for a field this runner refuses (`UnsupportedField`, docs/SPEC.md §15) is
+    skipped with the reason; a task folder named alone is refused."""
+    folders: list[tuple[Path, bool]] = []  # (folder, inside a dataset)
     for path in paths:
         if (path / "instruction.md").is_file():
-            folders.append(path)
+            folders.append((path, False))
         elif path.is_dir():
             inside = sorted(p for p in path.iterdir() if (p / "instruction.md").is_file())
             if not inside:
                 raise TaskInvalid(f"{path}: neither a task (no instruction.md) nor a dataset "
                                   f"(no subfolder with one)")
-            folders.extend(inside)
+            folders.extend((folder, True) for folder in inside)
         else:
             raise TaskInvalid(f"{path}: no such task or dataset folder")
     chosen: dict[str, Task] = {}
-    for folder in folders:
+    skipped: dict[str, str] = {}
+    for folder, in_dataset in folders:
         name = folder.resolve().name
         if include and not any(fnmatch.fnmatchcase(name, glob) for glob in include):
             continue
@@ -62,10 +73,17 @@ def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
         if name in chosen:
             raise TaskInvalid(f"two tasks are named {name} ({chosen[name].folder} and "
                               f"{folder.resolve()}); a job's task names must be unique")
-        chosen[name] = Task.load(folder)
+        try:
+            chosen[name] = Task.load(folder)
+        except UnsupportedField as error:
+            if not in_dataset:
+                raise
+            skipped[name] = str(error)
     if not chosen:
-        raise TaskInvalid("no task left to run (check the paths and --include/--exclude)")
-    return [chosen[name] for name in sorted(chosen)]
+        why = f"; skipped: {'; '.join(skipped.values())}" if skipped else ""
+        raise TaskInvalid(f"no task left to run (check the paths and --include/--exclude)"
+                          f"{why}")
+    return TaskSelection([chosen[name] for name in sorted(chosen)], skipped)
 
 
 def grant_fingerprint(grant: Mapping[str, Any]) -> dict[str, Any]:
@@ -111,11 +129,15 @@ class JobRunner:
     lease_s: float = LEASE_S
     cache: Cache = field(default_factory=Cache)
     engine: str | None = None
+    pull: bool = False  # a docker_image missing from local storage is pulled (§15)
+    force_build: bool = False  # a docker_image task is built from its Dockerfile (§15)
     owner: int | None = None  # the sandbox uid entries are made for (root runner)
     on_trial: Callable[[TrialDone], Awaitable[None] | None] | None = None
     environments: dict[str, Environment] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # task → why its environment failed
     _stopping: anyio.Event = field(default_factory=anyio.Event)
+    _preparing: bool = field(default=True, init=False)  # until every environment is tried
+    _changed: anyio.Event = field(default_factory=anyio.Event, init=False)  # a task is ready
 
     def __post_init__(self) -> None:
         self.jobs = Jobs(self.ledger)
@@ -125,55 +147,79 @@ class JobRunner:
     def stop_claiming(self) -> None:
         """Finish the trials running now, start no other (the first SIGINT/SIGTERM)."""
         self._stopping.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Tell the waiting workers something changed (a task is ready, or preparing ended)."""
+        self._changed.set()
+        self._changed = anyio.Event()
 
     async def run(self, *, define: bool = True) -> list[dict[str, Any]]:
         """Create or resume the job (`define`; a worker joins one as it is), prepare each
-        task's environment once, work the queue until no trial is left queued or held;
-        the `job_tasks` rows at the end."""
+        task's environment once while working the queue of the tasks ready so far, until
+        no trial is left queued or held; the `job_tasks` rows at the end."""
         if define:
             await self.jobs.define(self.name,
                                    job_config(self.options, self.k, self.max_attempts),
                                    [(t.name, str(t.folder)) for t in self.tasks])
-        await self.prepare_environments()
         async with anyio.create_task_group() as tg:
+            tg.start_soon(self.prepare_environments)
             for _ in range(max(1, self.concurrency)):
                 tg.start_soon(self._work)
         return await self.jobs.tasks(self.name)
 
     async def prepare_environments(self) -> None:
-        """Each task's environment, before any of its trials is claimed; a task whose
+        """Every task's environment, `concurrency` at a time (builds take turns under the
+        build lock); a task's trials are claimable as soon as its own is ready."""
+        limiter = anyio.CapacityLimiter(max(1, self.concurrency))
+        try:
+            async with anyio.create_task_group() as tg:
+                for task in self.tasks:
+                    tg.start_soon(self._prepare, task, limiter)
+        finally:
+            self._preparing = False
+            self._wake()
+
+    async def _prepare(self, task: Task, limiter: anyio.CapacityLimiter) -> None:
+        """One task's environment, before any of its trials is claimed; a task whose
         environment fails is `environment_failed` (with the reason), an oracle job's task
         without `solution/solve.sh` is `no_solution` (SPEC §15), and none of it runs."""
-        for task in self.tasks:
+        async with limiter:
+            if self._stopping.is_set():
+                return
             if self.options.agent == "oracle":
                 try:
                     solve_script(task)
                 except NoSolution as error:
                     self.failed[task.name] = str(error)
                     await self.jobs.no_solution(self.name, task.name, str(error))
-                    continue
+                    return
             try:
                 env = await anyio.to_thread.run_sync(functools.partial(
-                    prepare, task.source, self.cache, owner=self.owner, engine=self.engine))
+                    prepare, task.source, self.cache, owner=self.owner, engine=self.engine,
+                    pull=self.pull, force_build=self.force_build))
             except EnvironmentUnavailable as error:
                 self.failed[task.name] = str(error)
                 await self.jobs.environment_failed(self.name, task.name, str(error))
-                continue
-            self.environments[task.name] = env
-        await self.jobs.requeue_environment(self.name, list(self.environments))
+                return
+        await self.jobs.requeue_environment(self.name, [task.name])
+        self.environments[task.name] = env
+        self._wake()
 
     async def _work(self) -> None:
-        """Claim and run trials; when none is claimable but some are held by others, wait
-        (their holder may die: its lease then expires and the trial is taken over)."""
-        ready = sorted(self.environments)
+        """Claim and run trials of the tasks ready so far; when none is claimable but some
+        are held by others (their holder may die: its lease then expires and the trial is
+        taken over) or environments are still being prepared, wait."""
         while not self._stopping.is_set():
+            changed, preparing = self._changed, self._preparing
+            ready = sorted(self.environments)
             claim = await self.jobs.claim(self.name, self.options.runner_id, self.lease_s,
                                           tasks=ready)
             if claim is not None:
                 await self._hold(claim)
-            elif await self.jobs.held(self.name, tasks=ready):
+            elif preparing or await self.jobs.held(self.name, tasks=ready):
                 with anyio.move_on_after(min(5.0, self.lease_s / 3)):
-                    await self._stopping.wait()
+                    await changed.wait()
             else:
                 return
 
@@ -321,4 +367,5 @@ def pass_at_k(n: int, c: int, k: int) -> float | None:
     return 1.0 - fail
 
 
-__all__ = ["JobRefused", "JobRunner", "TrialDone", "job_config", "load_tasks", "pass_at_k"]
+__all__ = ["JobRefused", "JobRunner", "TaskSelection", "TrialDone", "job_config", "load_tasks",
+           "pass_at_k"]

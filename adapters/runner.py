@@ -3,7 +3,8 @@
 Order (SPEC §1): seed (skipped grants as gaps) → config.toml → launch → stdout events as
 they arrive → stderr tail (redacted) → rollout usage → `agent.exited` →
 `cleanup.reported` (the machine decides) → the probe when `failed-live` → the archive →
-the verifier when `graded` → `session.closed`. Capture (stderr, rollout, archive) runs in
+the verifier when `graded`, its files kept (SPEC §15) → `verification.*` →
+`session.closed`. Capture (stderr, rollout, archive) runs in
 the budget `session_close_timeout_s` from the agent's end; the archive last, under its own
 timeout ending 1 s before the budget. Cancelling at any point keeps what was appended and
 closes the session with reason `cancelled`. A `lost` session is retried as a new session.
@@ -28,7 +29,7 @@ from typing import Any
 
 import anyio
 
-from trialledger.adapters import capture, scripted
+from trialledger.adapters import artifacts, capture, scripted
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
 from trialledger.adapters.codex.install import CodexInstall, codex_install, execute_only
 from trialledger.adapters.codex.stream import stream_events
@@ -490,7 +491,8 @@ class SessionRunner:
                     "oom_score_adj": sandbox.oom_score_adj, "isolation": sandbox.isolation,
                     "runner_id": self.options.runner_id,
                     "environment": self.environment.record(),
-                    "limits": sandbox.limits_record(), "model_proxy": launch.model_proxy}}
+                    "limits": sandbox.limits_record(), "model_proxy": launch.model_proxy,
+                    "identity": sandbox.identity_record()}}
 
     async def _run_nothing(self, rec: _Recorder, sandbox: LocalSandbox,
                            settings: Settings) -> None:
@@ -669,15 +671,20 @@ class SessionRunner:
         if run.error is not None:
             await rec.add("verification.failed", {"reason": "error", "detail": run.error})
             return
+        ended = anyio.current_time()
         tree = sandbox.agent_files(run.logs)
         found = await anyio.to_thread.run_sync(functools.partial(
             capture.read_reward, tree, run.return_code, run.timed_out,
             from_exit_code=self.task.reward_from_exit_code))
         printed = await anyio.to_thread.run_sync(_printed, tree)
         output = verifier_output(printed, "", secrets)
-        await rec.append([
-            {"type": kind, "at": now(), "data": {**data, **output}, "schema": SCHEMA_VERSION[kind]}
-            if kind.startswith("verification.") and output else
+        files, gaps = await _keep_verifier_files(
+            tree, artifacts.session_folder(settings.sandbox_logs_dir, rec.session_id), secrets,
+            ended + settings.session_close_timeout_s - anyio.current_time())
+        await rec.append(gaps + [  # only once its files are kept (SPEC §15)
+            {"type": kind, "at": now(), "data": {**data, **output, "files": files},
+             "schema": SCHEMA_VERSION[kind]}
+            if kind.startswith("verification.") else
             {"type": kind, "at": now(), "data": data} for kind, data in found])
 
 
@@ -710,6 +717,37 @@ def verifier_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
         env.update(dict(image.env))
         env.setdefault("HOME", image.home)
     return {**env, **task.env, **task.verifier_env}
+
+
+async def _keep_verifier_files(tree: Any, folder: Path, secrets: Sequence[str],
+                               budget_s: float) -> tuple[list[dict[str, Any]],
+                                                         list[dict[str, Any]]]:
+    """SPEC §15's verifier capture pass: the verifier's files copied into the session's
+    artifact folder (`verifier/`) within `budget_s`; their `files` entries, and the gaps
+    (`unsafe_agent_file` per refusal, `verifier_output_truncated` when some were left)."""
+    def truncated(detail: str) -> dict[str, Any]:
+        return {"type": "gap.recorded", "at": now(),
+                "data": {"code": "verifier_output_truncated", "detail": detail}}
+
+    budget_s = max(0.0, budget_s)
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with anyio.fail_after(budget_s + 1.0):  # the copy stops itself between files
+            kept = await anyio.to_thread.run_sync(functools.partial(
+                capture.keep_files, tree, folder, artifacts.VERIFIER, secrets,
+                budget_s=budget_s), abandon_on_cancel=True)
+    except TimeoutError:
+        return [], [truncated(f"the copy ran past its budget of {budget_s:.1f} s")]
+    except OSError as error:
+        return [], [truncated(f"the copy into {folder} failed: {error}")]
+    gaps = [{"type": "gap.recorded", "at": now(), "data": refused.gap()}
+            for refused in kept.refused]
+    if kept.left_out:
+        why = (f"the capture budget of {budget_s:.1f} s ran out" if kept.out_of_time else
+               f"each pass keeps at most {capture.MAX_KEPT_FILES} files and "
+               f"{capture.MAX_KEPT_BYTES} bytes")
+        gaps.append(truncated(f"{kept.left_out} file(s) not kept: {why}"))
+    return kept.files, gaps
 
 
 def _printed(tree: Any) -> str:

@@ -107,15 +107,15 @@ def oracle_argv(places: OraclePlaces, sandbox: LocalSandbox) -> list[str]:
 
 
 def oracle_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
-    """The image's `Env` < `[environment] env` < `DEBIAN_FRONTEND=noninteractive` (Harbor's
-    oracle); HOME the image's, else the session folder (as Codex's). `[solution] env` is
-    not applied: the task loader does not read it yet."""
+    """The image's `Env` < `[environment] env` < `DEBIAN_FRONTEND=noninteractive` <
+    `[solution] env` (Harbor's oracle); HOME the image's, else the session folder (as
+    Codex's), unless a table sets it."""
     env = sandbox.base_env()
     env["HOME"] = str(sandbox.session_dir)
     if (image := sandbox.image) is not None:
         env.update(dict(image.env))
         env["HOME"] = image.home
-    return {**env, **task.env, "DEBIAN_FRONTEND": "noninteractive"}
+    return {**env, **task.env, "DEBIAN_FRONTEND": "noninteractive", **task.solution_env}
 
 
 def oracle_output(sandbox: LocalSandbox, places: OraclePlaces

@@ -1,11 +1,10 @@
 """A task folder in a Harbor-like layout (SPEC §10 `trialledger run`).
 
     instruction.md   the prompt
-    task.toml        optional: [agent] timeout_sec, [verifier] timeout_sec,
-                     [environment] workdir, env (variables the task declares),
-                     allow_internet (false: only the model endpoint and MCP grants),
-                     one of docker_image / image_archive / rootfs (§12), build_timeout_sec,
-                     cpus, memory_mb, pids
+    task.toml        optional, Harbor 0.25's: every key is honoured, refused or warned by
+                     name (adapters/taskconfig.py's table, docs/SPEC.md §15); ours besides:
+                     [environment] one of docker_image / image_archive / rootfs (§12),
+                     pids, [metadata.trialledger] reward_from_exit_code
     environment/Dockerfile  optional: the task's image, built when no source is named
     workspace/       optional: copied into a fresh workdir
     tests/test.sh    the verifier
@@ -16,14 +15,18 @@ is checked to stay inside the folder, so a link never leads a task to a host fol
 
 from __future__ import annotations
 
+import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source, SourceKind, within
+from trialledger.adapters.taskconfig import COMPOSE, legacy_sizes, network_modes, review
+from trialledger.adapters.taskconfig import TaskInvalid as TaskInvalid
+from trialledger.adapters.taskconfig import UnsupportedField as UnsupportedField
 from trialledger.adapters.taskenv import EnvUnresolved, ResolvedEnv, resolve
-from trialledger.core.errors import TrialLedgerError
 
 SOURCE_KINDS: dict[str, SourceKind] = {
     "docker_image": "docker_image", "image_archive": "image_archive", "rootfs": "rootfs"}
@@ -32,10 +35,6 @@ LIMITS = ("cpus", "memory_mb", "pids")
 # Every path of the layout is read, copied, mounted or built from: none may lead out.
 LAYOUT = ("instruction.md", "task.toml", "workspace", "tests", "tests/test.sh", "environment",
           "environment/Dockerfile")
-
-
-class TaskInvalid(TrialLedgerError):
-    """A task folder that cannot be run (the message says what is missing)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,11 @@ class Task:
     limits: dict[str, float] = field(default_factory=dict)  # requested cpus/memory_mb/pids
     reward_from_exit_code: bool = False  # [metadata.trialledger]: no reward file → exit code
     verifier_env: dict[str, str] = field(default_factory=dict)  # [verifier] env, resolved
+    solution_env: dict[str, str] = field(default_factory=dict)  # [solution] env, the oracle's
     secrets: tuple[str, ...] = ()  # resolved `${VAR}` values with sensitive names
+    network_modes: dict[str, str] = field(default_factory=dict)  # environment/agent/verifier
+    storage_mb: float | None = None  # recorded, never enforced (§12)
+    ignored_fields: dict[str, str] = field(default_factory=dict)  # name → why, sorted
 
     @classmethod
     def load(cls, folder: Path) -> Task:
@@ -73,12 +76,12 @@ class Task:
                 meta = tomllib.loads((folder / "task.toml").read_text(encoding="utf-8"))
             except tomllib.TOMLDecodeError as error:
                 raise TaskInvalid(f"{folder / 'task.toml'}: {error}") from None
+        environment, modes, ignored = _fields(meta, folder)
         settings: dict[str, Any] = {}
         if "timeout_sec" in meta.get("agent", {}):
             settings["timeout_s"] = float(meta["agent"]["timeout_sec"])
         if "timeout_sec" in meta.get("verifier", {}):
             settings["verifier_timeout_s"] = float(meta["verifier"]["timeout_sec"])
-        environment = meta.get("environment", {})
         if "workdir" in environment:
             settings["workdir"] = str(environment["workdir"])
         tests = folder / "tests"
@@ -92,20 +95,40 @@ class Task:
             settings=settings,
             env=tables["environment"].values,
             verifier_env=tables["verifier"].values,
+            solution_env=tables["solution"].values,
             secrets=tuple(secret for table in tables.values() for secret in table.secrets),
-            allow_internet=_flag(environment, "allow_internet", folder),
+            allow_internet=modes["agent"] == "public",  # the verifier's too: checked equal
+            network_modes=modes,
             source=_source(environment, folder),
             limits=_limits(environment, folder),
+            storage_mb=_storage_mb(environment, folder),
+            ignored_fields=ignored,
             reward_from_exit_code=_flag(meta.get("metadata", {}).get("trialledger", {}),
                                         "reward_from_exit_code", folder, default=False,
                                         table_name="metadata.trialledger"),
         )
 
 
+def _fields(meta: dict[str, Any], folder: Path
+            ) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+    """Every key checked against Harbor's (refused ones raise): `[environment]` with the
+    legacy sizes read, each phase's network mode, and the warned fields, sorted."""
+    where = str(folder / "task.toml")
+    ignored = review(meta, where)
+    if os.path.lexists(folder / COMPOSE):
+        raise UnsupportedField(f"{folder / COMPOSE}: multi-container (Docker Compose) tasks "
+                               f"are not supported here")
+    modes, legacy_internet = network_modes(meta, where)
+    environment, legacy_size = legacy_sizes(meta.get("environment", {}), where)
+    ignored = {**ignored, **legacy_internet, **legacy_size}
+    return environment, modes, dict(sorted(ignored.items()))
+
+
 def _env_tables(meta: dict[str, Any], folder: Path) -> dict[str, ResolvedEnv]:
-    """`[environment] env` and `[verifier] env`, their `${VAR}` values resolved."""
+    """`[environment] env`, `[verifier] env` and `[solution] env`, their `${VAR}` values
+    resolved."""
     tables = {}
-    for phase in ("environment", "verifier"):
+    for phase in ("environment", "verifier", "solution"):
         table = meta.get(phase, {}).get("env", {})
         if not isinstance(table, dict):
             raise TaskInvalid(f"{folder / 'task.toml'}: [{phase}] env must be a table")
@@ -159,9 +182,18 @@ def _limits(table: dict[str, Any], folder: Path) -> dict[str, float]:
     limits = {}
     for key in LIMITS:
         if key in table:
-            value = table[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {key} must be a "
-                                  f"positive number")
-            limits[key] = value
+            limits[key] = _positive(table[key], key, folder)
     return limits
+
+
+def _storage_mb(table: dict[str, Any], folder: Path) -> float | None:
+    """`storage_mb` (or the legacy `storage`): recorded, never enforced (§12)."""
+    return _positive(table["storage_mb"], "storage_mb", folder) if "storage_mb" in table else None
+
+
+def _positive(value: Any, key: str, folder: Path) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 < value < math.inf):
+        raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {key} must be a positive "
+                          f"number")
+    return value

@@ -1,6 +1,7 @@
 """Task environments (SPEC §12): sandbox start over a cached image beside the host-root
-sandbox in the same run, the first unpack of the Debian test image, and how long a second
-process takes to find that image cached.
+sandbox in the same run, the share of a start that the per-session bwrap check takes, the
+first unpack of the Debian test image, and how long a second process takes to find that
+image cached.
 
     python -m bench.images [--starts 100]
 
@@ -24,7 +25,7 @@ import anyio
 from tests import images
 from trialledger.adapters.environment import HOST, Cache, Environment, prepare_archive
 from trialledger.adapters.sandbox.identity import sandbox_user
-from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.sandbox.local import LocalSandbox, bwrap_problem
 
 
 def _p(values: list[float], q: int) -> float:
@@ -45,14 +46,24 @@ async def _start(environment: Environment, workdir: str, index: int) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-async def _starts(image: Environment, n: int) -> tuple[list[float], list[float]]:
-    """`n` starts each of the host-root sandbox and of the image's, taken in turns so that
-    whatever else the machine does weighs on both alike."""
-    host, over_image = [], []
+def _check() -> float:
+    """Milliseconds of the bwrap check every session now runs before it starts (SPEC
+    §11: never cached), as the sandbox user with the shared process limit."""
+    start = time.perf_counter()
+    assert bwrap_problem(sandbox_user()) is None
+    return (time.perf_counter() - start) * 1000
+
+
+async def _starts(image: Environment, n: int
+                  ) -> tuple[list[float], list[float], list[float]]:
+    """`n` starts each of the host-root sandbox and of the image's, and `n` bwrap checks,
+    taken in turns so that whatever else the machine does weighs on all alike."""
+    host, over_image, checks = [], [], []
     for index in range(n):
         host.append(await _start(HOST, "/app", 2 * index))
         over_image.append(await _start(image, "/", 2 * index + 1))
-    return host, over_image
+        checks.append(_check())
+    return host, over_image, checks
 
 
 def _second_process(archive: Path, cache: Path) -> float:
@@ -78,7 +89,7 @@ def report(starts: int) -> None:
         unpack_s = time.perf_counter() - begin
         size_mb = sum(e.size for e in cache.entries()) / 1e6
         found_ms = [_second_process(archive, cache.folder) for _ in range(5)]
-        host, image = anyio.run(_starts, debian, starts)
+        host, image, checks = anyio.run(_starts, debian, starts)
     print(f"{'sandbox start (probe)':<34} {'p50 ms':>8} {'p95 ms':>8}")
     print(f"{'host root (workdir /app)':<34} {_p(host, 50):8.1f} {_p(host, 95):8.1f}")
     print(f"{'Debian image overlay (workdir /)':<34} {_p(image, 50):8.1f} {_p(image, 95):8.1f}")
@@ -86,6 +97,8 @@ def report(starts: int) -> None:
     print(f"a second process finds it cached: {statistics.median(found_ms):.1f} ms (median of 5)")
     print(f"ratio image_start_p50/host_start_p50 {_p(image, 50) / _p(host, 50):.2f}")
     print(f"ratio image_start_p95/host_start_p95 {_p(image, 95) / _p(host, 95):.2f}")
+    print(f"ratio bwrap_check_p50/host_start_p50 {_p(checks, 50) / _p(host, 50):.2f} "
+          f"(the check alone: {_p(checks, 50):.1f} ms p50; it is part of every start)")
 
 
 def main() -> None:

@@ -143,6 +143,8 @@ class AgentLaunchedData(_Data):
     environment: dict[str, Any] | None = None  # {kind: host|image|rootfs, ref, digest}
     limits: dict[str, Any] | None = None
     model_proxy: bool | None = None  # the session's model calls went through our proxy
+    # Schema 3 (SPEC §15): {mode: range|single, user: "uid:gid" inside}; None when older.
+    identity: dict[str, str] | None = None
 
     @property
     def ran_in(self) -> dict[str, Any]:
@@ -153,13 +155,14 @@ class AgentLaunchedData(_Data):
     @model_serializer(mode="wrap")
     def _as_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         dumped: dict[str, Any] = handler(self)
-        for key in SCHEMA_2_LAUNCH_FIELDS:
+        for key in LATER_LAUNCH_FIELDS:
             if dumped.get(key) is None:
                 dumped.pop(key, None)
         return dumped
 
 
-SCHEMA_2_LAUNCH_FIELDS = ("environment", "limits", "model_proxy")
+# Fields added by schemas 2 and 3: absent from an older event, which dumps as written.
+LATER_LAUNCH_FIELDS = ("environment", "limits", "model_proxy", "identity")
 
 
 # What the proxy answers itself (SPEC §14): such a call never reached the endpoint, so it
@@ -227,13 +230,38 @@ class ArchiveSkippedData(_Data):
     detail: str | None = None
 
 
+def _inside_path(value: str) -> str:
+    parts = value.split("/")
+    if not value or any(part in ("", ".", "..") for part in parts) or "\0" in value:
+        raise ValueError(f"{value!r} is not a relative path inside the artifact folder")
+    return value
+
+
+class KeptFile(_Data):
+    """A file kept in the session's artifact folder (SPEC §15): its path there, its size
+    and the sha256 of its bytes as written (hex)."""
+
+    path: Annotated[str, AfterValidator(_inside_path)]
+    size: Count
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+def _distinct_paths(files: list[KeptFile]) -> list[KeptFile]:
+    if len({f.path for f in files}) != len(files):
+        raise ValueError("a path is listed twice")
+    return files
+
+
 class _VerifierOutput(_Data):
     """Schema 2 of the verification events: the verifier's stdout and stderr tails
-    (redacted, at most 2,000 characters each); absent from a schema-1 event, which then
-    dumps as written."""
+    (redacted, at most 2,000 characters each); schema 3: the `files` kept. Each is absent
+    from an older event, which reads as no tails and `files: []` in memory and dumps as
+    written (so an old log re-derives byte for byte)."""
 
     stdout_tail: str | None = None
     stderr_tail: str | None = None
+    files: Annotated[list[KeptFile], AfterValidator(_distinct_paths)] = Field(
+        default_factory=list)
 
     @model_serializer(mode="wrap")
     def _as_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -241,6 +269,8 @@ class _VerifierOutput(_Data):
         for key in ("stdout_tail", "stderr_tail"):
             if dumped.get(key) is None:
                 dumped.pop(key, None)
+        if "files" not in self.model_fields_set:  # written before schema 3
+            dumped.pop("files", None)
         return dumped
 
 
@@ -488,9 +518,9 @@ CODEX_STREAM_TYPES = frozenset(
 # written by newer code: it is refused, never read as if it were ours.
 SCHEMA_VERSION: dict[str, int] = {
     **dict.fromkeys(EVENT_TYPES, 1),
-    "agent.launched": 2,  # model_proxy, environment, limits
-    "verification.recorded": 2,  # stdout_tail, stderr_tail
-    "verification.failed": 2,
+    "agent.launched": 3,  # 2: model_proxy, environment, limits; 3: identity
+    "verification.recorded": 3,  # 2: stdout_tail, stderr_tail; 3: files
+    "verification.failed": 3,
 }
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 UPCASTERS: dict[tuple[str, int], Upcaster] = {}

@@ -218,10 +218,27 @@ def derived_gaps(
         for item_id in tools.unstarted()
     ]
     for event in events:
-        limits = getattr(event.data, "limits", None) if event.type == "agent.launched" else None
+        if event.type != "agent.launched":
+            continue
+        limits = getattr(event.data, "limits", None)
         if limits and not limits.get("enforced"):
             gaps.append(_unenforced(limits))
+        if (emulated := _root_emulated(event.data)) is not None:
+            gaps.append(emulated)
     return gaps
+
+
+def _root_emulated(launched: Any) -> Gap | None:
+    """`root_emulated` (SPEC §15): an image or rootfs task run in single-id mode, where its
+    root is one unprivileged id without capabilities, not a container's root."""
+    identity = getattr(launched, "identity", None)
+    kind = launched.ran_in.get("kind")
+    if not identity or identity.get("mode") != "single" or kind not in ("image", "rootfs"):
+        return None
+    return Gap(code="root_emulated",
+               detail=f"single-id mode: every phase runs as inner {identity.get('user')}, one "
+                      f"id without capabilities, not a container's root (apt-get, chown to "
+                      f"another user, su and services may fail)")
 
 
 def _unenforced(limits: dict[str, Any]) -> Gap:

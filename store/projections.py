@@ -4,7 +4,8 @@ Every row is a function of the log alone, so `Ledger.rebuild_projections()` repr
 exactly what the appends wrote:
 
 - `sessions`: one row per session, from its folded state (O(1) per append);
-- `decision_log`, `rewards`: one row per `outcome.decided` / reward, inserted once;
+- `decision_log`, `rewards`, `verification_files`: one row per `outcome.decided` / reward /
+  file a verification kept (SPEC §15), inserted once;
 - `outcomes`: a decided session's last decision with its current outcome, rewritten with
   each append to that session;
 - `tool_calls`: one row per tool item, rewritten when an event of that item arrives;
@@ -48,6 +49,7 @@ TABLES = {
     "gaps": ("session_id", "code", "detail"),
     "rewards": ("session_id", "name", "value"),
     "model_calls": MODEL_CALL_COLUMNS,
+    "verification_files": ("session_id", "path", "size", "sha256"),
     # a session's last decision: the decision's columns less its seq, with the outcome
     "outcomes": ("session_id", "policy", "rule", "action", "outcome",
                  *DECISION_COLUMNS[DECISION_COLUMNS.index("status"):]),
@@ -191,9 +193,13 @@ class Changes:
                                                        event.data)])
             elif isinstance(event, ModelCall):
                 self.add("model_calls", [model_call_row(sid, event.at, event.data)])
-            elif event.type == "verification.recorded":
-                self.add("rewards", [{"session_id": sid, "name": name, "value": value}
-                                     for name, value in event.data.rewards.items()])
+            elif event.type in ("verification.recorded", "verification.failed"):
+                self.add("verification_files", [
+                    {"session_id": sid, "path": f.path, "size": f.size, "sha256": f.sha256}
+                    for f in event.data.files])
+                if event.type == "verification.recorded":
+                    self.add("rewards", [{"session_id": sid, "name": name, "value": value}
+                                         for name, value in event.data.rewards.items()])
         if session.decisions:
             last = next(e for e in reversed(session.events) if e.type == "outcome.decided")
             self.outcome_rewrites.append(sid)

@@ -14,9 +14,15 @@ import pytest
 
 from tests import images
 from trialledger.adapters import builder as builders
-from trialledger.adapters.build import base_images, copy_context
+from trialledger.adapters.build import base_images
 from trialledger.adapters.builder import Builder
-from trialledger.adapters.environment import Cache, EnvironmentUnavailable, Source, prepare
+from trialledger.adapters.environment import (
+    Cache,
+    EnvironmentUnavailable,
+    Source,
+    copy_tree,
+    prepare,
+)
 
 ESCAPE_C = r"""
 #include <errno.h>
@@ -195,7 +201,7 @@ def test_a_context_is_copied_with_links_as_links_and_nothing_but_files_and_folde
     (source / "sub").chmod(0o555)  # read-only: its contents still arrive
     (source / "out").symlink_to("/etc/passwd")
     os.mkfifo(source / "pipe")  # read, a fifo would hang the copy
-    copy_context(source, tmp_path / "copy")
+    copy_tree(source, tmp_path / "copy")
     copy = tmp_path / "copy"
     assert os.readlink(copy / "out") == "/etc/passwd"
     assert (copy / "sub" / "tool").read_text() == "#!/bin/sh\n"

@@ -187,6 +187,9 @@ async def test_the_images_workdir_user_and_env_are_honoured(
     assert ("HOME=/home/agent" in lines) is inherit
     assert "from the workspace" in lines  # workspace/ lands on the image's workdir
     assert ran.view.rewards == {"reward": 1.0}
+    assert launched(ran).identity == {"mode": "single", "user": "1000:1000"}
+    (emulated,) = [g for g in ran.view.observations.gaps if g.code == "root_emulated"]
+    assert "inner 1000:1000" in (emulated.detail or "")  # not a container's root, and said
 
 
 async def test_an_explicit_workdir_wins_over_the_images(tmp_path: Path, cache: Cache) -> None:

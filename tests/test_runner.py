@@ -47,7 +47,8 @@ async def test_clean_run_is_graded_with_usage_and_verified(db: str, task: Any) -
     assert [m.text for m in view.observations.invocation.conversation] == ["say hi", "hi there"]
     launched = next(e for e in view.events if e.type == "agent.launched").data
     assert launched.isolation == "bwrap" and "CODEX_HOME" in launched.env_keys
-    assert "model_metadata_fallback" in codes(view)
+    assert launched.identity["mode"] == "single"  # schema 3; a host task emulates no root
+    assert "model_metadata_fallback" in codes(view) and "root_emulated" not in codes(view)
     assert view.rewards == {"reward": 1.0}
     types = [e.type for e in view.events]
     assert types.index("agent.exited") < types.index("cleanup.reported") < types.index(
@@ -387,7 +388,7 @@ async def test_the_verifiers_output_is_kept_redacted_and_shown(
     db = tmp_path / "t.db"
     ran = await run_task(str(db), task, [message()], api_key=secret)
     (verdict,) = [e for e in ran.view.events if e.type == "verification.recorded"]
-    assert verdict.schema_ == 2 and verdict.data.rewards == {"reward": 0.0}
+    assert verdict.schema_ == 3 and verdict.data.rewards == {"reward": 0.0}  # 3: files
     out, err = verdict.data.stdout_tail, verdict.data.stderr_tail
     assert out.rstrip().endswith("expected 3, got 4 (key [redacted])\nwarning: slow test")
     assert secret not in out and 0 < len(out) <= 2000 and "line 3000 of a long log" in out

@@ -47,7 +47,7 @@ from typing import Any
 import anyio
 
 from trialledger.adapters.codex.install import CodexInstall
-from trialledger.adapters.environment import HOST, Environment, resolve_inside
+from trialledger.adapters.environment import HOST, Environment, copy_tree, resolve_inside
 from trialledger.adapters.sandbox.agentfiles import AgentTree
 from trialledger.adapters.sandbox.base import (
     SUPERVISOR_ENV,
@@ -235,6 +235,14 @@ class LocalSandbox:
             raise SandboxRefused("allow_internet = false needs a private network namespace, "
                                  "which needs bwrap; --isolation process-group cannot run it")
 
+    def identity_record(self) -> dict[str, str]:
+        """`agent.launched.identity` (schema 3): the id mode and the inner uid:gid every
+        phase runs as. Only single-id mode exists here yet: one inner id (the image's user,
+        else the sandbox uid), mapped onto the sandbox uid, without capabilities."""
+        uid, gid = ((self.image.uid, self.image.gid) if self.image is not None
+                    else (self.user.uid, self.user.gid))
+        return {"mode": "single", "user": f"{uid}:{gid}"}
+
     @property
     def _cgroup_procs(self) -> tuple[Path, ...]:
         return self.cgroup.procs if self.cgroup is not None else ()
@@ -268,6 +276,10 @@ class LocalSandbox:
                 copy_to.mkdir(parents=True, exist_ok=True)
         if workspace is not None and workspace.is_dir():
             shutil.copytree(workspace, copy_to, dirs_exist_ok=True, symlinks=True)
+        if self.environment.upload is not None:
+            # A prebuilt image's environment/, as Harbor uploads it (docs/SPEC.md §15).
+            copy_to.mkdir(parents=True, exist_ok=True)
+            copy_tree(self.environment.upload, copy_to)
         if self.user.switches:
             # Only the sandbox user's group may pass (bwrap, as that user, binds the folders
             # below), never list; no other local user reaches the session's files — a setuid

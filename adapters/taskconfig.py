@@ -1,0 +1,252 @@
+"""Every key of Harbor 0.25's `task.toml` and what this runner does with it (docs/SPEC.md §15).
+
+A key is honoured (the loader reads it), refused (`UnsupportedField`, naming it and why),
+warned (recorded in `Task.ignored_fields`, not enforced) or kept as information. A refused
+or warned key whose value asks for nothing (`gpus = 0`, `mcp_servers = []`, `os = "linux"`)
+passes without a word. A key that is in neither Harbor's schema nor ours is warned by name:
+nothing in a task.toml is ignored silently.
+
+The network modes (with Harbor's legacy `allow_internet`) and the legacy `memory`/`storage`
+strings are read here too, as Harbor's `models/task/config.py` reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trialledger.core.errors import TrialLedgerError
+
+Treatment = Literal["honoured", "refused", "warned", "information"]
+Path = tuple[str, ...]  # a key's place in task.toml: ("environment", "gpus")
+
+
+class TaskInvalid(TrialLedgerError):
+    """A task folder that cannot be run (the message says what is missing)."""
+
+
+class UnsupportedField(TaskInvalid):
+    """A valid Harbor task asking for something this runner does not do (the message names
+    the field); in a dataset such a task is skipped, not the whole job refused."""
+
+
+def _nothing(value: Any) -> bool:
+    return bool(value in ([], {}, "") or (value == 0 and not isinstance(value, bool)))
+
+
+def _linux(value: Any) -> bool:
+    return isinstance(value, str) and value.lower() == "linux"
+
+
+def _shared(value: Any) -> bool:
+    return bool(value == "shared")
+
+
+@dataclass(frozen=True)
+class Key:
+    """What is done with one task.toml key."""
+
+    treatment: Treatment
+    reason: str = ""  # refused: why; warned: reads after the field's name
+    asks_nothing: Callable[[Any], bool] | None = None  # such a value passes without a word
+
+
+HONOURED = Key("honoured")
+INFORMATION = Key("information")
+NOT_ENFORCED = "is recorded, never enforced"
+ONE_USER = "is not honoured: every phase runs as the image's user"
+NO_ALLOWLIST = Key("refused", "allowlist networking is not yet supported here", _nothing)
+
+# Harbor 0.25's TaskConfig, key by key (plus ours: image_archive, rootfs, pids,
+# [metadata.trialledger]). "*" stands for any key of a free-form table.
+FIELDS: dict[Path, Key] = {
+    ("schema_version",): INFORMATION,
+    ("version",): INFORMATION,  # Harbor's older name of schema_version
+    ("source",): INFORMATION,
+    ("task",): INFORMATION,  # [task] name, version, description, authors, keywords
+    ("metadata", "*"): INFORMATION,
+    ("metadata", "trialledger", "reward_from_exit_code"): HONOURED,
+    ("multi_step_reward_strategy",): INFORMATION,  # only multi-step tasks use it
+    ("steps",): Key("refused", "multi-step tasks are not supported here", _nothing),
+    ("artifacts",): Key("warned", "is not yet collected", _nothing),
+    ("agent", "timeout_sec"): HONOURED,
+    ("agent", "user"): Key("warned", ONE_USER),
+    ("agent", "network_mode"): HONOURED,  # public, no-network; allowlist refused below
+    ("agent", "allowed_hosts"): NO_ALLOWLIST,
+    ("verifier", "timeout_sec"): HONOURED,
+    ("verifier", "env"): HONOURED,
+    ("verifier", "user"): Key("warned", ONE_USER),
+    ("verifier", "network_mode"): HONOURED,
+    ("verifier", "allowed_hosts"): NO_ALLOWLIST,
+    ("verifier", "environment_mode"): Key(
+        "refused", "a separate verifier container is not supported here", _shared),
+    ("verifier", "environment"): Key(
+        "refused", "a separate verifier container ([verifier.environment]) is not "
+                   "supported here"),
+    ("verifier", "collect"): Key(
+        "refused", "[[verifier.collect]] hooks are not supported here", _nothing),
+    ("solution", "env"): HONOURED,
+    ("environment", "build_timeout_sec"): HONOURED,
+    ("environment", "docker_image"): HONOURED,
+    ("environment", "image_archive"): HONOURED,
+    ("environment", "rootfs"): HONOURED,
+    ("environment", "workdir"): HONOURED,
+    ("environment", "env"): HONOURED,
+    ("environment", "network_mode"): HONOURED,
+    ("environment", "allow_internet"): HONOURED,  # Harbor's legacy alias of network_mode
+    ("environment", "allowed_hosts"): NO_ALLOWLIST,
+    ("environment", "cpus"): HONOURED,  # enforced where cgroups allow (§12)
+    ("environment", "memory_mb"): HONOURED,
+    ("environment", "memory"): HONOURED,  # legacy string, read into memory_mb
+    ("environment", "pids"): HONOURED,
+    ("environment", "storage_mb"): Key("warned", NOT_ENFORCED),
+    ("environment", "storage"): Key("warned", NOT_ENFORCED),
+    ("environment", "os"): Key("refused", "only Linux tasks run here", _linux),
+    ("environment", "gpus"): Key("refused", "GPUs are not supported here", _nothing),
+    ("environment", "gpu_types"): Key("refused", "GPUs are not supported here", _nothing),
+    ("environment", "tpu"): Key("refused", "TPUs are not supported here"),
+    ("environment", "mcp_servers"): Key("warned", "is not yet run: the agent does not get "
+                                                  "the task's MCP servers", _nothing),
+    ("environment", "healthcheck"): Key("warned", "is not yet run"),
+    ("environment", "skills_dir"): Key("warned", "is ignored: skills are not copied for the "
+                                                 "agent"),
+}
+TABLES: frozenset[Path] = frozenset({("agent",), ("verifier",), ("solution",),
+                                     ("environment",), ("metadata",),
+                                     ("metadata", "trialledger")})
+UNKNOWN = Key("warned", "is not a field of Harbor 0.25's task config: ignored")
+COMPOSE = "environment/docker-compose.yaml"
+MAIN_SERVICE = "main"
+
+
+def field_name(path: Path) -> str:
+    """How a key is named in messages: `steps`, `[environment] gpus`."""
+    return path[0] if len(path) == 1 else f"[{'.'.join(path[:-1])}] {path[-1]}"
+
+
+def review(meta: Mapping[str, Any], where: str) -> dict[str, str]:
+    """Every key of a parsed task.toml against `FIELDS`: the warned ones (name → reason);
+    a refused one raises `UnsupportedField` naming it."""
+    ignored: dict[str, str] = {}
+    _walk(meta, (), where, ignored)
+    for entry in meta.get("artifacts", []) if isinstance(meta.get("artifacts"), list) else []:
+        service = entry.get("service") if isinstance(entry, dict) else None
+        if service is not None and str(service).strip() != MAIN_SERVICE:
+            raise UnsupportedField(f"{where}: artifacts: {entry.get('source')!r} from service "
+                                   f"{service!r}: only the main service exists here")
+    return ignored
+
+
+def _walk(table: Mapping[str, Any], prefix: Path, where: str, ignored: dict[str, str]) -> None:
+    for key, value in table.items():
+        path = (*prefix, key)
+        if path in TABLES:
+            if not isinstance(value, dict):
+                raise TaskInvalid(f"{where}: {field_name(path)} must be a table")
+            _walk(value, path, where, ignored)
+            continue
+        rule = FIELDS.get(path) or FIELDS.get((*prefix, "*")) or UNKNOWN
+        if rule.asks_nothing is not None and rule.asks_nothing(value):
+            continue
+        if rule.treatment == "refused":
+            shown = f" = {value!r}" if isinstance(value, (str, int, float)) else ""
+            raise UnsupportedField(f"{where}: {field_name(path)}{shown}: {rule.reason}")
+        if rule.treatment == "warned":
+            ignored[field_name(path)] = rule.reason
+
+
+NETWORK_MODES = ("public", "no-network", "allowlist")
+PHASES = ("agent", "verifier")
+
+
+def network_modes(meta: Mapping[str, Any], where: str
+                  ) -> tuple[dict[str, str], dict[str, str]]:
+    """Each phase's network mode (`environment`, `agent`, `verifier`) as Harbor resolves it,
+    and the warned fields (a legacy `allow_internet` an explicit field overrides).
+
+    Today one network serves the agent and the verifier, and allowlist is not built: a task
+    asking otherwise is refused by name rather than run differently."""
+    environment = meta.get("environment", {})
+    ignored: dict[str, str] = {}
+    baseline = _mode(environment, "environment", where) or "public"
+    if (legacy := environment.get("allow_internet")) is not None:
+        if not isinstance(legacy, bool):
+            raise TaskInvalid(f"{where}: [environment] allow_internet must be true or false")
+        explicit = [key for key in ("network_mode", "allowed_hosts") if key in environment]
+        if explicit:  # Harbor's _apply_legacy_allow_internet: the explicit field wins
+            ignored["[environment] allow_internet"] = (
+                f"is ignored: [environment] {explicit[0]} wins")
+        else:
+            baseline = "public" if legacy else "no-network"
+    modes = {"environment": baseline}
+    for phase in PHASES:
+        modes[phase] = _mode(meta.get(phase, {}), phase, where) or baseline
+    if modes["agent"] != modes["verifier"]:
+        named = "verifier" if "network_mode" in meta.get("verifier", {}) else "agent"
+        raise UnsupportedField(
+            f"{where}: [{named}] network_mode: the agent would run {modes['agent']} and the "
+            f"verifier {modes['verifier']}; per-phase network modes are not yet supported "
+            f"here (both phases share one network)")
+    return modes, ignored
+
+
+def _mode(table: Mapping[str, Any], name: str, where: str) -> str | None:
+    value = table.get("network_mode")
+    if value is None:
+        return None
+    if value not in NETWORK_MODES:
+        raise TaskInvalid(f"{where}: [{name}] network_mode must be one of "
+                          f"{', '.join(NETWORK_MODES)}, not {value!r}")
+    if value == "allowlist":
+        raise UnsupportedField(f"{where}: [{name}] network_mode = 'allowlist': "
+                               f"{NO_ALLOWLIST.reason}")
+    return str(value)
+
+
+SIZE_UNITS: dict[str, Callable[[float], int]] = {
+    "G": lambda x: int(x * 1024), "M": int, "K": lambda x: int(x / 1024)}
+LEGACY_SIZES = (("memory", "memory_mb"), ("storage", "storage_mb"))
+
+
+def legacy_sizes(environment: Mapping[str, Any], where: str
+                 ) -> tuple[dict[str, Any], dict[str, str]]:
+    """`[environment]` with the legacy `memory`/`storage` strings read into `memory_mb` /
+    `storage_mb` as Harbor maps them ("4G" → 4096, "512M" → 512, "512K" → 0), and the warned
+    fields (a value that is not a string, which Harbor drops). 0 MB is no limit, as Harbor's
+    Docker sets none for it."""
+    resolved = dict(environment)
+    ignored: dict[str, str] = {}
+    for legacy, current in LEGACY_SIZES:
+        if legacy not in resolved:
+            continue
+        raw = resolved.pop(legacy)
+        if not isinstance(raw, str):
+            ignored[f"[environment] {legacy}"] = ("is ignored: not a size string such as "
+                                                  "'4G' (Harbor drops it)")
+            continue
+        megabytes = size_mb(raw)
+        if megabytes is None:
+            raise TaskInvalid(f"{where}: [environment] {legacy} = {raw!r}: expected a size "
+                              f"such as '1G', '512M' or '1024K'")
+        if current in resolved and resolved[current] != megabytes:
+            raise TaskInvalid(f"{where}: [environment] {legacy} = {raw!r} ({megabytes} MB) "
+                              f"differs from {current} = {resolved[current]!r}")
+        if megabytes:
+            resolved.setdefault(current, megabytes)
+    return resolved, ignored
+
+
+def size_mb(text: str) -> int | None:
+    """Harbor's `_parse_size_to_mb`: upper-cased, a number and one of G, M, K (None: not
+    such a size)."""
+    text = text.strip().upper()
+    convert = SIZE_UNITS.get(text[-1:])
+    if convert is None:
+        return None
+    try:
+        number = float(text[:-1])
+        return convert(number) if math.isfinite(number) else None
+    except ValueError:
+        return None

@@ -1,0 +1,251 @@
+"""Every field of Harbor's task.toml honoured, refused or warned by name (docs/SPEC.md §15):
+real task folders, `trialledger run` / `job run` in process, real sandboxes."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.runs import in_process, make_task, run_task
+from trialledger.adapters.demo.endpoint import message, shell
+from trialledger.adapters.runner import RunOptions, SessionRunner
+from trialledger.adapters.task import Task, TaskInvalid, UnsupportedField
+from trialledger.store import Ledger
+
+SOLVE = "#!/bin/sh\necho solved > answer.txt\n"
+CHECK = "grep -qx solved answer.txt\n"
+
+# (task.toml, the field the refusal names); "compose" writes environment/docker-compose.yaml
+REFUSED = [
+    ("[environment]\ngpus = 1\n", "[environment] gpus"),
+    ("[environment]\ngpu_types = ['H100']\n", "[environment] gpu_types"),
+    ("[environment.tpu]\ntype = 'v6e'\ntopology = '2x4'\n", "[environment] tpu"),
+    ("[environment]\nos = 'windows'\n", "[environment] os"),
+    ("compose", "environment/docker-compose.yaml"),
+    ("[verifier]\nenvironment_mode = 'separate'\n", "[verifier] environment_mode"),
+    ("[verifier.environment]\ndocker_image = 'ubuntu:24.04'\n", "[verifier] environment"),
+    ("[[verifier.collect]]\ncommand = 'true'\n", "[verifier] collect"),
+    ("[[steps]]\nname = 'one'\n", "steps"),
+    ("[[artifacts]]\nsource = '/data/db.sql'\nservice = 'db'\n", "artifacts"),
+    ("[environment]\nnetwork_mode = 'allowlist'\n", "[environment] network_mode"),
+    ("[agent]\nnetwork_mode = 'allowlist'\n", "[agent] network_mode"),
+    ("[environment]\nallowed_hosts = ['example.com']\n", "[environment] allowed_hosts"),
+    ("[verifier]\nallowed_hosts = ['*.example.com']\n", "[verifier] allowed_hosts"),
+    # one network serves both phases today: a phase that differs is refused, not run wrong
+    ("[agent]\nnetwork_mode = 'no-network'\n", "[agent] network_mode"),
+    ("[environment]\nallow_internet = false\n[verifier]\nnetwork_mode = 'public'\n",
+     "[verifier] network_mode"),
+]
+
+# (task.toml, the field warned); each is recorded and named, never enforced
+WARNED = [
+    ("[agent]\nuser = 'agent'\n", "[agent] user"),
+    ("[verifier]\nuser = 1000\n", "[verifier] user"),
+    ("[environment.healthcheck]\ncommand = 'true'\n", "[environment] healthcheck"),
+    ("[[environment.mcp_servers]]\nname = 'docs'\nurl = 'http://docs.invalid/sse'\n",
+     "[environment] mcp_servers"),
+    ("[environment]\nskills_dir = '/skills'\n", "[environment] skills_dir"),
+    ("[environment]\nstorage_mb = 10240\n", "[environment] storage_mb"),
+    ("[environment]\nstorage = '10G'\n", "[environment] storage"),
+    ("artifacts = ['/app/out.txt']\n", "artifacts"),
+    ("[environment]\nallow_internet = false\nnetwork_mode = 'public'\n",
+     "[environment] allow_internet"),
+    ("[environment]\nmemory = 4\n", "[environment] memory"),
+    ("[environment]\nflavour = 'mint'\n", "[environment] flavour"),  # in no schema
+    ("[agent]\nallow_internet = false\n", "[agent] allow_internet"),  # Harbor has no such key
+    ("colour = 'blue'\n", "colour"),
+]
+
+SILENT = ("schema_version = '1.4'\nsource = 'terminal-bench'\nsteps = []\nartifacts = []\n"
+          "multi_step_reward_strategy = 'mean'\n"
+          "[task]\nname = 'org/quiet'\ndescription = 'x'\nkeywords = ['a']\n"
+          "[metadata]\ncategory = 'system'\ndifficulty = 'easy'\n"
+          "[agent]\ntimeout_sec = 600\n"
+          "[verifier]\ntimeout_sec = 60\nenv = {}\nenvironment_mode = 'shared'\ncollect = []\n"
+          "[solution]\nenv = {}\n"
+          "[environment]\ngpus = 0\ngpu_types = []\nos = 'LINUX'\nmcp_servers = []\nenv = {}\n"
+          "cpus = 1\nmemory_mb = 2048\nbuild_timeout_sec = 60\nallowed_hosts = []\n")
+
+
+def write(folder: Path, toml: str) -> Task:
+    if toml == "compose":
+        (folder / "environment").mkdir(parents=True)
+        (folder / "environment" / "docker-compose.yaml").write_text("services: {}\n")
+        toml = ""
+    return make_task(folder, test_sh=CHECK, solve_sh=SOLVE, toml=toml)
+
+
+@pytest.mark.parametrize(("toml", "field"), REFUSED, ids=[f for _, f in REFUSED])
+def test_a_refused_field_is_named_and_run_exits_2(tmp_path: Path, toml: str, field: str
+                                                  ) -> None:
+    with pytest.raises(UnsupportedField) as refused:
+        write(tmp_path / "task", toml)
+    assert field in str(refused.value)
+    done = in_process("run", str(tmp_path / "task"), "--agent", "oracle",
+                      "--db", str(tmp_path / "t.db"))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert field in done.stderr and not (tmp_path / "t.db").exists()
+
+
+@pytest.mark.parametrize(("toml", "field"), WARNED, ids=[f for _, f in WARNED])
+def test_a_warned_field_is_recorded_by_name(tmp_path: Path, toml: str, field: str) -> None:
+    task = write(tmp_path / "task", toml)
+    assert list(task.ignored_fields) == [field]
+    assert task.ignored_fields[field]  # with a reason
+
+
+def test_fields_that_ask_for_nothing_pass_without_a_word(tmp_path: Path) -> None:
+    task = write(tmp_path / "task", SILENT)
+    assert task.ignored_fields == {}
+    assert task.limits == {"cpus": 1, "memory_mb": 2048}
+    assert task.settings["timeout_s"] == 600 and task.settings["verifier_timeout_s"] == 60
+
+
+def test_run_prints_each_warned_field_once_on_stderr_never_stdout(tmp_path: Path) -> None:
+    toml = ("colour = 'blue'\n[agent]\nuser = 'agent'\n[verifier]\nuser = 1000\n"
+            "[environment]\nskills_dir = '/skills'\nstorage = '10G'\nflavour = 'mint'\n"
+            "[environment.healthcheck]\ncommand = 'true'\n")
+    task = write(tmp_path / "task", toml)
+    done = in_process("run", str(task.folder), "--agent", "oracle", "--json",
+                      "--db", str(tmp_path / "t.db"))
+    assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stdout
+    lines = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert len(lines) == len(task.ignored_fields) == 7
+    for field, reason in task.ignored_fields.items():
+        assert [line for line in lines if f"warning: {field} " in line] == [
+            f"trialledger: warning: {field} {reason} (1 task)"]
+
+
+def test_job_run_counts_tasks_per_field_and_lists_a_skipped_task(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from trialledger import cli
+
+    data = tmp_path / "data"
+    write(data / "alpha", "[verifier]\nuser = 'tester'\n")
+    write(data / "beta", "[verifier]\nuser = 'tester'\n[environment]\nskills_dir = '/s'\n")
+    with pytest.raises(UnsupportedField):
+        write(data / "gamma", "[environment]\ngpus = 2\n")
+    db = tmp_path / "jobs.db"
+    code = cli.main(["job", "run", "check", str(data), "--agent", "oracle", "--db", str(db)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert err.count("[verifier] user is not honoured") == 1
+    assert "warning: [verifier] user is not honoured: every phase runs as the image's user " \
+           "(2 tasks)" in err
+    assert "warning: [environment] skills_dir is ignored" in err and "(1 task)\n" in err
+    assert err.count("skipped task gamma:") == 1 and "[environment] gpus = 2" in err
+    assert "gamma" not in out  # in no denominator: not a task of the job
+    # a refused task named alone is refused, not skipped
+    alone = in_process("job", "run", "other", str(data / "gamma"), "--agent", "oracle",
+                       "--db", str(db))
+    assert alone.returncode == 2 and "[environment] gpus" in alone.stderr
+
+
+@pytest.mark.parametrize(("memory", "expected"), [
+    ("'4G'", 4096), ("'512M'", 512), ("' 1.5g '", 1536), ("'2048k'", 2), ("'512K'", None)])
+def test_legacy_memory_strings_read_as_harbor_reads_them(tmp_path: Path, memory: str,
+                                                         expected: int | None) -> None:
+    task = write(tmp_path / "task", f"[environment]\nmemory = {memory}\n")
+    assert task.limits.get("memory_mb") == expected  # "512K" is 0: no limit, as Harbor's
+    assert task.ignored_fields == {}
+
+
+@pytest.mark.parametrize("memory", ["'4GB'", "'4Gi'", "'4096'", "''", "'G'", "'infG'"])
+def test_other_memory_strings_are_invalid(tmp_path: Path, memory: str) -> None:
+    with pytest.raises(TaskInvalid, match=r"\[environment\] memory") as refused:
+        write(tmp_path / "task", f"[environment]\nmemory = {memory}\n")
+    assert not isinstance(refused.value, UnsupportedField)  # Harbor refuses it too
+
+
+def test_a_non_string_memory_is_dropped_and_named(tmp_path: Path) -> None:
+    task = write(tmp_path / "task", "[environment]\nmemory = 4\n")
+    assert "memory_mb" not in task.limits and "[environment] memory" in task.ignored_fields
+
+
+@pytest.mark.parametrize(("toml", "valid"), [
+    ("memory = '4G'\nmemory_mb = 2048\n", False),
+    ("memory = '4G'\nmemory_mb = 4096\n", True),
+    ("memory = '512K'\nmemory_mb = 1\n", False),  # "512K" is 0 MB
+    ("storage = '2G'\nstorage_mb = 1024\n", False),
+])
+def test_a_legacy_size_beside_a_different_mb_is_invalid(tmp_path: Path, toml: str,
+                                                       valid: bool) -> None:
+    if valid:
+        assert write(tmp_path / "task", f"[environment]\n{toml}").limits["memory_mb"] == 4096
+    else:
+        with pytest.raises(TaskInvalid, match="differs from"):
+            write(tmp_path / "task", f"[environment]\n{toml}")
+
+
+def test_legacy_storage_is_recorded_never_enforced(tmp_path: Path) -> None:
+    task = write(tmp_path / "task", "[environment]\nstorage = '2G'\n")
+    assert task.storage_mb == 2048 and "storage_mb" not in task.limits
+    assert task.ignored_fields == {"[environment] storage": "is recorded, never enforced"}
+
+
+@pytest.mark.parametrize(("toml", "mode", "warned"), [
+    ("", "public", None),
+    ("[environment]\nallow_internet = false\n", "no-network", None),
+    ("[environment]\nallow_internet = true\n", "public", None),
+    ("[environment]\nnetwork_mode = 'no-network'\n", "no-network", None),
+    ("[environment]\nnetwork_mode = 'public'\nallow_internet = false\n", "public",
+     "network_mode wins"),
+    ("[environment]\nnetwork_mode = 'no-network'\nallow_internet = true\n", "no-network",
+     "network_mode wins"),
+    # an allowed_hosts present (even empty) also wins, as Harbor's model_fields_set check
+    ("[environment]\nallowed_hosts = []\nallow_internet = false\n", "public",
+     "allowed_hosts wins"),
+    ("[agent]\nnetwork_mode = 'no-network'\n[verifier]\nnetwork_mode = 'no-network'\n",
+     "no-network", None),
+    ("[environment]\nallow_internet = false\n[agent]\nnetwork_mode = 'no-network'\n",
+     "no-network", None),
+])
+def test_network_modes_and_the_legacy_allow_internet(tmp_path: Path, toml: str, mode: str,
+                                                     warned: str | None) -> None:
+    task = write(tmp_path / "task", toml)
+    assert task.network_modes["agent"] == task.network_modes["verifier"] == mode
+    assert task.allow_internet is (mode == "public")
+    if warned is None:
+        assert task.ignored_fields == {}
+    else:
+        assert warned in task.ignored_fields["[environment] allow_internet"]
+
+
+def test_an_unknown_network_mode_is_invalid(tmp_path: Path) -> None:
+    with pytest.raises(TaskInvalid, match=r"\[environment\] network_mode must be one of"):
+        write(tmp_path / "task", "[environment]\nnetwork_mode = 'offline'\n")
+
+
+@pytest.mark.anyio
+async def test_no_network_keeps_a_host_loopback_service_out_of_reach(tmp_path: Path) -> None:
+    other = socket.create_server(("127.0.0.1", 0))  # a loopback service of the host
+    port = other.getsockname()[1]
+    task = make_task(tmp_path / "task", test_sh="exit 0\n",
+                     toml="[environment]\nnetwork_mode = 'no-network'\n")
+    probe = (f"(echo > /dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo REACHED-HOST-PORT; "
+             "echo done")
+    try:
+        ran = await run_task(str(tmp_path / "t.db"), task, [shell(probe), message("ok")])
+    finally:
+        other.close()
+    output = ran.view.observations.tool_calls[0].output
+    assert "REACHED" not in output and output.strip().endswith("done"), output
+    assert ran.view.decision.rule == "completed"  # the model endpoint was still reached
+
+
+@pytest.mark.anyio
+async def test_the_solution_env_reaches_solve_sh_over_the_environment_env(tmp_path: Path
+                                                                          ) -> None:
+    toml = ("[environment.env]\nA = 'env'\nB = 'env'\n"
+            "[solution.env]\nB = 'solution'\nDEBIAN_FRONTEND = 'dialog'\n")
+    task = make_task(tmp_path / "task", toml=toml,
+                     solve_sh='#!/bin/sh\necho "$A $B $DEBIAN_FRONTEND" > answer.txt\n',
+                     test_sh="grep -qx 'env solution dialog' answer.txt\n")
+    assert task.solution_env == {"B": "solution", "DEBIAN_FRONTEND": "dialog"}
+    async with await Ledger.open(str(tmp_path / "t.db")) as ledger:
+        result = await SessionRunner(ledger, task, RunOptions(agent="oracle")).run_session()
+    assert result.view.decision.status == "completed"
+    assert result.view.rewards == {"reward": 1.0}
