@@ -7,8 +7,10 @@ namespace on a socket the runner opened there), forwards every request to its up
 arrives (SSE unchanged: `Accept-Encoding: identity` upstream, no buffering).
 
 The model's proxy also holds the real API key: Codex is given a per-session token, which
-the proxy requires (401 without it, nothing recorded) and replaces with the key, so the key
-never enters the sandbox. It forwards only the routes Codex uses (`MODEL_ROUTES`); what it
+the proxy requires (401 without it, nothing recorded) and replaces with the key (with no
+key, no `Authorization` goes upstream), so the key never enters the sandbox nor the token
+leaves it. A call still open when Codex goes away or the proxy closes is `client_closed`,
+whatever stage it was in. It forwards only the routes Codex uses (`MODEL_ROUTES`); what it
 refuses itself — another route (403), a body over `REQUEST_LIMIT` (413), more than
 `CONCURRENT_LIMIT` calls at once (503) — is recorded with an error of
 `core.events.PROXY_REFUSALS`, which no policy reads as the endpoint's failure. Request
@@ -173,7 +175,8 @@ class Upstream:
 
     base_url: str  # scheme://host[:port][/prefix]
     token: str | None = None  # what the client must present (Bearer); None: anything
-    authorization: str | None = None  # what replaces it upstream (None: passed through)
+    authorization: str | None = None  # what replaces it upstream; None: no Authorization
+    # upstream when `token` is set (the token is the proxy's alone), else the client's own
     extra_headers: Mapping[str, str] = field(default_factory=dict)
     routes: frozenset[tuple[str, str]] | None = None  # (method, path under the base path)
     # forwarded, e.g. MODEL_ROUTES; None: every request
@@ -257,13 +260,17 @@ class SessionProxy:
         self._client: aiohttp.ClientSession | None = None
         self._calls = 0
         self._open = 0  # calls being forwarded now
+        self._closing = False  # aclose has begun: what ends an open call now is ours
         self._reports: set[asyncio.Task[None]] = set()
         self.port: int | None = None
 
     async def start(self, listener: socket.socket | None = None) -> int:
         """Serve on `listener` (a bound socket), else on a free loopback port; the port."""
         # (bodies are streamed, never read whole: aiohttp's client_max_size does not apply)
-        server = web.Server(self._forward, access_log=None, logger=_QUIET)
+        # handler_cancellation: a call whose client went away ends (`client_closed`) then,
+        # not when the upstream finally answers or the proxy closes its own connections.
+        server = web.Server(self._forward, access_log=None, logger=_QUIET,
+                            handler_cancellation=True)
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         if listener is None:
@@ -342,7 +349,9 @@ class SessionProxy:
     async def _relay(self, request: web.BaseRequest, call: dict[str, Any],
                      observer: StreamObserver) -> web.StreamResponse:
         assert self._client is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in DROPPED}
+        # With a session token, the client's Authorization is that token: never upstream.
+        private = DROPPED | {"authorization"} if self.upstream.token is not None else DROPPED
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in private}
         headers["Accept-Encoding"] = "identity"
         if self.upstream.authorization is not None:
             headers["Authorization"] = self.upstream.authorization
@@ -358,7 +367,7 @@ class SessionProxy:
             if call["error"] == "refused_size":  # ours: the upstream only saw a cut body
                 call["http_status"] = 413
                 return _refusal(413, f"a request body is at most {REQUEST_LIMIT} bytes")
-            call["error"] = call["error"] or _transport_error(error)
+            call["error"] = call["error"] or self._upstream_error(error)
             _drop(request)  # as if the endpoint itself were unreachable
             return web.Response(status=502)
         try:
@@ -373,10 +382,13 @@ class SessionProxy:
                 try:
                     chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, OSError, TimeoutError) as error:
-                    call["error"] = call["error"] or _transport_error(error)
+                    call["error"] = call["error"] or self._upstream_error(error)
                     _drop(request)  # the endpoint broke off: so does our answer
                     return answer
                 if not chunk:
+                    if self._closing:  # our own connection closed under it, not the end
+                        call["error"] = call["error"] or "client_closed"
+                        return answer
                     break
                 call["last_byte_at"] = _utc_now()
                 observer.feed(chunk)
@@ -389,8 +401,17 @@ class SessionProxy:
                 observer.finish()  # a whole response body, read once it is all here
             await answer.write_eof()
             return answer
+        except asyncio.CancelledError:  # Codex went away: a whole body it had still counts
+            if upstream.content.at_eof() and 200 <= upstream.status < 300:
+                observer.finish()
+            raise
         finally:
             upstream.release()
+
+    def _upstream_error(self, error: BaseException) -> str:
+        """The transport error of a call, or `client_closed` once the proxy is closing: then
+        the connection was broken by us (the call was still open), not by the endpoint."""
+        return "client_closed" if self._closing else _transport_error(error)
 
     def _report(self, call: dict[str, Any], observer: StreamObserver) -> None:
         if self.sink is None:
@@ -405,6 +426,7 @@ class SessionProxy:
 
     async def aclose(self) -> None:
         """Stop serving (open calls end `client_closed`), report every call, disconnect."""
+        self._closing = True
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -3,7 +3,8 @@
 
 Each `POST /v1/responses` takes the next reply of the script (the last one repeats):
 a streamed assistant message, a `function_call` (so Codex runs a real shell command), an
-HTTP error status, a stream cut before `response.completed`, or a reply that hangs; a
+HTTP error status, a stream cut before `response.completed`, a reply that hangs (before
+its headers, or after them: a stall); a
 request with `"stream": false` gets the reply as one whole response object instead.
 Every request body is kept in `requests`, and every request's method and path in `seen`
 (any other method is answered 501, as the standard library's server does).
@@ -24,7 +25,7 @@ from typing import Any
 class Reply:
     """One scripted answer."""
 
-    kind: str  # message | function_call | status | cut | hang
+    kind: str  # message | function_call | status | cut | hang | stall
     text: str = ""
     status: int = 200
     body: dict[str, Any] = field(default_factory=dict)
@@ -64,6 +65,12 @@ def cut(text: str = "hi there") -> Reply:
 def hang(seconds: float) -> Reply:
     """A reply that sends nothing for a while (for timeouts)."""
     return Reply("hang", seconds=seconds)
+
+
+def stall(seconds: float) -> Reply:
+    """A streamed reply that sends its headers and `response.created`, then nothing for a
+    while (an endpoint hung mid-answer), then ends without `response.completed`."""
+    return Reply("stall", seconds=seconds)
 
 
 def _usage(u: tuple[int, int, int, int]) -> dict[str, Any]:
@@ -206,6 +213,9 @@ class ScriptedEndpoint:
                 frame = f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
                 handler.wfile.write(frame.encode())
                 handler.wfile.flush()
+                if reply.kind == "stall":  # after response.created: silence, then an end
+                    time.sleep(reply.seconds)
+                    break
         except (BrokenPipeError, ConnectionResetError):
             pass
         handler.close_connection = True
