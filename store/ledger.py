@@ -340,6 +340,12 @@ class Ledger:
             f"DO UPDATE SET heartbeat = {db_now}, host = :h, pid = :p"),
             {"r": runner_id, "h": socket.gethostname(), "p": os.getpid()}))
 
+    async def clear_heartbeat(self, runner_id: str) -> None:
+        """Say that `runner_id` has exited: `recover --runner` need not wait for its
+        heartbeat to age."""
+        await self._engines.transaction(lambda conn: conn.execute(
+            text("DELETE FROM runners WHERE runner_id = :r"), {"r": runner_id}))
+
     async def live_runners(self, within_s: float = RUNNER_ALIVE_S) -> dict[str, float]:
         """Runners whose heartbeat is younger than `within_s`: id → its age in seconds."""
         async with self._engines.reader.begin() as conn:
@@ -377,32 +383,44 @@ class Ledger:
         await self._close_out([(sid, state) for sid, state in rows])
         return [sid for sid, _ in rows]
 
-    async def recover_sessions(self, session_ids: Sequence[str]) -> list[str]:
+    async def recover_sessions(self, session_ids: Sequence[str], *,
+                               fence: Fence | None = None) -> list[str]:
         """Close out these sessions where still open, as `recover` does (a job's new owner
-        of a trial whose lease expired); return those it closed."""
+        of a trial whose lease expired; `fence`: its lease, checked by every append, else
+        `LeaseLost`); return those it closed."""
         if not session_ids:
             return []
         query = select(SESSIONS.c.session_id, SESSIONS.c.state).where(
             SESSIONS.c.state != "closed", SESSIONS.c.session_id.in_(list(session_ids)))
         async with self._engines.reader.connect() as conn:
             rows = (await conn.execute(query.order_by(SESSIONS.c.session_id))).all()
-        await self._close_out([(sid, state) for sid, state in rows])
+        await self._close_out([(sid, state) for sid, state in rows], fence=fence)
         return [sid for sid, _ in rows]
 
-    async def _close_out(self, rows: Sequence[tuple[str, str]]) -> None:
+    async def _verified(self, session_id: str) -> bool:
+        """Whether a verification of the session (its result or its failure) is stored."""
+        query = select(EVENTS.c.seq).where(
+            EVENTS.c.session_id == session_id,
+            EVENTS.c.type.in_(["verification.recorded", "verification.failed"])).limit(1)
+        async with self._engines.reader.connect() as conn:
+            return (await conn.execute(query)).first() is not None
+
+    async def _close_out(self, rows: Sequence[tuple[str, str]], *,
+                         fence: Fence | None = None) -> None:
         for sid, state in rows:
             at = now()
             events: list[dict[str, Any]] = []
             if state in LIVE_STATES:
                 events.append({"type": "sandbox.lost", "at": at,
                                "data": {"detail": "harness restarted"}})
-            elif state == "graded":  # decided gradable, but no verdict was recorded
+            elif state == "graded" and not await self._verified(sid):  # decided gradable,
+                # but no verdict was recorded (one stored: only the close is missing)
                 events.append({"type": "gap.recorded", "at": at, "data": {
                     "code": "verification_interrupted",
                     "detail": "the runner stopped before the verifier's result was recorded; "
                               "the trial needs another attempt"}})
             events.append({"type": "session.closed", "at": at, "data": {"reason": "recovered"}})
-            await self.append(sid, events)
+            await self.append(sid, events, fence=fence)
 
     async def import_log(self, events: Iterable[Mapping[str, Any]],
                          *, secrets: Iterable[str] = ()) -> str:
@@ -574,7 +592,8 @@ class Ledger:
 
 
 # Every public method of the store raises `StoreUnavailable` for a driver's error.
-for _name in ("seed", "start", "append", "close", "heartbeat", "live_runners", "recover",
+for _name in ("seed", "start", "append", "close", "heartbeat", "clear_heartbeat",
+              "live_runners", "recover",
               "import_log", "events", "view", "tail", "sessions", "session_count", "listing",
               "resolve", "export", "audit", "divergences", "rebuild_projections"):
     setattr(Ledger, _name, _guarded(getattr(Ledger, _name)))
