@@ -286,11 +286,12 @@ def _run_options(args: argparse.Namespace) -> Any:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the real Codex CLI on a task in the local sandbox; print each session's outcome."""
+    from trialledger.adapters.jobs import check_inputs
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.runner import CodexNotFound, SessionResult, SessionRunner
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.scripted import solve_script
-    from trialledger.adapters.task import Task, TaskInvalid
+    from trialledger.adapters.task import Task, TaskInvalid, require_verifier
 
     options = _run_options(args)
     api_key = options.api_key
@@ -315,8 +316,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return await in_store(args.db, trial)
 
     try:
-        task = Task.load(Path(args.task_dir))
+        task = require_verifier(Task.load(Path(args.task_dir)))  # as Harbor, up front
         _warn_fields([task])
+        check_inputs([task], options)  # settings, grants, Codex: before anything is seeded
         if options.agent == "oracle":
             solve_script(task)  # NoSolution: refused before anything is seeded
         environment = _prepared(task, args)  # before anything is seeded (§12)
@@ -327,11 +329,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(_session_summary(result.view)), flush=True)
         else:
-            out.print(plain(f"{result.session_id} {result.outcome}"))
+            out.print(plain(f"{result.session_id} {result.outcome}"
+                            f"{_reward_words(result.view)}"))
     final = results[-1].view if results else None
     scored = (final is not None and final.outcome == "verify" and final.decision is not None
               and final.decision.reward_valid)
     return EXIT_OK if scored else EXIT_FOUND  # SPEC §10: 1 when the trial is left unscored
+
+
+def _reward_words(view: Any) -> str:
+    """What `run` says beside a session's outcome: its reward (`reward=0`: the tests
+    failed), `no reward` when it was verified without a valid one, nothing otherwise."""
+    if view.outcome != "verify":
+        return ""
+    if not view.rewards:
+        return " no reward"
+    valid = view.decision is not None and view.decision.reward_valid
+    return f" {_reward_pairs(view.rewards)}{'' if valid else ' (not valid)'}"
+
+
+def _reward_pairs(rewards: Mapping[str, Any]) -> str:
+    return " ".join(f"{name}={value:g}" if isinstance(value, (int, float)) else
+                    f"{name}={value}" for name, value in rewards.items())
 
 
 def _warn_fields(tasks: Sequence[Any], skipped: Mapping[str, str] | None = None) -> None:
@@ -388,7 +407,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     """Create or resume a job and work its queue here; one line per finished trial, then
     the summary. Exit 0 when every trial ended with a final decision, 1 when one did not."""
     from trialledger.adapters.environment import Cache
-    from trialledger.adapters.jobs import JobRunner, load_tasks
+    from trialledger.adapters.jobs import JobRunner, check_inputs, load_tasks
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.runner import CodexNotFound
     from trialledger.adapters.sandbox.base import SandboxRefused
@@ -400,7 +419,8 @@ def cmd_job_run(args: argparse.Namespace) -> int:
 
     async def job(ledger: Ledger) -> dict[str, Any]:
         runner = JobRunner(
-            ledger, args.name, tasks, options, k=args.k, concurrency=args.n,
+            ledger, args.name, tasks, options, k=args.k, add=args.add,
+            datasets=selection.datasets, concurrency=args.n,
             lease_s=args.lease_s, cache=Cache(args.cache_dir), engine=args.engine,
             pull=args.pull, force_build=args.force_build, owner=_owner(args), on_trial=said)
         holder.append(runner)
@@ -417,18 +437,20 @@ def cmd_job_run(args: argparse.Namespace) -> int:
                                args.exclude or ())
         tasks = selection.tasks
         _warn_fields(tasks, selection.skipped)
+        check_inputs(tasks, options)  # before the job exists: a refusal leaves none behind
         summary = anyio.run(lambda: until_signalled(go, stop=_stopper(holder, args.grace),
                                                     grace_s=args.grace))
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
         raise Refused(str(error)) from None
-    _print_job(summary, as_json=False)
+    if not args.json:  # --json: the trials' lines only (`job show --json` has the summary)
+        _print_job(summary, as_json=False)
     return EXIT_OK if _all_decided(summary) else EXIT_FOUND
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Work queued trials of any job (or `--job`) from this machine until none is left."""
     from trialledger.adapters.environment import Cache
-    from trialledger.adapters.jobs import worker_runner
+    from trialledger.adapters.jobs import check_inputs, worker_runner
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.runner import CodexNotFound
     from trialledger.adapters.sandbox.base import SandboxRefused
@@ -447,6 +469,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 lease_s=args.lease_s,
                 cache=Cache(args.cache_dir), engine=args.engine, pull=args.pull,
                 force_build=args.force_build, owner=_owner(args), on_trial=said)
+            check_inputs(runner.tasks, runner.options)  # e.g. no Codex here: one line
             holder[:] = [runner]
             await _with_live(ledger, name, not args.json,
                              functools.partial(runner.run, define=False))
@@ -558,10 +581,7 @@ def _trial_printer(as_json: bool) -> Callable[[Any], None]:
 async def _job_summary(ledger: Ledger, name: str) -> dict[str, Any]:
     from trialledger.store.jobs import Jobs
 
-    jobs = Jobs(ledger)
-    return {"job": name, "tasks": await jobs.tasks(name), "trials": await jobs.trials(name),
-            "environment_failed": await jobs.failures(name),
-            "no_solution": await jobs.failures(name, "no_solution")}
+    return await Jobs(ledger).summary(name)
 
 
 def _all_decided(summary: Mapping[str, Any]) -> bool:
@@ -570,22 +590,121 @@ def _all_decided(summary: Mapping[str, Any]) -> bool:
                for t in summary["trials"]) and not summary["environment_failed"]
 
 
+def _number(value: Any, digits: int = 3) -> str:
+    """A figure, or blank when there is none (never a mean over nothing shown as 0)."""
+    return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) \
+        else str(value)
+
+
+def _tokens(row: Mapping[str, Any]) -> str:
+    """The known token sum and how many sessions' usage is unknown (`tokens 0` is never
+    printed for a sum that is not known)."""
+    known, unknown = row.get("total_tokens"), row.get("unknown_usage") or 0
+    if not unknown:
+        return str(known or 0)
+    return f"unknown ({unknown})" if known is None else f"{known} + {unknown} unknown"
+
+
+def _figure_name(row: Mapping[str, Any]) -> str:
+    if row["task"] is not None:
+        return str(row["task"])
+    return "(all)" if row["dataset"] is None else f"(dataset {row['dataset']})"
+
+
+def _passk_text(passk: Sequence[Mapping[str, Any]], row: Mapping[str, Any]) -> str:
+    """A figure's pass@k for each k of Harbor's set, e.g. `2: 0.833 4: 1.000`."""
+    return " ".join(f"{p['k']}: {p['pass_at_k']:.3f}" for p in passk
+                    if p["task"] == row["task"] and p["dataset"] == row["dataset"])
+
+
 def _print_job(summary: Mapping[str, Any], *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(summary, default=str))
         return
-    rows = []
-    for t in summary["tasks"]:
-        rows.append([t["task"], t["trials"], t["scored"],
-                     "" if t["mean_reward"] is None else f"{t['mean_reward']:.3f}",
-                     "" if t["pass_at_k"] is None else f"{t['pass_at_k']:.3f}", t["retries"],
-                     t["total_tokens"] or 0, t["unknown_usage"],
-                     f"{t['wall_s'] or 0:.0f}"])
-    _table(["task", "trials", "scored", "mean reward", "pass@k", "retries", "tokens",
-            "unknown usage", "wall s"], rows)
+    several = len({t["dataset"] for t in summary["tasks"] if t["task"] is not None}) > 1
+    rows = [[*([t["dataset"] or ""] if several else []), _figure_name(t), t["trials"],
+             t["open"], t["scored"], t["unscored"], _number(t["passed"]), _number(t["mean"]),
+             _number(t["mean_scored"]), _passk_text(summary["passk"], t), t["retries"],
+             t["interrupted"], _tokens(t), f"{t['wall_s'] or 0:.0f}"]
+            for t in summary["tasks"]]
+    _table([*(["dataset"] if several else []), "task", "trials", "open", "scored", "unscored",
+            "passed", "mean", "mean scored", "pass@k", "retries", "interrupted", "tokens",
+            "wall s"], rows)
+    for m in summary["reward_means"]:
+        out.print(plain(f"{_figure_name(m)}: mean {m['name']} = {m['mean']:.3f}"))
+    if summary["retries"]:
+        out.print(plain("retries by cause: " + ", ".join(
+            f"{r['task']} {r['cause_kind']} × {r['sessions']}" for r in summary["retries"])))
+    if summary["partial"]:
+        out.print(plain(f"partial: {len(summary['open_trials'])} trial(s) still open, left "
+                        f"out of every figure"))
+        for t in summary["open_trials"]:
+            holder = "queued" if t["state"] == "queued" else f"held by {t['runner_id']}"
+            out.print(plain(f"  {t['task']} #{t['k_index']} ({t['trial_id']}): {holder}"))
     for state in ("environment_failed", "no_solution"):
         for task, why in summary[state].items():
             out.print(plain(f"{task}: {state}: {why}"))
+
+
+DIFF_FIELDS = ("mean", "passed", "pass_at_k", "total_tokens")
+
+
+def _diff_rows(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A job's figures with the pass@k at the largest k both jobs' figure has (`pass_k`)."""
+    return [dict(t, total_tokens=None if t["unknown_usage"] else t["total_tokens"],
+                 passk={p["k"]: p["pass_at_k"] for p in summary["passk"]
+                        if p["task"] == t["task"] and p["dataset"] == t["dataset"]})
+            for t in summary["tasks"]]
+
+
+def _with_common_k(rows: list[dict[str, Any]], a: Mapping[str, Any],
+                   b: Mapping[str, Any]) -> None:
+    from trialledger.core.summary import figure_key
+
+    left = {figure_key(r): r["passk"] for r in a["rows"]}
+    right = {figure_key(r): r["passk"] for r in b["rows"]}
+    for row in rows:
+        key = str(row["figure"])
+        common = sorted(set(left.get(key, {})) & set(right.get(key, {})))
+        k = common[-1] if common else None
+        va = left[key][k] if k is not None else None
+        vb = right[key][k] if k is not None else None
+        row["pass_at_k"] = {"k": k, "a": va, "b": vb,
+                            "diff": None if va is None or vb is None else vb - va}
+
+
+def cmd_job_diff(args: argparse.Namespace) -> int:
+    """Two jobs side by side, task by task and overall: mean, passed, pass@k, tokens."""
+    from trialledger.core.summary import compare
+
+    async def both(ledger: Ledger) -> tuple[dict[str, Any], dict[str, Any]]:
+        return await _job_summary(ledger, args.a), await _job_summary(ledger, args.b)
+
+    sa, sb = on_store(args.db, both, create=False)
+    a, b = {"rows": _diff_rows(sa)}, {"rows": _diff_rows(sb)}
+    rows: list[dict[str, Any]] = compare(a["rows"], b["rows"], ("mean", "passed",
+                                                                 "total_tokens"))
+    _with_common_k(rows, a, b)
+    result = {"a": args.a, "b": args.b, "partial": sa["partial"] or sb["partial"],
+              "figures": rows}
+    if args.json:
+        print(json.dumps(result, default=str))
+        return EXIT_OK
+
+    def cells(row: Mapping[str, Any], name: str) -> list[str]:
+        side = row[name]
+        return [_number(side["a"]), _number(side["b"]),
+                "" if side["diff"] is None else f"{side['diff']:+.3f}"
+                if isinstance(side["diff"], float) else f"{side['diff']:+d}"]
+
+    _table(["figure", "in", "mean A", "mean B", "Δ", "passed A", "passed B", "Δ", "k",
+            "pass@k A", "pass@k B", "Δ", "tokens A", "tokens B", "Δ"],
+           [[r["figure"], {"a": "A only", "b": "B only"}.get(str(r["only"]), "both"),
+             *cells(r, "mean"), *cells(r, "passed"), _number(r["pass_at_k"]["k"]),
+             *cells(r, "pass_at_k"), *cells(r, "total_tokens")] for r in rows])
+    if result["partial"]:
+        out.print(plain("partial: a job has open trials, left out of its figures"))
+    return EXIT_OK
 
 
 def cmd_job_show(args: argparse.Namespace) -> int:
@@ -1058,6 +1177,7 @@ EXAMPLES = {  # each subcommand's --help ends with these
                 "--exclude 'slow-*'"],
     "job show": ["trialledger job show nightly --json"],
     "job ls": ["trialledger job ls --db postgresql://trials@db.internal/trials"],
+    "job diff": ["trialledger job diff gpt-baseline gpt-new-prompt --json"],
     "worker": ["trialledger worker --db postgresql://trials@db.internal/trials --job nightly "
                "-n 4 --model-base-url http://127.0.0.1:8000/v1"],
     "cache": ["trialledger cache ls", "trialledger cache prune"],
@@ -1171,6 +1291,9 @@ def build_parser() -> argparse.ArgumentParser:
     jr.add_argument("-n", type=_positive, default=1, help="sessions at once (default 1)")
     jr.add_argument("--include", action="append", metavar="GLOB", help="task names to run")
     jr.add_argument("--exclude", action="append", metavar="GLOB", help="task names to skip")
+    jr.add_argument("--add", action="store_true",
+                    help="resuming: add the tasks named here that the job does not have yet "
+                         "(without it, other task names are refused)")
     _with_lease(jr)
     _with_run_options(jr, json_help="one JSON object per finished trial")
     jr.set_defaults(handler=cmd_job_run)
@@ -1179,6 +1302,12 @@ def build_parser() -> argparse.ArgumentParser:
     _with_db(js)
     js.add_argument("--json", action="store_true", help="tasks, trials and failures as JSON")
     js.set_defaults(handler=cmd_job_show)
+    jd = _command(job_commands, "job diff", help="two jobs side by side: per task and overall")
+    jd.add_argument("a", help="the job compared against")
+    jd.add_argument("b", help="the job compared (differences are B − A)")
+    _with_db(jd)
+    jd.add_argument("--json", action="store_true", help="the comparison as one JSON document")
+    jd.set_defaults(handler=cmd_job_diff)
     p = _command(commands, "worker", help="work queued trials of jobs (any machine; "
                                            "PostgreSQL for several)")
     p.add_argument("--job", help="only this job (default: every job with queued trials)")

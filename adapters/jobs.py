@@ -12,6 +12,7 @@ count toward `max_attempts` (a harness failure, not the agent's or the endpoint'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -21,18 +22,28 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
 from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
-from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
-from trialledger.adapters.scripted import NoSolution, solve_script
-from trialledger.adapters.task import Task, TaskInvalid, UnsupportedField
+from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner, find_codex
+from trialledger.adapters.scripted import SCRIPTED, NoSolution, solve_script
+from trialledger.adapters.task import (
+    NoVerifier,
+    Task,
+    TaskInvalid,
+    UnsupportedField,
+    require_verifier,
+)
+from trialledger.core.policy import get_policy
+from trialledger.core.seed import validate_seed
+from trialledger.core.summary import pass_at_k_for_task
 from trialledger.store import LeaseLost, Ledger, StoreUnavailable
 from trialledger.store.jobs import Claim, JobRefused, Jobs
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 LEASE_S = 60.0
 
 
@@ -42,15 +53,18 @@ class TaskSelection:
 
     tasks: list[Task]
     skipped: dict[str, str] = field(default_factory=dict)
+    datasets: dict[str, str] = field(default_factory=dict)  # task → its dataset folder's name
 
 
 def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
                exclude: Sequence[str] = ()) -> TaskSelection:
     """Task folders, or dataset folders whose subfolders are tasks; filtered by globs on the
     task name (a folder's base name); two tasks of one name are refused. A dataset's task
-    that asks for a field this runner refuses (`UnsupportedField`, docs/SPEC.md §15) is
-    skipped with the reason; a task folder named alone is refused."""
+    that asks for a field this runner refuses (`UnsupportedField`, docs/SPEC.md §15) or has
+    no `tests/test.sh` (`NoVerifier`) is skipped with the reason; a task folder named alone
+    is refused."""
     folders: list[tuple[Path, bool]] = []  # (folder, inside a dataset)
+    datasets: dict[str, str] = {}  # a dataset's task → the dataset's name (else `adhoc`)
     for path in paths:
         if (path / "instruction.md").is_file():
             folders.append((path, False))
@@ -60,6 +74,7 @@ def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
                 raise TaskInvalid(f"{path}: neither a task (no instruction.md) nor a dataset "
                                   f"(no subfolder with one)")
             folders.extend((folder, True) for folder in inside)
+            datasets.update({folder.resolve().name: path.resolve().name for folder in inside})
         else:
             raise TaskInvalid(f"{path}: no such task or dataset folder")
     chosen: dict[str, Task] = {}
@@ -74,8 +89,8 @@ def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
             raise TaskInvalid(f"two tasks are named {name} ({chosen[name].folder} and "
                               f"{folder.resolve()}); a job's task names must be unique")
         try:
-            chosen[name] = Task.load(folder)
-        except UnsupportedField as error:
+            chosen[name] = require_verifier(Task.load(folder))
+        except (UnsupportedField, NoVerifier) as error:
             if not in_dataset:
                 raise
             skipped[name] = str(error)
@@ -83,7 +98,8 @@ def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
         why = f"; skipped: {'; '.join(skipped.values())}" if skipped else ""
         raise TaskInvalid(f"no task left to run (check the paths and --include/--exclude)"
                           f"{why}")
-    return TaskSelection([chosen[name] for name in sorted(chosen)], skipped)
+    return TaskSelection([chosen[name] for name in sorted(chosen)], skipped,
+                         {name: datasets[name] for name in chosen if name in datasets})
 
 
 def grant_fingerprint(grant: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,6 +120,24 @@ def job_config(options: RunOptions, k: int, max_attempts: int) -> dict[str, Any]
             "k": k, "max_attempts": max_attempts}
 
 
+def check_inputs(tasks: Sequence[Task], options: RunOptions) -> None:
+    """What a session would refuse at its seed, asked before anything is written (a job
+    row, a session): each task's settings under the caller's (core's `Settings`), the
+    policy they name, the grants and, for Codex, its binary. `SeedRejected`,
+    `UnknownPolicy` or `CodexNotFound`, each one line saying what to change."""
+    if options.agent not in SCRIPTED:
+        find_codex(options.codex_bin)
+    for task in tasks:
+        settings = {"policy": "v3", **task.settings, **options.overrides}
+        if settings.get("workdir") is None:  # the image's, known once it is prepared
+            settings["workdir"] = "/app"
+        seed = validate_seed({
+            "trial_id": "-", "attempt": 1, "runner_id": options.runner_id, "task": task.name,
+            "instruction": task.instruction, "agent": {"name": options.agent, "version": "-"},
+            "model": options.model or None, "settings": settings, "grants": list(options.grants)})
+        get_policy(seed.data.settings.policy or "v3")
+
+
 @dataclass
 class TrialDone:
     """What a finished trial reports to the progress display."""
@@ -117,6 +151,13 @@ class TrialDone:
 
 
 @dataclass
+class _Lapse:
+    """Why a held trial's lease ended before its trial did (None: it did not)."""
+
+    why: str | None = None
+
+
+@dataclass
 class JobRunner:
     """Works one job's queue on this machine: `concurrency` trials at a time."""
 
@@ -125,6 +166,8 @@ class JobRunner:
     tasks: Sequence[Task]
     options: RunOptions
     k: int = 1
+    add: bool = False  # a resume may add tasks the job does not have yet (SPEC §13 --add)
+    datasets: Mapping[str, str] = field(default_factory=dict)  # task → dataset (else adhoc)
     concurrency: int = 1
     lease_s: float = LEASE_S
     cache: Cache = field(default_factory=Cache)
@@ -137,6 +180,7 @@ class JobRunner:
     failed: dict[str, str] = field(default_factory=dict)  # task → why its environment failed
     _stopping: anyio.Event = field(default_factory=anyio.Event)
     _preparing: bool = field(default=True, init=False)  # until every environment is tried
+    _own: bool = field(default=True, init=False)  # the job's own `job run`, not a worker
     _changed: anyio.Event = field(default_factory=anyio.Event, init=False)  # a task is ready
 
     def __post_init__(self) -> None:
@@ -158,10 +202,12 @@ class JobRunner:
         """Create or resume the job (`define`; a worker joins one as it is), prepare each
         task's environment once while working the queue of the tasks ready so far, until
         no trial is left queued or held; the `job_tasks` rows at the end."""
+        self._own = define  # the job's own run: only it marks tasks unrunnable (§12)
         if define:
             await self.jobs.define(self.name,
                                    job_config(self.options, self.k, self.max_attempts),
-                                   [(t.name, str(t.folder)) for t in self.tasks])
+                                   [(t.name, str(t.folder)) for t in self.tasks],
+                                   add=self.add, datasets=self.datasets)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.prepare_environments)
             for _ in range(max(1, self.concurrency)):
@@ -199,6 +245,10 @@ class JobRunner:
                     prepare, task.source, self.cache, owner=self.owner, engine=self.engine,
                     pull=self.pull, force_build=self.force_build))
             except EnvironmentUnavailable as error:
+                if not self._own:  # another machine may prepare it: its trials stay queued
+                    log.warning("task %s: its environment cannot be prepared on this worker "
+                                "(%s); its trials stay queued", task.name, error)
+                    return
                 self.failed[task.name] = str(error)
                 await self.jobs.environment_failed(self.name, task.name, str(error))
                 return
@@ -213,62 +263,108 @@ class JobRunner:
         while not self._stopping.is_set():
             changed, preparing = self._changed, self._preparing
             ready = sorted(self.environments)
-            claim = await self.jobs.claim(self.name, self.options.runner_id, self.lease_s,
-                                          tasks=ready)
+            claim = await self._riding_out(functools.partial(
+                self.jobs.claim, self.name, self.options.runner_id, self.lease_s, tasks=ready))
             if claim is not None:
                 await self._hold(claim)
-            elif preparing or await self.jobs.held(self.name, tasks=ready):
+            elif preparing or await self._riding_out(functools.partial(
+                    self.jobs.held, self.name, tasks=ready)) > 0:
                 with anyio.move_on_after(min(5.0, self.lease_s / 3)):
                     await changed.wait()
             else:
                 return
 
+    async def _riding_out(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, retried with backoff while the store is unavailable, for up to the
+        runner's `store_retry_s` (then `StoreUnavailable`: the job run stops, one line)."""
+        deadline, pause = anyio.current_time() + self.options.store_retry_s, 0.25
+        while True:
+            try:
+                return await call()
+            except StoreUnavailable:
+                if anyio.current_time() + pause > deadline:
+                    raise
+                await anyio.sleep(pause)
+                pause = min(pause * 2, 5.0)
+
     async def _hold(self, claim: Claim) -> None:
-        """Run a claimed trial while renewing its lease; a lease that cannot be renewed for
-        2/3 of its length stops the trial (another worker may take it over). A trial that
-        fails unexpectedly ends alone (`_failed`): never the job nor the trials beside it."""
+        """Run a claimed trial while renewing its lease. A lease not renewed in time, or
+        taken over, stops the trial's session (its sandbox killed) and leaves the trial to
+        its next holder: it is released if the store takes the release, else its lease
+        expires — never settled `done`. A trial that fails unexpectedly ends alone
+        (`_failed`): never the job nor the trials beside it."""
+        lapse = _Lapse()
         settled = False
+        done: TrialDone | None = None
         detail = None
         try:
+            trial = anyio.CancelScope()
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._renew, claim, tg.cancel_scope)
+                tg.start_soon(self._renew, claim, trial, lapse)
                 try:
-                    done = await self._trial(claim)
+                    with trial:
+                        done = await self._trial(claim)
                 except BaseException as error:
                     if _only(error, LeaseLost):
-                        log.warning("trial %s was taken over; leaving it", claim.trial_id)
-                        tg.cancel_scope.cancel()  # taken over: another holder's trial now
-                        return
-                    if not _unexpected(error):
+                        lapse.why = lapse.why or "taken over"
+                    elif lapse.why is not None and (_unexpected(error)
+                                                    or _only(error, StoreUnavailable)):
+                        log.warning("trial %s: stopped: %s", claim.trial_id, error)
+                    elif _unexpected(error):
+                        done, detail = await self._failed(claim, error)
+                    else:
                         raise
-                    done, detail = await self._failed(claim, error)
                 tg.cancel_scope.cancel()
+            if lapse.why is not None or done is None:
+                log.warning("trial %s (%s): its lease was %s; its session was stopped and "
+                            "the trial is left to its next holder", claim.trial_id,
+                            claim.task, lapse.why or "not kept")
+                return
             settled = await self.jobs.settle(claim, "done", detail=detail)
             if settled and self.on_trial is not None:
                 said = self.on_trial(done)
                 if said is not None:
                     await said
         finally:
-            if not settled:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                    await self.jobs.settle(claim, "queued")  # released for the next claim
+            if not settled and lapse.why != "taken over":
+                await self._release(claim)
 
-    async def _renew(self, claim: Claim, trial: anyio.CancelScope) -> None:
-        last_ok = anyio.current_time()
+    async def _release(self, claim: Claim) -> None:
+        """Give the trial back to the queue if it is still ours; a store that does not answer
+        within a third of the lease is left alone (the lease then expires)."""
+        with (anyio.CancelScope(shield=True), anyio.move_on_after(min(10.0, self.lease_s / 3)),
+              contextlib.suppress(StoreUnavailable)):
+            await self.jobs.settle(claim, "queued")
+
+    async def _renew(self, claim: Claim, trial: anyio.CancelScope, lapse: _Lapse) -> None:
+        """Renew the lease every lease/3, each renewal under the deadline 2·lease/3 after the
+        start of the last one that succeeded (the database's expiry counts from a later
+        moment). Past the deadline — the store down, or a call that hangs — or once the
+        trial was taken over, the trial is cancelled, which stops its sandbox."""
+        deadline = anyio.current_time() + 2 * self.lease_s / 3
         while True:
-            await anyio.sleep(self.lease_s / 3)
-            try:
-                if not await self.jobs.renew(claim, self.lease_s):
-                    log.warning("trial %s was taken over; stopping its session", claim.trial_id)
-                    trial.cancel()
-                    return
-                last_ok = anyio.current_time()
-            except Exception as error:  # the store blinked: keep trying until 2/3 lease
-                if anyio.current_time() - last_ok > 2 * self.lease_s / 3:
-                    log.warning("lease of trial %s not renewed (%s); stopping its session",
-                                claim.trial_id, error)
-                    trial.cancel()
-                    return
+            await anyio.sleep(max(0.0, min(self.lease_s / 3, deadline - anyio.current_time())))
+            started, error = anyio.current_time(), None
+            with anyio.move_on_after(max(0.0, deadline - started)):
+                try:
+                    if not await self.jobs.renew(claim, self.lease_s):
+                        lapse.why = "taken over"
+                        log.warning("trial %s was taken over; stopping its session",
+                                    claim.trial_id)
+                        trial.cancel()
+                        return
+                    deadline = started + 2 * self.lease_s / 3
+                    continue
+                except Exception as failed:  # the store blinked: again until the deadline
+                    error = failed
+            if anyio.current_time() >= deadline:
+                lapse.why = "not renewed in time"
+                log.warning("lease of trial %s not renewed for %.0f s (%s); stopping its "
+                            "session", claim.trial_id, 2 * self.lease_s / 3,
+                            error or "the store did not answer")
+                trial.cancel()
+                return
+            await anyio.sleep(min(1.0, self.lease_s / 10))
 
     async def _trial(self, claim: Claim) -> TrialDone:
         task = self.by_name[claim.task]
@@ -290,7 +386,8 @@ class JobRunner:
         try:
             sessions = await self.ledger.sessions(trial_id=claim.trial_id)
             await self.ledger.recover_sessions([s["session_id"] for s in sessions
-                                                if s["state"] != "closed"])
+                                                if s["state"] != "closed"],
+                                               fence=(claim.trial_id, claim.token))
             sessions = await self.ledger.sessions(trial_id=claim.trial_id)
         except Exception as again:  # e.g. an append the store refuses: the next run recovers
             log.error("trial %s: its sessions could not be closed (%s)", claim.trial_id, again)
@@ -336,7 +433,8 @@ async def worker_runner(ledger: Ledger, name: str, base: RunOptions, *,
         if not (Path(folder) / "instruction.md").is_file():
             raise TaskInvalid(f"job {name}: task {task}'s folder {folder} is not on this "
                               f"machine (run the worker where the task folders are)")
-        tasks.append(Task.load(Path(folder)))
+        # under the name the job recorded (a job created before names were folder names)
+        tasks.append(dataclasses.replace(Task.load(Path(folder)), name=task))
     return JobRunner(ledger, name, tasks, options, k=int(config["k"]), **kwargs)
 
 
@@ -357,15 +455,8 @@ def _only(error: BaseException, kind: type[BaseException]) -> bool:
 
 def pass_at_k(n: int, c: int, k: int) -> float | None:
     """The unbiased pass@k estimator 1 − C(n−c, k)/C(n, k) (None when n < k)."""
-    if n < k:
-        return None
-    if n - c < k:
-        return 1.0
-    fail = 1.0
-    for i in range(k):
-        fail *= (n - c - i) / (n - i)
-    return 1.0 - fail
+    return None if n < k else pass_at_k_for_task(n, c, k)
 
 
-__all__ = ["JobRefused", "JobRunner", "TaskSelection", "TrialDone", "job_config", "load_tasks",
-           "pass_at_k"]
+__all__ = ["JobRefused", "JobRunner", "TaskSelection", "TrialDone", "check_inputs", "job_config",
+           "load_tasks", "pass_at_k"]

@@ -247,6 +247,7 @@ class _Recorder:
 
 
 _swept = False
+_beating: dict[str, int] = {}  # runner id → this process's sessions running under it
 
 
 def _sweep_once() -> None:
@@ -360,7 +361,9 @@ class SessionRunner:
                                       f"running under runner {busy[0]['runner_id']}, which is "
                                       f"alive")
             if still_open:  # left by a runner that died holding this trial
-                await self.ledger.recover_sessions([s["session_id"] for s in still_open])
+                await self.ledger.recover_sessions(  # fenced: only while the lease is ours
+                    [s["session_id"] for s in still_open],
+                    fence=(trial_id, lease) if lease is not None else None)
                 sessions = await self.ledger.sessions(trial_id=trial_id)
             step = next_attempt(sessions, max(1, self.options.max_attempts))
             if step is None:
@@ -377,6 +380,7 @@ class SessionRunner:
         job trial's lease token, which fences every append (`LeaseLost` once taken over:
         the new holder recovers the session)."""
         beating = asyncio.ensure_future(self._heartbeat())
+        _beating[self.options.runner_id] = _beating.get(self.options.runner_id, 0) + 1
         try:
             return await self._run_session(
                 attempt=attempt, retry_of=retry_of, trial_id=trial_id,
@@ -385,6 +389,20 @@ class SessionRunner:
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beating
+            await self._last_beat()
+
+    async def _last_beat(self) -> None:
+        """When this process's last session under the runner's id ends, clear its
+        heartbeat: a runner that stops cleanly is not alive (`recover --runner ID` need not
+        wait for the heartbeat to age). Shielded and bounded: a cancelled run clears too."""
+        runner_id = self.options.runner_id
+        _beating[runner_id] -= 1
+        if _beating[runner_id] > 0:  # a job's other trials still run under it
+            return
+        del _beating[runner_id]
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5), \
+                contextlib.suppress(StoreUnavailable):
+            await self.ledger.clear_heartbeat(runner_id)
 
     async def _heartbeat(self) -> None:
         while True:

@@ -39,7 +39,9 @@ LAYOUT = ("instruction.md", "task.toml", "workspace", "tests", "tests/test.sh", 
 
 @dataclass(frozen=True)
 class Task:
-    """What `trialledger run` needs to know about a task."""
+    """What `trialledger run` needs to know about a task. Its `name` is its folder's base
+    name (docs/SPEC.md §13), the key of its trials; `[task] name` is only recorded
+    (`declared_name`): Harbor's `org/name` datasets share one across folders."""
 
     name: str
     folder: Path
@@ -58,6 +60,7 @@ class Task:
     network_modes: dict[str, str] = field(default_factory=dict)  # environment/agent/verifier
     storage_mb: float | None = None  # recorded, never enforced (§12)
     ignored_fields: dict[str, str] = field(default_factory=dict)  # name → why, sorted
+    declared_name: str | None = None  # task.toml's [task] name: shown, never a key
 
     @classmethod
     def load(cls, folder: Path) -> Task:
@@ -87,7 +90,8 @@ class Task:
         tests = folder / "tests"
         tables = _env_tables(meta, folder)
         return cls(
-            name=str(meta.get("task", {}).get("name", folder.name)),
+            name=folder.name,
+            declared_name=_declared_name(meta),
             folder=folder,
             instruction=instruction.read_text(encoding="utf-8"),
             workspace=folder / "workspace" if (folder / "workspace").is_dir() else None,
@@ -107,6 +111,25 @@ class Task:
                                         "reward_from_exit_code", folder, default=False,
                                         table_name="metadata.trialledger"),
         )
+
+
+class NoVerifier(TaskInvalid):
+    """A task without `tests/test.sh`: Harbor refuses it up front, and so do `run` and a
+    job (a dataset's is skipped with this reason)."""
+
+
+def require_verifier(task: Task) -> Task:
+    """`task`, or `NoVerifier` when it has no `tests/test.sh` to grade its sessions."""
+    if task.tests is None:
+        raise NoVerifier(f"{task.folder}: no tests/test.sh (the verifier): nothing could "
+                         f"grade its sessions")
+    return task
+
+
+def _declared_name(meta: dict[str, Any]) -> str | None:
+    table = meta.get("task")
+    name = table.get("name") if isinstance(table, dict) else None
+    return str(name) if name is not None else None
 
 
 def _fields(meta: dict[str, Any], folder: Path

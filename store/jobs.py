@@ -17,19 +17,32 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, text
+from sqlalchemy.ext.asyncio import AsyncConnection
 
+from trialledger.core.canonical import NS
 from trialledger.core.errors import TrialLedgerError
 from trialledger.store.ledger import _DB_NOW, Ledger, _guarded, gone_from_this_host
 from trialledger.store.log import in_slices
 from trialledger.store.writer import now
 
 T = TypeVar("T")
-NAMESPACE = uuid.UUID("6f0c35f4-5d52-4c1e-9a0b-7d1f6a0f7b11")  # trial ids of jobs
+# Trial ids are uuid5(NS, …) with SPEC §2's NS. A job created before that kept a private
+# namespace: its stored configuration names none (`_TRIAL_NS` absent), and it keeps it, so
+# a resume finds its trials under the ids they were queued with.
+LEGACY_NAMESPACE = uuid.UUID("6f0c35f4-5d52-4c1e-9a0b-7d1f6a0f7b11")
+_TRIAL_NS = "trial_namespace"  # the stored configuration's key; never compared on resume
 TRIAL_COLUMNS = ("job", "trial_id", "task", "k_index", "state", "attempts", "final_session_id",
                  "outcome", "reward", "scored", "input_tokens", "output_tokens",
-                 "total_tokens", "unknown_usage", "wall_s")
-TASK_COLUMNS = ("job", "task", "trials", "scored", "mean_reward", "pass_at_k", "retries",
-                "total_tokens", "unknown_usage", "wall_s")
+                 "total_tokens", "unknown_usage", "wall_s", "passed", "interrupted")
+TASK_COLUMNS = ("job", "dataset", "task", "trials", "open", "scored", "unscored", "passed",
+                "mean", "mean_scored", "retries", "interrupted", "total_tokens",
+                "unknown_usage", "wall_s", "mean_reward", "pass_at_k")
+ADHOC = "adhoc"  # Harbor's dataset of the tasks given as task folders
+
+
+# Task rows first (by dataset, task), then the overall rows: each dataset's, the job's last.
+_FIGURE_ORDER = ("ORDER BY CASE WHEN task IS NULL THEN 1 ELSE 0 END, "
+                 "CASE WHEN dataset IS NULL THEN 1 ELSE 0 END, dataset, task")
 
 
 class JobRefused(TrialLedgerError):
@@ -40,9 +53,15 @@ class NoJob(JobRefused):
     """No job of that name in the store."""
 
 
-def trial_id(job: str, task: str, k_index: int) -> str:
-    """`uuid5(NS, "<job>:<task>:<k>")`: the same trial on every machine and every resume."""
-    return str(uuid.uuid5(NAMESPACE, f"{job}:{task}:{k_index}"))
+def trial_id(job: str, task: str, k_index: int, namespace: uuid.UUID = NS) -> str:
+    """`uuid5(NS, "<job>:<task>:<k>")`: the same trial on every machine and every resume
+    (`namespace`: an old job's own, `LEGACY_NAMESPACE`)."""
+    return str(uuid.uuid5(namespace, f"{job}:{task}:{k_index}"))
+
+
+def _namespace(stored: Mapping[str, Any]) -> uuid.UUID:
+    """The namespace of a stored job's trial ids: the one it names, else the legacy one."""
+    return uuid.UUID(str(stored.get(_TRIAL_NS, LEGACY_NAMESPACE)))
 
 
 @dataclass(frozen=True)
@@ -87,29 +106,28 @@ class Jobs:
             return await auto.run_sync(work)
 
     async def define(self, name: str, config: Mapping[str, Any],
-                     tasks: Sequence[tuple[str, str]]) -> bool:
+                     tasks: Sequence[tuple[str, str]], *, add: bool = False,
+                     datasets: Mapping[str, str] | None = None) -> bool:
         """Create the job, or check a resumed one: the same configuration but for `k`, which
-        may grow (new trials are queued), never shrink. `tasks` are (name, folder) pairs; a
-        task's folder may move. Returns whether the job was new."""
+        may grow (new trials are queued), never shrink, and the same task names (`add`:
+        other names are added; the job's own must still all be named). `tasks` are (name,
+        folder) pairs; a task's folder may move; `datasets`: task name → its dataset's name
+        (absent: `adhoc`). A refusal writes nothing. Returns whether the job was new."""
         k, attempts = int(config["k"]), int(config["max_attempts"])
-        stored = json.dumps(dict(config), sort_keys=True, separators=(",", ":"))
         async with self._engines.writer.begin() as conn:
             row = (await conn.execute(text("SELECT config, k FROM jobs WHERE name = :n"),
                                       {"n": name})).first()
+            namespace = NS if row is None else _namespace(json.loads(row[0]))
+            stored = json.dumps({**config, _TRIAL_NS: str(namespace)}, sort_keys=True,
+                                separators=(",", ":"))
             if row is None:
                 await conn.execute(text(
                     "INSERT INTO jobs (name, config, k, max_attempts, created_at) "
                     "VALUES (:n, :c, :k, :m, :t)"),
                     {"n": name, "c": stored, "k": k, "m": attempts, "t": now()})
             else:
-                old = _with_defaults(json.loads(row[0]))
-                changed = [f for f in _differences(old, config) if f != "k"]
-                if changed:
-                    raise JobRefused(f"job {name} was created with another configuration: "
-                                     f"{', '.join(changed)} differ (start a new job)")
-                if k < int(row[1]):
-                    raise JobRefused(f"job {name} has k = {row[1]}; a smaller -k {k} would "
-                                     f"drop trials (a larger one adds them)")
+                self._check_resume(name, json.loads(row[0]), int(row[1]), config)
+                await self._check_task_names(conn, name, [task for task, _ in tasks], add)
                 if k > int(row[1]):
                     await conn.execute(text("UPDATE jobs SET k = :k, config = :c WHERE name = :n"),
                                        {"k": k, "c": stored, "n": name})
@@ -117,17 +135,47 @@ class Jobs:
                 text("SELECT trial_id FROM job_queue WHERE job = :n"), {"n": name})).all()}
             for task, folder in tasks:
                 for index in range(k):
-                    tid = trial_id(name, task, index)
+                    tid = trial_id(name, task, index, namespace)
                     if tid in known:
                         await conn.execute(text(
                             "UPDATE job_queue SET task_dir = :d WHERE trial_id = :t"),
                             {"d": folder, "t": tid})
                         continue
                     await conn.execute(text(
-                        "INSERT INTO job_queue (trial_id, job, task, k_index, task_dir, state) "
-                        "VALUES (:t, :j, :task, :i, :d, 'queued')"),
-                        {"t": tid, "j": name, "task": task, "i": index, "d": folder})
+                        "INSERT INTO job_queue (trial_id, job, task, k_index, task_dir, state, "
+                        "dataset) VALUES (:t, :j, :task, :i, :d, 'queued', :ds)"),
+                        {"t": tid, "j": name, "task": task, "i": index, "d": folder,
+                         "ds": (datasets or {}).get(task, ADHOC)})
         return row is None
+
+    @staticmethod
+    def _check_resume(name: str, stored: Mapping[str, Any], stored_k: int,
+                      config: Mapping[str, Any]) -> None:
+        """A resumed job's configuration must be its own; `k` may only grow."""
+        old = {key: value for key, value in _with_defaults(stored).items() if key != _TRIAL_NS}
+        changed = [f for f in _differences(old, config) if f != "k"]
+        if changed:
+            raise JobRefused(f"job {name} was created with another configuration: "
+                             f"{', '.join(changed)} differ (start a new job)")
+        if int(config["k"]) < stored_k:
+            raise JobRefused(f"job {name} has k = {stored_k}; a smaller -k {config['k']} would "
+                             f"drop trials (a larger one adds them)")
+
+    @staticmethod
+    async def _check_task_names(conn: AsyncConnection, name: str, given: Sequence[str],
+                                add: bool) -> None:
+        """A resume names the job's tasks, all of them; others only with `add` (SPEC §13)."""
+        own = {task for (task,) in (await conn.execute(
+            text("SELECT DISTINCT task FROM job_queue WHERE job = :n"), {"n": name})).all()}
+        other, missing = sorted(set(given) - own), sorted(own - set(given))
+        if other and not add:
+            raise JobRefused(f"job {name} has no task{'s' * (len(other) != 1)} "
+                             f"{', '.join(other)} (pass --add to add "
+                             f"{'them' if len(other) != 1 else 'it'}, or start a new job)")
+        if missing:
+            raise JobRefused(f"job {name} also has task{'s' * (len(missing) != 1)} "
+                             f"{', '.join(missing)}, not named here (name every task of the "
+                             f"job, as when it was created)")
 
     async def config(self, name: str) -> dict[str, Any]:
         async with self._engines.reader.begin() as conn:
@@ -214,11 +262,14 @@ class Jobs:
         await self._unrunnable(job, task, "no_solution", reason)
 
     async def _unrunnable(self, job: str, task: str, state: str, reason: str) -> None:
+        """Mark the task's unfinished trials `state`, but for one another holder runs under a
+        live lease (it may prepare what this machine cannot; it settles the trial itself)."""
         async with self._engines.writer.begin() as conn:
             await conn.execute(text(
                 "UPDATE job_queue SET state = :s, detail = :d, "
                 "lease_token = NULL, lease_expires = NULL "
-                "WHERE job = :j AND task = :t AND state <> 'done'"),
+                "WHERE job = :j AND task = :t AND state <> 'done' AND NOT (state = 'running' "
+                f"AND COALESCE(lease_expires, 0) >= {self._now})"),
                 {"s": state, "d": reason, "j": job, "t": task})
 
     async def requeue_environment(self, job: str, tasks: Sequence[str]) -> None:
@@ -266,7 +317,9 @@ class Jobs:
                 "SELECT COALESCE(o.cause_kind, o.rule), COUNT(*) FROM job_queue q "
                 "JOIN sessions s ON s.trial_id = q.trial_id "
                 "JOIN outcomes o ON o.session_id = s.session_id "
-                "WHERE q.job = :j AND o.action = 'retry' GROUP BY COALESCE(o.cause_kind, "
+                "WHERE q.job = :j AND o.action = 'retry' "
+                "AND COALESCE(s.close_reason, '') NOT IN ('cancelled', 'recovered') "
+                "GROUP BY COALESCE(o.cause_kind, "
                 "o.rule) ORDER BY 2 DESC"), {"j": job})).all()
         counts["retries"] = {str(cause): int(n) for cause, n in causes}
         return counts
@@ -277,8 +330,42 @@ class Jobs:
                                 "ORDER BY task, k_index", job)
 
     async def tasks(self, job: str) -> list[dict[str, Any]]:
-        """Rows of `job_tasks`, by task."""
-        return await self._rows("SELECT * FROM job_tasks WHERE job = :j ORDER BY task", job)
+        """Rows of `job_tasks`: each task's by dataset and name, then the overall rows (a
+        dataset's, then the job's total)."""
+        return await self._rows(f"SELECT * FROM job_tasks WHERE job = :j {_FIGURE_ORDER}", job)
+
+    async def passk(self, job: str) -> list[dict[str, Any]]:
+        """Rows of `job_passk` (a figure's pass@k for each k of Harbor's set)."""
+        return await self._rows(f"SELECT * FROM job_passk WHERE job = :j {_FIGURE_ORDER}, k",
+                                job)
+
+    async def reward_means(self, job: str) -> list[dict[str, Any]]:
+        """Rows of `job_reward_means` (a mean per reward name, for several names)."""
+        return await self._rows("SELECT * FROM job_reward_means WHERE job = :j "
+                                f"{_FIGURE_ORDER}, name", job)
+
+    async def retries(self, job: str) -> list[dict[str, Any]]:
+        """Rows of `job_retries`: retry decisions by task and cause."""
+        return await self._rows("SELECT * FROM job_retries WHERE job = :j "
+                                "ORDER BY task, cause_kind", job)
+
+    async def open_trials(self, job: str) -> list[dict[str, Any]]:
+        """Trials still queued or held, with the runner holding each and its lease's expiry
+        (seconds from now in the database's clock)."""
+        return await self._rows(
+            "SELECT task, k_index, trial_id, state, runner_id, "
+            f"lease_expires - {self._now} AS lease_left_s FROM job_queue "
+            "WHERE job = :j AND state IN ('queued', 'running') ORDER BY task, k_index", job)
+
+    async def summary(self, job: str) -> dict[str, Any]:
+        """Everything `job show` prints: the figures, trials, open trials and failures."""
+        tasks = await self.tasks(job)
+        return {"job": job, "partial": any(t["open"] for t in tasks), "tasks": tasks,
+                "passk": await self.passk(job), "reward_means": await self.reward_means(job),
+                "retries": await self.retries(job), "trials": await self.trials(job),
+                "open_trials": await self.open_trials(job),
+                "environment_failed": await self.failures(job),
+                "no_solution": await self.failures(job, "no_solution")}
 
     async def failures(self, job: str, state: str = "environment_failed") -> dict[str, str]:
         """Tasks whose environment failed (or in another unrunnable `state`, such as
@@ -314,6 +401,6 @@ class Jobs:
 
 for _name in ("define", "config", "claim", "renew", "settle", "environment_failed", "no_solution",
               "requeue_environment", "held", "task_folders", "pending", "progress", "trials",
-              "tasks",
+              "tasks", "passk", "reward_means", "retries", "open_trials", "summary",
               "failures", "names"):
     setattr(Jobs, _name, _guarded(getattr(Jobs, _name)))

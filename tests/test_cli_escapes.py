@@ -24,7 +24,7 @@ from trialledger.adapters.demo.endpoint import message, shell
 CLIPBOARD = "\x1b]52;c;cm0gLXJmIH4K\x07"  # OSC 52: "rm -rf ~" into the clipboard
 HOSTILE = (f"{CLIPBOARD}[red]x[/red]\x1b[2J\x1b[31m:smile:\x9b1A\u202eevil"
            "[link=https://evil.example]y[/link]\x1b]8;;https://evil.example\x1b\\z")
-NAME = f"task{HOSTILE}"
+NAME = f"task{HOSTILE}".replace("/", "|")  # a task's name is its folder's (SPEC §13)
 SAID = f"done {HOSTILE} \x1bP+q\x1b\\ \r"
 # the tool prints the same through the shell: real escapes in the captured output
 PRINTED = ("printf 'out \\033]52;c;cm0=\\007[red]x[/red]\\033[2J\\302\\2331A"
@@ -48,8 +48,7 @@ def strings(value: Any) -> Iterator[str]:
 def session(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """One real session, shared by the tests: its store and id."""
     folder = tmp_path_factory.mktemp("escapes")
-    task = make_task(folder / "task", test_sh="exit 0\n",
-                     toml=f"[task]\nname = {json.dumps(NAME)}\n")
+    task = make_task(folder / NAME, test_sh="exit 0\n")
     db = str(folder / "t.db")
     ran = anyio.run(functools.partial(
         run_task, db, task, [shell(PRINTED), message(SAID)]))
@@ -69,7 +68,8 @@ def test_human_output_shows_stored_text_and_obeys_none_of_it(
     monkeypatch.setattr(cli.out, "width", 2000)  # no cell folded: each text stays whole
     shown = human(command, "--db", db, *([session_id] if command == "show" else []))
     assert not [c for c in CONTROLS if c in shown], repr(shown)
-    assert "[red]x[/red]" in shown and "[link=https://evil.example]y[/link]" in shown
+    # (the task's name is a folder's: its '/' are '|')
+    assert "[red]x[|red]" in shown and "[link=https:||evil.example]y[|link]" in shown
     assert ":smile:" in shown and "😄" not in shown  # neither markup nor emoji rendered
     if command == "show":  # the header line names the task as a person reads it
         assert f"task {printable(NAME)}  attempt" in shown

@@ -23,6 +23,7 @@ import anyio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from sqlalchemy import text
 
 from tests.runs import codex_path, make_task
 from trialledger import cli
@@ -99,7 +100,8 @@ def test_a_job_decides_every_trial_once_and_its_summary_is_the_sql(
     for first in retried:  # each 429 retried as a new session naming it
         (second,) = [s for s in sessions if s["retry_of"] == first["session_id"]]
         assert (second["trial_id"], second["attempt"]) == (first["trial_id"], 2)
-    tasks = {t["task"]: t for t in rows(db, "SELECT * FROM job_tasks")}
+    tasks = {t["task"]: t for t in rows(db, "SELECT * FROM job_tasks WHERE task IS NOT NULL")}
+    assert {t["dataset"] for t in tasks.values()} == {"data"}  # the dataset folder's name
     for name, task in tasks.items():
         mine = [t for t in trials if t["task"] == name]
         by_hand = [t["reward"] for t in mine if t["scored"]]
@@ -120,7 +122,7 @@ def test_the_exit_code_says_whether_every_trial_was_scored(
                      *job_args(db, endpoint.url)]) == 0
     assert cli.main(["job", "show", "ok", "--db", str(db), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert sorted(t["task"] for t in shown["tasks"]) == ["clean-a", "clean-b", "clean-c"]
+    assert [t["task"] for t in shown["tasks"]] == ["clean-a", "clean-b", "clean-c", None]
     assert all(t["scored"] == 1 and t["reward"] == 1.0 for t in shown["trials"])
 
 
@@ -236,19 +238,26 @@ async def test_the_job_views_agree_on_both_databases(db: str) -> None:
                             {"rewards": {"reward": reward}, "detail": None})
                 log.add("session.closed", {"reason": "normal"})
                 await ledger.import_log(log.events)
+        async with ledger._engines.writer.begin() as conn:  # finished: no longer queued
+            await conn.execute(text("UPDATE job_queue SET state = 'done'"))
         by_task = {row["task"]: row for row in await jobs.tasks("j")}
         task = by_task["t"]
         trials = [t for t in await jobs.trials("j") if t["task"] == "t"]
+        passk = {(p["task"], p["k"]): p["pass_at_k"] for p in await jobs.passk("j")}
     assert [t["scored"] for t in trials] == [1, 1, 1]
     assert [t["reward"] for t in trials] == [1.0, 0.0, 0.0]
     assert task["mean_reward"] == pytest.approx(1 / 3)
-    assert task["pass_at_k"] == pytest.approx(1 - math.comb(2, 3) / math.comb(3, 3))  # k=3
-    assert task["pass_at_k"] == pytest.approx(pass_at_k(3, 1, 3))
+    # K = 3 is not in Harbor's k set {2, 4, 5, …}: the deprecated pass_at_k is null, and
+    # job_passk has pass@2 = 1 − C(2, 2)/C(3, 2).
+    assert task["pass_at_k"] is None
+    assert passk[("t", 2)] == pytest.approx(1 - math.comb(2, 2) / math.comb(3, 2))
+    assert passk[("t", 2)] == pytest.approx(pass_at_k(3, 1, 2))
     assert (task["trials"], task["scored"], task["retries"]) == (3, 3, 0)
     assert task["total_tokens"] is not None and task["wall_s"] > 0
-    assert by_task["zero"]["pass_at_k"] == 0.0 and by_task["zero"]["mean_reward"] == 0.0
-    short = by_task["short"]  # 2 of 3 scored: fewer than k, so no pass@k, and no fake 0
-    assert (short["scored"], short["pass_at_k"], short["mean_reward"]) == (2, None, 1.0)
+    assert passk[("zero", 2)] == 0.0 and by_task["zero"]["mean_reward"] == 0.0
+    short = by_task["short"]  # 2 of 3 scored; the unverified one counts 0 and fails
+    assert (short["scored"], short["unscored"], short["mean_reward"]) == (2, 1, 1.0)
+    assert short["mean"] == pytest.approx(2 / 3) and passk[("short", 2)] == 1.0
 
 
 def test_sigterm_cancels_running_trials_releases_them_and_resume_completes(

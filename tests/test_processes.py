@@ -100,12 +100,12 @@ async def test_an_agent_filling_the_process_table_leaves_other_runners_sandboxed
 async def test_a_task_pids_limit_holds_the_agent_in_either_isolation(tmp_path: Path) -> None:
     for isolation in ("bwrap", "process-group"):
         task = make_task(tmp_path / isolation, test_sh="exit 0\n",
-                         toml="[environment]\npids = 40\n")
+                         toml="[environment]\npids = 200\n")  # Codex's threads count too
         ran = await run_task(str(tmp_path / f"{isolation}.db"), task, [shell(
-            "sh -c 'n=0; while [ $n -lt 100 ]; do sleep 30 >/dev/null 2>&1 & n=$((n+1)); "
+            "sh -c 'n=0; while [ $n -lt 400 ]; do sleep 30 >/dev/null 2>&1 & n=$((n+1)); "
             "done; echo spawned $n' 2>&1 | tail -c 200"), message()], isolation=isolation)
         out = ran.view.observations.tool_calls[0].output
-        assert "Cannot fork" in out and "spawned 100" not in out, (isolation, out)
+        assert "Cannot fork" in out and "spawned 400" not in out, (isolation, out)
         assert launched(ran.view).limits["enforced"] is True, isolation
 
 

@@ -323,7 +323,7 @@ def test_run_cli_prints_each_session_and_outcome(tmp_path: Path, task: Any) -> N
             "--set", "request_max_retries=0", "--set", "stream_max_retries=0")
     assert done.returncode == 0, done.stderr
     lines = [line.split() for line in done.stdout.splitlines()]
-    assert [outcome for _, outcome in lines] == ["retry", "verify"]
+    assert [words[1:] for words in lines] == [["retry"], ["verify", "reward=1"]]
 
 
 def test_sandbox_refuses_slash_without_bwrap(tmp_path: Path) -> None:

@@ -1,0 +1,291 @@
+"""The job summary as Harbor computes it (docs/SPEC.md §13): the pure figures in
+`core.summary` against brute force, and the views `job_tasks`, `job_passk`,
+`job_reward_means`, `job_retries` and `job_trials` on SQLite and PostgreSQL over imported
+sessions, each held to `core.summary`; then `job show` and `job diff`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from sqlalchemy import text
+
+from tests.scenarios import CLEAN, HTTP_429, THREAD, TURN, LogBuilder, run
+from trialledger.core import summary
+from trialledger.store import Ledger
+from trialledger.store.jobs import TASK_COLUMNS, TRIAL_COLUMNS, Jobs, trial_id
+
+CONFIG = {"model": "m", "settings": {}, "grants": [], "max_attempts": 3}
+Verdict = dict[str, float] | None  # a scored trial's rewards, or None: unscored
+
+
+# -- the pure figures ---------------------------------------------------------------------
+
+@given(st.integers(1, 9).flatmap(lambda n: st.tuples(
+    st.just(n), st.integers(0, n), st.integers(1, n))))
+def test_pass_at_k_is_the_chance_that_k_of_n_trials_hold_a_pass(nck: tuple[int, int, int]
+                                                                 ) -> None:
+    n, c, k = nck
+    trials = [1] * c + [0] * (n - c)
+    draws = list(itertools.combinations(range(n), k))
+    brute = sum(any(trials[i] for i in draw) for draw in draws) / len(draws)
+    assert summary.pass_at_k_for_task(n, c, k) == pytest.approx(brute)
+
+
+@given(st.dictionaries(st.sampled_from("abcd"),
+                       st.lists(st.sampled_from([None, 0.0, 1.0]), min_size=1, max_size=9),
+                       min_size=1))
+def test_pass_at_k_over_tasks_is_the_mean_of_each_tasks_brute_force(
+        tasks: dict[str, list[float | None]]) -> None:
+    verdicts = {t: [None if r is None else {"reward": r} for r in rs] for t, rs in tasks.items()}
+    fewest = min(len(rs) for rs in tasks.values())
+    got = summary.pass_at_k(verdicts)
+    assert sorted(got) == summary.k_values(fewest)
+    for k, value in got.items():
+        per_task = []
+        for rs in tasks.values():
+            draws = list(itertools.combinations(rs, k))
+            per_task.append(sum(any(r == 1.0 for r in d) for d in draws) / len(draws))
+        assert value == pytest.approx(sum(per_task) / len(per_task))
+
+
+@pytest.mark.parametrize(("max_k", "ks"), [
+    (1, []), (2, [2]), (4, [2, 4]), (5, [2, 4, 5]), (8, [2, 4, 5, 8]),
+    (16, [2, 4, 5, 8, 10, 15, 16]), (20, [2, 4, 5, 8, 10, 15, 16, 20]),
+])
+def test_the_k_set_is_harbors(max_k: int, ks: list[int]) -> None:
+    assert summary.k_values(max_k) == ks
+
+
+@given(st.lists(st.one_of(st.none(), st.floats(0, 1).map(lambda v: {"reward": v}),
+                          st.just({})), min_size=1))
+def test_mean_counts_unscored_as_zero_and_mean_scored_leaves_them_out(
+        trials: list[dict[str, float] | None]) -> None:
+    values = [0.0 if t is None else t.get("reward", 0.0) for t in trials]
+    assert summary.means(trials)["mean"] == pytest.approx(sum(values) / len(values))
+    scored = [t.get("reward", 0.0) for t in trials if t is not None]
+    expected = sum(scored) / len(scored) if scored else None
+    assert summary.mean_scored(trials) == (pytest.approx(expected) if scored else None)
+
+
+@pytest.mark.parametrize(("trials", "mean", "passk"), [
+    ([{"reward": 1.0}, None], {"mean": 0.5}, {2: 1.0}),  # unscored counts 0, fails
+    ([{}, {"reward": 1.0}], {"mean": 0.5}, {}),  # {}: reward 0, and no pass@k
+    ([{"a": 1.0, "b": 0.5}, {"a": 0.0}], {"a": 0.5, "b": 0.25}, {}),  # several names
+    ([{"reward": 0.5}, {"reward": 1.0}], {"mean": 0.75}, {}),  # not binary
+    ([], {}, {}),
+])
+def test_each_rule_of_the_means_and_pass_at_k(trials: list[Verdict], mean: dict[str, float],
+                                              passk: dict[int, float]) -> None:
+    assert summary.means(trials) == pytest.approx(mean)
+    assert summary.pass_at_k({"t": trials}) == pytest.approx(passk)
+
+
+# -- the views ------------------------------------------------------------------------------
+
+async def _import(ledger: Ledger, job: str, task: str, index: int, verdict: Verdict, *,
+                  attempt: int = 1, retry_of: str | None = None) -> str:
+    """One session of a trial: scored with `verdict`'s rewards, or closed unverified."""
+    log = run(CLEAN, 0)
+    log.events[0]["data"].update(trial_id=trial_id(job, task, index), task=task,
+                                 attempt=attempt, retry_of=retry_of)
+    if verdict is not None:
+        log.add("verification.recorded", {"rewards": verdict, "detail": None})
+    log.add("session.closed", {"reason": "normal"})
+    return await ledger.import_log(log.events)
+
+
+async def _retry_then(ledger: Ledger, job: str, task: str, index: int, verdict: Verdict) -> None:
+    """A 429 decided `retry`, a cancelled attempt (uncounted), then the final session."""
+    log = run(HTTP_429, 1)
+    log.events[0]["data"].update(trial_id=trial_id(job, task, index), task=task)
+    log.add("session.closed", {"reason": "normal"})
+    first = await ledger.import_log(log.events)
+    cancelled = LogBuilder().launched().codex([THREAD, TURN])
+    cancelled.events[0]["data"].update(trial_id=trial_id(job, task, index), task=task,
+                                       attempt=2, retry_of=first)
+    cancelled.add("session.closed", {"reason": "cancelled"})
+    second = await ledger.import_log(cancelled.events)
+    await _import(ledger, job, task, index, verdict, attempt=3, retry_of=second)
+
+
+async def _job(ledger: Ledger, name: str, k: int,
+               tasks: dict[str, tuple[str, list[Verdict | str]]]) -> Jobs:
+    """A job whose trials are imported: task → (dataset, each trial's verdict; "open"
+    leaves the trial queued with no session)."""
+    jobs = Jobs(ledger)
+    await jobs.define(name, {**CONFIG, "k": k}, [(t, f"/tasks/{t}") for t in tasks],
+                      datasets={t: ds for t, (ds, _) in tasks.items()})
+    for task, (_, verdicts) in tasks.items():
+        for index, verdict in enumerate(verdicts):
+            if verdict == "open":
+                continue
+            assert not isinstance(verdict, str)
+            await _import(ledger, name, task, index, verdict)
+    async with ledger._engines.writer.begin() as conn:
+        for task, (_, verdicts) in tasks.items():
+            for index, verdict in enumerate(verdicts):
+                if verdict != "open":
+                    await conn.execute(text("UPDATE job_queue SET state = 'done' "
+                                            "WHERE trial_id = :t"),
+                                       {"t": trial_id(name, task, index)})
+    return jobs
+
+
+def _by_figure(rows: list[dict[str, Any]]) -> dict[tuple[str | None, str | None], Any]:
+    return {(r["dataset"], r["task"]): r for r in rows}
+
+
+R1, R0 = {"reward": 1.0}, {"reward": 0.0}
+MIXED: dict[str, tuple[str, list[Verdict | str]]] = {
+    "a": ("set-1", [R1, R0, None, R1]),  # one unscored: counts 0, fails
+    "b": ("set-1", [R0, R0, R0, R0]),
+    "c": ("set-2", [R1, {}, R1, "open"]),  # {} is a 0; one trial still open
+}
+
+
+@pytest.mark.anyio
+async def test_the_figures_are_harbors_on_both_databases(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        jobs = await _job(ledger, "mixed", 4, MIXED)
+        tasks = _by_figure(await jobs.tasks("mixed"))
+        passk = await jobs.passk("mixed")
+        trials = await jobs.trials("mixed")
+        got = await jobs.summary("mixed")
+    assert set(TASK_COLUMNS) == set(next(iter(tasks.values())))
+    assert set(TRIAL_COLUMNS) == set(trials[0])
+    finished = {t: [v for v in vs if v != "open"] for t, (_, vs) in MIXED.items()}
+    figures = {("set-1", "a"): ["a"], ("set-1", "b"): ["b"], ("set-2", "c"): ["c"],
+               ("set-1", None): ["a", "b"], ("set-2", None): ["c"],
+               (None, None): ["a", "b", "c"]}
+    assert set(tasks) == set(figures)
+    for key, covered in figures.items():
+        verdicts: list[Verdict] = [v for t in covered for v in finished[t]]  # type: ignore[misc]
+        row = tasks[key]
+        assert row["trials"] == sum(len(MIXED[t][1]) for t in covered)
+        assert row["open"] == (1 if "c" in covered else 0)
+        assert row["scored"] == sum(v is not None for v in verdicts)
+        assert row["unscored"] == sum(v is None for v in verdicts)
+        assert row["passed"] == sum(v is not None and v.get("reward", 0) >= 1 for v in verdicts)
+        assert row["mean"] == pytest.approx(summary.means(verdicts)["mean"])
+        assert row["mean_scored"] == pytest.approx(summary.mean_scored(verdicts))
+        assert row["mean_reward"] == row["mean_scored"]  # deprecated, kept
+        expected = summary.pass_at_k({t: finished[t] for t in covered})  # type: ignore[misc]
+        if "c" in covered:  # c's {} is no binary reward: no pass@k where c is covered
+            assert expected == {}
+        mine = {p["k"]: p["pass_at_k"] for p in passk
+                if (p["dataset"], p["task"]) == key}
+        assert mine == pytest.approx(expected), key
+        assert row["pass_at_k"] == (pytest.approx(expected[4]) if 4 in expected else None)
+        assert row["retries"] == 0 and row["interrupted"] == 0
+    assert tasks[("set-1", "a")]["pass_at_k"] == pytest.approx(1 - math.comb(2, 4) / 1)
+    assert got["partial"] is True
+    assert [(t["task"], t["state"]) for t in got["open_trials"]] == [("c", "queued")]
+    rewards = {(t["task"], t["k_index"]): t["reward"] for t in trials}
+    assert rewards[("c", 1)] == 0.0 and rewards[("a", 2)] is None
+    assert {(t["task"], t["k_index"]): t["passed"] for t in trials}[("a", 0)] == 1
+
+
+@pytest.mark.anyio
+async def test_several_reward_names_give_a_mean_per_name_and_no_pass_at_k(db: str) -> None:
+    verdicts: list[Verdict | str] = [{"a": 1.0, "b": 0.5}, {"a": 0.0}, None]
+    async with await Ledger.open(db) as ledger:
+        jobs = await _job(ledger, "names", 3, {"t": ("adhoc", verdicts)})
+        tasks = _by_figure(await jobs.tasks("names"))
+        means = await jobs.reward_means("names")
+        passk = await jobs.passk("names")
+        trials = await jobs.trials("names")
+    row = tasks[("adhoc", "t")]
+    assert (row["mean"], row["mean_scored"], row["passed"], row["pass_at_k"]) == (None,) * 4
+    assert (row["scored"], row["unscored"]) == (2, 1)
+    assert set(tasks) == {("adhoc", "t"), (None, None)}  # one dataset: only the job's total
+    expected = summary.means([{"a": 1.0, "b": 0.5}, {"a": 0.0}, None])
+    for key in (("adhoc", "t"), (None, None)):
+        found = {m["name"]: m["mean"] for m in means if (m["dataset"], m["task"]) == key}
+        assert found == pytest.approx(expected)
+    assert passk == []
+    assert [t["reward"] for t in trials] == [None, 0.0, None]
+    assert [t["passed"] for t in trials] == [None, 0, 0]
+
+
+@pytest.mark.anyio
+async def test_retries_are_counted_by_cause_and_cancels_apart(db: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        jobs = Jobs(ledger)
+        await jobs.define("r", {**CONFIG, "k": 1}, [("t", "/tasks/t")])
+        await _retry_then(ledger, "r", "t", 0, R1)
+        async with ledger._engines.writer.begin() as conn:
+            await conn.execute(text("UPDATE job_queue SET state = 'done'"))
+        row = _by_figure(await jobs.tasks("r"))[("adhoc", "t")]
+        retries = await jobs.retries("r")
+        trial = (await jobs.trials("r"))[0]
+    assert (row["retries"], row["interrupted"], row["scored"], row["mean"]) == (1, 1, 1, 1.0)
+    assert retries == [{"job": "r", "task": "t", "cause_kind": "model_endpoint", "sessions": 1}]
+    assert (trial["attempts"], trial["interrupted"]) == (3, 1)
+    # The cancelled session has no decision and no proxy record: its usage is unknown.
+    assert row["unknown_usage"] == 1 and row["total_tokens"] is not None
+
+
+# -- the command line -----------------------------------------------------------------------
+
+def _store(path: Path) -> str:
+    import anyio
+
+    db = str(path / "trials.db")
+
+    async def build() -> None:
+        async with await Ledger.open(db) as ledger:
+            await _job(ledger, "base", 2, {"x": ("d", [R1, R0]), "y": ("d", [R0, R0]),
+                                           "gone": ("d", [R1, R1])})
+            await _job(ledger, "new", 2, {"x": ("d", [R1, R1]), "y": ("d", [R1, None]),
+                                          "added": ("d", [R0, "open"])})
+    anyio.run(build)
+    return db
+
+
+def test_job_diff_puts_two_jobs_side_by_side(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from trialledger import cli
+
+    db = _store(tmp_path)
+    assert cli.main(["job", "diff", "base", "new", "--db", db, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    figures = {f["figure"]: f for f in result["figures"]}
+    assert set(figures) == {"x", "y", "gone", "added", "(all)"}
+    assert figures["gone"]["only"] == "a" and figures["added"]["only"] == "b"
+    assert figures["x"]["mean"] == {"a": 0.5, "b": 1.0, "diff": 0.5}
+    assert figures["y"]["passed"] == {"a": 0, "b": 1, "diff": 1}
+    assert figures["x"]["pass_at_k"] == {"k": 2, "a": 1.0, "b": 1.0, "diff": 0.0}
+    assert figures["x"]["total_tokens"]["diff"] == 0
+    assert result["partial"] is True
+    assert cli.main(["job", "diff", "base", "new", "--db", db]) == 0
+    out = capsys.readouterr().out
+    assert "A only" in out and "B only" in out and "+0.500" in out and "partial" in out
+
+
+def test_job_show_says_partial_and_who_holds_what_and_never_tokens_0_when_unknown(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from trialledger import cli
+
+    db = _store(tmp_path)
+    assert cli.main(["job", "show", "new", "--db", db]) == 0
+    out = capsys.readouterr().out
+    assert "partial: 1 trial(s) still open" in out and "added #1" in out and "queued" in out
+    assert "(all)" in out
+    assert cli.main(["job", "show", "new", "--db", db, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["partial"] is True and shown["open_trials"][0]["task"] == "added"
+
+
+def test_tokens_are_never_shown_as_0_when_unknown() -> None:
+    from trialledger.cli import _tokens
+
+    assert _tokens({"total_tokens": None, "unknown_usage": 2}) == "unknown (2)"
+    assert _tokens({"total_tokens": 40, "unknown_usage": 1}) == "40 + 1 unknown"
+    assert _tokens({"total_tokens": 40, "unknown_usage": 0}) == "40"

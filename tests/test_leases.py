@@ -1,0 +1,210 @@
+"""Leases that end (docs/SPEC.md §13): a holder whose renewal misses its deadline — the
+store down, or a renewal that hangs on a stalled connection — stops its trial's sandbox and
+leaves the trial to its next holder, never settling it `done`; a worker that cannot prepare
+an environment leaves the trials queued; a new holder's recovery is fenced by its lease."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tests.pg import PASSWORD, SUPERUSER, PostgresServer
+from tests.runs import make_task
+from tests.test_jobs import _pg_rows
+
+LEASE_S = 3.0
+SLEEP = "12.123"  # the oracle's sleep: long enough to outlive every check, unique to find
+
+
+def _marker_alive() -> bool:
+    """Whether the oracle's `sleep SLEEP` runs anywhere on this host (inside a sandbox)."""
+    wanted = f"sleep\0{SLEEP}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (entry / "cmdline").read_bytes().startswith(wanted):
+                    return True
+    return False
+
+
+def _wait(condition: Callable[[], bool], within_s: float, what: str) -> float:
+    """Poll `condition` until it holds (the seconds it took), else fail naming `what`."""
+    start = time.monotonic()
+    while time.monotonic() - start < within_s:
+        if condition():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    pytest.fail(f"{what} within {within_s} s")
+
+
+@pytest.fixture
+def sleeper(tmp_path: Path) -> Path:
+    make_task(tmp_path / "sleeper", instruction="wait", test_sh="exit 0\n",
+              solve_sh=f"#!/bin/sh\nsleep {SLEEP}\n")
+    return tmp_path / "sleeper"
+
+
+@contextlib.contextmanager
+def _job_run(db: str, task: Path, name: str = "leases") -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trialledger.cli", "job", "run", name, str(task), "--db", db,
+         "--agent", "oracle", "--lease-s", str(LEASE_S), "--runner-id", "holder"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _ran_to_its_decision(db: str, task: Path, first: subprocess.Popen[str]) -> None:
+    """The first run ends without a traceback; the trial is then decided (by that run, or
+    by a resumed one) with one uncounted, undecided attempt before the decided one."""
+    _, err = first.communicate(timeout=120)
+    assert "Traceback" not in err and "UnboundLocalError" not in err, err
+    if _pg_rows(db, "SELECT state FROM job_queue") != [("done",)]:
+        with _job_run(db, task) as resumed:
+            _, err = resumed.communicate(timeout=120)
+            assert resumed.returncode == 0 and "Traceback" not in err, err
+    assert _pg_rows(db, "SELECT state FROM job_queue") == [("done",)]
+    sessions = _pg_rows(db, "SELECT attempt, close_reason, outcome FROM sessions "
+                            "ORDER BY created_at")
+    assert sessions[0][1] in ("cancelled", "recovered") and sessions[0][2] != "verify"
+    assert sessions[-1][2] == "verify" and len(sessions) >= 2, sessions
+
+
+def test_a_store_outage_past_two_thirds_of_a_lease_stops_the_trial_never_settles_it(
+        sleeper: Path, postgres: PostgresServer) -> None:
+    """The database stops while the agent runs: within 2·lease/3 (plus the stop) the
+    sandbox is killed; the trial is not settled `done`; nothing crashes; it is decided
+    once the store is back."""
+    db = postgres.create_database()
+    data = str(postgres.folder / "data")
+    with _job_run(db, sleeper) as proc:
+        _wait(_marker_alive, 60, "the oracle did not start")
+        postgres._run("pg_ctl", "-D", data, "-m", "immediate", "-w", "stop")
+        try:
+            took = _wait(lambda: not _marker_alive(), 2 * LEASE_S / 3 + 2.5,
+                         "the sandbox was not stopped while the store was away")
+            assert took < float(SLEEP) - 2  # stopped, not ended by itself
+            time.sleep(LEASE_S)  # the outage outlasts the lease
+        finally:
+            options = f"-p {postgres.port} -k {postgres.folder} -c listen_addresses=127.0.0.1"
+            postgres._run("pg_ctl", "-D", data, "-o", options,
+                          "-l", str(postgres.folder / "server.log"), "-w", "start")
+        _ran_to_its_decision(db, sleeper, proc)
+
+
+def _backends(postgres: PostgresServer, db: str) -> list[int]:
+    """The server processes serving `db` now (the job run's connections)."""
+    done = subprocess.run(
+        ["psql", "-h", "127.0.0.1", "-p", str(postgres.port), "-U", SUPERUSER, "-d",
+         "postgres", "-Atc", f"SELECT pid FROM pg_stat_activity WHERE datname = "
+                             f"'{db.rsplit('/', 1)[1]}' AND pid <> pg_backend_pid()"],
+        env={**os.environ, "PGPASSWORD": PASSWORD}, capture_output=True, text=True, check=True)
+    return [int(pid) for pid in done.stdout.split()]
+
+
+def test_a_renewal_that_hangs_is_timed_out(sleeper: Path, postgres: PostgresServer) -> None:
+    """Every backend of the job's connections is paused (SIGSTOP): the renewal hangs on
+    its connection, yet the sandbox is killed within 2·lease/3; resumed, the backends
+    answer again and the trial is decided."""
+    db = postgres.create_database()
+    with _job_run(db, sleeper) as proc:
+        _wait(_marker_alive, 60, "the oracle did not start")
+        paused = _backends(postgres, db)
+        assert paused
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            took = _wait(lambda: not _marker_alive(), 2 * LEASE_S / 3 + 2.5,
+                         "the sandbox was not stopped while the renewal hung")
+            assert took < float(SLEEP) - 2
+        finally:
+            for pid in paused:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        _ran_to_its_decision(db, sleeper, proc)
+
+
+@pytest.mark.anyio
+async def test_a_worker_that_cannot_prepare_a_task_leaves_its_trials_queued(
+        tmp_path: Path, db: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Only the job's own run marks a task `environment_failed`, and never a trial another
+    holder runs under a live lease."""
+    from trialledger.adapters.jobs import JobRunner, job_config
+    from trialledger.adapters.runner import RunOptions
+    from trialledger.store import Ledger
+    from trialledger.store.jobs import Jobs
+
+    task = make_task(tmp_path / "broken", instruction="x", test_sh="exit 0\n",
+                     solve_sh="#!/bin/sh\nexit 0\n",
+                     toml='[environment]\nimage_archive = "missing.tar"\n')
+    options = RunOptions(agent="oracle")
+    async with await Ledger.open(db) as ledger:
+        jobs = Jobs(ledger)
+        await jobs.define("env", job_config(options, 2, 1), [(task.name, str(task.folder))])
+        held = await jobs.claim("env", "another-worker", 60)
+        assert held is not None
+
+        async def states() -> dict[str, str]:
+            return {t["trial_id"]: t["state"] for t in await jobs.trials("env")}
+
+        with caplog.at_level(logging.WARNING):
+            await JobRunner(ledger, "env", [task], options, k=2).run(define=False)
+        assert "stay queued" in caplog.text
+        after_worker = await states()
+        assert after_worker.pop(held.trial_id) == "running"
+        assert list(after_worker.values()) == ["queued"]
+        await JobRunner(ledger, "env", [task], options, k=2).run()
+        after_own = await states()
+        assert after_own.pop(held.trial_id) == "running"  # its holder settles it
+        assert list(after_own.values()) == ["environment_failed"]
+        assert await jobs.settle(held, "done")
+
+
+@pytest.mark.anyio
+async def test_a_new_holders_recovery_is_fenced_by_its_lease(db: str) -> None:
+    """A holder whose lease was taken over in turn cannot close the old session: its
+    `recovered` appends are refused in their own transaction; the live holder's go through."""
+    from tests.scenarios import CLEAN, run
+    from trialledger.core import validate_seed
+    from trialledger.store import LeaseLost, Ledger
+    from trialledger.store.jobs import Jobs
+
+    async with await Ledger.open(db) as ledger:
+        jobs = Jobs(ledger)
+        config = {"model": "m", "settings": {}, "grants": [], "k": 1, "max_attempts": 1}
+        await jobs.define("f", config, [("t", "/tasks/t")])
+        first = await jobs.claim("f", "first", 0.2)
+        assert first is not None
+        log = run(CLEAN, 0)
+        log.events[0]["data"].update(trial_id=first.trial_id, task="t")
+        seeded = await ledger.start(validate_seed(log.events[0]["data"]),
+                                    fence=(first.trial_id, first.token))
+        await anyio.sleep(0.5)
+        second = await jobs.claim("f", "second", 0.2)  # would recover, but stalls
+        assert second is not None
+        await anyio.sleep(0.5)
+        third = await jobs.claim("f", "third", 60)
+        assert third is not None and third.trial_id == first.trial_id
+        with pytest.raises(LeaseLost):
+            await ledger.recover_sessions([seeded.session_id],
+                                          fence=(second.trial_id, second.token))
+        assert len(await ledger.events(seeded.session_id)) == 1
+        closed = await ledger.recover_sessions([seeded.session_id],
+                                               fence=(third.trial_id, third.token))
+        assert closed == [seeded.session_id]
+        assert (await ledger.view(seeded.session_id)).state == "closed"
+
