@@ -228,7 +228,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     recovered = on_store(args.db, lambda ledger: ledger.recover(
         args.runner, all_runners=args.all, force=args.force))
-    from trialledger.adapters.sandbox.local import sweep_stale_sessions
+    from trialledger.adapters.sandbox.folders import sweep_stale_sessions
 
     swept = sweep_stale_sessions()  # this machine's folders of dead runners (grant tokens)
     for sid in recovered:

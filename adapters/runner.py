@@ -37,8 +37,9 @@ from trialledger.adapters.environment import HOST, Environment, resolve_inside
 from trialledger.adapters.proxy import MODEL_ROUTES, Upstream
 from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
 from trialledger.adapters.sandbox.bwrap import VERIFIER_STDOUT
+from trialledger.adapters.sandbox.folders import sweep_stale_sessions
 from trialledger.adapters.sandbox.identity import cache_dir
-from trialledger.adapters.sandbox.local import LocalSandbox, sweep_stale_sessions
+from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.task import Task

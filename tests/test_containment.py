@@ -303,7 +303,7 @@ def test_a_crashed_runners_session_folder_is_swept_and_a_live_one_kept(tmp_path:
     import subprocess
     import sys
 
-    from trialledger.adapters.sandbox.local import sweep_stale_sessions
+    from trialledger.adapters.sandbox.folders import sweep_stale_sessions
 
     live = LocalSandbox(session_key="live-one", workdir="/app")
     crash = (f"import tempfile, os, signal; tempfile.tempdir = {str(tmp_path)!r}\n"

@@ -20,7 +20,7 @@ from tests.scenarios import CLEAN, run
 from trialledger.adapters import runner
 from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, hang, message, stall
 from trialledger.adapters.proxy import MODEL_ROUTES, SessionProxy, Upstream
-from trialledger.adapters.sandbox.local import LOCK, sweep_stale_sessions
+from trialledger.adapters.sandbox.folders import LOCK, sweep_stale_sessions
 from trialledger.core import policy_v3
 from trialledger.store import Ledger
 
@@ -116,7 +116,8 @@ def _crash(tmpdir: Path, then: str) -> Path:
     """A runner process that makes a session folder in `tmpdir`, writes a grant token in
     it, then dies by SIGKILL as `then` says; the folder it left."""
     script = (f"import os, signal, tempfile; tempfile.tempdir = {str(tmpdir)!r}\n"
-              "from trialledger.adapters.sandbox.local import LOCK, LocalSandbox\n"
+              "from trialledger.adapters.sandbox.folders import LOCK\n"
+              "from trialledger.adapters.sandbox.local import LocalSandbox\n"
               "s = LocalSandbox(session_key='crashing', workdir='/app')\n"
               "(s.session_dir / 'config.toml').write_text('grant-token-Zq7')\n"
               "die = lambda: os.kill(os.getpid(), signal.SIGKILL)\n" + then)

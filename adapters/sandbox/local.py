@@ -30,16 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import logging
 import os
-import secrets
 import shutil
 import signal
 import stat
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
@@ -52,7 +49,6 @@ from trialledger.adapters.environment import (
     HOST,
     Environment,
     copy_tree,
-    default_cache_dir,
     resolve_inside,
 )
 from trialledger.adapters.sandbox.agentfiles import AgentTree
@@ -76,6 +72,11 @@ from trialledger.adapters.sandbox.bwrap import (
     mounts,
 )
 from trialledger.adapters.sandbox.cgroup import CONTROLLERS, SessionCgroup, hold
+from trialledger.adapters.sandbox.folders import (
+    forget_session_folder,
+    make_session_folder,
+    remove_lock_last,
+)
 from trialledger.adapters.sandbox.identity import (
     PROCESS_LIMIT,
     SandboxUser,
@@ -88,11 +89,8 @@ from trialledger.adapters.sandbox.process import LocalRun
 
 log = logging.getLogger(__name__)
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
-FOLDER_PREFIX = "trialledger-"
-LOCK = ".session-lock"
 # A recorded session folder without its lock this old is no session being made right now
 # (its lock follows its creation within microseconds): a removal or a creation cut short.
-STALE_S = 10.0
 ISOLATIONS = ("bwrap", "process-group")
 RECHECK_AFTER_S = 0.2
 _overlays_made: set[tuple[int, int]] = set()  # (lower's device, upper's): overlays work
@@ -718,139 +716,6 @@ class LocalSandbox:
             with contextlib.suppress(OSError):
                 os.close(self._lock)
         forget_session_folder(self.root)
-
-
-def folder_registry() -> Path:
-    """Where a runner records each session folder it makes, wherever TMPDIR points: a file
-    per folder named as it and holding its path, written before the folder exists and
-    removed once it is gone — so the sweep (a runner's start, `recover`) finds every one."""
-    return default_cache_dir() / "session-folders"
-
-
-def make_session_folder(session_key: str) -> tuple[Path, int]:
-    """A new session folder (0700, in TMPDIR), recorded first and holding its lock before
-    anything else is in it: (the folder, the lock's descriptor, held)."""
-    registry = folder_registry()
-    registry.mkdir(mode=0o700, parents=True, exist_ok=True)
-    parent = Path(tempfile.gettempdir())
-    while True:
-        root = parent / f"{FOLDER_PREFIX}{session_key[:8]}-{secrets.token_hex(4)}"
-        try:
-            entry = os.open(registry / root.name,
-                            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            continue
-        try:
-            os.write(entry, os.fsencode(root))
-        finally:
-            os.close(entry)
-        try:
-            root.mkdir(mode=0o700)
-        except FileExistsError:
-            (registry / root.name).unlink(missing_ok=True)
-            continue
-        break
-    try:
-        lock = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-    except BaseException:
-        remove_lock_last(root)
-        forget_session_folder(root)
-        raise
-    return root, lock
-
-
-def remove_lock_last(root: Path) -> None:
-    """Remove a session folder, its lock file last and only once all else is gone: a
-    removal cut short leaves the lock (free once its runner is gone) or an empty folder."""
-    with contextlib.suppress(OSError), os.scandir(root) as entries:
-        for entry in entries:
-            if entry.name == LOCK:
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-    with contextlib.suppress(OSError):
-        if {name for name in os.listdir(root)} <= {LOCK}:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(root / LOCK)
-            root.rmdir()
-
-
-def forget_session_folder(root: Path) -> None:
-    """Drop a folder's registry entry (once the folder is gone)."""
-    with contextlib.suppress(OSError):
-        if not root.exists() and not root.is_symlink():
-            (folder_registry() / root.name).unlink(missing_ok=True)
-
-
-def _sweep_folder(folder: Path, *, recorded: bool) -> bool:
-    """Remove a session folder no session holds; whether it was removed. A folder without
-    its lock counts only when recorded (so ours) and at least `STALE_S` old."""
-    try:
-        if folder.is_symlink() or not folder.is_dir():
-            return False
-        lock = os.open(folder / LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        try:
-            if not recorded or time.time() - folder.lstat().st_mtime < STALE_S:
-                return False
-        except OSError:
-            return False
-        remove_lock_last(folder)  # (no lock to keep: the folder goes whole)
-        return True
-    except OSError:
-        return False
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(lock)
-        return False  # a live session
-    try:
-        remove_lock_last(folder)  # holding the lock: no other sweep takes it meanwhile
-    finally:
-        os.close(lock)
-    return True
-
-
-def _recorded_folders(within: Path | None) -> list[tuple[Path, Path]]:
-    """The registry's (entry, folder) pairs, of folders in `within` if given."""
-    registry = folder_registry()
-    found = []
-    with contextlib.suppress(OSError):
-        for entry in registry.iterdir():
-            try:
-                folder = Path(os.fsdecode(entry.read_bytes()))
-            except OSError:
-                continue
-            if (folder.is_absolute() and folder.name == entry.name
-                    and folder.name.startswith(FOLDER_PREFIX)
-                    and (within is None or folder.parent == within)):
-                found.append((entry, folder))
-    return found
-
-
-def sweep_stale_sessions(parent: Path | None = None) -> int:
-    """Remove session folders whose runner is gone; how many. Those the registry records
-    (wherever TMPDIR pointed; with `parent`, only those in it) and, made before the
-    registry, those in `parent` (default: TMPDIR) with a free lock."""
-    removed = 0
-    for entry, folder in _recorded_folders(parent):
-        if folder.exists() or folder.is_symlink():
-            if not _sweep_folder(folder, recorded=True):
-                continue
-            removed += 1
-        else:
-            with contextlib.suppress(OSError):
-                if time.time() - entry.stat().st_mtime < STALE_S:
-                    continue  # a folder about to be made
-        if not folder.exists():
-            entry.unlink(missing_ok=True)
-    for folder in Path(parent or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
-        removed += _sweep_folder(folder, recorded=False)
-    return removed
 
 
 def _minimal_env() -> dict[str, str]:
