@@ -285,3 +285,22 @@ def write_examples(folder: Path) -> None:
 
 if __name__ == "__main__":
     write_examples(Path(sys.argv[1] if len(sys.argv) > 1 else "examples"))
+
+
+async def claimed_session(ledger: Any, holder: str, lease_s: float = 0.2
+                          ) -> tuple[Any, Any, Any, LogBuilder]:
+    """A one-trial job `f` whose trial `holder` claimed, and the seed of a clean session
+    started under that claim's lease (fenced): (jobs, claim, seeded, the session's log)."""
+    from trialledger.core import validate_seed
+    from trialledger.store.jobs import Jobs
+
+    jobs = Jobs(ledger)
+    config = {"model": "m", "settings": {}, "grants": [], "k": 1, "max_attempts": 1}
+    await jobs.define("f", config, [("t", "/tasks/t")])
+    claim = await jobs.claim("f", holder, lease_s)
+    assert claim is not None
+    log = run(CLEAN, 0)
+    log.events[0]["data"].update(trial_id=claim.trial_id, task="t")
+    seeded = await ledger.start(validate_seed(log.events[0]["data"]),
+                                fence=(claim.trial_id, claim.token))
+    return jobs, claim, seeded, log

@@ -404,21 +404,12 @@ def test_a_task_whose_environment_fails_is_counted_never_run(
 async def test_appends_are_fenced_by_the_trials_lease(db: str) -> None:
     """Once a trial is taken over, its old holder's appends are refused, in the append's own
     transaction, and nothing of theirs is stored; the new holder's go through."""
-    from tests.scenarios import CLEAN, run
+    from tests.scenarios import claimed_session
     from trialledger.core import validate_seed
     from trialledger.store import LeaseLost, Ledger
-    from trialledger.store.jobs import Jobs
 
     async with await Ledger.open(db) as ledger:
-        jobs = Jobs(ledger)
-        config = {"model": "m", "settings": {}, "grants": [], "k": 1, "max_attempts": 1}
-        await jobs.define("f", config, [("t", "/tasks/t")])
-        old = await jobs.claim("f", "old-holder", 0.2)
-        assert old is not None
-        log = run(CLEAN, 0)
-        log.events[0]["data"].update(trial_id=old.trial_id, task="t")
-        seeded = await ledger.start(validate_seed(log.events[0]["data"]),
-                                    fence=(old.trial_id, old.token))
+        jobs, old, seeded, log = await claimed_session(ledger, "old-holder")
         await ledger.append(seeded.session_id, log.events[1:3],
                             fence=(old.trial_id, old.token))
         await anyio.sleep(0.5)  # the old holder's lease expires

@@ -178,21 +178,11 @@ async def test_a_worker_that_cannot_prepare_a_task_leaves_its_trials_queued(
 async def test_a_new_holders_recovery_is_fenced_by_its_lease(db: str) -> None:
     """A holder whose lease was taken over in turn cannot close the old session: its
     `recovered` appends are refused in their own transaction; the live holder's go through."""
-    from tests.scenarios import CLEAN, run
-    from trialledger.core import validate_seed
+    from tests.scenarios import claimed_session
     from trialledger.store import LeaseLost, Ledger
-    from trialledger.store.jobs import Jobs
 
     async with await Ledger.open(db) as ledger:
-        jobs = Jobs(ledger)
-        config = {"model": "m", "settings": {}, "grants": [], "k": 1, "max_attempts": 1}
-        await jobs.define("f", config, [("t", "/tasks/t")])
-        first = await jobs.claim("f", "first", 0.2)
-        assert first is not None
-        log = run(CLEAN, 0)
-        log.events[0]["data"].update(trial_id=first.trial_id, task="t")
-        seeded = await ledger.start(validate_seed(log.events[0]["data"]),
-                                    fence=(first.trial_id, first.token))
+        jobs, first, seeded, _ = await claimed_session(ledger, "first")
         await anyio.sleep(0.5)
         second = await jobs.claim("f", "second", 0.2)  # would recover, but stalls
         assert second is not None

@@ -30,16 +30,22 @@ pytestmark = pytest.mark.anyio
 BODY = b'{"model": "m", "input": "hi", "stream": true}'
 
 
-def post(url: str, token: str | None) -> tuple[int, bytes]:
+def send(url: str, method: str, body: bytes | None = None, token: str | None = "t"
+         ) -> tuple[int, bytes]:
+    """One request (with the bearer `token`, none when None): its status and body."""
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, data=BODY, headers=headers, method="POST")
+    request = urllib.request.Request(url, data=body, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.status, answer.read()
     except urllib.error.HTTPError as error:
         return error.code, error.read()
+
+
+def post(url: str, token: str | None) -> tuple[int, bytes]:
+    return send(url, "POST", BODY, token)
 
 
 async def test_the_proxy_requires_the_token_and_adds_the_real_key() -> None:
@@ -134,17 +140,6 @@ def sink_into(calls: list[dict[str, Any]]) -> Any:
     async def sink(_at: str, data: dict[str, Any]) -> None:
         calls.append(data)
     return sink
-
-
-def send(url: str, method: str, body: bytes | None = None, token: str = "t"
-         ) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, data=body, method=method, headers={
-        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            return answer.status, answer.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
 
 
 async def test_a_non_streamed_completed_answer_is_recorded_as_completed() -> None:
