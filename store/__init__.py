@@ -11,25 +11,30 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trialledger.store.collector import tune_collector
-    from trialledger.store.ledger import (
+    from trialledger.store.errors import (
         AmbiguousSession,
-        AuditReport,
-        Ledger,
+        IntegrityViolation,
+        LeaseLost,
         NoDatabase,
         NoSession,
-        Seeded,
+        SchemaOutOfDate,
+        StatementRefused,
+        StoreError,
         StoreUnavailable,
     )
-    from trialledger.store.migrate import SchemaOutOfDate, upgrade_database
+    from trialledger.store.ledger import AuditReport, Ledger, Seeded
+    from trialledger.store.migrate import upgrade_database
     from trialledger.store.rederive import Difference
-    from trialledger.store.writer import LeaseLost, StoredEvent
+    from trialledger.store.writer import StoredEvent
 
-__all__ = ["AmbiguousSession", "AuditReport", "Difference", "LeaseLost", "Ledger", "NoDatabase",
-           "NoSession", "SchemaOutOfDate", "Seeded", "StoreUnavailable", "StoredEvent",
-           "tune_collector", "upgrade_database"]
-# Where each name lives (the others are the ledger's).
-_WHERE = {"SchemaOutOfDate": "migrate", "upgrade_database": "migrate", "LeaseLost": "writer",
-          "StoredEvent": "writer", "Difference": "rederive", "tune_collector": "collector"}
+__all__ = ["AmbiguousSession", "AuditReport", "Difference", "IntegrityViolation", "LeaseLost",
+           "Ledger", "NoDatabase", "NoSession", "SchemaOutOfDate", "Seeded", "StatementRefused",
+           "StoreError", "StoreUnavailable", "StoredEvent", "tune_collector", "upgrade_database"]
+# Where each name lives (the others are the ledger's; every error is store.errors').
+_ERRORS = ("AmbiguousSession", "IntegrityViolation", "LeaseLost", "NoDatabase", "NoSession",
+           "SchemaOutOfDate", "StatementRefused", "StoreError", "StoreUnavailable")
+_WHERE = {"upgrade_database": "migrate", "StoredEvent": "writer", "Difference": "rederive",
+          "tune_collector": "collector", **dict.fromkeys(_ERRORS, "errors")}
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:

@@ -29,7 +29,7 @@ from sqlalchemy.exc import ArgumentError, DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.util import await_
 
-from trialledger.core.errors import TrialLedgerError
+from trialledger.store.errors import UnsupportedDatabase as UnsupportedDatabase
 
 WRITER_LOCK_KEY = 7_402_145_391  # pg_advisory_xact_lock key shared by every writer
 BUSY_TIMEOUT_MS = 30_000  # how long a SQLite statement waits for another's write lock
@@ -44,10 +44,6 @@ def driver_marks(dialect: str, count: int) -> list[str]:
     """`count` parameter marks in the driver's own style (`$1`… for asyncpg, `?` for
     sqlite3), for `exec_driver_sql`."""
     return [f"${i}" if dialect == "postgresql" else "?" for i in range(1, count + 1)]
-
-
-class UnsupportedDatabase(TrialLedgerError):
-    """A `--db` that names neither a SQLite file nor a PostgreSQL server."""
 
 
 def database_url(db: str) -> URL:
@@ -108,8 +104,8 @@ class Engines:
         """`work(conn)` inside one write transaction, committed when it returns.
 
         Every statement through the async SQLite driver crosses to its thread and back
-        three or four times (about 0.1 ms of CPU each on these machines); here a whole
-        transaction crosses once: it runs in a worker thread on a synchronous connection.
+        three or four times, each crossing costing CPU; here a whole transaction crosses
+        once: it runs in a worker thread on a synchronous connection.
         On PostgreSQL `work` runs on the async connection through SQLAlchemy's greenlet
         bridge. `serialize`: first take the writers' lock (`lock_writers`)."""
         if self.sync_writer is not None:

@@ -20,8 +20,10 @@ from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from trialledger.core.canonical import NS
-from trialledger.core.errors import TrialLedgerError
-from trialledger.store.ledger import _DB_NOW, Ledger, _guarded, gone_from_this_host
+from trialledger.store.errors import JobRefused as JobRefused
+from trialledger.store.errors import NoJob as NoJob
+from trialledger.store.errors import guarded
+from trialledger.store.ledger import _DB_NOW, Ledger, gone_from_this_host
 from trialledger.store.log import in_slices
 from trialledger.store.writer import now
 
@@ -43,14 +45,6 @@ ADHOC = "adhoc"  # Harbor's dataset of the tasks given as task folders
 # Task rows first (by dataset, task), then the overall rows: each dataset's, the job's last.
 _FIGURE_ORDER = ("ORDER BY CASE WHEN task IS NULL THEN 1 ELSE 0 END, "
                  "CASE WHEN dataset IS NULL THEN 1 ELSE 0 END, dataset, task")
-
-
-class JobRefused(TrialLedgerError):
-    """A job that cannot be created or resumed as asked (the message says why)."""
-
-
-class NoJob(JobRefused):
-    """No job of that name in the store."""
 
 
 def trial_id(job: str, task: str, k_index: int, namespace: uuid.UUID = NS) -> str:
@@ -105,14 +99,18 @@ class Jobs:
             auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
             return await auto.run_sync(work)
 
+    @guarded
     async def define(self, name: str, config: Mapping[str, Any],
                      tasks: Sequence[tuple[str, str]], *, add: bool = False,
-                     datasets: Mapping[str, str] | None = None) -> bool:
+                     datasets: Mapping[str, str] | None = None,
+                     skipped: Mapping[str, str] | None = None) -> bool:
         """Create the job, or check a resumed one: the same configuration but for `k`, which
         may grow (new trials are queued), never shrink, and the same task names (`add`:
         other names are added; the job's own must still all be named). `tasks` are (name,
         folder) pairs; a task's folder may move; `datasets`: task name → its dataset's name
-        (absent: `adhoc`). A refusal writes nothing. Returns whether the job was new."""
+        (absent: `adhoc`); `skipped`: a dataset's tasks skipped as invalid → why (SPEC §15;
+        listed by `job show`, in no figure). A refusal writes nothing. Returns whether the
+        job was new."""
         k, attempts = int(config["k"]), int(config["max_attempts"])
         async with self._engines.writer.begin() as conn:
             row = (await conn.execute(text("SELECT config, k FROM jobs WHERE name = :n"),
@@ -146,7 +144,27 @@ class Jobs:
                         "dataset) VALUES (:t, :j, :task, :i, :d, 'queued', :ds)"),
                         {"t": tid, "j": name, "task": task, "i": index, "d": folder,
                          "ds": (datasets or {}).get(task, ADHOC)})
+            await self._record_skipped(conn, name, [t for t, _ in tasks], skipped or {},
+                                       datasets or {})
         return row is None
+
+    @staticmethod
+    async def _record_skipped(conn: AsyncConnection, name: str, queued: Sequence[str],
+                              skipped: Mapping[str, str], datasets: Mapping[str, str]
+                              ) -> None:
+        """The job's skipped tasks as this run found them (a task it queues is no longer
+        skipped; one skipped again gets today's reason)."""
+        for part in in_slices([*queued, *skipped]):
+            names = ", ".join(f":t{i}" for i in range(len(part)))
+            await conn.execute(text(f"DELETE FROM job_skipped WHERE job = :j AND task IN "
+                                    f"({names})"),
+                               {"j": name, **{f"t{i}": task for i, task in enumerate(part)}})
+        for task, reason in skipped.items():
+            if task not in queued:
+                await conn.execute(text(
+                    "INSERT INTO job_skipped (job, task, dataset, reason) "
+                    "VALUES (:j, :t, :ds, :r)"),
+                    {"j": name, "t": task, "ds": datasets.get(task, ADHOC), "r": reason})
 
     @staticmethod
     def _check_resume(name: str, stored: Mapping[str, Any], stored_k: int,
@@ -177,6 +195,7 @@ class Jobs:
                              f"{', '.join(missing)}, not named here (name every task of the "
                              f"job, as when it was created)")
 
+    @guarded
     async def config(self, name: str) -> dict[str, Any]:
         async with self._engines.reader.begin() as conn:
             row = (await conn.execute(text("SELECT config FROM jobs WHERE name = :n"),
@@ -185,6 +204,7 @@ class Jobs:
             raise NoJob(f"no job named {name}")
         return _with_defaults(json.loads(row[0]))
 
+    @guarded
     async def claim(self, job: str | None, runner_id: str, lease_s: float,
                     tasks: Sequence[str] | None = None) -> Claim | None:
         """Take the next trial that is queued or whose lease expired (None: none left)."""
@@ -237,6 +257,7 @@ class Jobs:
                 conn.execute(text(
                     "UPDATE job_queue SET lease_expires = 0 WHERE trial_id = :t"), {"t": tid})
 
+    @guarded
     async def renew(self, claim: Claim, lease_s: float) -> bool:
         """Extend the lease; False when it is no longer ours (taken over)."""
         return await self._atomic(lambda conn: bool(conn.execute(text(
@@ -244,6 +265,7 @@ class Jobs:
             "WHERE trial_id = :t AND lease_token = :tok AND state = 'running'"),
             {"lease": lease_s, "t": claim.trial_id, "tok": claim.token}).rowcount))
 
+    @guarded
     async def settle(self, claim: Claim, state: str, *, detail: str | None = None) -> bool:
         """End our hold: `done`, or `queued` to release the trial to whoever claims next;
         `detail`: why a trial ended otherwise than by its sessions (an unexpected error)."""
@@ -252,10 +274,12 @@ class Jobs:
             "lease_expires = NULL WHERE trial_id = :t AND lease_token = :tok"),
             {"s": state, "d": detail, "t": claim.trial_id, "tok": claim.token}).rowcount))
 
+    @guarded
     async def environment_failed(self, job: str, task: str, reason: str) -> None:
         """Mark every unfinished trial of a task whose environment cannot be prepared."""
         await self._unrunnable(job, task, "environment_failed", reason)
 
+    @guarded
     async def no_solution(self, job: str, task: str, reason: str) -> None:
         """Mark every unfinished trial of an oracle job's task that has no solution (SPEC
         §15): unscored, no session seeded, kept as `environment_failed` is."""
@@ -272,6 +296,7 @@ class Jobs:
                 f"AND COALESCE(lease_expires, 0) >= {self._now})"),
                 {"s": state, "d": reason, "j": job, "t": task})
 
+    @guarded
     async def requeue_environment(self, job: str, tasks: Sequence[str]) -> None:
         """Tasks whose environment failed (or that had no solution) before get their trials
         back on a new run (one transaction for all the tasks a run prepared)."""
@@ -283,6 +308,7 @@ class Jobs:
                     f"state IN ('environment_failed', 'no_solution') AND task IN ({names})"),
                     {"j": job, **{f"t{i}": task for i, task in enumerate(part)}})
 
+    @guarded
     async def held(self, job: str, tasks: Sequence[str] | None = None) -> int:
         """How many trials of `job` (of `tasks`) are held under a lease now."""
         sql = "SELECT task FROM job_queue WHERE job = :j AND state = 'running'"
@@ -290,12 +316,14 @@ class Jobs:
             found = [t for (t,) in (await conn.execute(text(sql), {"j": job})).all()]
         return sum(1 for t in found if tasks is None or t in tasks)
 
+    @guarded
     async def task_folders(self, job: str) -> list[tuple[str, str]]:
         """Each task of `job` with the folder its trials were last queued from."""
         rows = await self._rows("SELECT task, MAX(task_dir) AS task_dir FROM job_queue "
                                 "WHERE job = :j GROUP BY task ORDER BY task", job)
         return [(r["task"], r["task_dir"]) for r in rows]
 
+    @guarded
     async def pending(self) -> list[str]:
         """Jobs with a trial queued or held, oldest first."""
         async with self._engines.reader.begin() as conn:
@@ -304,6 +332,7 @@ class Jobs:
                 "q.job = j.name AND q.state IN ('queued', 'running')) "
                 "ORDER BY j.created_at, j.name"))).all()]
 
+    @guarded
     async def progress(self, job: str) -> dict[str, Any]:
         """Trials by queue state, and the retries so far by cause (the live display)."""
         counts: dict[str, Any] = {"queued": 0, "running": 0, "done": 0,
@@ -324,31 +353,45 @@ class Jobs:
         counts["retries"] = {str(cause): int(n) for cause, n in causes}
         return counts
 
+    @guarded
+    async def work_time(self, trial_id: str) -> float | None:
+        """A trial's wall time of work: its closed sessions' (`job_trials.wall_s`, SPEC §13),
+        None before one closed."""
+        value = await self._engines.read(lambda conn: conn.execute(text(
+            "SELECT wall_s FROM job_trials WHERE trial_id = :t"), {"t": trial_id}).scalar())
+        return None if value is None else float(value)
+
+    @guarded
     async def trials(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_trials`, by task and k index."""
         return await self._rows("SELECT * FROM job_trials WHERE job = :j "
                                 "ORDER BY task, k_index", job)
 
+    @guarded
     async def tasks(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_tasks`: each task's by dataset and name, then the overall rows (a
         dataset's, then the job's total)."""
         return await self._rows(f"SELECT * FROM job_tasks WHERE job = :j {_FIGURE_ORDER}", job)
 
+    @guarded
     async def passk(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_passk` (a figure's pass@k for each k of Harbor's set)."""
         return await self._rows(f"SELECT * FROM job_passk WHERE job = :j {_FIGURE_ORDER}, k",
                                 job)
 
+    @guarded
     async def reward_means(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_reward_means` (a mean per reward name, for several names)."""
         return await self._rows("SELECT * FROM job_reward_means WHERE job = :j "
                                 f"{_FIGURE_ORDER}, name", job)
 
+    @guarded
     async def retries(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_retries`: retry decisions by task and cause."""
         return await self._rows("SELECT * FROM job_retries WHERE job = :j "
                                 "ORDER BY task, cause_kind", job)
 
+    @guarded
     async def open_trials(self, job: str) -> list[dict[str, Any]]:
         """Trials still queued or held, with the runner holding each and its lease's expiry
         (seconds from now in the database's clock)."""
@@ -357,6 +400,7 @@ class Jobs:
             f"lease_expires - {self._now} AS lease_left_s FROM job_queue "
             "WHERE job = :j AND state IN ('queued', 'running') ORDER BY task, k_index", job)
 
+    @guarded
     async def summary(self, job: str) -> dict[str, Any]:
         """Everything `job show` prints: the figures, trials, open trials and failures."""
         tasks = await self.tasks(job)
@@ -365,8 +409,17 @@ class Jobs:
                 "retries": await self.retries(job), "trials": await self.trials(job),
                 "open_trials": await self.open_trials(job),
                 "environment_failed": await self.failures(job),
-                "no_solution": await self.failures(job, "no_solution")}
+                "no_solution": await self.failures(job, "no_solution"),
+                "skipped": await self.skipped(job)}
 
+    @guarded
+    async def skipped(self, job: str) -> dict[str, str]:
+        """Tasks of the job's datasets skipped as invalid (SPEC §15) → why."""
+        rows = await self._rows("SELECT task, reason FROM job_skipped WHERE job = :j "
+                                "ORDER BY task", job)
+        return {r["task"]: r["reason"] for r in rows}
+
+    @guarded
     async def failures(self, job: str, state: str = "environment_failed") -> dict[str, str]:
         """Tasks whose environment failed (or in another unrunnable `state`, such as
         `no_solution`) → why."""
@@ -374,6 +427,7 @@ class Jobs:
                                 "AND state = :s", job, {"s": state})
         return {r["task"]: r["detail"] for r in rows}
 
+    @guarded
     async def names(self) -> list[dict[str, Any]]:
         """Every job with its trial counts by queue state."""
         async with self._engines.reader.begin() as conn:
@@ -398,9 +452,3 @@ class Jobs:
             return [dict(r._mapping) for r in await conn.execute(text(sql),
                                                                  {"j": job, **(params or {})})]
 
-
-for _name in ("define", "config", "claim", "renew", "settle", "environment_failed", "no_solution",
-              "requeue_environment", "held", "task_folders", "pending", "progress", "trials",
-              "tasks", "passk", "reward_means", "retries", "open_trials", "summary",
-              "failures", "names"):
-    setattr(Jobs, _name, _guarded(getattr(Jobs, _name)))

@@ -13,15 +13,12 @@ Writes go through one `store.writer.Writer`, which group-commits concurrent appe
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import shutil
 import socket
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any
 
 import anyio
 from sqlalchemy import LargeBinary, column, select, table, text
@@ -42,18 +39,18 @@ from trialledger.core import (
     validate_seed,
 )
 from trialledger.core.canonical import first_broken_link, session_id_for_seed
-from trialledger.core.errors import TrialLedgerError
 from trialledger.core.policy import DEFAULT_POLICY
 from trialledger.core.replay import rederive, view_of
 from trialledger.core.seed import seal_seed
 from trialledger.store.defaults import DEFAULT_DB
-from trialledger.store.engine import (
-    Engines,
-    Synchronous,
-    make_engines,
-    shown,
-    sqlite_path,
-)
+from trialledger.store.engine import Engines, Synchronous, make_engines, sqlite_path
+from trialledger.store.errors import AmbiguousSession as AmbiguousSession  # as before
+from trialledger.store.errors import NoDatabase as NoDatabase
+from trialledger.store.errors import NoSession as NoSession
+from trialledger.store.errors import RunnerAlive as RunnerAlive
+from trialledger.store.errors import StoreUnavailable as StoreUnavailable
+from trialledger.store.errors import disk_full as disk_full
+from trialledger.store.errors import guarded, store_error
 from trialledger.store.log import EVENTS
 from trialledger.store.migrate import ensure_current
 from trialledger.store.projections import SESSION_COLUMNS
@@ -63,6 +60,8 @@ from trialledger.store.writer import Fence, Request, StoredEvent, Writer, now
 
 SESSIONS = table("sessions", *(column(c) for c in SESSION_COLUMNS))
 LIVE_STATES = ("seeded", "starting", "running", "failed-live")
+# Run before a session is closed out (`recover`): (session id, fence) → its state after.
+Deliver = Callable[[str, Fence | None], Awaitable[str]]
 HEARTBEAT_S = 10.0  # how often a running runner says it is alive
 RUNNER_ALIVE_S = 3 * HEARTBEAT_S  # a heartbeat younger than this: the runner is alive
 # Seconds since the epoch in the database server's own clock.
@@ -86,67 +85,6 @@ async def _storage_fault(conn: Any, dialect: str) -> str | None:
     return None
 
 
-class AmbiguousSession(TrialLedgerError):
-    """A session id prefix that more than one session starts with."""
-
-    def __init__(self, prefix: str, candidates: Sequence[str]) -> None:
-        listed = ", ".join(candidates[:5]) + (", …" if len(candidates) > 5 else "")
-        super().__init__(f"{prefix!r} starts more than one session id: {listed}")
-
-
-class StoreUnavailable(TrialLedgerError):
-    """The database could not be used (unreachable, locked past its wait, full, damaged):
-    the driver's error, in one line, with any password masked."""
-
-    @classmethod
-    def of(cls, db: str, error: BaseException) -> StoreUnavailable:
-        reason = disk_full(db, error) or shown(db, str(error).strip().splitlines()[0]
-                                               if str(error).strip() else type(error).__name__)
-        return cls(f"cannot use the database {shown(db)}: {reason}")
-
-
-def disk_full(db: str, error: BaseException) -> str | None:
-    """"disk full", whatever words the driver found for it (SQLite says "disk I/O error"
-    when only a few KiB are left)."""
-    text = str(error)
-    if getattr(error, "errno", None) == errno.ENOSPC or "disk is full" in text:
-        return "disk full"
-    path = sqlite_path(db) if "://" not in db or db.startswith("sqlite") else None
-    if path is not None and "disk I/O error" in text:
-        with contextlib.suppress(OSError):
-            if shutil.disk_usage(os.path.dirname(path) or ".").free < 1024 * 1024:
-                return "disk full"
-    return None
-
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-class _OfStore(Protocol):
-    db: str
-
-
-S = TypeVar("S", bound=_OfStore)
-
-
-def _guarded(method: Callable[Concatenate[S, P], Coroutine[Any, Any, R]]
-             ) -> Callable[Concatenate[S, P], Coroutine[Any, Any, R]]:
-    """The store's boundary: a driver's error leaves it as `StoreUnavailable`."""
-
-    async def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return await method(self, *args, **kwargs)
-        except TrialLedgerError:
-            raise
-        except (SQLAlchemyError, OSError) as error:
-            raise StoreUnavailable.of(self.db, error) from error
-
-    call.__name__, call.__qualname__, call.__doc__ = (method.__name__, method.__qualname__,
-                                                      method.__doc__)
-    return call
-
-
 def gone_from_this_host(runner_id: str) -> bool:
     """Whether a default runner id (`<host>-<pid>`) names a process of this host that no
     longer exists: its heartbeat may still look fresh, but it is dead."""
@@ -160,25 +98,6 @@ def gone_from_this_host(runner_id: str) -> bool:
     except PermissionError:
         return False
     return False
-
-
-class RunnerAlive(TrialLedgerError):
-    """`recover` of a runner whose heartbeat is fresh (it is still running)."""
-
-
-class NoDatabase(TrialLedgerError):
-    """A read-only use of a store that does not exist (nothing was created)."""
-
-
-class NoSession(TrialLedgerError, KeyError):
-    """A session id the store does not hold (a `KeyError` too, for older callers)."""
-
-    def __init__(self, session_id: str) -> None:
-        super().__init__(f"no session {session_id}")
-        self.session_id = session_id
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -243,7 +162,7 @@ class Ledger:
         except BaseException as error:
             await engines.dispose()
             if isinstance(error, SQLAlchemyError | OSError):
-                raise StoreUnavailable.of(db, error) from error
+                raise store_error(db, error) from error
             raise
         return cls(engines, db=db, policy=get_policy(policy))
 
@@ -266,6 +185,7 @@ class Ledger:
 
     # --- writing ---------------------------------------------------------------------------
 
+    @guarded
     async def seed(
         self,
         seed: Mapping[str, Any],
@@ -286,6 +206,7 @@ class Ledger:
                               configured_grants=configured_grants, api_key=api_key)
         return await self.start(valid, session_id=session_id, secrets=secrets, at=at)
 
+    @guarded
     async def start(self, valid: ValidSeed, *, session_id: str | None = None,
                     secrets: Iterable[str] = (), at: str | None = None,
                     fence: Fence | None = None) -> Seeded:
@@ -305,6 +226,7 @@ class Ledger:
                                                    new_id=session_id is None, fence=fence))
         return Seeded(sid, stored, all_secrets)
 
+    @guarded
     async def append(
         self,
         session_id: str,
@@ -325,12 +247,14 @@ class Ledger:
         return await self._writer.submit(Request(session_id, prepared, expected_seq,
                                                  fence=fence))
 
+    @guarded
     async def close(self, session_id: str, reason: str = "normal", *,
                     at: str | None = None) -> list[StoredEvent]:
         """Append `session.closed`."""
         closed = {"type": "session.closed", "at": at or now(), "data": {"reason": reason}}
         return await self.append(session_id, [closed])
 
+    @guarded
     async def heartbeat(self, runner_id: str) -> None:
         """Say that `runner_id` is alive now (in the database's clock)."""
         db_now = _DB_NOW[self.dialect]
@@ -340,12 +264,14 @@ class Ledger:
             f"DO UPDATE SET heartbeat = {db_now}, host = :h, pid = :p"),
             {"r": runner_id, "h": socket.gethostname(), "p": os.getpid()}))
 
+    @guarded
     async def clear_heartbeat(self, runner_id: str) -> None:
         """Say that `runner_id` has exited: `recover --runner` need not wait for its
         heartbeat to age."""
         await self._engines.transaction(lambda conn: conn.execute(
             text("DELETE FROM runners WHERE runner_id = :r"), {"r": runner_id}))
 
+    @guarded
     async def live_runners(self, within_s: float = RUNNER_ALIVE_S) -> dict[str, float]:
         """Runners whose heartbeat is younger than `within_s`: id → its age in seconds."""
         async with self._engines.reader.begin() as conn:
@@ -353,15 +279,18 @@ class Ledger:
                 f"SELECT runner_id, {_DB_NOW[self.dialect]} - heartbeat FROM runners"))).all()
         return {rid: float(age) for rid, age in rows if float(age) < within_s}
 
+    @guarded
     async def recover(self, runner_id: str | None, *, all_runners: bool = False,
-                      force: bool = False) -> list[str]:
+                      force: bool = False, deliver: Deliver | None = None) -> list[str]:
         """Close out the sessions a runner left open (SPEC: `recover`); return their ids.
 
         Live ones get `sandbox.lost` {detail: "harness restarted"} (so they are retried),
         then every one gets `session.closed` {reason: "recovered"}. Only `runner_id`'s
         sessions are touched unless `all_runners` (a single-machine store). A runner whose
         heartbeat is fresh is alive: its id is refused (`RunnerAlive`) and `all_runners`
-        leaves its sessions alone, unless `force`.
+        leaves its sessions alone, unless `force`. `deliver(session_id, fence)`, when
+        given, runs first for each session and returns its state after (the runner's
+        evidence journal delivered, SPEC §8; `closed` when it closed the session itself).
         """
         if runner_id is None and not all_runners:
             raise ValueError("recover needs a runner_id, or all_runners=True")
@@ -380,11 +309,13 @@ class Ledger:
             query = query.where(SESSIONS.c.runner_id.not_in(list(alive)))
         async with self._engines.reader.connect() as conn:
             rows = (await conn.execute(query.order_by(SESSIONS.c.session_id))).all()
-        await self._close_out([(sid, state) for sid, state in rows])
+        await self._close_out([(sid, state) for sid, state in rows], deliver=deliver)
         return [sid for sid, _ in rows]
 
+    @guarded
     async def recover_sessions(self, session_ids: Sequence[str], *,
-                               fence: Fence | None = None) -> list[str]:
+                               fence: Fence | None = None,
+                               deliver: Deliver | None = None) -> list[str]:
         """Close out these sessions where still open, as `recover` does (a job's new owner
         of a trial whose lease expired; `fence`: its lease, checked by every append, else
         `LeaseLost`); return those it closed."""
@@ -394,7 +325,8 @@ class Ledger:
             SESSIONS.c.state != "closed", SESSIONS.c.session_id.in_(list(session_ids)))
         async with self._engines.reader.connect() as conn:
             rows = (await conn.execute(query.order_by(SESSIONS.c.session_id))).all()
-        await self._close_out([(sid, state) for sid, state in rows], fence=fence)
+        await self._close_out([(sid, state) for sid, state in rows], fence=fence,
+                              deliver=deliver)
         return [sid for sid, _ in rows]
 
     async def _verified(self, session_id: str) -> bool:
@@ -406,8 +338,10 @@ class Ledger:
             return (await conn.execute(query)).first() is not None
 
     async def _close_out(self, rows: Sequence[tuple[str, str]], *,
-                         fence: Fence | None = None) -> None:
+                         fence: Fence | None = None, deliver: Deliver | None = None) -> None:
         for sid, state in rows:
+            if deliver is not None and (state := await deliver(sid, fence)) == "closed":
+                continue
             at = now()
             events: list[dict[str, Any]] = []
             if state in LIVE_STATES:
@@ -422,6 +356,7 @@ class Ledger:
             events.append({"type": "session.closed", "at": at, "data": {"reason": "recovered"}})
             await self.append(sid, events, fence=fence)
 
+    @guarded
     async def import_log(self, events: Iterable[Mapping[str, Any]],
                          *, secrets: Iterable[str] = ()) -> str:
         """Append one session's recorded log through the machine, all or nothing.
@@ -459,6 +394,7 @@ class Ledger:
 
     # --- reading ---------------------------------------------------------------------------
 
+    @guarded
     async def events(self, session_id: str, *, after_seq: int = 0) -> list[StoredEvent]:
         """A session's stored events after `after_seq`, in order."""
         rows = await self._engines.read(lambda conn: conn.execute(
@@ -467,6 +403,7 @@ class Ledger:
             .order_by(EVENTS.c.seq)).all())
         return [StoredEvent.from_row(*row) for row in rows]
 
+    @guarded
     async def view(self, session_id: str, *, policy: str | Policy | None = None) -> SessionView:
         """The session's view: as recorded, or re-derived under `policy` when given."""
         stored = await self.events(session_id)
@@ -479,6 +416,7 @@ class Ledger:
             session.load(s.event)
         return view_of(session)
 
+    @guarded
     async def tail(self, after_position: int = 0, *, limit: int = 1000) -> list[StoredEvent]:
         """Events of every session after a global position, in position order."""
         async with self._engines.reader.begin() as conn:
@@ -489,7 +427,8 @@ class Ledger:
             )).all()
         return [StoredEvent.from_row(*row) for row in rows]
 
-    async def sessions(self, **where: Any) -> list[dict[str, Any]]:
+    @guarded
+    async def sessions(self, /, **where: Any) -> list[dict[str, Any]]:
         """Rows of the `sessions` view, filtered by equal columns (e.g. `state="running"`)."""
         unknown = set(where) - set(SESSION_COLUMNS)
         if unknown:
@@ -499,11 +438,13 @@ class Ledger:
         return await self._engines.read(
             lambda conn: [dict(row._mapping) for row in conn.execute(sql, where)])
 
+    @guarded
     async def session_count(self) -> int:
         """How many sessions the store holds."""
         return int(await self._engines.read(
             lambda conn: conn.execute(text("SELECT count(*) FROM sessions")).scalar_one()))
 
+    @guarded
     async def listing(self, *, task: str | None = None, state: str | None = None,
                       cause: str | None = None) -> list[dict[str, Any]]:
         """Sessions with their last decision and tokens (`trialledger ls`), oldest first."""
@@ -520,6 +461,7 @@ class Ledger:
         async with self._engines.reader.begin() as conn:
             return [dict(row._mapping) for row in await conn.execute(text(sql), params)]
 
+    @guarded
     async def resolve(self, prefix: str) -> str:
         """The one session id that starts with `prefix` (`NoSession`, `AmbiguousSession`)."""
         pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
@@ -533,10 +475,12 @@ class Ledger:
             raise NoSession(prefix)
         raise AmbiguousSession(prefix, found)
 
+    @guarded
     async def export(self, session_id: str) -> list[dict[str, Any]]:
         """A session's log with every field (event fields plus position, recorded_at, hash)."""
         return [s.jsonl() for s in await self.events(session_id)]
 
+    @guarded
     async def audit(self) -> AuditReport:
         """Check the database's own structure, then every session's hash chain and head;
         report the first fault (a damaged event is named by its session and seq)."""
@@ -572,6 +516,7 @@ class Ledger:
                 return AuditReport(len(heads), len(rows), f"session {sid}: {fault}")
         return AuditReport(len(heads), len(rows), None)
 
+    @guarded
     async def divergences(self, policy: str | None = None, *, jobs: int = 1,
                           policy_files: Sequence[str] = (),
                           on_sessions: Callable[[int], object] | None = None
@@ -583,6 +528,7 @@ class Ledger:
         return await every_divergence(self, policy, jobs=jobs, policy_files=policy_files,
                                       on_sessions=on_sessions)
 
+    @guarded
     async def rebuild_projections(self) -> int:
         """Recompute every projection row from the log; return the number of sessions."""
         async with self._engines.reader.begin() as conn:
@@ -590,10 +536,3 @@ class Ledger:
                 select(EVENTS.c.session_id).distinct().order_by(EVENTS.c.session_id))).all()]
         return await self._writer.rebuild(sids)
 
-
-# Every public method of the store raises `StoreUnavailable` for a driver's error.
-for _name in ("seed", "start", "append", "close", "heartbeat", "clear_heartbeat",
-              "live_runners", "recover",
-              "import_log", "events", "view", "tail", "sessions", "session_count", "listing",
-              "resolve", "export", "audit", "divergences", "rebuild_projections"):
-    setattr(Ledger, _name, _guarded(getattr(Ledger, _name)))

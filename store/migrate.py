@@ -18,15 +18,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from trialledger import migrations
-from trialledger.core.errors import TrialLedgerError
 from trialledger.store.engine import open_engines, shown
+from trialledger.store.errors import SchemaOutOfDate as SchemaOutOfDate  # defined here before
+from trialledger.store.errors import store_error
 from trialledger.store.query import create_reader_role
 
 SCRIPT_LOCATION = str(Path(migrations.__file__).resolve().parent)
-
-
-class SchemaOutOfDate(TrialLedgerError):
-    """A database built by older (or newer) code; never migrated silently."""
 
 
 def alembic_config() -> Config:
@@ -118,9 +115,7 @@ async def upgrade_database(db: str, *, reader_role: str | None = None) -> str | 
             await upgrade(engines.writer)
             revision = await current_revision(engines.writer)
     except SQLAlchemyError as error:  # the store's boundary, as the Ledger's methods keep it
-        from trialledger.store.ledger import StoreUnavailable
-
-        raise StoreUnavailable.of(db, error) from error
+        raise store_error(db, error) from error
     if reader_role:
         await create_reader_role(db, reader_role)
     return revision

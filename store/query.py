@@ -33,9 +33,9 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from trialledger.core.errors import TrialLedgerError
 from trialledger.store.defaults import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, READER_ROLE
 from trialledger.store.engine import database_url, open_engines, shown, sqlite_path
+from trialledger.store.errors import QueryRefused as QueryRefused
 
 RESULT_BUDGET = 64 * 2**20  # bytes of values one query may return
 SQLITE_HEAP_LIMIT = 512 * 2**20  # bytes SQLite may hold in this process (temp storage too)
@@ -45,10 +45,6 @@ PROGRESS_OPS = 1_000  # SQLite virtual-machine steps between two looks at the de
 READER_SETTINGS = {"default_transaction_read_only": "on",
                    "statement_timeout": f"{DEFAULT_TIMEOUT_S:g}s",
                    "work_mem": "16MB", "temp_file_limit": "1GB"}
-
-
-class QueryRefused(TrialLedgerError):
-    """A query that failed, wrote, or ran past its time limit."""
 
 
 @dataclass(frozen=True)

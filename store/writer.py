@@ -30,6 +30,7 @@ from trialledger.core import (
 )
 from trialledger.core.canonical import GENESIS, canonical_text, chain_hash
 from trialledger.store.engine import Engines
+from trialledger.store.errors import LeaseLost as LeaseLost  # raised here before
 from trialledger.store.group import GroupCommit, Waiter
 from trialledger.store.log import (
     CATCH_UP_PG,
@@ -105,11 +106,6 @@ class Moved:
         """Whether another process stored one of `ids` (the ones given) meanwhile."""
         given = (i for i in ids if i)
         return any(given) if self.ids is None else any(i in self.ids for i in given)
-
-
-class LeaseLost(TrialLedgerError):
-    """An append fenced by a job trial's lease that is no longer the caller's (the trial
-    was taken over): nothing appended."""
 
 
 Rendered = tuple[list[StoredEvent], Changes]  # a batch's events to insert, and its rows
