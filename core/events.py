@@ -145,6 +145,8 @@ class AgentLaunchedData(_Data):
     model_proxy: bool | None = None  # the session's model calls went through our proxy
     # Schema 3 (SPEC §15): {mode: range|single, user: "uid:gid" inside}; None when older.
     identity: dict[str, str] | None = None
+    # Schema 4 (SPEC §8): {host, path} of the runner's evidence journal; None when older.
+    journal: dict[str, str] | None = None
 
     @property
     def ran_in(self) -> dict[str, Any]:
@@ -161,8 +163,8 @@ class AgentLaunchedData(_Data):
         return dumped
 
 
-# Fields added by schemas 2 and 3: absent from an older event, which dumps as written.
-LATER_LAUNCH_FIELDS = ("environment", "limits", "model_proxy", "identity")
+# Fields added by schemas 2 to 4: absent from an older event, which dumps as written.
+LATER_LAUNCH_FIELDS = ("environment", "limits", "model_proxy", "identity", "journal")
 
 
 # What the proxy answers itself (SPEC §14): such a call never reached the endpoint, so it
@@ -518,7 +520,7 @@ CODEX_STREAM_TYPES = frozenset(
 # written by newer code: it is refused, never read as if it were ours.
 SCHEMA_VERSION: dict[str, int] = {
     **dict.fromkeys(EVENT_TYPES, 1),
-    "agent.launched": 3,  # 2: model_proxy, environment, limits; 3: identity
+    "agent.launched": 4,  # 2: model_proxy, environment, limits; 3: identity; 4: journal
     "verification.recorded": 3,  # 2: stdout_tail, stderr_tail; 3: files
     "verification.failed": 3,
 }

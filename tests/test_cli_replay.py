@@ -109,11 +109,14 @@ def test_an_event_from_a_newer_schema_is_refused_naming_its_line(tmp_path: Path)
     good = (EXAMPLES / "clean.jsonl").read_text(encoding="utf-8").splitlines()
     index = next(i for i, line in enumerate(good) if '"agent.launched"' in line)
     newer = json.loads(good[index])
-    newer["schema"] = 4
+    from trialledger.core.events import SCHEMA_VERSION
+
+    today = SCHEMA_VERSION["agent.launched"]
+    newer["schema"] = today + 1
     lines = [*good[:index], json.dumps(newer), *good[index + 1:]]
     done = trialledger("replay", "--log", _write(tmp_path, lines))
     assert done.returncode == 2 and f"line {index + 1}: field 'schema'" in done.stderr
-    assert "agent.launched schema 4 is newer" in done.stderr
-    newer["schema"] = 3  # what the runner writes today
+    assert f"agent.launched schema {today + 1} is newer" in done.stderr
+    newer["schema"] = today  # what the runner writes today
     lines = [*good[:index], json.dumps(newer), *good[index + 1:]]
     assert trialledger("replay", "--log", _write(tmp_path, lines)).returncode == 0

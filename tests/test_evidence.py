@@ -137,13 +137,11 @@ def elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_a_kill_inside_the_removal_leaves_the_lock_and_recover_sweeps_it(
         tmp_path: Path, elsewhere: Path) -> None:
-    # Killed while removing the folder, at its config.toml: the lock goes last, so it
-    # is still there (and free); `recover` finds the folder though TMPDIR differs.
-    left = _crash(elsewhere, "real = os.unlink\n"
-                             "def unlink(path, *a, **k):\n"
-                             "    if os.fspath(path).endswith('config.toml'): die()\n"
-                             "    return real(path, *a, **k)\n"
-                             "os.unlink = unlink\n"
+    # Killed while removing the folder, as its folders (config.toml's among them) are
+    # removed: the lock goes last, so it is still there (and free); `recover` finds the
+    # folder though TMPDIR differs.
+    left = _crash(elsewhere, "from trialledger.adapters.sandbox import folders\n"
+                             "folders.remove_tree = lambda *a, **k: die()\n"
                              "s.discard()\n")
     assert (left / "home" / "config.toml").exists() and (left / LOCK).exists()
     done = in_process("recover", "--all", "--db", str(tmp_path / "t.db"))
