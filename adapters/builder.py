@@ -29,6 +29,7 @@ from trialledger.adapters.environment import (
     EnvironmentUnavailable,
     default_cache_dir,
 )
+from trialledger.adapters.sandbox.idrange import subid_entries
 
 BUILD_USER = "trialledger-build"
 BUILD_IDS = 65_536
@@ -72,17 +73,8 @@ class Builder:
 
 def subordinate_ranges(path: Path, name: str, uid: int) -> list[tuple[int, int]]:
     """The (start, count) ranges `/etc/subuid` or `/etc/subgid` gives a user."""
-    return [(start, count) for who, start, count in _entries(path) if who in (name, str(uid))]
-
-
-def _entries(path: Path) -> list[tuple[str, int, int]]:
-    found = []
-    with contextlib.suppress(OSError):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            fields = line.strip().split(":")
-            if len(fields) == 3 and fields[1].isdigit() and fields[2].isdigit():
-                found.append((fields[0], int(fields[1]), int(fields[2])))
-    return found
+    return [(start, count) for who, start, count in subid_entries(path)
+            if who in (name, str(uid))]
 
 
 def build_user() -> Builder:
@@ -146,7 +138,7 @@ def free_range_start() -> int:
     """The first 65,536-aligned start at or above 2**28 whose 65,536 ids meet no entry of
     /etc/subuid or /etc/subgid (anyone's) and no user's or group's id."""
     taken = [(start, start + count) for path in SUBIDS.values()
-             for _, start, count in _entries(path)]
+             for _, start, count in subid_entries(path)]
     ids = {e.pw_uid for e in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
     start = BUILD_IDS_FLOOR
     while (any(low < start + BUILD_IDS and start < high for low, high in taken)

@@ -11,8 +11,10 @@ Sources (`task.toml` `[environment]`, at most one):
 
 Images go through the well-kept tools: `skopeo copy` into an OCI layout, then `umoci unpack
 --rootless` (layers, whiteouts and the image's `User` looked up in its `/etc/passwd`);
-root filesystems through GNU tar. Every cache entry is then made rootless: owned by the
-sandbox uid, no setuid/setgid bits, no device nodes (the overlay is also `nodev,nosuid`).
+root filesystems through GNU tar. A cache entry is either *rootless* (single-id mode: owned
+by the sandbox uid, no setuid/setgid bits) or *plain* (range mode, docs/SPEC.md §15: the
+image's own ownership, modes and setuid bits, unpacked as root, which each session mounts
+idmapped onto its slot). Neither holds a device node (the overlay is also `nodev,nosuid`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Environment:
     # The task's environment/ folder, copied onto the workdir in each session's layer: a
     # docker_image task without a Dockerfile (docs/SPEC.md §15, as Harbor uploads it).
     upload: Path | None = None
+    plain: bool = False  # the image's own ownership (range mode), else rootless
 
     def record(self) -> dict[str, Any]:
         """`agent.launched.environment`."""
@@ -184,10 +187,17 @@ def _tool(argv: Sequence[str], what: str, *, timeout: float = TOOL_TIMEOUT_S,
 
 
 class Cache:
-    """Unpacked environments, one folder per digest, filled once under a file lock."""
+    """Unpacked environments, one folder per digest and ownership, filled once under a
+    file lock. A `plain` cache (range mode) holds the images' own ownership and setuid
+    files: its folder must be root's alone (`check_plain_folder`)."""
 
-    def __init__(self, folder: Path | None = None) -> None:
+    def __init__(self, folder: Path | None = None, *, plain: bool = False) -> None:
         self.folder = (folder or default_cache_dir()).absolute()
+        self.plain = plain
+
+    def _name(self, digest: str) -> str:
+        hexa = digest.removeprefix("sha256:")
+        return f"{hexa}-plain" if self.plain else hexa
 
     @property
     def _entries(self) -> Path:
@@ -210,7 +220,7 @@ class Cache:
 
     def lookup(self, digest: str) -> Environment | None:
         """The unpacked entry of `digest`, if complete."""
-        meta = self._entries / digest.removeprefix("sha256:") / META
+        meta = self._entries / self._name(digest) / META
         try:
             data = json.loads(meta.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -218,13 +228,14 @@ class Cache:
         return Environment(
             kind=data["kind"], ref=data["ref"], digest=data["digest"],
             root=meta.parent / "rootfs", env=tuple((k, v) for k, v in data["env"]),
-            workdir=data["workdir"], uid=data["uid"], gid=data["gid"], home=data["home"])
+            workdir=data["workdir"], uid=data["uid"], gid=data["gid"], home=data["home"],
+            plain=data.get("plain", False))
 
     def fill(self, digest: str, unpack: Callable[[Path], Environment], *, owner: int | None
              ) -> Environment:
         """The entry of `digest`, unpacked by `unpack(scratch)` unless another process did
         (or does, while we wait for its lock). `unpack` leaves `scratch/rootfs`."""
-        hexa = digest.removeprefix("sha256:")
+        hexa = self._name(digest)
         with self._locked(hexa):
             found = self.lookup(digest)
             if found is not None:
@@ -234,8 +245,11 @@ class Cache:
             scratch = Path(tempfile.mkdtemp(prefix=f".{hexa[:12]}-", dir=self._entries))
             try:
                 made = unpack(scratch)
-                rootless(scratch / "rootfs", owner)
-                meta = {**asdict(made), "root": None, "upload": None,
+                if self.plain:
+                    without_devices(scratch / "rootfs")
+                else:
+                    rootless(scratch / "rootfs", owner)
+                meta = {**asdict(made), "root": None, "upload": None, "plain": self.plain,
                         "env": [list(p) for p in made.env],
                         "size": _tree_size(scratch / "rootfs"),
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -289,15 +303,23 @@ class Cache:
         return removed
 
 
+def _paths(root: Path) -> Iterator[str]:
+    yield str(root)
+    for folder, dirs, files in os.walk(root):
+        yield from (os.path.join(folder, name) for name in [*dirs, *files])
+
+
+def without_devices(root: Path) -> None:
+    """Remove every device node of an unpacked tree (a plain entry keeps the rest)."""
+    for path in _paths(root):
+        if stat.S_ISCHR(os.lstat(path).st_mode) or stat.S_ISBLK(os.lstat(path).st_mode):
+            os.unlink(path)
+
+
 def rootless(root: Path, owner: int | None) -> None:
     """Make an unpacked tree safe to lend: no device nodes, no setuid/setgid bits, and
     (when `owner` is given) every entry owned by the sandbox uid."""
-    def paths() -> Iterator[str]:
-        yield str(root)
-        for folder, dirs, files in os.walk(root):
-            yield from (os.path.join(folder, name) for name in [*dirs, *files])
-
-    for path in paths():
+    for path in _paths(root):
         info = os.lstat(path)
         if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
             os.unlink(path)
@@ -358,10 +380,12 @@ def _config_digest(layout: Path) -> str:
 
 
 def _unpack_layout(layout: Path, scratch: Path, kind: Kind, ref: str, digest: str,
-                   what: str) -> Environment:
-    """`umoci unpack --rootless`, then the runtime config umoci derived from the image."""
+                   what: str, *, plain: bool = False) -> Environment:
+    """`umoci unpack` (`--rootless` unless the entry keeps the image's ownership, which
+    needs root), then the runtime config umoci derived from the image."""
     bundle = scratch / "bundle"
-    _tool(["umoci", "unpack", "--rootless", "--image", f"{layout}:image", str(bundle)], what)
+    rootless_flag = [] if plain else ["--rootless"]
+    _tool(["umoci", "unpack", *rootless_flag, "--image", f"{layout}:image", str(bundle)], what)
     config = json.loads((bundle / "config.json").read_text(encoding="utf-8"))
     process = config.get("process", {})
     env = [item.split("=", 1) for item in process.get("env", []) if "=" in item]
@@ -394,7 +418,7 @@ def prepare_archive(archive: Path, ref: str, cache: Cache, owner: int | None, *,
         cache.remember(key, digest)
         known = digest
         return cache.fill(digest, lambda scratch: _unpack_layout(
-            layout, scratch, "image", ref, known, what), owner=owner)
+            layout, scratch, "image", ref, known, what, plain=cache.plain), owner=owner)
 
 
 def prepare_engine_image(ref: str, engine: str, cache: Cache, owner: int | None, *,
@@ -569,8 +593,10 @@ def prepare_rootfs(path: Path, ref: str, cache: Cache, owner: int | None) -> Env
 
         def unpack(scratch: Path) -> Environment:
             (scratch / "rootfs").mkdir()
-            _tool(["tar", "-xf", str(tarball), "-C", str(scratch / "rootfs"),
-                   "--no-same-owner", "--delay-directory-restore"], what)
+            owners = (["--same-owner", "--numeric-owner", "--same-permissions"] if cache.plain
+                      else ["--no-same-owner"])
+            _tool(["tar", "-xf", str(tarball), "-C", str(scratch / "rootfs"), *owners,
+                   "--delay-directory-restore"], what)
             home = _passwd(scratch / "rootfs", 0)
             return Environment(kind="rootfs", ref=ref, digest=digest,
                                env=(("PATH", DEFAULT_PATH),), workdir="/", home=home)

@@ -13,7 +13,6 @@ folder>/oracle.txt` for a host task. `nop` runs nothing.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import stat
 from dataclasses import dataclass
@@ -81,22 +80,12 @@ def place_solution(task: Task, sandbox: LocalSandbox) -> OraclePlaces:
     solve.chmod(stat.S_IMODE(solve.stat().st_mode) | 0o111)
     logs = (places.log_tree / places.log).parent
     logs.mkdir(parents=True, exist_ok=True)
-    if sandbox.user.switches:
-        _give(places.solution, sandbox)
-        for folder in [logs, *logs.parents]:
-            if folder == places.log_tree:
-                break
-            os.lchown(folder, sandbox.user.uid, sandbox.user.gid)
+    sandbox.give(places.solution)
+    for folder in [logs, *logs.parents]:
+        if folder == places.log_tree:
+            break
+        sandbox.give(folder)
     return places
-
-
-def _give(top: Path, sandbox: LocalSandbox) -> None:
-    """Hand a tree the runner made to the sandbox user (links not followed)."""
-    os.lchown(top, sandbox.user.uid, sandbox.user.gid)
-    if top.is_dir() and not top.is_symlink():
-        for folder, dirs, files in os.walk(top):
-            for name in [*dirs, *files]:
-                os.lchown(os.path.join(folder, name), sandbox.user.uid, sandbox.user.gid)
 
 
 def oracle_argv(places: OraclePlaces, sandbox: LocalSandbox) -> list[str]:

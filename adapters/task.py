@@ -61,6 +61,8 @@ class Task:
     storage_mb: float | None = None  # recorded, never enforced (§12)
     ignored_fields: dict[str, str] = field(default_factory=dict)  # name → why, sorted
     declared_name: str | None = None  # task.toml's [task] name: shown, never a key
+    users: dict[str, str] = field(default_factory=dict)  # phase (agent, verifier) → its
+    # `user` (a name, a uid, uid:gid or name:group; docs/SPEC.md §15), honoured in range mode
 
     @classmethod
     def load(cls, folder: Path) -> Task:
@@ -90,6 +92,7 @@ class Task:
         tests = folder / "tests"
         tables = _env_tables(meta, folder)
         return cls(
+            users=_users(meta, folder),
             name=folder.name,
             declared_name=_declared_name(meta),
             folder=folder,
@@ -111,6 +114,20 @@ class Task:
                                         "reward_from_exit_code", folder, default=False,
                                         table_name="metadata.trialledger"),
         )
+
+
+def _users(meta: dict[str, Any], folder: Path) -> dict[str, str]:
+    """Each phase's `user`, as Harbor types it (a string or an int)."""
+    found = {}
+    for phase in ("agent", "verifier"):
+        value = meta.get(phase, {}).get("user")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
+            raise TaskInvalid(f"{folder / 'task.toml'}: [{phase}] user = {value!r}: expected "
+                              f"a user name, a uid, uid:gid or name:group")
+        found[phase] = str(value)
+    return found
 
 
 class NoVerifier(TaskInvalid):

@@ -56,7 +56,9 @@ class Key:
 HONOURED = Key("honoured")
 INFORMATION = Key("information")
 NOT_ENFORCED = "is recorded, never enforced"
-ONE_USER = "is not honoured: every phase runs as the image's user"
+# Phase users (`[agent] user`, `[verifier] user`) are honoured in range mode; a single-id
+# runner warns at `run` / `job run` that it is not (docs/SPEC.md §15).
+SINGLE_ID_USER = "is not honoured in single-id mode: every phase runs as the image's user"
 NO_ALLOWLIST = Key("refused", "allowlist networking is not yet supported here", _nothing)
 
 # Harbor 0.25's TaskConfig, key by key (plus ours: image_archive, rootfs, pids,
@@ -72,12 +74,12 @@ FIELDS: dict[Path, Key] = {
     ("steps",): Key("refused", "multi-step tasks are not supported here", _nothing),
     ("artifacts",): Key("warned", "is not yet collected", _nothing),
     ("agent", "timeout_sec"): HONOURED,
-    ("agent", "user"): Key("warned", ONE_USER),
+    ("agent", "user"): HONOURED,  # range mode (else warned at run: SINGLE_ID_USER)
     ("agent", "network_mode"): HONOURED,  # public, no-network; allowlist refused below
     ("agent", "allowed_hosts"): NO_ALLOWLIST,
     ("verifier", "timeout_sec"): HONOURED,
     ("verifier", "env"): HONOURED,
-    ("verifier", "user"): Key("warned", ONE_USER),
+    ("verifier", "user"): HONOURED,
     ("verifier", "network_mode"): HONOURED,
     ("verifier", "allowed_hosts"): NO_ALLOWLIST,
     ("verifier", "environment_mode"): Key(

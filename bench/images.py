@@ -1,7 +1,7 @@
-"""Task environments (SPEC §12): sandbox start over a cached image beside the host-root
-sandbox in the same run, the share of a start that the per-session bwrap check takes, the
-first unpack of the Debian test image, and how long a second process takes to find that
-image cached.
+"""Task environments (SPEC §12, §15): sandbox start over a cached image (single-id mode,
+and range mode where available) beside the host-root sandbox in the same run, the share
+of a start that the per-session bwrap check takes, the first unpack of the Debian test
+image, and how long a second process takes to find that image cached.
 
     python -m bench.images [--starts 100]
 
@@ -25,6 +25,7 @@ import anyio
 from tests import images
 from trialledger.adapters.environment import HOST, Cache, Environment, prepare_archive
 from trialledger.adapters.sandbox.identity import sandbox_user
+from trialledger.adapters.sandbox.idrange import range_problem
 from trialledger.adapters.sandbox.local import LocalSandbox, bwrap_problem
 
 
@@ -54,16 +55,19 @@ def _check() -> float:
     return (time.perf_counter() - start) * 1000
 
 
-async def _starts(image: Environment, n: int
-                  ) -> tuple[list[float], list[float], list[float]]:
-    """`n` starts each of the host-root sandbox and of the image's, and `n` bwrap checks,
-    taken in turns so that whatever else the machine does weighs on all alike."""
-    host, over_image, checks = [], [], []
+async def _starts(image: Environment, plain: Environment | None, n: int
+                  ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """`n` starts each of the host-root sandbox, of the image's (single-id mode) and of its
+    plain entry's (range mode, when `plain`), and `n` bwrap checks, taken in turns so that
+    whatever else the machine does weighs on all alike."""
+    host, over_image, in_range, checks = [], [], [], []
     for index in range(n):
-        host.append(await _start(HOST, "/app", 2 * index))
-        over_image.append(await _start(image, "/", 2 * index + 1))
+        host.append(await _start(HOST, "/app", 3 * index))
+        over_image.append(await _start(image, "/", 3 * index + 1))
+        if plain is not None:
+            in_range.append(await _start(plain, "/", 3 * index + 2))
         checks.append(_check())
-    return host, over_image, checks
+    return host, over_image, in_range, checks
 
 
 def _second_process(archive: Path, cache: Path) -> float:
@@ -89,14 +93,25 @@ def report(starts: int) -> None:
         unpack_s = time.perf_counter() - begin
         size_mb = sum(e.size for e in cache.entries()) / 1e6
         found_ms = [_second_process(archive, cache.folder) for _ in range(5)]
-        host, image, checks = anyio.run(_starts, debian, starts)
+        plain = (prepare_archive(archive, "image.tar", Cache(Path(work) / "plain",
+                                                             plain=True), None)
+                 if range_problem() is None else None)
+        host, image, in_range, checks = anyio.run(_starts, debian, plain, starts)
     print(f"{'sandbox start (probe)':<34} {'p50 ms':>8} {'p95 ms':>8}")
     print(f"{'host root (workdir /app)':<34} {_p(host, 50):8.1f} {_p(host, 95):8.1f}")
     print(f"{'Debian image overlay (workdir /)':<34} {_p(image, 50):8.1f} {_p(image, 95):8.1f}")
+    if in_range:
+        print(f"{'the same in range mode':<34} {_p(in_range, 50):8.1f} "
+              f"{_p(in_range, 95):8.1f}")
     print(f"first unpack of the Debian image ({size_mb:.0f} MB): {unpack_s:.1f} s")
     print(f"a second process finds it cached: {statistics.median(found_ms):.1f} ms (median of 5)")
     print(f"ratio image_start_p50/host_start_p50 {_p(image, 50) / _p(host, 50):.2f}")
     print(f"ratio image_start_p95/host_start_p95 {_p(image, 95) / _p(host, 95):.2f}")
+    if in_range:
+        print(f"ratio range_start_p50/host_start_p50 {_p(in_range, 50) / _p(host, 50):.2f} "
+              f"(goal <= 1.25)")
+    else:
+        print(f"range mode unavailable here: {range_problem()}")
     print(f"ratio bwrap_check_p50/host_start_p50 {_p(checks, 50) / _p(host, 50):.2f} "
           f"(the check alone: {_p(checks, 50):.1f} ms p50; it is part of every start)")
 

@@ -318,9 +318,9 @@ def test_concurrent_preparations_unpack_an_image_once(tmp_path: Path,
     unpacks: list[str] = []
     real = environments._unpack_layout
 
-    def counted(*args: Any) -> Environment:
+    def counted(*args: Any, **kwargs: Any) -> Environment:
         unpacks.append(args[3])
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(environments, "_unpack_layout", counted)
     found: list[Environment] = []

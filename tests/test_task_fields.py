@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.runs import in_process, make_task, run_task
+from tests.views import decided
 from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.task import Task, TaskInvalid, UnsupportedField
@@ -41,8 +42,6 @@ REFUSED = [
 
 # (task.toml, the field warned); each is recorded and named, never enforced
 WARNED = [
-    ("[agent]\nuser = 'agent'\n", "[agent] user"),
-    ("[verifier]\nuser = 1000\n", "[verifier] user"),
     ("[environment.healthcheck]\ncommand = 'true'\n", "[environment] healthcheck"),
     ("[[environment.mcp_servers]]\nname = 'docs'\nurl = 'http://docs.invalid/sse'\n",
      "[environment] mcp_servers"),
@@ -108,15 +107,20 @@ def test_run_prints_each_warned_field_once_on_stderr_never_stdout(tmp_path: Path
             "[environment]\nskills_dir = '/skills'\nstorage = '10G'\nflavour = 'mint'\n"
             "[environment.healthcheck]\ncommand = 'true'\n")
     task = write(tmp_path / "task", toml)
+    assert task.users == {"agent": "agent", "verifier": "1000"}
     done = in_process("run", str(task.folder), "--agent", "oracle", "--json",
                       "--db", str(tmp_path / "t.db"))
     assert done.returncode == 0, done.stderr
     assert "warning" not in done.stdout
     lines = [line for line in done.stderr.splitlines() if "warning" in line]
-    assert len(lines) == len(task.ignored_fields) == 7
+    assert len(task.ignored_fields) == 5 and len(lines) == 7
     for field, reason in task.ignored_fields.items():
         assert [line for line in lines if f"warning: {field} " in line] == [
             f"trialledger: warning: {field} {reason} (1 task)"]
+    # a host task runs in single-id mode: its phase users are not honoured, and said so
+    for phase in ("agent", "verifier"):
+        assert (f"trialledger: warning: [{phase}] user is not honoured in single-id mode: "
+                f"every phase runs as the image's user (1 task)") in lines
 
 
 def test_job_run_counts_tasks_per_field_and_lists_a_skipped_task(
@@ -133,11 +137,13 @@ def test_job_run_counts_tasks_per_field_and_lists_a_skipped_task(
     out, err = capsys.readouterr()
     assert code == 0, err
     assert err.count("[verifier] user is not honoured") == 1
-    assert "warning: [verifier] user is not honoured: every phase runs as the image's user " \
-           "(2 tasks)" in err
+    assert "warning: [verifier] user is not honoured in single-id mode: every phase runs as " \
+           "the image's user (2 tasks)" in err
     assert "warning: [environment] skills_dir is ignored" in err and "(1 task)\n" in err
     assert err.count("skipped task gamma:") == 1 and "[environment] gpus = 2" in err
-    assert "gamma" not in out  # in no denominator: not a task of the job
+    # in no denominator: not a task of the job, only listed as skipped with its reason
+    assert [line.strip().split(":")[:2] for line in out.splitlines() if "gamma" in line] == [
+        ["gamma", " skipped"]]
     # a refused task named alone is refused, not skipped
     alone = in_process("job", "run", "other", str(data / "gamma"), "--agent", "oracle",
                        "--db", str(db))
@@ -247,5 +253,5 @@ async def test_the_solution_env_reaches_solve_sh_over_the_environment_env(tmp_pa
     assert task.solution_env == {"B": "solution", "DEBIAN_FRONTEND": "dialog"}
     async with await Ledger.open(str(tmp_path / "t.db")) as ledger:
         result = await SessionRunner(ledger, task, RunOptions(agent="oracle")).run_session()
-    assert result.view.decision.status == "completed"
+    assert decided(result.view).status == "completed"
     assert result.view.rewards == {"reward": 1.0}

@@ -28,9 +28,14 @@ VERIFIER_STDOUT = "test-stdout.txt"  # the verifier's stdout and stderr, as Harb
 # nested ones; no capability; private PID (our init is PID 1, so it gets the signals we
 # forward and the namespace dies with it), IPC, UTS and cgroup views; a new terminal
 # session (no TIOCSTI into ours); bwrap dies with the runner.
+NAMESPACES = ("--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
+              "--unshare-cgroup-try", "--new-session")
 ISOLATION = ("--die-with-parent", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
-             "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
-             "--unshare-cgroup-try", "--new-session")
+             *NAMESPACES)
+# Range mode (docs/SPEC.md §15): the session's own user namespace (made and mapped by the
+# runner, nested ones forbidden in it), joined rather than made; Docker's capabilities,
+# which bwrap also makes the bounding set, and the seccomp filter of Docker's denials.
+RANGE_ISOLATION = ("--die-with-parent", "--cap-drop", "ALL", *NAMESPACES)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,9 @@ class Spawn:
     isolated_network: bool = False  # a private network namespace: only our proxies answer
     block_fd: int | None = None  # bwrap waits on it (the proxies are opened inside first)
     info_fd: int = 0  # bwrap reports its child's pid here
+    userns_fd: int | None = None  # range mode: the session's user namespace
+    seccomp_fd: int | None = None  # range mode: the filter bwrap loads
+    caps: Sequence[str] = ()  # range mode: inner root's capabilities
 
 
 def mounts(spawn: Spawn) -> list[Mount]:
@@ -79,8 +87,11 @@ def mounts(spawn: Spawn) -> list[Mount]:
         found.append(Mount("--symlink", link, path, whole=True) if link is not None
                      else Mount("--ro-bind", path, path))
     found += [Mount("--proc", None, "/proc"), Mount("--ro-bind", "/proc/sys", "/proc/sys"),
-              Mount("--dev", None, "/dev"), Mount("--tmpfs", None, "/tmp"),
-              Mount("--ro-bind", spawn.init, INIT_INSIDE)]
+              Mount("--dev", None, "/dev")]
+    if spawn.root is None or spawn.system:  # over an image, /tmp is the image's, in the
+        # session's layer (it persists to the verifier, as in a container)
+        found.append(Mount("--tmpfs", None, "/tmp"))
+    found.append(Mount("--ro-bind", spawn.init, INIT_INSIDE))
     if spawn.role == "agent":
         found += [Mount("--ro-bind", source, inside, staged=True)
                   for source, inside in spawn.codex]
@@ -103,7 +114,13 @@ def mounts(spawn: Spawn) -> list[Mount]:
 def bwrap_argv(spawn: Spawn, placed: Sequence[Mount], command: Sequence[str]) -> list[str]:
     """bwrap's argv for `command` with the mounts `placed` (those of `mounts(spawn)`, their
     staged sources replaced where the runner staged them)."""
-    argv = ["bwrap", *ISOLATION, "--uid", str(spawn.uid), "--gid", str(spawn.gid)]
+    if spawn.userns_fd is not None:  # our init switches each process to its user
+        assert spawn.seccomp_fd is not None, "range mode never runs without its filter"
+        argv = ["bwrap", *RANGE_ISOLATION, "--userns", str(spawn.userns_fd),
+                "--seccomp", str(spawn.seccomp_fd),
+                *(option for cap in spawn.caps for option in ("--cap-add", cap))]
+    else:
+        argv = ["bwrap", *ISOLATION, "--uid", str(spawn.uid), "--gid", str(spawn.gid)]
     if spawn.isolated_network:
         argv.append("--unshare-net")
     if spawn.block_fd is not None:

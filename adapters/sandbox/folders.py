@@ -13,7 +13,7 @@ import contextlib
 import fcntl
 import os
 import secrets
-import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -65,18 +65,36 @@ def make_session_folder(session_key: str) -> tuple[Path, int]:
     return root, lock
 
 
+def remove_tree(*paths: str | Path, dir_fd: int | None = None) -> None:
+    """Remove folders the agent could write, whole, never following a link: with GNU `rm
+    -rf --one-file-system`, which walks without recursion — an agent's tree can be nested
+    deeper than Python's recursion limit (`shutil.rmtree` recurses per level on 3.11). With
+    `dir_fd`, each path is a name in that folder."""
+    if not paths:
+        return
+    targets = [str(p) if dir_fd is None else f"/proc/self/fd/{dir_fd}/{p}" for p in paths]
+    done = subprocess.run(["rm", "-rf", "--one-file-system", "--", *targets],
+                          pass_fds=() if dir_fd is None else (dir_fd,),
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise OSError(f"rm -rf: {done.stderr.strip()[-300:]}")
+
+
 def remove_lock_last(root: Path) -> None:
     """Remove a session folder, its lock file last and only once all else is gone: a
     removal cut short leaves the lock (free once its runner is gone) or an empty folder."""
+    folders = []
     with contextlib.suppress(OSError), os.scandir(root) as entries:
         for entry in entries:
             if entry.name == LOCK:
                 continue
             if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+                folders.append(entry.path)
             else:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
+    with contextlib.suppress(OSError):
+        remove_tree(*folders)  # one `rm` for them all
     with contextlib.suppress(OSError):
         if {name for name in os.listdir(root)} <= {LOCK}:
             with contextlib.suppress(FileNotFoundError):

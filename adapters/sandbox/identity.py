@@ -45,7 +45,8 @@ class SandboxUser:
         return os.geteuid() != self.uid
 
     def staged(self, init: Path, overlays: Sequence[str] = (), binds: Sequence[str] = (),
-               cgroups: Sequence[Path] = (), nproc: int = PROCESS_LIMIT) -> list[str]:
+               cgroups: Sequence[Path] = (), nproc: int = PROCESS_LIMIT,
+               idmap: tuple[int, Path, Path] | None = None) -> list[str]:
         """The argv prefix our static init (`init --stage`) makes of a launch: first it
         joins `cgroups` (each a session cgroup's `cgroup.procs`); in a private mount
         namespace, when there is anything to mount, the overlays (options, target) and the
@@ -54,13 +55,16 @@ class SandboxUser:
         and threads, all sessions together, where no pids cgroup of the session's own
         holds them; 0 when one does, so no other session's processes count against this
         one. Not root, a user namespace maps us to root for the mounts, and there is
-        nothing to drop."""
+        nothing to drop. `idmap` (range mode: the session's user namespace fd, the cache
+        entry, its mount point) is mounted first, for the overlays to lie on."""
         mounting = bool(overlays or binds)
         if not self.switches and not mounting and not cgroups:
             return []
         namespace: list[str] = []
         options = ["--drop", str(self.uid), str(self.gid), str(nproc)] if self.switches else []
         if mounting and os.geteuid() == 0:
+            if idmap is not None:
+                options[0:0] = ["--idmap", *(str(part) for part in idmap)]
             options.insert(0, "--mount-ns")
         elif mounting:
             namespace = ["unshare", "--user", "--map-root-user", "--mount", "--propagation",

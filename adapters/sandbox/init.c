@@ -7,7 +7,18 @@
  * neither open /proc/1/fd/N nor ptrace it: the status channel is ours alone. Static, so
  * nothing of ours needs a program inside the sandbox.
  *
- *     init --status-fd N [--oom-score-adj K] -- COMMAND ARGS...
+ *     init --status-fd N [--oom-score-adj K] [--user UID GID GROUPS]
+ *          [--deadline-fd FD --deadline-ms MS] -- COMMAND ARGS...
+ *
+ * With --deadline-fd it is a dead man's switch (a job trial's lease, SPEC §13): it SIGKILLs
+ * the command's group MS milliseconds from its start unless the runner extends the
+ * deadline first, by writing "<milliseconds>\n" (from now) to FD. A runner that is paused,
+ * partitioned from its store or dead cannot, so its agent stops acting before another
+ * holder may take the trial over.
+ *
+ * With --user (range mode, SPEC §15) it runs as inner root and switches the command to its
+ * user as Docker does: GROUPS (comma-separated gids, "-" for none) as the supplementary
+ * groups, then the gid, then the uid, which clears every capability of a non-root user.
  *
  * Before bwrap, as the runner, it also stages the sandbox: in a private mount namespace
  * of its own (--mount-ns) it makes the session's overlays and the read-only binds of what
@@ -21,6 +32,20 @@
  *     init --stage [--cgroup PROCS]... [--mount-ns] [--drop UID GID NPROC]
  *          [OPTIONS TARGET]... -- [SOURCE TARGET]... -- COMMAND ARGS...
  *
+ * With --idmap (range mode) it mounts SOURCE at TARGET idmapped through the user
+ * namespace USERNS_FD, read-only, nodev, nosuid: the image's root-owned files become the
+ * slot's first id, so one cache entry serves every slot:
+ *
+ *     init --stage [--cgroup PROCS]... [--mount-ns [--idmap USERNS_FD SOURCE TARGET]] ...
+ *
+ * And it makes a session's user namespace (range mode): as ID (the slot's first host id,
+ * so the namespace belongs to it and bwrap, running as ID, may join it), it unshares a
+ * user namespace, forbids nested ones in it (user.max_user_namespaces = 0), prints
+ * "ready", and waits for its stdin to close -- meanwhile the runner writes the id maps and
+ * opens /proc/PID/ns/user:
+ *
+ *     init --userns ID
+ *
  * Built by `trialledger setup` or on first use: gcc -static -O2 -o init init.c
  */
 #define _GNU_SOURCE
@@ -32,13 +57,65 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
+#include <linux/mount.h>
 #include <grp.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/time.h>
+#include <sys/syscall.h>
+#include <linux/close_range.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 static volatile sig_atomic_t child_pid = 0;
+static volatile sig_atomic_t deadline_fd = -1;
+
+/* The deadline passed: the command's whole group goes. */
+static void deadline_passed(int signum) {
+    (void)signum;
+    if (child_pid > 0)
+        kill(-child_pid, SIGKILL);
+}
+
+static void set_deadline(unsigned long ms) {
+    struct itimerval timer;
+    memset(&timer, 0, sizeof timer);
+    timer.it_value.tv_sec = (time_t)(ms / 1000);
+    timer.it_value.tv_usec = (suseconds_t)(ms % 1000) * 1000;
+    if (ms == 0)
+        timer.it_value.tv_usec = 1; /* now (0 would disarm it) */
+    setitimer(ITIMER_REAL, &timer, NULL);
+}
+
+/* SIGIO: the runner wrote to the deadline pipe; the last whole number read is the new
+ * deadline, in milliseconds from now. */
+static void deadline_extended(int signum) {
+    (void)signum;
+    int saved = errno;
+    char buffer[256];
+    ssize_t got;
+    unsigned long value = 0, last = 0;
+    int digits = 0, whole = 0;
+    while ((got = read(deadline_fd, buffer, sizeof buffer)) > 0) {
+        for (ssize_t i = 0; i < got; i++) {
+            if (buffer[i] >= '0' && buffer[i] <= '9' && digits < 12) {
+                value = value * 10 + (unsigned long)(buffer[i] - '0');
+                digits++;
+            } else if (buffer[i] == '\n' && digits > 0) {
+                last = value;
+                whole = 1;
+                value = 0;
+                digits = 0;
+            } else {
+                value = 0;
+                digits = 0;
+            }
+        }
+    }
+    if (whole)
+        set_deadline(last);
+    errno = saved;
+}
 
 static void forward(int signum) {
     int saved = errno;
@@ -103,6 +180,66 @@ static int drop(const char *uid_text, const char *gid_text, const char *nproc_te
     return 0;
 }
 
+/* SOURCE mounted at TARGET read-only, nodev, nosuid, its ids seen through USERNS_FD. */
+static int idmapped(int userns_fd, const char *source, const char *target) {
+    int tree = open_tree(AT_FDCWD, source, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+    if (tree < 0)
+        return -1;
+    struct mount_attr attr;
+    memset(&attr, 0, sizeof attr);
+    attr.attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID;
+    attr.userns_fd = (unsigned long long)userns_fd;
+    int failed = mount_setattr(tree, "", AT_EMPTY_PATH, &attr, sizeof attr) != 0 ||
+                 move_mount(tree, "", AT_FDCWD, target, MOVE_MOUNT_F_EMPTY_PATH) != 0;
+    int saved = errno;
+    close(tree); /* USERNS_FD stays open: bwrap joins the same namespace */
+    errno = saved;
+    return failed ? -1 : 0;
+}
+
+/* The session's user namespace, owned by ID (see the top of this file). */
+static int make_userns(const char *id_text) {
+    uid_t id = (uid_t)strtoul(id_text, NULL, 10);
+    if (id == 0)
+        return stage_failed("--userns as uid", "0");
+    if (setgroups(0, NULL) != 0 || setresgid(id, id, id) != 0 || setresuid(id, id, id) != 0)
+        return stage_failed("switch to", id_text);
+    if (unshare(CLONE_NEWUSER) != 0)
+        return stage_failed("unshare", "CLONE_NEWUSER");
+    int fd = open("/proc/sys/user/max_user_namespaces", O_WRONLY | O_CLOEXEC);
+    if (fd < 0 || write(fd, "0", 1) != 1)
+        return stage_failed("write 0 to", "user.max_user_namespaces");
+    close(fd);
+    if (write(1, "ready\n", 6) != 6)
+        return 125;
+    char byte;
+    while (read(0, &byte, 1) > 0)
+        ;
+    return 0;
+}
+
+/* The command's user (range mode): supplementary groups, gid, uid, as Docker sets them. */
+static int become(const char *uid_text, const char *gid_text, const char *groups_text) {
+    gid_t groups[64];
+    size_t count = 0;
+    if (strcmp(groups_text, "-") != 0) {
+        const char *at = groups_text;
+        while (*at != '\0' && count < sizeof groups / sizeof groups[0]) {
+            char *end;
+            groups[count++] = (gid_t)strtoul(at, &end, 10);
+            at = *end == ',' ? end + 1 : end;
+            if (*end != ',' && *end != '\0')
+                return -1;
+        }
+    }
+    gid_t gid = (gid_t)strtoul(gid_text, NULL, 10);
+    uid_t uid = (uid_t)strtoul(uid_text, NULL, 10);
+    if (setgroups(count, groups) != 0 || setresgid(gid, gid, gid) != 0 ||
+        setresuid(uid, uid, uid) != 0)
+        return -1;
+    return 0;
+}
+
 /* [--cgroup PROCS]... [--mount-ns] [--drop UID GID NPROC], overlays (mount options, target) up to "--", then
  * read-only binds (source, target) up to "--", then exec the command. */
 static int stage(int argc, char **argv) {
@@ -121,6 +258,11 @@ static int stage(int argc, char **argv) {
         if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
             return stage_failed("mount --make-rprivate", "/");
         i++;
+        if (i + 3 < argc && strcmp(argv[i], "--idmap") == 0) {
+            if (idmapped(atoi(argv[i + 1]), argv[i + 2], argv[i + 3]) != 0)
+                return stage_failed("mount idmapped on", argv[i + 3]);
+            i += 4;
+        }
     }
     if (i + 3 < argc && strcmp(argv[i], "--drop") == 0) {
         user = argv + i + 1;
@@ -149,7 +291,11 @@ int main(int argc, char **argv) {
     int status_fd = -1, i;
     if (argc >= 2 && strcmp(argv[1], "--stage") == 0)
         return stage(argc, argv);
+    if (argc == 3 && strcmp(argv[1], "--userns") == 0)
+        return make_userns(argv[2]);
     const char *oom = NULL;
+    char **user = NULL;
+    unsigned long deadline_ms = 0;
     char **command = NULL;
     if (argc == 2 && strcmp(argv[1], "--probe") == 0)
         return 0; /* the liveness probe: a process ran in the sandbox's workdir */
@@ -158,13 +304,21 @@ int main(int argc, char **argv) {
             status_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "--oom-score-adj") == 0 && i + 1 < argc)
             oom = argv[++i];
+        else if (strcmp(argv[i], "--user") == 0 && i + 3 < argc) {
+            user = argv + i + 1;
+            i += 3;
+        } else if (strcmp(argv[i], "--deadline-fd") == 0 && i + 1 < argc)
+            deadline_fd = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--deadline-ms") == 0 && i + 1 < argc)
+            deadline_ms = strtoul(argv[++i], NULL, 10);
         else if (strcmp(argv[i], "--") == 0) {
             command = argv + i + 1;
             break;
         }
     }
     if (command == NULL || command[0] == NULL) {
-        fprintf(stderr, "usage: init --status-fd N [--oom-score-adj K] -- COMMAND...\n");
+        fprintf(stderr, "usage: init --status-fd N [--oom-score-adj K] [--user UID GID GROUPS] "
+                        "-- COMMAND...\n");
         return 2;
     }
     if (oom != NULL)
@@ -172,6 +326,8 @@ int main(int argc, char **argv) {
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     if (status_fd >= 0)
         fcntl(status_fd, F_SETFD, FD_CLOEXEC);
+    if (deadline_fd >= 0) /* the runner's alone: never the command's */
+        fcntl(deadline_fd, F_SETFD, FD_CLOEXEC);
 
     /* A close-on-exec pipe tells an exec failure from a started agent. */
     int spawn[2];
@@ -186,7 +342,10 @@ int main(int argc, char **argv) {
     if (pid == 0) {
         sigprocmask(SIG_SETMASK, &old, NULL);
         setpgid(0, 0);
-        execvp(command[0], command);
+        /* Nothing of ours past stdio reaches the command (bwrap's user namespace fd, say). */
+        syscall(SYS_close_range, 3U, ~0U, CLOSE_RANGE_CLOEXEC);
+        if (user == NULL || become(user[0], user[1], user[2]) == 0)
+            execvp(command[0], command);
         int error = errno;
         (void)!write(spawn[1], &error, sizeof error);
         _exit(127);
@@ -204,7 +363,18 @@ int main(int argc, char **argv) {
     sigaction(SIGINT, &action, NULL);
     sigaction(SIGHUP, &action, NULL);
     sigaction(SIGUSR1, &action, NULL);
+    if (deadline_fd >= 0) {
+        action.sa_handler = deadline_passed;
+        sigaction(SIGALRM, &action, NULL);
+        action.sa_handler = deadline_extended;
+        sigaction(SIGIO, &action, NULL);
+        fcntl(deadline_fd, F_SETOWN, getpid());
+        fcntl(deadline_fd, F_SETFL, O_NONBLOCK | O_ASYNC);
+        set_deadline(deadline_ms);
+    }
     sigprocmask(SIG_SETMASK, &old, NULL);
+    if (deadline_fd >= 0)
+        deadline_extended(SIGIO); /* what was written before O_ASYNC took effect */
 
     int error = 0;
     ssize_t got;

@@ -39,6 +39,7 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -72,16 +73,27 @@ from trialledger.adapters.sandbox.bwrap import (
     mounts,
 )
 from trialledger.adapters.sandbox.cgroup import CONTROLLERS, SessionCgroup, hold
+from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.folders import (
     forget_session_folder,
     make_session_folder,
     remove_lock_last,
+    remove_tree,
 )
 from trialledger.adapters.sandbox.identity import (
     PROCESS_LIMIT,
     SandboxUser,
     ensure_init,
     sandbox_user,
+)
+from trialledger.adapters.sandbox.idrange import (
+    DOCKER_CAPS,
+    InnerUser,
+    Slot,
+    ensure_filter,
+    make_userns,
+    reserved_range,
+    resolve_user,
 )
 from trialledger.adapters.sandbox.mountpoints import Want, make_mount_point
 from trialledger.adapters.sandbox.network import Network
@@ -93,25 +105,30 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
 # (its lock follows its creation within microseconds): a removal or a creation cut short.
 ISOLATIONS = ("bwrap", "process-group")
 RECHECK_AFTER_S = 0.2
-_overlays_made: set[tuple[int, int]] = set()  # (lower's device, upper's): overlays work
+_overlays_made: set[tuple[int, int, bool]] = set()  # (lower's device, upper's,
+# range mode): overlays work
 
 
 def bwrap_problem(user: SandboxUser, cgroups: Sequence[Path] = (),
-                  nproc: int = PROCESS_LIMIT) -> str | None:
+                  nproc: int = PROCESS_LIMIT, userns_fd: int | None = None) -> str | None:
     """Why bwrap cannot sandbox here as `user` (None: it can): a missing bwrap, no user
     namespaces, or a seccomp/AppArmor policy that forbids them. Run as a session runs (the
-    drop to `user` under `nproc`, joined to `cgroups`) and, when it fails, once more: a
-    transient failure (another session's processes filling a shared limit, say) is
-    never taken for the machine's, and nothing is cached."""
+    drop to `user` under `nproc`, joined to `cgroups`, in range mode joining the session's
+    user namespace `userns_fd`) and, when it fails, once more: a transient failure
+    (another session's processes filling a shared limit, say) is never taken for the
+    machine's, and nothing is cached."""
     if shutil.which("bwrap") is None:
         return "bwrap is not installed (apt-get install bubblewrap)"
+    users = (["--userns", str(userns_fd)] if userns_fd is not None
+             else ["--unshare-user", "--disable-userns"])
     command = [*user.staged(ensure_init(), cgroups=cgroups, nproc=nproc), "bwrap",
-               "--unshare-user", "--disable-userns", "--cap-drop", "ALL", "--unshare-pid",
+               *users, "--cap-drop", "ALL", "--unshare-pid",
                "--as-pid-1", "--ro-bind", "/", "/", "true"]
     for attempt in range(2):
         if attempt:
             time.sleep(RECHECK_AFTER_S)
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        done = subprocess.run(command, capture_output=True, text=True, check=False,
+                              pass_fds=() if userns_fd is None else (userns_fd,))
         if done.returncode == 0:
             return None
     return f"bwrap cannot create its namespaces here: {done.stderr.strip()[-200:]}"
@@ -137,12 +154,26 @@ def check_granted_paths(paths: Sequence[Path], protected: Sequence[Path]) -> lis
     return checked
 
 
-def _chown_tree(top: Path, user: SandboxUser) -> None:
-    """Give a tree we created to the sandbox user (links themselves, never followed)."""
-    os.lchown(top, user.uid, user.gid)
+def _chown_tree(top: Path, owner: tuple[int, int]) -> None:
+    """Give a tree we created to host ids `owner` (links themselves, never followed)."""
+    os.lchown(top, *owner)
     for folder, dirs, files in os.walk(top):
         for name in [*dirs, *files]:
-            os.lchown(os.path.join(folder, name), user.uid, user.gid)
+            os.lchown(os.path.join(folder, name), *owner)
+
+
+@dataclass(frozen=True)
+class RangeIds:
+    """A range-mode session's ids: its slot, its user namespace, the user it runs as."""
+
+    slot: Slot
+    userns_fd: int
+    users: Mapping[str, InnerUser]  # each role's user inside (agent, probe, verifier)
+
+    @property
+    def runs_as(self) -> SandboxUser:
+        """bwrap's host uid: the slot's first id, the owner of the user namespace."""
+        return SandboxUser(self.slot.start, self.slot.start)
 
 
 def _clear_planted(layer: Path, relative: str, *, whole: bool) -> None:
@@ -161,7 +192,7 @@ def _clear_planted(layer: Path, relative: str, *, whole: bool) -> None:
         if stat.S_ISDIR(mode) and not (whole and last):
             continue
         if stat.S_ISDIR(mode):
-            shutil.rmtree(current)
+            remove_tree(current)
         else:
             os.unlink(current)
         return
@@ -187,6 +218,8 @@ class LocalSandbox:
         network: Network | None = None,
         environment: Environment = HOST,
         limits: Mapping[str, float] | None = None,
+        users: Mapping[str, str] | None = None,
+        switch: DeadManSwitch | None = None,
     ) -> None:
         self.workdir = workdir
         self.environment = environment
@@ -217,10 +250,16 @@ class LocalSandbox:
         self.limits = dict(limits or {})
         self.cgroup: SessionCgroup | None = None
         self.limits_reason: str | None = None
+        self.range: RangeIds | None = None
+        self.users = dict(users or {})  # phase → its `user` (range mode honours them)
+        self.switch = switch  # a job trial's lease: every process killed once it lapses
         try:
             self.cgroup, self.limits_reason = hold(self.limits, self.marker)
+            if self.image is not None and self.image.plain:
+                self.range = self._take_range()
             if isolation == "bwrap" and (problem := bwrap_problem(
-                    self.user, self._cgroup_procs, self._nproc)) is not None:
+                    self.runs_as, self._cgroup_procs, self._nproc,
+                    self.range.userns_fd if self.range else None)) is not None:
                 raise SandboxRefused(f"{problem} (refusing to run the agent unconfined; "
                                      f"--isolation process-group runs it without a sandbox)")
             self._lay_out(workspace)
@@ -243,10 +282,66 @@ class LocalSandbox:
             raise SandboxRefused("allow_internet = false needs a private network namespace, "
                                  "which needs bwrap; --isolation process-group cannot run it")
 
+    def _take_range(self) -> RangeIds:
+        """A slot of the sandbox user's range and the session's user namespace over it
+        (a plain cache entry is only ever mounted this way)."""
+        assert self.image is not None and self.image.root is not None
+        ids = reserved_range()
+        if os.geteuid() != 0 or ids is None:
+            raise SandboxRefused("this image's cache entry keeps its own ownership (range "
+                                 "mode), which needs a root runner after `trialledger setup`")
+        if self.cgroup is None or "pids" not in self.cgroup.held:
+            raise SandboxRefused(f"range mode needs a pids cgroup of the session's own "
+                                 f"({self.limits_reason})")
+        ensure_filter()
+        image_user = (self.image.uid, self.image.gid)
+        users = {role: resolve_user(self.image.root, self.users.get(role) if role != "probe"
+                                    else None, image_user)
+                 for role in ("agent", "probe", "verifier")}
+        slot = Slot.acquire(ids)
+        try:
+            userns_fd = make_userns(self.init, slot)
+        except BaseException:
+            slot.release()
+            raise
+        return RangeIds(slot, userns_fd, users)
+
+    @property
+    def runs_as(self) -> SandboxUser:
+        """Who bwrap runs as on the host: the sandbox user, or (range) the slot's first id."""
+        return self.range.runs_as if self.range is not None else self.user
+
+    def owner(self, role: Role = "agent") -> tuple[int, int]:
+        """The host ids of a role's files: the sandbox user's, or (range) the role's user's
+        in the slot."""
+        if self.range is not None:
+            inner = self.range.users[role]
+            return self.range.slot.host(inner.uid), self.range.slot.host(inner.gid)
+        return self.user.uid, self.user.gid
+
+    @property
+    def agent_owner(self) -> tuple[int, int]:
+        """The host ids of the agent's files."""
+        return self.owner("agent")
+
+    def give(self, top: Path) -> None:
+        """Hand a tree the runner made for the agent to its user (links not followed)."""
+        if self.runs_as.switches:
+            _chown_tree(top, self.agent_owner)
+
+    @property
+    def _root_owner(self) -> tuple[int, int]:
+        """The host ids of what inner root owns: the sandbox user's, or the slot's first."""
+        return (self.runs_as.uid, self.runs_as.gid)
+
     def identity_record(self) -> dict[str, str]:
         """`agent.launched.identity` (schema 3): the id mode and the inner uid:gid every
-        phase runs as. Only single-id mode exists here yet: one inner id (the image's user,
-        else the sandbox uid), mapped onto the sandbox uid, without capabilities."""
+        phase runs as: range mode (the image's user in the session's own 65,536 ids), else
+        one inner id (the image's user, else the sandbox uid) mapped onto the sandbox uid,
+        without capabilities."""
+        if self.range is not None:
+            agent = self.range.users["agent"]
+            return {"mode": "range", "user": f"{agent.uid}:{agent.gid}"}
         uid, gid = ((self.image.uid, self.image.gid) if self.image is not None
                     else (self.user.uid, self.user.gid))
         return {"mode": "single", "user": f"{uid}:{gid}"}
@@ -288,17 +383,20 @@ class LocalSandbox:
             # A prebuilt image's environment/, as Harbor uploads it (docs/SPEC.md §15).
             copy_to.mkdir(parents=True, exist_ok=True)
             copy_tree(self.environment.upload, copy_to)
-        if self.user.switches:
-            # Only the sandbox user's group may pass (bwrap, as that user, binds the folders
-            # below), never list; no other local user reaches the session's files — a setuid
-            # file the agent made in its workdir is not theirs to run.
-            os.chown(self.root, os.geteuid(), self.user.gid)
+        if self.runs_as.switches:
+            # Only bwrap's group may pass (bwrap, as that user, binds the folders below),
+            # never list; no other local user reaches the session's files — a setuid file
+            # the agent made in its workdir is not theirs to run.
+            os.chown(self.root, os.geteuid(), self.runs_as.gid)
             self.root.chmod(0o710)
             for folder in (self.session_dir, self.host_work):
                 if folder.exists():
-                    _chown_tree(folder, self.user)
+                    _chown_tree(folder, self.agent_owner)
             if self.overlay:
-                _chown_tree(self.root / "upper", self.user)
+                _chown_tree(self.root / "upper", self.agent_owner)
+                os.chown(self.root / "upper", *self._root_owner)  # the image's / is root's
+        if self.range is not None:
+            (self.root / "lower").mkdir()
         if self.overlay:
             self._check_overlay()
 
@@ -322,10 +420,11 @@ class LocalSandbox:
         the session folders' file system: tried once per process and pair of file systems
         (a mount in a private namespace costs a few ms, a third of a sandbox start)."""
         lower = self._lower
-        key = (os.stat(lower).st_dev, os.stat(self.root).st_dev)
+        key = (os.stat(lower).st_dev, os.stat(self.root).st_dev, self.range is not None)
         if key not in _overlays_made:
             done = subprocess.run([*self._prefix([]), "true"], capture_output=True,
-                                  text=True, check=False)
+                                  text=True, check=False,
+                                  pass_fds=(self.range.userns_fd,) if self.range else ())
             if done.returncode != 0:
                 raise SandboxRefused(
                     "workdir / needs a per-session overlay, and none can be made here "
@@ -355,9 +454,10 @@ class LocalSandbox:
             return self.codex.path_dir
         return str(next(iter(self.codex.helpers.values())).parent)
 
-    def agent_files(self, folder: Path) -> AgentTree:
-        """Safe reads of a folder the agent could write (as the sandbox user)."""
-        return AgentTree(folder, self.user.uid, self.user.gid)
+    def agent_files(self, folder: Path, role: Role = "agent") -> AgentTree:
+        """Safe reads of a folder the agent (or the verifier, `role`) could write, as that
+        role's user on the host."""
+        return AgentTree(folder, *self.owner(role))
 
     # --- the bwrap command line -------------------------------------------------------------
 
@@ -365,8 +465,8 @@ class LocalSandbox:
         """`mount -t overlay` options and target for `lower` under `<layer>-upper`."""
         for name in (f"{layer}-upper", f"{layer}-work", f"{layer}-merged"):
             (self.root / name).mkdir(exist_ok=True)
-        if self.user.switches:  # the layer's root is the sandbox user's, as the image's is
-            os.chown(self.root / f"{layer}-upper", self.user.uid, self.user.gid)
+        if self.runs_as.switches:  # the layer's root is inner root's, as the image's is
+            os.chown(self.root / f"{layer}-upper", *self._root_owner)
         options = (f"lowerdir={lower},upperdir={self.root / f'{layer}-upper'},"
                    f"workdir={self.root / f'{layer}-work'}")
         if os.geteuid() != 0:
@@ -381,10 +481,15 @@ class LocalSandbox:
     def _prefix(self, staged: Sequence[tuple[Path, Path]], role: Role = "agent") -> list[str]:
         """What runs before bwrap: our static init (`init --stage`) mounts the overlays
         and binds each staged source read-only onto its mount point in a private mount
-        namespace, drops to the sandbox user, then execs bwrap."""
+        namespace, drops to the sandbox user, then execs bwrap. In range mode the image's
+        entry is first mounted idmapped onto the slot, and the overlays lie on that."""
         overlays: list[str] = []
+        idmap = None
+        if self.range is not None:
+            assert self.image is not None and self.image.root is not None
+            idmap = (self.range.userns_fd, self.image.root, self.root / "lower")
         if self.overlay:
-            lower = self._lower
+            lower = self.root / "lower" if idmap is not None else self._lower
             options = (f"lowerdir={lower},upperdir={self.root / 'upper'},"
                        f"workdir={self.root / 'overlay-work'}")
             if os.geteuid() != 0:
@@ -392,13 +497,15 @@ class LocalSandbox:
             overlays += [options, str(self.root / "merged")]
         if self._pristine_view(role):
             assert self.image is not None and self.image.root is not None
-            overlays += self._overlay(self.image.root, f"pristine-{self._verifications}")
-        return self.user.staged(self.init, overlays, [str(p) for pair in staged for p in pair],
-                                self._cgroup_procs, self._nproc)
+            overlays += self._overlay(self.root / "lower" if idmap is not None
+                                      else self.image.root, f"pristine-{self._verifications}")
+        return self.runs_as.staged(self.init, overlays,
+                                   [str(p) for pair in staged for p in pair],
+                                   self._cgroup_procs, self._nproc, idmap)
 
     def _stage(self, source: Path, staged: list[tuple[Path, Path]]) -> Path:
         """Where bwrap takes `source` from: itself, or (root) a staged read-only bind."""
-        if not self.user.switches:
+        if not self.runs_as.switches:
             return source
         point = self.stage / hashlib.sha256(str(source).encode()).hexdigest()[:16]
         if not point.exists():
@@ -411,11 +518,15 @@ class LocalSandbox:
         return point
 
     def _bwrap(self, command: Sequence[str], *, info_fd: int, role: Role,
-               verifier_logs: Path | None = None, block_fd: int | None = None) -> list[str]:
+               verifier_logs: Path | None = None, block_fd: int | None = None,
+               seccomp_fd: int | None = None) -> list[str]:
         """The spawn's whole argv: the staging prefix (root), the drop to the sandbox user,
         then bwrap (whose command line `bwrap.py` builds from what is read here)."""
         spawn = self._spawn_plan(role, info_fd=info_fd, verifier_logs=verifier_logs,
                                  block_fd=block_fd)
+        if self.range is not None:
+            spawn = dataclasses.replace(spawn, userns_fd=self.range.userns_fd,
+                                        seccomp_fd=seccomp_fd, caps=DOCKER_CAPS)
         staged: list[tuple[Path, Path]] = []
         placed = [dataclasses.replace(m, source=str(self._stage(Path(m.source), staged)))
                   if m.staged and m.source is not None else m for m in mounts(spawn)]
@@ -460,7 +571,7 @@ class LocalSandbox:
         and `/run/trialledger`, `/tests` and `/logs` are always ours: over the root overlay,
         in its merged view; inside the workdir or the session folder, in that folder. A
         point inside a mount of ours (a tmpfs, `/proc`, a host folder) needs nothing."""
-        owner = (self.user.uid, self.user.gid) if self.user.switches else None
+        owner = self._root_owner if self.runs_as.switches else None
         if self._pristine_view(role):  # the agent's workdir is bound in from its layer: a
             # workdir it swapped for a link is put back, never followed as a bind source
             assert self.image is not None and self.image.root is not None
@@ -475,7 +586,8 @@ class LocalSandbox:
                 "file" if mount.source is not None and os.path.isfile(mount.source) else "dir")
             if within is None and self.overlay:
                 upper, lower = self._root_layers(role)
-                make_mount_point(upper, mount.target, want, lower=lower, owner=owner)
+                make_mount_point(upper, mount.target, want, lower=lower, owner=owner,
+                                 shift=self.range.slot.start if self.range else 0)
             elif within is not None and within.kind == "--bind" and within.source in writable:
                 make_mount_point(writable[within.source],
                                  str(target.relative_to(within.target)), want, owner=owner)
@@ -489,11 +601,18 @@ class LocalSandbox:
             return upper, self.image.root
         return self.root / "upper", self._lower
 
-    def _init(self, command: Sequence[str], status_fd: int) -> list[str]:
+    def _init(self, command: Sequence[str], status_fd: int, role: Role) -> list[str]:
         init = INIT_INSIDE if self.isolation == "bwrap" else str(self.init)
         argv = [init, "--status-fd", str(status_fd)]
         if self.oom_score_adj is not None:
             argv += ["--oom-score-adj", str(self.oom_score_adj)]
+        if self.switch is not None:
+            argv += ["--deadline-fd", str(self.switch.read_fd),
+                     "--deadline-ms", str(self.switch.remaining_ms())]
+        if self.range is not None:  # our init, inner root, switches the command's user
+            user = self.range.users[role]
+            groups = ",".join(str(g) for g in user.groups) or "-"
+            argv += ["--user", str(user.uid), str(user.gid), groups]
         return [*argv, "--", *command]
 
     async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
@@ -504,15 +623,21 @@ class LocalSandbox:
         forwarding = (bwrap and role == "agent" and self.network is not None
                       and self.network.isolated)
         block_r, block_w = os.pipe() if forwarding else (None, None)
-        inner = self._init(command, status_w)
+        seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
+                   if self.range is not None else None)
+        userns = self.range.userns_fd if self.range is not None else None
+        inner = self._init(command, status_w, role)
         argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, verifier_logs=verifier_logs,
-                            block_fd=block_r) if bwrap else [*self._prefix([]), *inner])
+                            block_fd=block_r, seccomp_fd=seccomp)
+                if bwrap else [*self._prefix([]), *inner])
         env = {**env, SUPERVISOR_ENV: self.marker}
         try:
             process = await anyio.open_process(
                 argv, env=env, cwd=None if bwrap else self.host_work,
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                pass_fds=tuple(fd for fd in (status_w, info_w, block_r) if fd is not None),
+                pass_fds=tuple(fd for fd in (status_w, info_w, block_r, seccomp, userns,
+                                             self.switch.read_fd if self.switch else None)
+                               if fd is not None),
                 start_new_session=True,
             )
         except BaseException:
@@ -521,7 +646,7 @@ class LocalSandbox:
                     os.close(fd)
             raise
         finally:
-            for fd in (status_w, info_w, block_r):
+            for fd in (status_w, info_w, block_r, seccomp):
                 if fd is not None:
                     with contextlib.suppress(OSError):
                         os.close(fd)
@@ -625,8 +750,8 @@ class LocalSandbox:
         self._verifications += 1
         logs = self.root / f"verifier-{self._verifications}"
         logs.mkdir(mode=0o700)
-        if self.user.switches:
-            os.chown(logs, self.user.uid, self.user.gid)
+        if self.runs_as.switches:
+            os.chown(logs, *self.owner("verifier"))
         if not await self._agent_gone():
             return VerifierRun(None, False, logs, "agent processes outlived the run")
         run_it = f'exec "$0" > "$1/{VERIFIER_STDOUT}" 2>&1'
@@ -653,8 +778,8 @@ class LocalSandbox:
         script = target / "test.sh"
         if script.is_file() and not script.is_symlink():
             script.chmod(script.stat().st_mode | 0o111)
-        if self.user.switches:
-            _chown_tree(target, self.user)
+        if self.runs_as.switches:
+            _chown_tree(target, self._root_owner if self.range is not None else self.agent_owner)
 
     def _fresh_tests(self) -> Path | None:
         """The verifier's `/tests`: over an overlay that is its root, a real folder of its
@@ -667,7 +792,7 @@ class LocalSandbox:
             _clear_planted(self.root / "upper", TESTS_INSIDE, whole=True)
             layer = self.root / "upper" / TESTS_INSIDE.lstrip("/")
             if os.path.lexists(layer):
-                shutil.rmtree(layer)
+                remove_tree(layer)
             self._copy_tests(layer)
             return None
         copy = self.root / f"tests-{self._verifications}"
@@ -706,16 +831,23 @@ class LocalSandbox:
 
     def discard(self) -> None:
         """Remove the session's folders (they hold config.toml with grant tokens), and its
-        cgroup with whatever is left in it."""
-        if self.cgroup is not None:
-            self.cgroup.remove()
-            self.cgroup = None
+        cgroup with whatever is left in it; then (range mode) free its slot."""
         try:
-            remove_lock_last(self.root)
+            if self.cgroup is not None:
+                self.cgroup.remove()
+                self.cgroup = None
+            try:
+                remove_lock_last(self.root)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.close(self._lock)
+            forget_session_folder(self.root)
         finally:
-            with contextlib.suppress(OSError):
-                os.close(self._lock)
-        forget_session_folder(self.root)
+            if self.range is not None:  # the slot is free once the folder is gone
+                with contextlib.suppress(OSError):
+                    os.close(self.range.userns_fd)
+                self.range.slot.release()
+                self.range = None
 
 
 def _minimal_env() -> dict[str, str]:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from trialledger.adapters.sandbox.folders import remove_tree
 
 Want = Literal["dir", "file", "absent"]  # what the last component must be for the mount
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -68,8 +69,10 @@ def _fits(info: os.stat_result, want: Want) -> bool:
 class _Walk:
     """The walk down one path in the merged view of `upper` over `lower`."""
 
-    def __init__(self, upper: Path, lower: Path | None, owner: tuple[int, int] | None) -> None:
+    def __init__(self, upper: Path, lower: Path | None, owner: tuple[int, int] | None,
+                 shift: int = 0) -> None:
         self.owner = owner
+        self.shift = shift
         self.opened: list[int] = []
         top = _DIR_FLAGS & ~os.O_NOFOLLOW  # the layers themselves are ours
         self.level = _Level(self._open(None, str(upper), top),
@@ -87,7 +90,9 @@ class _Walk:
 
     def _own(self, fd: int, name: str, like: os.stat_result | None) -> None:
         """Give a made entry the lower entry's owner (a copy-up), else the sandbox user's."""
-        owner = (like.st_uid, like.st_gid) if like is not None else self.owner
+        owner = ((like.st_uid + self.shift, like.st_gid + self.shift)
+                 if like is not None and max(like.st_uid, like.st_gid) < 65_536
+                 else self.owner)  # an id no slot maps: the made folder is ours
         if owner is not None:
             with contextlib.suppress(PermissionError):  # not root: ours is the only owner
                 os.chown(name, *owner, dir_fd=fd, follow_symlinks=False)
@@ -113,8 +118,11 @@ class _Walk:
         if up is not None and _whiteout(up):
             up = low = None  # nothing here in the merged view: bwrap makes it afresh
         seen = up or low
-        if seen is None:
-            return False  # bwrap makes the rest afresh, in the upper layer
+        if seen is None:  # made here, 0755 and `owner`'s, not by bwrap (whose folders are
+            # 0700 root's: an image's non-root user could not pass them)
+            if want != "absent":
+                self._replace(name, None, None, want)
+            return want == "dir"
         if _fits(seen, want):
             if want == "dir":
                 self._descend(name, up, low)
@@ -141,7 +149,7 @@ class _Walk:
                  want: Want) -> None:
         fd = self.upper()
         if up is not None and stat.S_ISDIR(up.st_mode):
-            shutil.rmtree(name, dir_fd=fd)
+            remove_tree(name, dir_fd=fd)
         elif up is not None:
             os.unlink(name, dir_fd=fd)
         if want == "dir":
@@ -160,17 +168,18 @@ class _Walk:
 
 
 def make_mount_point(upper: Path, relative: str, want: Want, *, lower: Path | None = None,
-                     owner: tuple[int, int] | None = None) -> None:
+                     owner: tuple[int, int] | None = None, shift: int = 0) -> None:
     """Make `relative` safe for bwrap to mount on in the view of `upper` over `lower` (an
     overlay's merged view; `lower` None: `upper` alone): every component a real folder and
     the last one `want` — a real folder, a regular file, or nothing (bwrap makes a symlink
     there) — or missing, which bwrap then creates through real folders. What is not is
     replaced in `upper`; a folder made there is `owner`'s (the sandbox user, who makes the
-    rest), one copied up on the way keeps the lower folder's owner and mode."""
+    rest), one copied up on the way keeps the lower folder's owner (plus `shift`: range
+    mode's slot start, as the idmapped lower shows it) and mode."""
     parts = [part for part in relative.split("/") if part and part != "."]
     if not parts or ".." in parts:
         return
-    walk = _Walk(upper, lower, owner)
+    walk = _Walk(upper, lower, owner, shift)
     try:
         for index, part in enumerate(parts):
             if not walk.step(part, want if index == len(parts) - 1 else "dir"):

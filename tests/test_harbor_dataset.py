@@ -1,0 +1,96 @@
+"""A small dataset in Harbor's format, checked as a benchmark operator checks one (SPEC §15):
+`job run NAME DATASET --agent oracle` gives every task Harbor's reward 1, and `--agent nop`
+gives 0 where the task says so. The tasks need what real Terminal-Bench tasks need: a
+container's root (`apt-get install`, `adduser`, `chown`, `su`), the verifier's `HOME` and
+`[verifier] env`, a verifier that moves `/tests` aside, `reward.json`, no network.
+
+They run over the tests' Debian rootfs in range mode (`.ci/run` runs `trialledger setup`);
+apt installs from a one-package local repository, so no test needs the network.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.runs import in_process
+from tests.test_range_mode import ROOT_SOLUTION, ROOT_TEST, _debian_into, local_repository
+
+DONE = "#!/bin/bash\nmkdir -p /app && echo done > /app/ok\n"
+TASKS: dict[str, dict[str, str]] = {
+    "apt-and-users": {"solve": ROOT_SOLUTION, "test": ROOT_TEST},
+    "verifier-env": {
+        "toml": '[verifier.env]\nEXTRA = "from-the-verifier"\n',
+        "solve": DONE,
+        "test": '#!/bin/bash\n[ -f /app/ok ] && [ "$HOME" = /root ] && '
+                '[ "$EXTRA" = from-the-verifier ] && echo 1 > /logs/verifier/reward.txt '
+                '|| echo 0 > /logs/verifier/reward.txt\n'},
+    "moves-tests": {
+        "solve": DONE,
+        "test": '#!/bin/bash\nmv /tests /tests-aside && [ -f /tests-aside/test.sh ] && '
+                '[ -f /app/ok ] && echo 1 > /logs/verifier/reward.txt '
+                '|| echo 0 > /logs/verifier/reward.txt\n'},
+    "reward-json": {
+        "solve": DONE,
+        "test": '#!/bin/bash\nif [ -f /app/ok ]; then echo \'{"reward": 1}\' > '
+                '/logs/verifier/reward.json; else echo \'{"reward": 0}\' > '
+                '/logs/verifier/reward.json; fi\n'},
+    "no-network": {
+        "toml": '[environment]\nnetwork_mode = "no-network"\n',
+        "solve": "#!/bin/bash\n(exec 3<>/dev/tcp/1.1.1.1/80) 2>/dev/null && exit 0\n"
+                 "mkdir -p /app && echo offline > /app/ok\n",
+        "test": '#!/bin/bash\n[ "$(cat /app/ok)" = offline ] && echo 1 > '
+                '/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'},
+}
+
+
+def write_dataset(root: Path) -> Path:
+    """Each task as Harbor lays it out: instruction.md, task.toml (its rootfs), solution/,
+    tests/test.sh."""
+    for name, parts in TASKS.items():
+        folder = root / name
+        for sub in ("solution", "tests"):
+            (folder / sub).mkdir(parents=True)
+        _debian_into(folder)
+        toml = parts.get("toml", "")
+        if "[environment]" in toml:
+            toml = toml.replace("[environment]\n", '[environment]\nrootfs = "rootfs.tar"\n')
+        else:
+            toml = '[environment]\nrootfs = "rootfs.tar"\n' + toml
+        (folder / "task.toml").write_text('version = "1.0"\n' + toml)
+        (folder / "instruction.md").write_text(f"Solve {name}.\n")
+        if name == "apt-and-users":
+            local_repository(folder / "solution")
+        for path, text in ((folder / "solution" / "solve.sh", parts["solve"]),
+                           (folder / "tests" / "test.sh", parts["test"])):
+            path.write_text(text)
+            path.chmod(0o755)
+    return root
+
+
+def job_rewards(db: Path, name: str) -> dict[str, Any]:
+    shown = in_process("job", "show", name, "--db", str(db), "--json")
+    assert shown.returncode == 0, shown.stderr
+    summary = json.loads(shown.stdout)
+    return {task["task"]: task["mean"] for task in summary["tasks"]
+            if task["task"] is not None}  # the dataset's own row aside
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("dataset"))
+
+
+@pytest.mark.parametrize(("agent", "reward"), [("oracle", 1.0), ("nop", 0.0)])
+def test_the_oracle_scores_1_and_nop_0_on_every_task(dataset: Path, tmp_path: Path,
+                                                     agent: str, reward: float) -> None:
+    """The oracle (each task's own solution) gets reward 1 everywhere; nop, which does
+    nothing, gets 0 wherever the task needs work — here, every task."""
+    db = tmp_path / "jobs.db"
+    done = in_process("job", "run", f"{agent}-check", str(dataset), "--agent", agent,
+                      "--db", str(db))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert job_rewards(db, f"{agent}-check") == {name: reward for name in TASKS}
