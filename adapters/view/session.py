@@ -1,0 +1,186 @@
+"""A session's page (docs/SPEC.md §10, §15): its timeline — tool calls with their output,
+model calls with status and duration, gaps, each decision explained — the verifier's
+output and files, usage, the environment; and its re-derivation under each policy."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from trialledger.adapters import artifacts
+from trialledger.adapters.view.names import slug
+from trialledger.adapters.view.pages import NotFound
+from trialledger.adapters.view.render import plain_data
+from trialledger.adapters.view.store import rows
+from trialledger.core import Event, SessionView, explain, replay
+from trialledger.core.policy import POLICIES
+from trialledger.store import Ledger, NoSession
+
+PAUSE_S = 30.0  # a step this long between two events is highlighted as a pause
+LONG_TEXT = 600  # characters past which a tool's output or an event's data is collapsed
+SHOWN_FILE = 64 * 1024  # bytes of a kept file shown on the page
+PART_EVENTS = 1000  # events of the timeline per page
+
+
+def _events(view: SessionView) -> list[Any]:
+    """The view's events, their data read by type (the union is narrowed by `type`)."""
+    return list(view.events)
+
+
+def _when(at: str) -> datetime:
+    return datetime.fromisoformat(at.replace("Z", "+00:00"))
+
+
+def _tool_row(event: Event, tools: dict[str, Any]) -> dict[str, Any] | None:
+    item = getattr(event.data, "item", None)
+    call = tools.get(item.get("id", "")) if isinstance(item, dict) else None
+    if call is None:
+        return None
+    output = call.output if isinstance(call.output, str) or call.output is None \
+        else json.dumps(plain_data(call.output), ensure_ascii=False)
+    arguments = call.arguments if isinstance(call.arguments, str) \
+        else json.dumps(plain_data(call.arguments), ensure_ascii=False)
+    done = event.type == "item.completed"
+    return {"name": call.name, "kind": call.kind, "arguments": arguments,
+            "output": output if done else None, "exit_code": call.exit_code if done else None,
+            "status": call.status if done else "started",
+            "long": done and output is not None and (len(output) > LONG_TEXT
+                                                     or output.count("\n") > 12)}
+
+
+def _model_row(call: Any) -> dict[str, Any]:
+    took = None
+    if call.ended_at:
+        took = round((_when(call.ended_at) - _when(call.started_at)).total_seconds() * 1000)
+    return {"call": call.call, "method": call.method, "path": call.path,
+            "status": call.http_status, "error": call.error, "completed": call.completed,
+            "duration_ms": took, "model": call.model,
+            "tokens": call.usage.total_tokens if call.usage else None}
+
+
+def timeline(view: SessionView, first: int = 0, count: int | None = None
+             ) -> list[dict[str, Any]]:
+    """One row per event (`count` of them from index `first`): when, the step since the
+    one before, what it says."""
+    tools = {t.id: t for t in view.observations.tool_calls}
+    decisions = [e.seq for e in view.events if e.type == "outcome.decided"]
+    said = dict(zip(decisions, explain(view), strict=True))
+    start = _when(view.events[0].at)
+    previous = _when(view.events[max(first - 1, 0)].at)
+    found = []
+    for event in view.events[first:None if count is None else first + count]:
+        moment = _when(event.at)
+        step = (moment - previous).total_seconds()
+        row: dict[str, Any] = {"seq": event.seq, "type": event.type,
+                               "since": (moment - start).total_seconds(), "step": step,
+                               "pause": step >= PAUSE_S, "gap": event.type == "gap.recorded",
+                               "tool": None, "model_call": None,
+                               "explained": said.get(event.seq), "data": None, "long": False}
+        if event.type.startswith("item."):
+            row["tool"] = _tool_row(event, tools)
+        if event.type == "model.call":
+            row["model_call"] = _model_row(event.data)
+        if row["tool"] is None and row["model_call"] is None:
+            text = json.dumps(plain_data(event.data.model_dump(mode="json",
+                                                               exclude_none=True)),
+                              ensure_ascii=False)
+            row["data"], row["long"] = text, len(text) > LONG_TEXT
+        found.append(row)
+        previous = moment
+    return found
+
+
+def _files(view: SessionView) -> dict[str, Any]:
+    """The kept files the verification lists, read from the artifact folder when it is on
+    this machine (checked against their sha256), else where they live."""
+    seed = _events(view)[0].data
+    folder = artifacts.session_folder(seed.settings.sandbox_logs_dir, view.session_id)
+    kept = [f for e in _events(view) if e.type.startswith("verification.")
+            for f in e.data.files]
+    here = folder.is_dir()
+    listed = []
+    for entry in kept:
+        shown, refused = None, None
+        if here:
+            try:
+                data = artifacts.read_kept(folder, entry)
+                shown = "(binary)" if b"\0" in data[:SHOWN_FILE] else \
+                    data[:SHOWN_FILE].decode("utf-8", errors="replace")
+            except artifacts.ArtifactRefused as error:
+                refused = str(error)
+        listed.append({"path": entry.path, "size": entry.size, "sha256": entry.sha256,
+                       "content": shown, "refused": refused})
+    return {"folder": str(folder), "here": here, "files": listed, "runner": seed.runner_id}
+
+
+def _verifications(view: SessionView) -> list[dict[str, Any]]:
+    return [{"type": e.type, "rewards": getattr(e.data, "rewards", None),
+             "reason": getattr(e.data, "reason", None), "detail": e.data.detail,
+             "stdout": e.data.stdout_tail, "stderr": e.data.stderr_tail}
+            for e in _events(view) if e.type.startswith("verification.")]
+
+
+def _environment(view: SessionView) -> dict[str, Any] | None:
+    launched = next((e for e in _events(view) if e.type == "agent.launched"), None)
+    if launched is None:
+        return None
+    d = launched.data
+    return {"isolation": d.isolation, "environment": d.environment, "limits": d.limits,
+            "identity": d.identity, "workdir": d.workdir, "argv": " ".join(d.argv),
+            "env_keys": ", ".join(d.env_keys), "model_proxy": d.model_proxy,
+            "runner": d.runner_id}
+
+
+async def session(ledger: Ledger, session_id: str, part: int = 1) -> dict[str, Any]:
+    """Everything the session page shows; its timeline in parts of PART_EVENTS events
+    (`part` from 1), so a long session's page stays quick to render and to read."""
+    try:
+        view = await ledger.view(session_id)
+    except NoSession:
+        raise NotFound(f"no session {session_id}") from None
+    seed = _events(view)[0].data
+    member = await rows(ledger, "SELECT job FROM job_queue WHERE trial_id = :t",
+                        {"t": seed.trial_id})
+    parts = max(1, -(-len(view.events) // PART_EVENTS))
+    if not 1 <= part <= parts:
+        raise NotFound(f"session {session_id} has {parts} part(s) of events, not {part}")
+    return {"view": view, "seed": seed, "part": part, "parts": parts,
+            "timeline": timeline(view, (part - 1) * PART_EVENTS, PART_EVENTS),
+            "explained": explain(view), "verifications": _verifications(view),
+            "kept": _files(view), "environment": _environment(view),
+            "gaps": view.observations.gaps, "usage": view.usage,
+            "job": {"name": member[0]["job"], "slug": slug(member[0]["job"])} if member
+            else None}
+
+
+async def rederived(ledger: Ledger, session_id: str,
+                    policies: Sequence[str] | None = None) -> dict[str, Any]:
+    """The session re-derived under each registered policy: its outcome, decision and the
+    first decision that differs from the recorded one (as `Ledger.divergences` finds it)."""
+    stored = await ledger.events(session_id)
+    if not stored:
+        raise NotFound(f"no session {session_id}")
+    events: list[Any] = [s.event for s in stored]
+    own = events[0].data.settings.policy
+    found = []
+    for name in policies or sorted(POLICIES):
+        try:
+            view = replay(events, policy=name)
+        except Exception as error:  # a registered policy that cannot decide this log
+            found.append({"policy": name, "own": name == own, "outcome": None,
+                          "decision": None, "explained": [], "diverged": None,
+                          "error": f"{type(error).__name__}: {error}"})
+            continue
+        d = view.diverged_at
+        found.append({"policy": name, "own": name == own, "outcome": view.outcome,
+                      "error": None, "decision": view.decision, "explained": explain(view),
+                      "diverged": None if d is None else {
+                          "seq": d.seq,
+                          "recorded": f"{d.recorded.rule}/{d.recorded.action}"
+                          if d.recorded else "none",
+                          "derived": f"{d.derived.rule}/{d.derived.action}"
+                          if d.derived else "none"}})
+    return {"session_id": session_id, "task": events[0].data.task, "own": own,
+            "policies": found}
