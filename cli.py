@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -167,6 +166,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             raise Refused(f"--secret-env {name}: no such environment variable")
         secrets.append(os.environ[name])
 
+    _check_store_file(args.db)  # a damaged file is refused, not written into
     try:
         session_id = on_store(args.db, lambda ledger: ledger.import_log(events, secrets=secrets))
     except (BadEvent, IllegalTransition) as error:
@@ -226,8 +226,10 @@ def cmd_recover(args: argparse.Namespace) -> int:
         print("trialledger: --force: recovering even sessions whose runner is alive",
               file=sys.stderr)
 
-    recovered = on_store(args.db, lambda ledger: ledger.recover(
-        args.runner, all_runners=args.all, force=args.force))
+    from trialledger.adapters.journal import delivery
+
+    recovered = on_store(args.db, lambda ledger: ledger.recover(  # journals delivered first
+        args.runner, all_runners=args.all, force=args.force, deliver=delivery(ledger)))
     from trialledger.adapters.sandbox.folders import sweep_stale_sessions
 
     swept = sweep_stale_sessions()  # this machine's folders of dead runners (grant tokens)
@@ -317,7 +319,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         task = require_verifier(Task.load(Path(args.task_dir)))  # as Harbor, up front
-        _warn_fields([task])
+        _warn_fields([task], in_range=_range_mode(args))
         check_inputs([task], options)  # settings, grants, Codex: before anything is seeded
         if options.agent == "oracle":
             solve_script(task)  # NoSolution: refused before anything is seeded
@@ -348,20 +350,34 @@ def _reward_words(view: Any) -> str:
     return f" {_reward_pairs(view.rewards)}{'' if valid else ' (not valid)'}"
 
 
+def _check_store_file(db: str) -> None:
+    """A damaged SQLite store refused in one line (`store.intact`; loaded only here, so
+    `--help` and `replay` stay clear of the database stack)."""
+    from trialledger.store.intact import check_store_file
+
+    check_store_file(db)
+
+
 def _reward_pairs(rewards: Mapping[str, Any]) -> str:
     return " ".join(f"{name}={value:g}" if isinstance(value, (int, float)) else
                     f"{name}={value}" for name, value in rewards.items())
 
 
-def _warn_fields(tasks: Sequence[Any], skipped: Mapping[str, str] | None = None) -> None:
+def _warn_fields(tasks: Sequence[Any], skipped: Mapping[str, str] | None = None, *,
+                 in_range: bool = False) -> None:
     """docs/SPEC.md §15 on stderr (never stdout): each dataset task skipped as unsupported,
-    then one line per distinct field not honoured, with how many tasks have it."""
+    then one line per distinct field not honoured, with how many tasks have it (phase
+    users are honoured only for image and rootfs tasks in range mode)."""
+    from trialledger.adapters.taskconfig import SINGLE_ID_USER
+
     for name, why in (skipped or {}).items():
         print(f"trialledger: warning: skipped task {printable(name)}: {printable(why)}",
               file=sys.stderr)
     counts: dict[tuple[str, str], int] = {}
     for task in tasks:
-        for field, reason in task.ignored_fields.items():
+        unhonoured = {} if in_range and task.source is not None else {
+            f"[{phase}] user": SINGLE_ID_USER for phase in task.users}
+        for field, reason in {**task.ignored_fields, **unhonoured}.items():
             counts[field, reason] = counts.get((field, reason), 0) + 1
     for (field, reason), n in sorted(counts.items()):
         print(f"trialledger: warning: {printable(field)} {printable(reason)} "
@@ -371,14 +387,40 @@ def _warn_fields(tasks: Sequence[Any], skipped: Mapping[str, str] | None = None)
 def _prepared(task: Any, args: argparse.Namespace) -> Any:
     """The task's environment, built and unpacked into the cache (EnvironmentUnavailable:
     one line naming what is missing; nothing seeded)."""
-    from trialledger.adapters.environment import HOST, Cache, prepare
+    from trialledger.adapters.environment import HOST, prepare
     from trialledger.adapters.sandbox.identity import sandbox_user
 
     if task.source is None:
         return HOST
     owner = sandbox_user(args.sandbox_uid).uid if os.geteuid() == 0 else None
-    return prepare(task.source, Cache(args.cache_dir), owner=owner, engine=args.engine,
+    return prepare(task.source, _cache(args), owner=owner, engine=args.engine,
                    pull=args.pull, force_build=args.force_build)
+
+
+def _range_mode(args: argparse.Namespace) -> bool:
+    """Whether image and rootfs sessions run in range mode (docs/SPEC.md §15): a root
+    runner after `setup`, the default sandbox user, bwrap."""
+    from trialledger.adapters.sandbox.idrange import range_problem
+
+    return (getattr(args, "sandbox_uid", None) is None
+            and getattr(args, "isolation", "bwrap") == "bwrap" and range_problem() is None)
+
+
+def _cache(args: argparse.Namespace) -> Any:
+    """The environment cache sessions read: plain entries for range mode (a root runner
+    after `setup`, the default sandbox user, bwrap), else rootless ones (single-id mode)."""
+    from trialledger.adapters.environment import Cache
+    from trialledger.adapters.sandbox.base import SandboxRefused
+    from trialledger.adapters.sandbox.idrange import check_plain_folder
+
+    plain = _range_mode(args)
+    cache = Cache(args.cache_dir, plain=plain)
+    if plain:
+        try:
+            check_plain_folder(cache.folder)
+        except SandboxRefused as error:
+            raise Refused(str(error)) from None
+    return cache
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -406,7 +448,6 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def cmd_job_run(args: argparse.Namespace) -> int:
     """Create or resume a job and work its queue here; one line per finished trial, then
     the summary. Exit 0 when every trial ended with a final decision, 1 when one did not."""
-    from trialledger.adapters.environment import Cache
     from trialledger.adapters.jobs import JobRunner, check_inputs, load_tasks
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.runner import CodexNotFound
@@ -420,8 +461,8 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     async def job(ledger: Ledger) -> dict[str, Any]:
         runner = JobRunner(
             ledger, args.name, tasks, options, k=args.k, add=args.add,
-            datasets=selection.datasets, concurrency=args.n,
-            lease_s=args.lease_s, cache=Cache(args.cache_dir), engine=args.engine,
+            datasets=selection.datasets, skipped=selection.skipped, concurrency=args.n,
+            lease_s=args.lease_s, cache=_cache(args), engine=args.engine,
             pull=args.pull, force_build=args.force_build, owner=_owner(args), on_trial=said)
         holder.append(runner)
         await _with_live(ledger, args.name, not args.json, runner.run)
@@ -436,7 +477,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
         selection = load_tasks([Path(p) for p in args.tasks], args.include or (),
                                args.exclude or ())
         tasks = selection.tasks
-        _warn_fields(tasks, selection.skipped)
+        _warn_fields(tasks, selection.skipped, in_range=_range_mode(args))
         check_inputs(tasks, options)  # before the job exists: a refusal leaves none behind
         summary = anyio.run(lambda: until_signalled(go, stop=_stopper(holder, args.grace),
                                                     grace_s=args.grace))
@@ -449,7 +490,6 @@ def cmd_job_run(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Work queued trials of any job (or `--job`) from this machine until none is left."""
-    from trialledger.adapters.environment import Cache
     from trialledger.adapters.jobs import check_inputs, worker_runner
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.runner import CodexNotFound
@@ -467,7 +507,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             runner = await worker_runner(
                 ledger, name, options, agent=args.agent, concurrency=args.n,
                 lease_s=args.lease_s,
-                cache=Cache(args.cache_dir), engine=args.engine, pull=args.pull,
+                cache=_cache(args), engine=args.engine, pull=args.pull,
                 force_build=args.force_build, owner=_owner(args), on_trial=said)
             check_inputs(runner.tasks, runner.options)  # e.g. no Codex here: one line
             holder[:] = [runner]
@@ -561,21 +601,29 @@ def _stopper(holder: list[Any], grace_s: float) -> Callable[[], None]:
 
 
 def _trial_printer(as_json: bool) -> Callable[[Any], None]:
-    """One line (or JSON object) per finished trial."""
-    started = time.monotonic()
+    """One line (or JSON object) per finished trial: its outcome, its reward and its own
+    duration (its sessions' wall time of work, SPEC §13; not the time since the job began)."""
 
     def said(done: Any) -> None:
         if as_json:
             print(json.dumps({"trial_id": done.trial_id, "task": done.task, "k": done.k_index,
                               "outcome": done.outcome, "reward": done.reward,
-                              "sessions": done.sessions}), flush=True)
+                              "wall_s": done.wall_s, "sessions": done.sessions}), flush=True)
         else:
-            reward = "" if done.reward is None else f" reward {done.reward:g}"
-            out.print(plain(f"{done.task} k={done.k_index} {done.outcome}{reward} "
-                            f"({len(done.sessions)} session{'s' * (len(done.sessions) != 1)}, "
-                            f"{time.monotonic() - started:.0f} s)"))
+            out.print(plain(_trial_line(done.task, done.k_index, done.outcome, done.reward,
+                                        len(done.sessions), done.wall_s)))
 
     return said
+
+
+def _trial_line(task: str, k_index: int, outcome: str, reward: Any, sessions: int,
+                wall_s: Any) -> str:
+    """A trial in one line: how it ended, its reward and its own duration (its sessions'
+    wall time of work, SPEC §13 — not the time since the job began)."""
+    said = "no reward" if reward is None else f"reward {float(reward):g}"
+    took = "" if wall_s is None else f", {float(wall_s):.1f} s"
+    return (f"{task} k={k_index} {outcome} {said} "
+            f"({sessions} session{'s' * (sessions != 1)}{took})")
 
 
 async def _job_summary(ledger: Ledger, name: str) -> dict[str, Any]:
@@ -601,7 +649,7 @@ def _tokens(row: Mapping[str, Any]) -> str:
     printed for a sum that is not known)."""
     known, unknown = row.get("total_tokens"), row.get("unknown_usage") or 0
     if not unknown:
-        return str(known or 0)
+        return "" if known is None else str(known)  # None: no session ended yet
     return f"unknown ({unknown})" if known is None else f"{known} + {unknown} unknown"
 
 
@@ -617,7 +665,9 @@ def _passk_text(passk: Sequence[Mapping[str, Any]], row: Mapping[str, Any]) -> s
                     if p["task"] == row["task"] and p["dataset"] == row["dataset"])
 
 
-def _print_job(summary: Mapping[str, Any], *, as_json: bool) -> None:
+def _print_job(summary: Mapping[str, Any], *, as_json: bool, trials: bool = False) -> None:
+    """A job's figures (per task and overall), then who holds its open trials, its tasks
+    that did not run and why; `trials`: first one line per trial."""
     if as_json:
         print(json.dumps(summary, default=str))
         return
@@ -625,8 +675,13 @@ def _print_job(summary: Mapping[str, Any], *, as_json: bool) -> None:
     rows = [[*([t["dataset"] or ""] if several else []), _figure_name(t), t["trials"],
              t["open"], t["scored"], t["unscored"], _number(t["passed"]), _number(t["mean"]),
              _number(t["mean_scored"]), _passk_text(summary["passk"], t), t["retries"],
-             t["interrupted"], _tokens(t), f"{t['wall_s'] or 0:.0f}"]
+             t["interrupted"], _tokens(t),
+             "" if t["wall_s"] is None else f"{float(t['wall_s']):.0f}"]
             for t in summary["tasks"]]
+    for t in summary["trials"] if trials else ():
+        ended = t["outcome"] if t["state"] == "done" and t["outcome"] else t["state"]
+        out.print(plain(_trial_line(t["task"], t["k_index"], ended, t["reward"],
+                                    t["attempts"], t["wall_s"])))
     _table([*(["dataset"] if several else []), "task", "trials", "open", "scored", "unscored",
             "passed", "mean", "mean scored", "pass@k", "retries", "interrupted", "tokens",
             "wall s"], rows)
@@ -639,54 +694,38 @@ def _print_job(summary: Mapping[str, Any], *, as_json: bool) -> None:
         out.print(plain(f"partial: {len(summary['open_trials'])} trial(s) still open, left "
                         f"out of every figure"))
         for t in summary["open_trials"]:
-            holder = "queued" if t["state"] == "queued" else f"held by {t['runner_id']}"
-            out.print(plain(f"  {t['task']} #{t['k_index']} ({t['trial_id']}): {holder}"))
+            out.print(plain(f"  {t['task']} #{t['k_index']} ({t['trial_id']}): "
+                            f"{_holder(t)}"))
     for state in ("environment_failed", "no_solution"):
         for task, why in summary[state].items():
             out.print(plain(f"{task}: {state}: {why}"))
+    for task, why in summary.get("skipped", {}).items():
+        out.print(plain(f"{task}: skipped: {why}"))
 
 
-DIFF_FIELDS = ("mean", "passed", "pass_at_k", "total_tokens")
-
-
-def _diff_rows(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A job's figures with the pass@k at the largest k both jobs' figure has (`pass_k`)."""
-    return [dict(t, total_tokens=None if t["unknown_usage"] else t["total_tokens"],
-                 passk={p["k"]: p["pass_at_k"] for p in summary["passk"]
-                        if p["task"] == t["task"] and p["dataset"] == t["dataset"]})
-            for t in summary["tasks"]]
-
-
-def _with_common_k(rows: list[dict[str, Any]], a: Mapping[str, Any],
-                   b: Mapping[str, Any]) -> None:
-    from trialledger.core.summary import figure_key
-
-    left = {figure_key(r): r["passk"] for r in a["rows"]}
-    right = {figure_key(r): r["passk"] for r in b["rows"]}
-    for row in rows:
-        key = str(row["figure"])
-        common = sorted(set(left.get(key, {})) & set(right.get(key, {})))
-        k = common[-1] if common else None
-        va = left[key][k] if k is not None else None
-        vb = right[key][k] if k is not None else None
-        row["pass_at_k"] = {"k": k, "a": va, "b": vb,
-                            "diff": None if va is None or vb is None else vb - va}
+def _holder(trial: Mapping[str, Any]) -> str:
+    """Who has an open trial: `queued`, or its runner and when its lease expires."""
+    if trial["state"] == "queued":
+        return "queued"
+    left = trial.get("lease_left_s")
+    if left is None:
+        return f"held by {trial['runner_id']}"
+    left = float(left)
+    expiry = (f"its lease expires in {left:.0f} s" if left >= 0 else
+              f"its lease expired {-left:.0f} s ago: the next claim takes it over")
+    return f"held by {trial['runner_id']}, {expiry}"
 
 
 def cmd_job_diff(args: argparse.Namespace) -> int:
     """Two jobs side by side, task by task and overall: mean, passed, pass@k, tokens."""
-    from trialledger.core.summary import compare
+    from trialledger.adapters.view.diff import job_diff
 
     async def both(ledger: Ledger) -> tuple[dict[str, Any], dict[str, Any]]:
         return await _job_summary(ledger, args.a), await _job_summary(ledger, args.b)
 
     sa, sb = on_store(args.db, both, create=False)
-    a, b = {"rows": _diff_rows(sa)}, {"rows": _diff_rows(sb)}
-    rows: list[dict[str, Any]] = compare(a["rows"], b["rows"], ("mean", "passed",
-                                                                 "total_tokens"))
-    _with_common_k(rows, a, b)
-    result = {"a": args.a, "b": args.b, "partial": sa["partial"] or sb["partial"],
-              "figures": rows}
+    result = job_diff(args.a, sa, args.b, sb)
+    rows = result["figures"]
     if args.json:
         print(json.dumps(result, default=str))
         return EXIT_OK
@@ -708,10 +747,11 @@ def cmd_job_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_job_show(args: argparse.Namespace) -> int:
-    """A job's summary from the store: per task, and each trial with --json."""
+    """A job's summary from the store: per task and overall, who holds its open trials, its
+    skipped and failed tasks; each trial with --trials (and in --json)."""
 
     summary = on_store(args.db, lambda ledger: _job_summary(ledger, args.name), create=False)
-    _print_job(summary, as_json=args.json)
+    _print_job(summary, as_json=args.json, trials=args.trials)
     return EXIT_OK
 
 
@@ -743,7 +783,7 @@ def _session_summary(view: Any) -> dict[str, Any]:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """List sessions with state, outcome, rule, cause and tokens."""
-
+    _check_store_file(args.db)  # header and schema; `audit` reads it whole
     rows = on_store(args.db, lambda ledger: ledger.listing(
         task=args.task, state=args.state, cause=args.cause), create=False)
     if args.json:
@@ -761,6 +801,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     async def view_of(ledger: Ledger) -> Any:
         return await ledger.view(await ledger.resolve(args.session))
 
+    _check_store_file(args.db)
     view = on_store(args.db, view_of, create=False)
     if args.json:
         _print_json(view.model_dump(mode="json"))
@@ -845,6 +886,24 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
             sys.stdout.write(data.decode("utf-8", errors="replace"))
     else:
         out.print(plain(f"folder: {folder}"))
+    return EXIT_OK
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    """A read-only web view of the store, served (loopback by default) or exported."""
+    if args.job is not None and args.export is None:
+        raise Refused("--job chooses the pages of an export: give --export DIR with it")
+    if args.export is None:
+        from trialledger.adapters.view.server import serve
+
+        anyio.run(lambda: serve(args.db, host=args.host, port=args.port,
+                                say=lambda line: print(printable(line), flush=True)))
+        return EXIT_OK
+    from trialledger.adapters.view.export import export
+
+    done = anyio.run(lambda: export(args.db, args.export, job=args.job))
+    out.print(plain(f"wrote {done.jobs} job(s), {done.trials} trial(s) and {done.sessions} "
+                    f"session(s): open {done.index}"))
     return EXIT_OK
 
 
@@ -937,6 +996,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
         ensure_init,
         sandbox_user,
     )
+    from trialledger.adapters.sandbox.idrange import ensure_filter, reserve_range
     from trialledger.adapters.sandbox.local import bwrap_problem
 
     try:
@@ -944,11 +1004,15 @@ def cmd_setup(args: argparse.Namespace) -> int:
             user, created = create_sandbox_user()
             out.print(f"sandbox user {SANDBOX_USER} (uid {user.uid}) "
                       f"{'created' if created else 'already exists'}")
+            ids, reserved = reserve_range(args.subids)
+            out.print(f"session slots: {ids.slots} of 65536 ids from {ids.start} "
+                      f"{'reserved' if reserved else 'already reserved'} (range mode)")
         else:
             user = sandbox_user(args.sandbox_uid)
             out.print(f"sandbox uid {user.uid}")
         out.print(f"sandbox init: {ensure_init()}")
         if os.geteuid() == 0:
+            out.print(f"seccomp filter: {ensure_filter()}")
             builder, made = create_build_user()
             out.print(f"build user {BUILD_USER} (uid {builder.uid}, storage "
                       f"{builder.storage}) {'created' if made else 'already exists'}")
@@ -1190,6 +1254,8 @@ EXAMPLES = {  # each subcommand's --help ends with these
     "artifacts": ["trialledger artifacts 3f2a",
                   "trialledger artifacts 3f2a verifier/test-stdout.txt",
                   "trialledger artifacts 3f2a --out kept/"],
+    "view": ["trialledger view --db trials.db", "trialledger view --port 9000",
+             "trialledger view --export site/ --job nightly"],
     "demo": ["trialledger demo --db demo.db"],
     "import-harbor": ["trialledger import-harbor --db trials.db jobs/2026-10-20__14-03-05"],
     "recover": ["trialledger recover --db trials.db --runner build-7-41233",
@@ -1301,6 +1367,8 @@ def build_parser() -> argparse.ArgumentParser:
     js.add_argument("name")
     _with_db(js)
     js.add_argument("--json", action="store_true", help="tasks, trials and failures as JSON")
+    js.add_argument("--trials", action="store_true",
+                    help="also one line per trial: how it ended, its reward, its duration")
     js.set_defaults(handler=cmd_job_show)
     jd = _command(job_commands, "job diff", help="two jobs side by side: per task and overall")
     jd.add_argument("a", help="the job compared against")
@@ -1337,6 +1405,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "build the sandbox init, check that bwrap can "
                                           "sandbox")
     _with_sandbox_uid(p)
+    p.add_argument("--subids", metavar="START:COUNT",
+                   help="the sandbox user's subordinate ids for range mode (COUNT a multiple "
+                        "of 65536; default 64 slots from the first free start at or above "
+                        "2^20); an existing range is kept")
     p.set_defaults(handler=cmd_setup)
 
     p = _command(commands, "ls", help="list sessions with state, outcome and tokens")
@@ -1360,6 +1432,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, metavar="DIR",
                    help="copy the files (or PATH) under DIR instead, checked as printing is")
     p.set_defaults(handler=cmd_artifacts)
+
+    p = _command(commands, "view", help="a read-only web view of jobs, trials and sessions")
+    _with_db(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
+                   "loopback only)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any free)")
+    p.add_argument("--export", type=Path, metavar="DIR",
+                   help="write the pages as static files under DIR instead of serving them")
+    p.add_argument("--job", help="with --export: only this job's pages")
+    p.set_defaults(handler=cmd_view)
 
     p = _command(commands, "demo", help="run real Codex through sample tasks, offline")
     _with_db(p)

@@ -27,7 +27,9 @@ from typing import Any, TypeVar
 import anyio
 
 from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
+from trialledger.adapters.journal import delivery
 from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner, find_codex
+from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.scripted import SCRIPTED, NoSolution, solve_script
 from trialledger.adapters.task import (
     NoVerifier,
@@ -54,6 +56,7 @@ class TaskSelection:
     tasks: list[Task]
     skipped: dict[str, str] = field(default_factory=dict)
     datasets: dict[str, str] = field(default_factory=dict)  # task → its dataset folder's name
+    #   (a skipped task's too)
 
 
 def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
@@ -99,7 +102,8 @@ def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
         raise TaskInvalid(f"no task left to run (check the paths and --include/--exclude)"
                           f"{why}")
     return TaskSelection([chosen[name] for name in sorted(chosen)], skipped,
-                         {name: datasets[name] for name in chosen if name in datasets})
+                         {name: datasets[name] for name in [*chosen, *skipped]
+                          if name in datasets})
 
 
 def grant_fingerprint(grant: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,6 +152,7 @@ class TrialDone:
     outcome: str  # the final session's outcome (pending when none ran)
     sessions: list[str]
     reward: float | None = None
+    wall_s: float | None = None  # its sessions' wall time of work (SPEC §13)
 
 
 @dataclass
@@ -168,6 +173,7 @@ class JobRunner:
     k: int = 1
     add: bool = False  # a resume may add tasks the job does not have yet (SPEC §13 --add)
     datasets: Mapping[str, str] = field(default_factory=dict)  # task → dataset (else adhoc)
+    skipped: Mapping[str, str] = field(default_factory=dict)  # a dataset's invalid tasks → why
     concurrency: int = 1
     lease_s: float = LEASE_S
     cache: Cache = field(default_factory=Cache)
@@ -207,7 +213,8 @@ class JobRunner:
             await self.jobs.define(self.name,
                                    job_config(self.options, self.k, self.max_attempts),
                                    [(t.name, str(t.folder)) for t in self.tasks],
-                                   add=self.add, datasets=self.datasets)
+                                   add=self.add, datasets=self.datasets,
+                                   skipped=self.skipped)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.prepare_environments)
             for _ in range(max(1, self.concurrency)):
@@ -297,13 +304,16 @@ class JobRunner:
         settled = False
         done: TrialDone | None = None
         detail = None
+        # The sandbox keeps the lease too: it kills itself 2·lease/3 after the last renewal
+        # unless extended, even when this process is paused and cannot stop it.
+        switch = DeadManSwitch(2 * self.lease_s / 3)
         try:
             trial = anyio.CancelScope()
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._renew, claim, trial, lapse)
+                tg.start_soon(self._renew, claim, trial, lapse, switch)
                 try:
                     with trial:
-                        done = await self._trial(claim)
+                        done = await self._trial(claim, switch)
                 except BaseException as error:
                     if _only(error, LeaseLost):
                         lapse.why = lapse.why or "taken over"
@@ -326,6 +336,7 @@ class JobRunner:
                 if said is not None:
                     await said
         finally:
+            switch.close()
             if not settled and lapse.why != "taken over":
                 await self._release(claim)
 
@@ -336,11 +347,13 @@ class JobRunner:
               contextlib.suppress(StoreUnavailable)):
             await self.jobs.settle(claim, "queued")
 
-    async def _renew(self, claim: Claim, trial: anyio.CancelScope, lapse: _Lapse) -> None:
+    async def _renew(self, claim: Claim, trial: anyio.CancelScope, lapse: _Lapse,
+                     switch: DeadManSwitch) -> None:
         """Renew the lease every lease/3, each renewal under the deadline 2·lease/3 after the
         start of the last one that succeeded (the database's expiry counts from a later
         moment). Past the deadline — the store down, or a call that hangs — or once the
-        trial was taken over, the trial is cancelled, which stops its sandbox."""
+        trial was taken over, the trial is cancelled, which stops its sandbox. Each
+        renewal also extends the sandbox's own deadline (`switch`) to the new one."""
         deadline = anyio.current_time() + 2 * self.lease_s / 3
         while True:
             await anyio.sleep(max(0.0, min(self.lease_s / 3, deadline - anyio.current_time())))
@@ -354,6 +367,7 @@ class JobRunner:
                         trial.cancel()
                         return
                     deadline = started + 2 * self.lease_s / 3
+                    switch.extend(deadline - anyio.current_time())
                     continue
                 except Exception as failed:  # the store blinked: again until the deadline
                     error = failed
@@ -366,9 +380,10 @@ class JobRunner:
                 return
             await anyio.sleep(min(1.0, self.lease_s / 10))
 
-    async def _trial(self, claim: Claim) -> TrialDone:
+    async def _trial(self, claim: Claim, switch: DeadManSwitch) -> TrialDone:
         task = self.by_name[claim.task]
-        options = dataclasses.replace(self.options, max_attempts=self.max_attempts)
+        options = dataclasses.replace(self.options, max_attempts=self.max_attempts,
+                                      switch=switch)
         runner = SessionRunner(self.ledger, task, options, self.environments[claim.task])
         # The lease says no one else holds the trial: its open sessions are a dead
         # holder's, recovered before the next attempt.
@@ -387,7 +402,8 @@ class JobRunner:
             sessions = await self.ledger.sessions(trial_id=claim.trial_id)
             await self.ledger.recover_sessions([s["session_id"] for s in sessions
                                                 if s["state"] != "closed"],
-                                               fence=(claim.trial_id, claim.token))
+                                               fence=(claim.trial_id, claim.token),
+                                               deliver=delivery(self.ledger))
             sessions = await self.ledger.sessions(trial_id=claim.trial_id)
         except Exception as again:  # e.g. an append the store refuses: the next run recovers
             log.error("trial %s: its sessions could not be closed (%s)", claim.trial_id, again)
@@ -406,7 +422,8 @@ class JobRunner:
             rewards = view.rewards or {}
             reward = rewards.get("reward", next(iter(rewards.values()), None))
         return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome,
-                         [s["session_id"] for s in sessions], reward)
+                         [s["session_id"] for s in sessions], reward,
+                         await self.jobs.work_time(claim.trial_id))
 
 
 async def worker_runner(ledger: Ledger, name: str, base: RunOptions, *,

@@ -243,7 +243,7 @@ def _drop(request: web.BaseRequest) -> None:
 @functools.lru_cache(maxsize=4)
 def trust(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
     """The system's trust store (SSL_CERT_FILE / SSL_CERT_DIR honoured, as curl would),
-    loaded once per process and shared: loading it costs ~35 ms of CPU per session."""
+    loaded once per process and shared: loading it for every session costs CPU each time."""
     del cert_file, cert_dir  # the cache key: create_default_context reads them itself
     return ssl.create_default_context()
 

@@ -34,9 +34,18 @@ from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
 from trialledger.adapters.codex.install import CodexInstall, codex_install, execute_only
 from trialledger.adapters.codex.stream import stream_events
 from trialledger.adapters.environment import HOST, Environment, resolve_inside
+from trialledger.adapters.journal import (
+    Journal,
+    deliver_journal,
+    delivery,
+    journal_dir,
+    journal_record,
+)
+from trialledger.adapters.preflight import check_store_room
 from trialledger.adapters.proxy import MODEL_ROUTES, Upstream
 from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
 from trialledger.adapters.sandbox.bwrap import VERIFIER_STDOUT
+from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.folders import sweep_stale_sessions
 from trialledger.adapters.sandbox.identity import cache_dir
 from trialledger.adapters.sandbox.local import LocalSandbox
@@ -138,6 +147,7 @@ class RunOptions:
     probe_command: Sequence[str] | None = None  # None: our init's own probe
     store_retry_s: float = STORE_RETRY_S  # appends retry this long through a store's blink
     agent: str = "codex"  # or oracle / nop (SPEC §15): no model, no proxy, no grants
+    switch: DeadManSwitch | None = None  # a job trial's lease, kept by the sandbox too
 
 
 @dataclass(frozen=True)
@@ -173,7 +183,8 @@ class SessionResult:
 
 
 class _Recorder:
-    """Appends one session's events in order, tracking its head and last decision."""
+    """Appends one session's events in order, tracking its head and last decision; what
+    the store cannot take yet goes to the session's evidence journal (SPEC §8)."""
 
     def __init__(self, ledger: Ledger, seeded: Seeded, *,
                  store_retry_s: float = STORE_RETRY_S, fence: Fence | None = None) -> None:
@@ -186,42 +197,97 @@ class _Recorder:
         self._lock = anyio.Lock()  # Codex's stdout and the model proxy append concurrently
         self.capture_deadline = math.inf  # set when the agent ends (SPEC §8's budget)
         self.captured = False  # stderr and usage were taken (normally, or after a stop)
+        self.journal = Journal(seeded.session_id, seeded.secrets)
+        self._queue: list[list[dict[str, Any]]] = []  # captured, not yet stored or journalled
+        self._retry_at, self._pause = 0.0, 0.25  # when the journal is next offered, backoff
+        self._gave_up = False  # an append waited out `store_retry_s`: later ones do not
 
     def left(self) -> float:
         """Seconds of this session's capture budget left."""
         return max(0.0, self.capture_deadline - anyio.current_time())
 
-    async def append(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
-        if not events:
-            return []
-        async with self._lock:
-            return await self._append(events)
+    async def append(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Append after the journal is drained, riding out a store that blinks: retried
+        with backoff for up to `store_retry_s`, then left journalled (`StoreUnavailable`)."""
+        await self._offer(events, wait=True)
 
-    async def _append(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
-        """Append, riding out a store that blinks: retried with backoff for up to
-        `store_retry_s` while later events wait in order behind the lock."""
-        deadline, pause = anyio.current_time() + self.store_retry_s, 0.25
-        while True:
+    async def capture(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Captured evidence: stored if the store takes it now, else journalled — never
+        waiting out the store (the capture budget bounds reads, not delivery)."""
+        await self._offer(events, wait=False)
+
+    async def _offer(self, events: Sequence[Mapping[str, Any]], *, wait: bool) -> None:
+        if not events:
+            return
+        self._queue.append([dict(e) for e in events])  # held before any wait: a caller
+        since = anyio.current_time()
+        async with self._lock:  # cancelled while it waits loses nothing
             try:
-                stored = await self.ledger.append(self.session_id, events,
-                                                  expected_seq=self.head, fence=self.fence)
-                break
+                await self._flush(wait=wait, since=since)
+            except BaseException:  # cancelled, or the store gave up: all goes to the journal
+                with contextlib.suppress(OSError, TrialLedgerError):
+                    self._spill()
+                raise
+
+    def _spill(self) -> None:
+        """Everything queued into the journal, in order (on disk when this returns)."""
+        while self._queue:
+            if not self.journal.pending:
+                self.journal.begin(self.head)
+            self.journal.add(self._queue[0])
+            del self._queue[0]
+
+    async def _flush(self, *, wait: bool, since: float) -> None:
+        deadline = anyio.current_time() + (0.0 if self._gave_up else self.store_retry_s)
+        while self.journal.pending or self._queue:
+            if not self.journal.pending:
+                try:
+                    self._took(await self._attempt(self._queue[0]))
+                    del self._queue[0]
+                except StoreUnavailable:
+                    self._spill()  # it may have committed: delivery skips what is stored
+                    self._retry_at = anyio.current_time() + self._pause
+                continue
+            self._spill()  # behind the journal, in order
+            if not wait and anyio.current_time() < self._retry_at:
+                return
+            try:
+                self._took(await deliver_journal(self.ledger, self.session_id,
+                                                 self.journal.path, fence=self.fence) or [])
+                self.journal.delivered()
+                self._pause = 0.25
+                # The budget bounds reads, not delivery: the time this append waited
+                # (for the lock too) is not taken from the reads after it (cleanup's check).
+                self.capture_deadline += anyio.current_time() - since
             except StoreUnavailable:
-                if anyio.current_time() + pause > deadline:
+                self._retry_at = anyio.current_time() + self._pause
+                if not wait:
+                    self._pause = min(self._pause * 2, 5.0)
+                    return
+                if anyio.current_time() + self._pause > deadline:
+                    self._gave_up = True
                     raise
-                await anyio.sleep(pause)
-                pause = min(pause * 2, 5.0)
-            except ConcurrencyConflict:
-                stored = await self._committed(events)  # acknowledged in the blink, or not
-                break
-        self.head = stored[-1].event.seq or self.head
-        self.log += [item for item in stored if (item.event.seq or 0) > len(self.log)]
-        for item in stored:
+                await anyio.sleep(self._pause)
+                self._pause = min(self._pause * 2, 5.0)
+
+    async def _attempt(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
+        try:
+            return await self.ledger.append(self.session_id, events, expected_seq=self.head,
+                                             fence=self.fence)
+        except ConcurrencyConflict:
+            return await self._committed(events)  # acknowledged in a blink, or not
+
+    def _took(self, stored: Sequence[StoredEvent]) -> None:
+        """Follow what the store now holds: head, log, last decision, closed."""
+        fresh = [item for item in stored if (item.event.seq or 0) > self.head]
+        if fresh:
+            self.head = fresh[-1].event.seq or self.head
+        self.log += fresh
+        for item in fresh:
             if item.event.type == "outcome.decided":
                 self.action = item.event.data.action
             elif item.event.type == "session.closed":
                 self.closed = True
-        return stored
 
     async def _committed(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
         """After a lost acknowledgement: the events, if the store holds them after our head
@@ -232,8 +298,8 @@ class _Recorder:
                                       after[-1].event.seq or self.head if after else self.head)
         return after
 
-    async def add(self, kind: str, data: Mapping[str, Any]) -> list[StoredEvent]:
-        return await self.append([{"type": kind, "at": now(), "data": dict(data)}])
+    async def add(self, kind: str, data: Mapping[str, Any]) -> None:
+        await self.append([{"type": kind, "at": now(), "data": dict(data)}])
 
     async def view(self) -> SessionView:
         """The session's view: folded from the events this recorder appended when they are
@@ -364,7 +430,8 @@ class SessionRunner:
             if still_open:  # left by a runner that died holding this trial
                 await self.ledger.recover_sessions(  # fenced: only while the lease is ours
                     [s["session_id"] for s in still_open],
-                    fence=(trial_id, lease) if lease is not None else None)
+                    fence=(trial_id, lease) if lease is not None else None,
+                    deliver=delivery(self.ledger))  # its journal first (SPEC §8)
                 sessions = await self.ledger.sessions(trial_id=trial_id)
             step = next_attempt(sessions, max(1, self.options.max_attempts))
             if step is None:
@@ -380,6 +447,7 @@ class SessionRunner:
         trial it belongs to (a job's), else this runner's current trial; `lease`: that
         job trial's lease token, which fences every append (`LeaseLost` once taken over:
         the new holder recovers the session)."""
+        check_store_room(self.ledger.db)  # before anything is written or started
         beating = asyncio.ensure_future(self._heartbeat())
         _beating[self.options.runner_id] = _beating.get(self.options.runner_id, 0) + 1
         try:
@@ -432,7 +500,7 @@ class SessionRunner:
             tests=self.task.tests,
             codex=self.install,
             readonly_paths=self.options.readonly_paths,
-            protected_paths=[self.task.folder, *self.options.protected_paths],
+            protected_paths=[self.task.folder, *self.options.protected_paths, journal_dir()],
             isolation=self.options.isolation,
             raise_oom_score_adj=bool(settings_raw.get("raise_oom_score_adj", False)),
             verifier_root=str(settings_raw.get("verifier_root", "agent")),
@@ -440,6 +508,8 @@ class SessionRunner:
             network=network,
             environment=self.environment,
             limits=self.task.limits,
+            users=self.task.users,
+            switch=self.options.switch,
         )
         try:
             valid = self._seed(attempt, retry_of, sandbox, trial_id)
@@ -489,7 +559,7 @@ class SessionRunner:
             await rec.add("session.closed", {"reason": "normal"})
             return False
         try:
-            await rec.append([self._launched(sandbox, settings, launch)])
+            await rec.append([self._launched(sandbox, settings, launch, rec)])
             await self._run_and_capture(rec, sandbox, run, settings, secrets, launch.oracle)
         finally:
             with anyio.CancelScope(shield=True):
@@ -500,8 +570,8 @@ class SessionRunner:
                                                    launch.oracle)
         return True
 
-    def _launched(self, sandbox: LocalSandbox, settings: Settings, launch: _Launch
-                  ) -> dict[str, Any]:
+    def _launched(self, sandbox: LocalSandbox, settings: Settings, launch: _Launch,
+                  rec: _Recorder) -> dict[str, Any]:
         """The `agent.launched` event of a launch."""
         return {"type": "agent.launched", "at": now(),
                 "schema": SCHEMA_VERSION["agent.launched"], "data": {
@@ -511,13 +581,15 @@ class SessionRunner:
                     "runner_id": self.options.runner_id,
                     "environment": self.environment.record(),
                     "limits": sandbox.limits_record(), "model_proxy": launch.model_proxy,
-                    "identity": sandbox.identity_record()}}
+                    "identity": sandbox.identity_record(),
+                    "journal": journal_record(rec.session_id)}}
 
     async def _run_nothing(self, rec: _Recorder, sandbox: LocalSandbox,
                            settings: Settings) -> None:
         """The nop agent (SPEC §15): launched, exited 0, nothing left to clean up."""
         await rec.append([self._launched(sandbox, settings, _Launch(
-            argv=[], env={}, stdin=b"", config_sha256=scripted.NO_CONFIG, model_proxy=False))])
+            argv=[], env={}, stdin=b"", config_sha256=scripted.NO_CONFIG, model_proxy=False),
+            rec)])
         rec.capture_deadline = anyio.current_time() + settings.session_close_timeout_s
         rec.captured = True
         await rec.add("agent.exited", {"return_code": 0, "timed_out": False})
@@ -538,7 +610,7 @@ class SessionRunner:
         assert network is not None
 
         async def record_call(at: str, data: dict[str, Any]) -> None:
-            await rec.append([{"type": "model.call", "at": at, "data": data}])
+            await rec.capture([{"type": "model.call", "at": at, "data": data}])
 
         network.model_sink = record_call
         if not network.isolated:
@@ -549,7 +621,7 @@ class SessionRunner:
                                            reach=network.inside_url))
         config = sandbox.session_dir / "config.toml"
         config.write_text(text, encoding="utf-8")
-        os.chown(config, sandbox.user.uid, sandbox.user.gid)
+        os.chown(config, *sandbox.agent_owner)
         argv = [sandbox.codex_argv0, "exec", "--json", "--skip-git-repo-check",
                 "--dangerously-bypass-approvals-and-sandbox", "-C", sandbox.agent_workdir, "-"]
         env = agent_env(settings, self.task, sandbox, network.model_token)
@@ -564,7 +636,7 @@ class SessionRunner:
         async def pump() -> None:
             async for lines in run.stdout_batches():
                 at = now()
-                await rec.append([e for line in lines for e in stream_events(line, at)])
+                await rec.capture([e for line in lines for e in stream_events(line, at)])
             done_reading.set()
 
         async with anyio.create_task_group() as tg:
@@ -584,7 +656,7 @@ class SessionRunner:
             with anyio.CancelScope(shield=True):
                 await sandbox.network.aclose()
         rec.captured = True
-        await rec.append(await self._agent_output(rec, sandbox, run, secrets, oracle))
+        await rec.capture(await self._agent_output(rec, sandbox, run, secrets, oracle))
         if not status.spawned:  # the launch failed inside the sandbox: nothing ran
             await rec.add("sandbox.lost", {"detail": status.detail})
             return
@@ -603,7 +675,7 @@ class SessionRunner:
         with anyio.move_on_after(rec.left()), contextlib.suppress(StoreUnavailable):
             if sandbox.network is not None:
                 await sandbox.network.aclose()
-            await rec.append(await self._agent_output(rec, sandbox, run, secrets, oracle))
+            await rec.capture(await self._agent_output(rec, sandbox, run, secrets, oracle))
 
     async def _agent_output(self, rec: _Recorder, sandbox: LocalSandbox, run: LocalRun,
                             secrets: Sequence[str], oracle: scripted.OraclePlaces | None
@@ -691,7 +763,7 @@ class SessionRunner:
             await rec.add("verification.failed", {"reason": "error", "detail": run.error})
             return
         ended = anyio.current_time()
-        tree = sandbox.agent_files(run.logs)
+        tree = sandbox.agent_files(run.logs, role="verifier")
         found = await anyio.to_thread.run_sync(functools.partial(
             capture.read_reward, tree, run.return_code, run.timed_out,
             from_exit_code=self.task.reward_from_exit_code))

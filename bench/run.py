@@ -28,14 +28,16 @@ import anyio
 from bench import proxy, workload
 from trialledger.store import Ledger, tune_collector
 
-FULL = {"sessions": 1000, "events": 100_000, "rederive": 1_000_000, "store_rederive": 1_000_000,
-        "query_sessions": 100_000,
-        "query_events": 1_000_000, "ingest_mb": (100, 1000), "pg_events": 8 * 5000,
-        "baseline_cap_s": 30.0}
-QUICK = {"sessions": 200, "events": 4000, "rederive": 20_000, "store_rederive": 4000,
-         "query_sessions": 2000,
-         "query_events": 20_000, "ingest_mb": (5, 20), "pg_events": 8 * 250,
-         "baseline_cap_s": 5.0}
+FULL: dict[str, Any] = {
+    "sessions": 1000, "events": 100_000, "rederive": 1_000_000, "store_rederive": 1_000_000,
+    "query_sessions": 100_000,
+    "query_events": 1_000_000, "ingest_mb": (100, 1000), "pg_events": 8 * 5000,
+    "baseline_cap_s": 30.0}
+QUICK: dict[str, Any] = {
+    "sessions": 200, "events": 4000, "rederive": 20_000, "store_rederive": 4000,
+    "query_sessions": 2000,
+    "query_events": 20_000, "ingest_mb": (5, 20), "pg_events": 8 * 250,
+    "baseline_cap_s": 5.0}
 
 
 @dataclass
@@ -263,8 +265,11 @@ def analyst_queries(folder: Path, sessions: int, events: int) -> list[Figure]:
     for question, sql in QUESTIONS.items():
         conn.execute(sql).fetchall()  # warm the page cache once
         runs = 5
-        _, seconds = timed(lambda sql=sql, runs=runs: [conn.execute(sql).fetchall()
-                                                       for _ in range(runs)])
+
+        def ask(sql: str = sql, runs: int = runs) -> list[Any]:
+            return [conn.execute(sql).fetchall() for _ in range(runs)]
+
+        _, seconds = timed(ask)
         figures.append(Figure("analyst query", question[:48], runs, seconds, unit="queries/s",
                               extra=f"{seconds / runs * 1000:.1f} ms each"))
     return figures
@@ -350,7 +355,7 @@ def main() -> None:
         add(rederive_eventsourcing(folder, int(size["rederive"]), cap))
         add(*rederive_store(folder, int(size["store_rederive"])))
         add(*analyst_queries(folder, int(size["query_sessions"]), int(size["query_events"])))
-        for megabytes in size["ingest_mb"]:  # type: ignore[attr-defined]
+        for megabytes in size["ingest_mb"]:
             add(ingest(folder, int(megabytes)))
         if not args.skip_postgres:
             add(*postgres_writers(int(size["pg_events"])))

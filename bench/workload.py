@@ -80,7 +80,7 @@ def session_logs(sessions: int, messages: int, *, with_decisions: bool = False,
 def _trial_class() -> Any:
     from eventsourcing.domain import Aggregate, event
 
-    class Trial(Aggregate):  # type: ignore[misc]
+    class Trial(Aggregate):
         """A session as an `eventsourcing` aggregate: started, then one event per message."""
 
         @event("Started")
@@ -103,8 +103,8 @@ def eventsourcing_app(path: Path, aggregates: int, events_each: int = 0) -> tupl
     from eventsourcing.application import Application
 
     _TRIAL = _TRIAL or _trial_class()
-    app = Application(env={"PERSISTENCE_MODULE": "eventsourcing.sqlite",
-                           "SQLITE_DBNAME": str(path)})
+    app: Any = Application(env={"PERSISTENCE_MODULE": "eventsourcing.sqlite",
+                                "SQLITE_DBNAME": str(path)})
     made = [_TRIAL(task="t") for _ in range(aggregates)]
     for aggregate in made:
         for _ in range(events_each):

@@ -4,6 +4,7 @@
 """
 
 import sys
+from typing import Any
 
 import anyio
 
@@ -29,9 +30,10 @@ async def main(db: str) -> None:
     async with await Ledger.open(db) as ledger:
         # The seed comes first; a bad one raises SeedRejected naming every missing field.
         seeded = await ledger.seed(SEED, api_key="sk-never-stored")
-        sid, head = seeded.session_id, seeded.head_seq
+        sid = seeded.session_id
+        head: int | None = seeded.head_seq  # the head each append names
 
-        async def add(*events: dict) -> None:  # each append names the head it expects
+        async def add(*events: dict[str, Any]) -> None:
             nonlocal head
             head = (await ledger.append(sid, list(events), expected_seq=head))[-1].event.seq
 
@@ -45,6 +47,7 @@ async def main(db: str) -> None:
                                                                "timed_out": False}},
                   {"type": "cleanup.reported", "at": AT, "data": {"confirmed": True}})
         view = await ledger.view(sid)
+        assert view.decision is not None  # both are in: the machine has decided
         print(sid, view.state, view.decision.rule, view.decision.action,
               view.usage.total_tokens if view.usage else None)
         await ledger.close(sid)

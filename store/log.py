@@ -21,7 +21,7 @@ EVENTS = Table(
 )
 
 # The most events appended by others since a writer last looked that its catch-up lists
-# under the writers' lock (at most ~25 MB of ids and ~0.4 s here: 100k took 0.19 s);
+# under the writers' lock (the list's memory and the time it holds the lock grow with it);
 # past it the writer forgets its whole cache instead. Well above a commit of a big
 # import (500 logs: 52k events), which must stay listed: past the bound every batch that
 # gives ids is folded twice.

@@ -85,8 +85,8 @@ async def chunk_differences(ledger: Ledger, session_ids: Sequence[str],
 def _worker_chunks(db: str, parts: list[list[str]], policy: str | None,
                    policy_files: tuple[str, ...]) -> list[list[Difference]]:
     """A run of chunks, in a worker process: load the policy files, open the store once
-    (≈ 12 ms here, which per chunk of 900 sessions had been a tenth of the work), and
-    derive chunk by chunk (one chunk's logs in memory at a time)."""
+    (opening it for every chunk had been a large share of the work), and derive chunk by
+    chunk (one chunk's logs in memory at a time)."""
     from trialledger.store.ledger import Ledger
 
     for path in policy_files:

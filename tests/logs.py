@@ -91,7 +91,8 @@ def _counts(draw: st.DrawFn) -> dict[str, int]:
 def event_data(draw: st.DrawFn, kind: str) -> dict[str, Any]:
     """Plausible data for an event type."""
     if kind == "agent.launched":
-        return LogBuilder().launched().events[-1]["data"]
+        launched: dict[str, Any] = LogBuilder().launched().events[-1]["data"]
+        return launched
     if kind == "gap.recorded":
         return {"code": draw(st.sampled_from(["mcp_server_skipped", "native_usage_reset"])),
                 "detail": draw(TEXT)}

@@ -12,6 +12,7 @@ import pytest
 
 from tests.agent_decisions import SNAPSHOT, decisions_by_policy
 from tests.runs import in_process, make_task
+from tests.views import decided
 from trialledger import cli
 from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
 from trialledger.adapters.task import Task
@@ -47,7 +48,7 @@ async def test_the_oracle_runs_the_solution_and_is_graded_by_r0(db: str, tmp_pat
     view = result.view
     assert (seed_of(result).agent.name, seed_of(result).model) == ("oracle", None)
     assert view.rewards == {"reward": 1.0}
-    d = view.decision
+    d = decided(view)
     assert (d.rule, d.action, d.status, d.http_status, d.error, d.cause) == (
         "scripted_agent", "verify", "completed", 200, None, None)
     assert d.usage is not None and d.usage.total_tokens == 0 and d.reward_valid
@@ -68,7 +69,7 @@ async def test_nop_runs_nothing_and_is_graded_zero(db: str, tmp_path: Path) -> N
     assert [e.type for e in view.events][:4] == [
         "session.seeded", "agent.launched", "agent.exited", "cleanup.reported"]
     assert (seed_of(result).agent.name, seed_of(result).model) == ("nop", None)
-    assert view.decision.rule == "scripted_agent" and view.decision.status == "completed"
+    assert decided(view).rule == "scripted_agent" and decided(view).status == "completed"
     assert view.rewards == {"reward": 0.0}
 
 
@@ -76,7 +77,7 @@ async def test_nop_runs_nothing_and_is_graded_zero(db: str, tmp_path: Path) -> N
 async def test_a_failing_solution_is_still_verified(db: str, tmp_path: Path) -> None:
     task = solvable(tmp_path / "task", "#!/bin/bash\necho solved > answer.txt\nexit 3\n")
     view = (await run_agent(db, task, "oracle")).view
-    d = view.decision
+    d = decided(view)
     assert (d.rule, d.action, d.status, d.error) == (
         "scripted_agent", "verify", "failed", "oracle exited with code 3")
     assert view.rewards == {"reward": 1.0}  # the verifier runs whatever solve.sh returned
@@ -90,7 +91,7 @@ async def test_a_solution_without_shebang_or_exec_bit_runs_under_bash(db: str, t
     script.write_text("[[ 1 == 1 ]] && echo solved > answer.txt\n", encoding="utf-8")
     script.chmod(0o644)
     view = (await run_agent(db, task, "oracle")).view
-    assert view.decision.status == "completed" and view.rewards == {"reward": 1.0}
+    assert decided(view).status == "completed" and view.rewards == {"reward": 1.0}
 
 
 def test_run_refuses_the_oracle_on_a_task_without_a_solution(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ REQUIRED = (  # written out here, not imported: a flag dropped from the code fai
     "--unshare-ipc", "--unshare-uts", "--new-session", "--die-with-parent")
 
 # (spawn, (option, source, target) triples it must have, targets it must not have)
-TABLE = {
+TABLE: dict[str, tuple[Spawn, list[tuple[str, str | None, str]], list[str]]] = {
     "host agent": (HOST_AGENT, [
         ("--ro-bind", "/usr", "/usr"), ("--symlink", "usr/bin", "/bin"),
         ("--ro-bind", "/etc", "/etc"), ("--ro-bind", "/proc/sys", "/proc/sys"),
@@ -72,7 +72,7 @@ TABLE = {
 
 def triples(argv: list[str]) -> list[tuple[str, str | None, str]]:
     """The mounts on a bwrap command line, as (option, source, target)."""
-    found = []
+    found: list[tuple[str, str | None, str]] = []
     i = 0
     while argv[i] != "--":
         option = argv[i]

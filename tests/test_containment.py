@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.runs import codex_path, make_task, run_task
+from tests.views import decided
 from trialledger.adapters.codex.install import codex_install
 from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.demo.samples import executable
@@ -374,7 +375,7 @@ async def test_without_internet_an_https_endpoint_is_reached_through_the_runners
             result = await SessionRunner(ledger, task, RunOptions(
                 model_base_url=endpoint.url, model="m", codex_bin=codex_path(),
                 api_key="sk-real-key-never-inside")).run_session()
-    assert result.view.decision.rule == "completed" and len(endpoint.requests) == 2
+    assert decided(result.view).rule == "completed" and len(endpoint.requests) == 2
     # The endpoint got the real key from the runner; Codex only ever held its token.
     assert {h.get("Authorization") for h in endpoint.headers} == {
         "Bearer sk-real-key-never-inside"}

@@ -1,4 +1,4 @@
-"""examples/embed.py runs as the README shows it, on SQLite and PostgreSQL."""
+"""examples/embed.py runs as docs/library.md shows it, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def test_the_embedding_example_runs(kind: str, tmp_path: Path,
     assert (state, rule, action, tokens) == ("graded", "completed", "verify", "24885")
 
 
-def test_the_readme_shows_the_example_line_for_line() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+def test_the_library_page_shows_the_example_line_for_line() -> None:
+    page = (ROOT / "docs" / "library.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
     body = EXAMPLE.read_text(encoding="utf-8").split('"""', 2)[2].lstrip("\n")
     assert body in blocks
 

@@ -47,7 +47,7 @@ def trial(job: Path, name: str, *, exception: tuple[str, str] | None, rewards: A
     folder = job / name
     (folder / "agent").mkdir(parents=True)
     trial_id = str(uuid.uuid5(uuid.NAMESPACE_URL, name))
-    info = None
+    info: dict[str, Any] | None = None
     if exception:
         retry, grade, valid = POLICY[exception[0]]
         info = {"exception_type": exception[0], "exception_message": exception[1],

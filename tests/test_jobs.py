@@ -228,7 +228,8 @@ async def test_the_job_views_agree_on_both_databases(db: str) -> None:
         config = {"model": "m", "settings": {}, "grants": [], "k": 2, "max_attempts": 1}
         await jobs.define("j", {**config, "k": 3},
                           [("t", "/tasks/t"), ("zero", "/tasks/zero"), ("short", "/t/s")])
-        verdicts = {"t": [1.0, 0.0, 0.0], "zero": [0.0, 0.0, 0.0], "short": [1.0, 1.0, None]}
+        verdicts: dict[str, list[float | None]] = {
+            "t": [1.0, 0.0, 0.0], "zero": [0.0, 0.0, 0.0], "short": [1.0, 1.0, None]}
         for name, rewards in verdicts.items():
             for index, reward in enumerate(rewards):
                 log = run(CLEAN, 0)

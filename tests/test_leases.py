@@ -198,3 +198,38 @@ async def test_a_new_holders_recovery_is_fenced_by_its_lease(db: str) -> None:
         assert closed == [seeded.session_id]
         assert (await ledger.view(seeded.session_id)).state == "closed"
 
+
+
+def test_a_paused_worker_s_sandbox_stops_itself_before_the_lease_expires(
+        tmp_path: Path, reachable_tmp: Path) -> None:
+    """The dead man's switch (docs/SPEC.md §13): the worker is paused (SIGSTOP) while its
+    agent writes a heartbeat every 100 ms; the sandbox kills itself 2·lease/3 after the
+    last renewal, so no heartbeat is written after the lease's expiry — before another
+    holder could take the trial over."""
+    make_task(tmp_path / "beater", instruction="beat", test_sh="exit 0\n",
+              solve_sh="#!/bin/sh\nwhile true; do date +%s.%N > heartbeat; sleep 0.1; done\n")
+    folders = reachable_tmp  # the session folders: the sandbox user passes through it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trialledger.cli", "job", "run", "beats", str(tmp_path / "beater"),
+         "--db", str(tmp_path / "t.db"), "--agent", "oracle", "--lease-s", str(LEASE_S)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(folders)})
+    try:
+        def beats() -> list[Path]:
+            return list(folders.glob("trialledger-*/work/heartbeat"))
+
+        _wait(lambda: bool(beats()) and beats()[0].stat().st_size > 0, 60,
+              "the agent wrote no heartbeat")
+        heartbeat = beats()[0]
+        os.kill(proc.pid, signal.SIGSTOP)
+        paused = time.time()
+        time.sleep(LEASE_S + 1.5)  # past the lease's expiry, the worker still paused
+        last = float(heartbeat.read_text() or 0)
+        time.sleep(0.5)
+        assert float(heartbeat.read_text() or 0) == last, "the agent still writes"
+        assert last < paused + LEASE_S, (
+            f"a heartbeat {last - paused:.1f} s after the pause, past the lease's expiry")
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.communicate()

@@ -139,7 +139,7 @@ def test_replay_divergence_keeps_later_events_unapplied() -> None:
     log.append({"type": "session.closed", "at": "2026-11-29T10:00:01Z",
                 "data": {"reason": "normal"}})
     view = replay(log)
-    assert view.diverged_at is not None
+    assert view.diverged_at is not None and view.diverged_at.recorded is not None
     assert view.diverged_at.recorded.action == "probe"
     assert view.diverged_at.derived is not None and view.diverged_at.derived.action == "retry"
     assert view.diverged_at.seq == recorded.events[-1].seq

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sqlalchemy import inspect, text
+from sqlalchemy import Connection, inspect, text
+from sqlalchemy.engine.interfaces import ReflectedColumn
 
 from tests.scenarios import SCENARIOS
 from trialledger.store import Ledger
@@ -23,6 +24,10 @@ async def _rows(db: str, tables: list[str], columns: list[str] | None = None
     async with open_engines(db) as engines, engines.reader.begin() as conn:
         return {t: sorted((tuple(r) for r in await conn.execute(
             text(f"SELECT {shown} FROM {t}"))), key=repr) for t in tables}
+
+
+def _columns(conn: Connection, table: str) -> list[ReflectedColumn]:
+    return inspect(conn).get_columns(table)
 
 
 async def _tables(db: str) -> list[str]:
@@ -49,7 +54,7 @@ async def test_a_populated_database_upgrades_from_every_earlier_revision(
         async with open_engines(old) as engines:
             async with engines.writer.begin() as conn:  # the same data, as the old schema held it
                 for table in shared:
-                    columns = await conn.run_sync(lambda c, t=table: inspect(c).get_columns(t))
+                    columns = await conn.run_sync(_columns, table)
                     names = [col["name"] for col in columns]
                     flags = [str(col["type"]) == "BOOLEAN" for col in columns]
                     for row in (await _rows(reference, [table], names))[table]:

@@ -55,7 +55,7 @@ print(codes, heavy, file=sys.stderr)
 
 def test_help_and_replay_of_a_log_do_not_load_the_database_stack() -> None:
     """`--help` and `replay --log` need no database: SQLAlchemy and alembic stay unloaded,
-    which halves their start-up (see the README's measurement)."""
+    which halves their start-up (docs/library.md)."""
     log = Path(__file__).resolve().parent.parent / "examples" / "clean.jsonl"
     done = subprocess.run([sys.executable, "-c", LIGHT, str(log)], capture_output=True,
                           text=True, timeout=120, check=False)

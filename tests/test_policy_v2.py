@@ -12,6 +12,7 @@ import pytest
 
 from tests.runs import codex_path, in_process, make_task, run_task
 from tests.scenarios import LogBuilder
+from tests.views import decided, seeded
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, hang, message
 from trialledger.core import replay
 from trialledger.core.errors import PolicyNameTaken
@@ -71,28 +72,28 @@ def test_unknown_lines_after_reconnecting_do_not_hide_it() -> None:
 def test_without_a_timeout_r5b_does_not_apply() -> None:
     builder = LogBuilder().launched().codex([*STARTED, stream_error(REFUSED)]).finish(1)
     builder.events[0]["data"]["settings"]["policy"] = "v2"
-    assert replay(builder.events).decision.rule != "endpoint_unreachable"
+    assert decided(replay(builder.events)).rule != "endpoint_unreachable"
 
 
 def test_which_policy_the_seed_names_it_else_the_recorded_decisions_else_v1() -> None:
     log = LogBuilder().launched().codex([*STARTED, stream_error(REFUSED)]).finish(
         -15, timed_out=True).events
-    assert replay(log).decision.policy == "v1"  # a seed from before seeds named one
+    assert decided(replay(log)).policy == "v1"  # a seed from before seeds named one
     log[0]["data"]["settings"]["policy"] = "v2"
-    assert replay(log).decision.policy == "v2"
-    assert replay(log, policy="v1").decision.policy == "v1"  # the override wins
+    assert decided(replay(log)).policy == "v2"
+    assert decided(replay(log, policy="v1")).policy == "v1"  # the override wins
 
 
 async def test_the_store_writes_its_default_policy_into_new_seeds(tmp_path: Path) -> None:
     seed = LogBuilder().events[0]["data"]
     async with await Ledger.open(str(tmp_path / "a.db")) as ledger:
         first = await ledger.seed(seed)
-        assert (await ledger.view(first.session_id)).events[0].data.settings.policy == "v2"
+        assert seeded(await ledger.view(first.session_id)).settings.policy == "v2"
     async with await Ledger.open(str(tmp_path / "b.db"), policy="v1") as ledger:
         second = await ledger.seed(seed)
         named = await ledger.seed({**seed, "settings": {"policy": "v2"}})
-        assert (await ledger.view(second.session_id)).events[0].data.settings.policy == "v1"
-        assert (await ledger.view(named.session_id)).events[0].data.settings.policy == "v2"
+        assert seeded(await ledger.view(second.session_id)).settings.policy == "v1"
+        assert seeded(await ledger.view(named.session_id)).settings.policy == "v2"
 
 
 def test_a_built_in_policy_name_cannot_be_registered_again() -> None:
@@ -111,12 +112,12 @@ async def test_real_codex_against_a_refused_endpoint_until_timeout_is_retried(
         result = await SessionRunner(ledger, task, RunOptions(
             model_base_url="http://127.0.0.1:9/v1", model="m", codex_bin=codex_path(),
             overrides={"timeout_s": 4, "policy": policy}, grace_s=1.0)).run_session()
-    d = result.view.decision
+    d = decided(result.view)
     # Under v3 the claim holds because the proxy itself saw the connection refused.
     assert (d.policy, d.rule, d.action) == (policy, "endpoint_unreachable", "retry")
     calls = [e.data for e in result.view.events if e.type == "model.call"]
     assert calls and all(c.error == "refused" for c in calls)
-    assert d.error.startswith("Reconnecting...")
+    assert d.error is not None and d.error.startswith("Reconnecting...")
     assert "verification.recorded" not in [e.type for e in result.view.events]
 
 

@@ -62,8 +62,9 @@ def _at_once(log: Log) -> list[Any] | str:
         return str(error)
 
 
-BREAKAGES = [{"schema": 99}, {"schema": 1}, {"type": "no.such"}, {"at": "yesterday"},
-             {"position": 7}, {"data": 5}, {"seq": "x"}]
+BREAKAGES: list[dict[str, Any]] = [
+    {"schema": 99}, {"schema": 1}, {"type": "no.such"}, {"at": "yesterday"},
+    {"position": 7}, {"data": 5}, {"seq": "x"}]
 
 
 @fast

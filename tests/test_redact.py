@@ -99,7 +99,7 @@ def test_scrub_data_reaches_every_string() -> None:
 
 
 secret_text = st.text(
-    alphabet=st.characters(blacklist_characters="[]", blacklist_categories=("Cs",)),
+    alphabet=st.characters(blacklist_characters="[]", blacklist_categories=["Cs"]),
     min_size=8, max_size=40,
 )
 

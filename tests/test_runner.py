@@ -5,18 +5,20 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
 
 from tests.runs import codex_path, in_process, killer, make_task, run_task, run_trial
+from tests.views import seeded
 from trialledger.adapters import runner
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, cut, message, shell, status, tool
 from trialledger.adapters.demo.samples import executable
 from trialledger.adapters.demo.tools import ToolServer
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.core import SeedRejected
+from trialledger.core.events import SessionClosedData
 from trialledger.store import Ledger
 
 pytestmark = pytest.mark.anyio
@@ -214,9 +216,9 @@ async def test_max_attempts_retries_a_lost_session(db: str, task: Any) -> None:
     results = await run_trial(db, task, [status(429), message()], settings=FAST, max_attempts=2)
     first, second = results
     assert (first.outcome, second.outcome) == ("retry", "verify")
-    seed = second.view.events[0].data
+    seed = seeded(second.view)
     assert (seed.attempt, seed.retry_of) == (2, first.session_id)
-    assert seed.trial_id == first.view.events[0].data.trial_id
+    assert seed.trial_id == seeded(first.view).trial_id
     async with await Ledger.open(db) as ledger:  # the runner's own fold is the stored view
         assert [r.view for r in results] == [await ledger.view(r.session_id) for r in results]
 
@@ -307,7 +309,7 @@ async def test_closing_during_the_probe_keeps_the_observations(
             (row,) = await ledger.sessions()
             view = await ledger.view(row["session_id"])
     assert (view.state, view.outcome) == ("closed", "interrupted")
-    assert view.events[-1].data.reason == "cancelled"
+    assert cast(SessionClosedData, view.events[-1].data).reason == "cancelled"
     (call,) = view.observations.tool_calls
     assert call.arguments["cmd"].endswith("sleep 30'")
     assert "agent_activation_interrupted" in codes(view)

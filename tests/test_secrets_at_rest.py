@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import text
 
 from tests.scenarios import run_of, seed_data
+from tests.views import seeded
 from trialledger.store import Ledger
 
 TOKEN = "zq7-SECRET-Xv93kLmN0pQrStUv"
@@ -88,7 +89,7 @@ async def _import_raw(db: str) -> str:
             async with ledger._engines.writer.connect() as conn:
                 await conn.execute(text("CHECKPOINT"))
         view = await ledger.view(sid)
-    (grant,) = view.events[0].data.grants
+    (grant,) = seeded(view).grants
     assert grant.headers == {"Authorization": "[redacted]"}
     assert grant.header_fingerprints["Authorization"].startswith("sha256:")
     return sid

@@ -413,7 +413,7 @@ def after_the_fold(ledger: Ledger, meanwhile: Any) -> Any:
                 await_(job())
         return prepared
 
-    writer._prepare = folded_then_meanwhile
+    setattr(writer, "_prepare", folded_then_meanwhile)  # noqa: B010 (mypy: no method assignment)
     try:
         yield
     finally:
@@ -733,7 +733,12 @@ async def test_the_store_leaves_its_callers_collector_alone_and_the_command_tune
         await ledger.divergences(jobs=1)
     assert gc.get_threshold() == before != THRESHOLDS
     seen: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(cli, "main", lambda: seen.append(gc.get_threshold()) or 0)
+
+    def main() -> int:
+        seen.append(gc.get_threshold())
+        return 0
+
+    monkeypatch.setattr(cli, "main", main)
     try:
         assert cli.entry() == 0
     finally:

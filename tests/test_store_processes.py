@@ -18,7 +18,7 @@ from trialledger.core import ConcurrencyConflict
 from trialledger.store import Ledger
 
 # SIGKILLs of a writer on SQLite (PostgreSQL: a fifth). 30 by default keeps the suite quick;
-# TRIALLEDGER_SIGKILLS=100 is the full run (the README's "slow mode").
+# TRIALLEDGER_SIGKILLS=100 is the full run (the "slow mode" of README.md).
 KILLS = int(os.environ.get("TRIALLEDGER_SIGKILLS", "20"))
 ROUNDS = 15  # appends per process and shared session among the 8 contending writers
 

@@ -9,7 +9,7 @@ import hashlib
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -19,7 +19,7 @@ from tests.runs import in_process, make_task, run_task
 from trialledger.adapters import capture
 from trialledger.adapters.demo.endpoint import message
 from trialledger.adapters.sandbox.agentfiles import AgentTree
-from trialledger.core.events import event_dict, parse_event
+from trialledger.core.events import VerificationRecordedData, event_dict, parse_event
 from trialledger.store import Ledger
 from trialledger.store.engine import open_engines
 
@@ -216,10 +216,12 @@ def test_the_pass_stops_at_its_caps_and_its_budget(tmp_path: Path,
 
 def test_an_older_verification_reads_no_files_and_dumps_as_written() -> None:
     for schema in (1, 2):
-        written = {"type": "verification.recorded", "at": "2026-01-01T00:00:00Z",
-                   "schema": schema, "data": {"rewards": {"reward": 1.0}, "detail": "x"}}
+        written: dict[str, Any] = {
+            "type": "verification.recorded", "at": "2026-01-01T00:00:00Z",
+            "schema": schema, "data": {"rewards": {"reward": 1.0}, "detail": "x"}}
         event = parse_event(written)
-        assert event.data.files == [] and event.schema_ == schema
+        data = cast(VerificationRecordedData, event.data)
+        assert data.files == [] and event.schema_ == schema
         assert event_dict(event)["data"] == written["data"]
     new = parse_event({**written, "schema": 3, "data": {**written["data"], "files": []}})
     assert event_dict(new)["data"]["files"] == []

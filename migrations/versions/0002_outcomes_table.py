@@ -1,8 +1,8 @@
 """`outcomes` becomes a projection table (one row per decided session), not a view.
 
 The view found each session's last decision with a correlated subquery and a join on
-every read: 140 ms for the summary by cause on 100,000 sessions. As a table kept by the
-writer it is a plain scan. Its columns (and the `decisions` view) are unchanged; existing
+every read, which grew slow with the number of sessions. As a table kept by the writer it
+is a plain scan. Its columns (and the `decisions` view) are unchanged; existing
 rows are filled from `decision_log` and `sessions`.
 
 Revision ID: 0002
