@@ -368,16 +368,13 @@ def _warn_fields(tasks: Sequence[Any], skipped: Mapping[str, str] | None = None,
     """docs/SPEC.md §15 on stderr (never stdout): each dataset task skipped as unsupported,
     then one line per distinct field not honoured, with how many tasks have it (phase
     users are honoured only for image and rootfs tasks in range mode)."""
-    from trialledger.adapters.taskconfig import SINGLE_ID_USER
 
     for name, why in (skipped or {}).items():
         print(f"trialledger: warning: skipped task {printable(name)}: {printable(why)}",
               file=sys.stderr)
     counts: dict[tuple[str, str], int] = {}
     for task in tasks:
-        unhonoured = {} if in_range and task.source is not None else {
-            f"[{phase}] user": SINGLE_ID_USER for phase in task.users}
-        for field, reason in {**task.ignored_fields, **unhonoured}.items():
+        for field, reason in task.unhonoured(in_range).items():
             counts[field, reason] = counts.get((field, reason), 0) + 1
     for (field, reason), n in sorted(counts.items()):
         print(f"trialledger: warning: {printable(field)} {printable(reason)} "

@@ -214,7 +214,9 @@ class JobRunner:
                                    job_config(self.options, self.k, self.max_attempts),
                                    [(t.name, str(t.folder)) for t in self.tasks],
                                    add=self.add, datasets=self.datasets,
-                                   skipped=self.skipped)
+                                   skipped=self.skipped,
+                                   ignored={t.name: t.unhonoured(self.cache.plain)
+                                            for t in self.tasks})
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.prepare_environments)
             for _ in range(max(1, self.concurrency)):

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source, SourceKind, within
-from trialledger.adapters.taskconfig import COMPOSE, legacy_sizes, network_modes, review
+from trialledger.adapters.taskconfig import (
+    COMPOSE,
+    SINGLE_ID_USER,
+    legacy_sizes,
+    network_modes,
+    review,
+)
 from trialledger.adapters.taskconfig import TaskInvalid as TaskInvalid
 from trialledger.adapters.taskconfig import UnsupportedField as UnsupportedField
 from trialledger.adapters.taskenv import EnvUnresolved, ResolvedEnv, resolve
@@ -63,6 +69,13 @@ class Task:
     declared_name: str | None = None  # task.toml's [task] name: shown, never a key
     users: dict[str, str] = field(default_factory=dict)  # phase (agent, verifier) → its
     # `user` (a name, a uid, uid:gid or name:group; docs/SPEC.md §15), honoured in range mode
+
+    def unhonoured(self, in_range: bool) -> dict[str, str]:
+        """Every field of the task a runner warns about → why: `ignored_fields`, plus the
+        phase users, honoured only for image and rootfs tasks in range mode (§15)."""
+        users = {} if in_range and self.source is not None else {
+            f"[{phase}] user": SINGLE_ID_USER for phase in self.users}
+        return {**self.ignored_fields, **users}
 
     @classmethod
     def load(cls, folder: Path) -> Task:

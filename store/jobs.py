@@ -103,14 +103,16 @@ class Jobs:
     async def define(self, name: str, config: Mapping[str, Any],
                      tasks: Sequence[tuple[str, str]], *, add: bool = False,
                      datasets: Mapping[str, str] | None = None,
-                     skipped: Mapping[str, str] | None = None) -> bool:
+                     skipped: Mapping[str, str] | None = None,
+                     ignored: Mapping[str, Mapping[str, str]] | None = None) -> bool:
         """Create the job, or check a resumed one: the same configuration but for `k`, which
         may grow (new trials are queued), never shrink, and the same task names (`add`:
         other names are added; the job's own must still all be named). `tasks` are (name,
         folder) pairs; a task's folder may move; `datasets`: task name → its dataset's name
         (absent: `adhoc`); `skipped`: a dataset's tasks skipped as invalid → why (SPEC §15;
-        listed by `job show`, in no figure). A refusal writes nothing. Returns whether the
-        job was new."""
+        listed by `job show`, in no figure); `ignored`: a task → the fields its runner does
+        not honour → why (`job_task_fields`; never part of the configuration, so never
+        compared at resume). A refusal writes nothing. Returns whether the job was new."""
         k, attempts = int(config["k"]), int(config["max_attempts"])
         async with self._engines.writer.begin() as conn:
             row = (await conn.execute(text("SELECT config, k FROM jobs WHERE name = :n"),
@@ -146,7 +148,23 @@ class Jobs:
                          "ds": (datasets or {}).get(task, ADHOC)})
             await self._record_skipped(conn, name, [t for t, _ in tasks], skipped or {},
                                        datasets or {})
+            await self._record_fields(conn, name, [t for t, _ in tasks], ignored or {})
         return row is None
+
+    @staticmethod
+    async def _record_fields(conn: AsyncConnection, name: str, queued: Sequence[str],
+                             ignored: Mapping[str, Mapping[str, str]]) -> None:
+        """The fields each queued task's runner does not honour, as this run found them."""
+        for part in in_slices(list(queued)):
+            names = ", ".join(f":t{i}" for i in range(len(part)))
+            await conn.execute(text(f"DELETE FROM job_task_fields WHERE job = :j AND task IN "
+                                    f"({names})"),
+                               {"j": name, **{f"t{i}": task for i, task in enumerate(part)}})
+        for task in queued:
+            for field, reason in sorted((ignored.get(task) or {}).items()):
+                await conn.execute(text(
+                    "INSERT INTO job_task_fields (job, task, field, reason) "
+                    "VALUES (:j, :t, :f, :r)"), {"j": name, "t": task, "f": field, "r": reason})
 
     @staticmethod
     async def _record_skipped(conn: AsyncConnection, name: str, queued: Sequence[str],

@@ -4,6 +4,8 @@ real task folders, `trialledger run` / `job run` in process, real sandboxes."""
 from __future__ import annotations
 
 import socket
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,11 @@ SILENT = ("schema_version = '1.4'\nsource = 'terminal-bench'\nsteps = []\nartifa
           "[solution]\nenv = {}\n"
           "[environment]\ngpus = 0\ngpu_types = []\nos = 'LINUX'\nmcp_servers = []\nenv = {}\n"
           "cpus = 1\nmemory_mb = 2048\nbuild_timeout_sec = 60\nallowed_hosts = []\n")
+
+
+def sqlite_rows(db: Path, query: str) -> list[tuple[object, ...]]:
+    with closing(sqlite3.connect(db)) as conn:
+        return [tuple(row) for row in conn.execute(query)]
 
 
 def write(folder: Path, toml: str) -> Task:
@@ -144,6 +151,11 @@ def test_job_run_counts_tasks_per_field_and_lists_a_skipped_task(
     # in no denominator: not a task of the job, only listed as skipped with its reason
     assert [line.strip().split(":")[:2] for line in out.splitlines() if "gamma" in line] == [
         ["gamma", " skipped"]]
+    # each task's unhonoured fields are in the job's tables (never in its configuration)
+    assert sqlite_rows(db, "SELECT task, field FROM job_task_fields WHERE job = 'check' "
+                           "ORDER BY task, field") == [
+        ("alpha", "[verifier] user"), ("beta", "[environment] skills_dir"),
+        ("beta", "[verifier] user")]
     # a refused task named alone is refused, not skipped
     alone = in_process("job", "run", "other", str(data / "gamma"), "--agent", "oracle",
                        "--db", str(db))
