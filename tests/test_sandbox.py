@@ -127,7 +127,8 @@ async def test_an_escape_through_a_real_codex_tool_call_fails(
         tmp_path: Path, store_file: Path) -> None:
     marker = HOST_HOME / "trialledger-codex-escape"
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
-    command = (f"echo pwned > {marker}; echo pwned >> {store_file}; "
+    # One pipe for both streams, so "tried" is reliably the last line.
+    command = (f"exec 2>&1; echo pwned > {marker}; echo pwned >> {store_file}; "
                f"echo pwned > {task.folder}/tests/test.sh; cat {store_file}; echo tried")
     ran = await run_task(str(tmp_path / "trials.db"), task, [shell(command), message()])
     (call,) = ran.view.observations.tool_calls
