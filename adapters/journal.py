@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from trialledger.adapters.environment import default_cache_dir
-from trialledger.core import parse_events, scrub_data
 from trialledger.core.errors import TrialLedgerError
+from trialledger.core.parsing import parse_events
+from trialledger.core.redact import scrub_data
 from trialledger.store import Ledger, StoredEvent
 from trialledger.store.ledger import Deliver
 from trialledger.store.writer import Fence, now

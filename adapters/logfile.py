@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trialledger.core import BadEvent, TrialLedgerError, parse_jsonl
+from trialledger.core import BadEvent, TrialLedgerError
+from trialledger.core.parsing import parse_jsonl
 
 LOG_LIMIT = 1024 * 2**20  # bytes of one log
 

@@ -11,7 +11,7 @@ import time
 
 from trialledger.adapters.codex.rollout import iter_usage_events
 from trialledger.adapters.codex.stream import parse_stream_line
-from trialledger.core import parse_event
+from trialledger.core.parsing import parse_event
 
 
 def main(exec_log: str, rollout: str) -> None:

@@ -16,7 +16,8 @@ from typing import Any
 import anyio
 
 from tests.scenarios import CLEAN, LogBuilder
-from trialledger.core import event_dict, replay
+from trialledger.core import replay
+from trialledger.core.parsing import event_dict
 from trialledger.store import Ledger, tune_collector
 
 PAYLOAD = "x" * 200  # an agent message of this text makes an event of ~330 bytes

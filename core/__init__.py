@@ -1,135 +1,52 @@
 """trialledger's domain: events, the session machine, the policy, usage, observations, redaction.
 
-Pure functions and pydantic models; no I/O. The public contract (SPEC §10):
+Pure functions and pydantic models; no I/O. What this package exports is the public
+contract (SPEC §10; docs/library.md, "The public names", lists it and a test keeps the two
+equal): replay and explain, redaction, registering a policy, the types a view holds and
+the errors replay raises. Everything else is importable by its module path
+(`trialledger.core.events`, `.parsing`, `.machine`, …) and may change:
 
     from trialledger.core import replay, redact, scrub
 """
 
-from trialledger.core.canonical import NS, canonical_text, chain_hash, event_id_for
+# v3 registers itself as its module loads (built in, so every use of core loads it).
+from trialledger.core import policy_v3  # noqa: F401
 from trialledger.core.errors import (
     BadEvent,
-    ConcurrencyConflict,
-    EventIdConflict,
     IllegalTransition,
+    PolicyNameTaken,
     SeedRejected,
     TrialLedgerError,
     UnknownPolicy,
 )
-from trialledger.core.events import (
-    EVENT_TYPES,
-    AgentExited,
-    AgentLaunched,
-    AgentStderr,
-    ArchiveCopied,
-    ArchiveSkipped,
-    Cause,
-    CleanupReported,
-    CodexUnknown,
-    Decision,
-    Event,
-    GapRecorded,
-    ItemCompleted,
-    ItemStarted,
-    ItemUpdated,
-    ModelCall,
-    ModelCallData,
-    OutcomeDecided,
-    SandboxLost,
-    SandboxProbed,
-    SessionClosed,
-    SessionSeeded,
-    StreamError,
-    ThreadStarted,
-    TurnCompleted,
-    TurnFailed,
-    TurnStarted,
-    Usage,
-    UsageNative,
-    VerificationFailed,
-    VerificationRecorded,
-    event_dict,
-    parse_event,
-    parse_events,
-    parse_jsonl,
-    parse_stored,
-)
-from trialledger.core.machine import STATES, Session, State
-from trialledger.core.observations import Observations, ToolCall
-from trialledger.core.policy import V1, Policy, get_policy, register_policy
-from trialledger.core.policy_v3 import V3
-from trialledger.core.redact import redact, scrub, scrub_data
-from trialledger.core.replay import Divergence, Replayer, SessionView, explain, replay
-from trialledger.core.seed import Grant, ValidSeed, validate_seed
-from trialledger.core.settings import Settings
+from trialledger.core.events import Cause, Decision, Event, Gap, Usage
+from trialledger.core.observations import Invocation, Message, Observations, ToolCall
+from trialledger.core.policy import Policy, register_policy
+from trialledger.core.redact import redact, scrub
+from trialledger.core.replay import Divergence, SessionView, explain, replay
 
 __all__ = [
-    "EVENT_TYPES",
-    "NS",
-    "STATES",
-    "V1",
-    "V3",
-    "AgentExited",
-    "AgentLaunched",
-    "AgentStderr",
-    "ArchiveCopied",
-    "ArchiveSkipped",
     "BadEvent",
     "Cause",
-    "CleanupReported",
-    "CodexUnknown",
-    "ConcurrencyConflict",
     "Decision",
     "Divergence",
     "Event",
-    "EventIdConflict",
-    "GapRecorded",
-    "Grant",
+    "Gap",
     "IllegalTransition",
-    "ItemCompleted",
-    "ItemStarted",
-    "ItemUpdated",
-    "ModelCall",
-    "ModelCallData",
+    "Invocation",
+    "Message",
     "Observations",
-    "OutcomeDecided",
     "Policy",
-    "Replayer",
-    "SandboxLost",
-    "SandboxProbed",
+    "PolicyNameTaken",
     "SeedRejected",
-    "Session",
-    "SessionClosed",
-    "SessionSeeded",
     "SessionView",
-    "Settings",
-    "State",
-    "StreamError",
-    "ThreadStarted",
     "ToolCall",
     "TrialLedgerError",
-    "TurnCompleted",
-    "TurnFailed",
-    "TurnStarted",
     "UnknownPolicy",
     "Usage",
-    "UsageNative",
-    "ValidSeed",
-    "VerificationFailed",
-    "VerificationRecorded",
-    "canonical_text",
-    "chain_hash",
-    "event_dict",
-    "event_id_for",
     "explain",
-    "get_policy",
-    "parse_event",
-    "parse_events",
-    "parse_jsonl",
-    "parse_stored",
     "redact",
     "register_policy",
     "replay",
     "scrub",
-    "scrub_data",
-    "validate_seed",
 ]

@@ -3,14 +3,13 @@
 The JSONL form of an event is `{"type", "at", "data"}` plus the optional `session_id`,
 `seq`, `event_id` and `schema`. `data` of a Codex stream event is Codex's own object
 without its `type`, kept whole (unknown fields included); our own event types forbid
-unknown fields so a typo is an error, not silently dropped evidence.
+unknown fields so a typo is an error, not silently dropped evidence. Reading them from
+JSONL (and upcasting an older schema) is core/parsing.py's.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import (
@@ -19,12 +18,10 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
-    TypeAdapter,
-    ValidationError,
     model_serializer,
 )
 
-from trialledger.core.errors import BadEvent
+from trialledger.core.redact import REDACTED, fingerprint
 from trialledger.core.settings import Settings
 
 _RFC3339_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|\+00:00)")
@@ -104,8 +101,10 @@ class AgentInfo(_Data):
     version: str
 
 
-class StoredGrant(_Data):
-    """A tool grant as stored: header values replaced by `[redacted]` and fingerprinted."""
+class Grant(_Data):
+    """A tool grant (SPEC §6). As a harness gives it, its header values are in clear and it
+    has no fingerprints; as stored (`stored()`), each value is `[redacted]` and its
+    fingerprint kept in `header_fingerprints`."""
 
     name: str
     kind: Literal["mcp", "direct_http"]
@@ -113,6 +112,17 @@ class StoredGrant(_Data):
     url: str
     headers: dict[str, str] = Field(default_factory=dict)
     header_fingerprints: dict[str, str] = Field(default_factory=dict)
+
+    def stored(self) -> Grant:
+        """The grant as stored: values `[redacted]`, each with its fingerprint."""
+        return Grant(
+            name=self.name,
+            kind=self.kind,
+            required=self.required,
+            url=self.url,
+            headers=dict.fromkeys(self.headers, REDACTED),
+            header_fingerprints={k: fingerprint(v) for k, v in self.headers.items()},
+        )
 
 
 # --- data of each event type ---------------------------------------------------------------
@@ -128,7 +138,7 @@ class SessionSeededData(_Data):
     agent: AgentInfo
     model: str | None  # null for an agent that asks no model (SPEC §15's oracle and nop)
     settings: Settings = Field(default_factory=Settings)
-    grants: list[StoredGrant] = Field(default_factory=list)
+    grants: list[Grant] = Field(default_factory=list)
 
 
 class AgentLaunchedData(_Data):
@@ -322,7 +332,10 @@ class CodexUnknownData(_Data):
 # --- the envelope ---------------------------------------------------------------------------
 
 
-class _Envelope(BaseModel):
+class Envelope(BaseModel):
+    """What every event carries: its `type` and `at`, and the optional `session_id`, `seq`,
+    `event_id` and `schema` (its data's version)."""
+
     model_config = ConfigDict(
         frozen=True,
         extra="forbid",
@@ -339,117 +352,117 @@ class _Envelope(BaseModel):
     schema_: Annotated[int, Field(ge=1, alias="schema")] = 1
 
 
-class SessionSeeded(_Envelope):
+class SessionSeeded(Envelope):
     type: Literal["session.seeded"] = "session.seeded"
     data: SessionSeededData
 
 
-class AgentLaunched(_Envelope):
+class AgentLaunched(Envelope):
     type: Literal["agent.launched"] = "agent.launched"
     data: AgentLaunchedData
 
 
-class AgentStderr(_Envelope):
+class AgentStderr(Envelope):
     type: Literal["agent.stderr"] = "agent.stderr"
     data: AgentStderrData
 
 
-class ModelCall(_Envelope):
+class ModelCall(Envelope):
     type: Literal["model.call"] = "model.call"
     data: ModelCallData
 
 
-class AgentExited(_Envelope):
+class AgentExited(Envelope):
     type: Literal["agent.exited"] = "agent.exited"
     data: AgentExitedData
 
 
-class CleanupReported(_Envelope):
+class CleanupReported(Envelope):
     type: Literal["cleanup.reported"] = "cleanup.reported"
     data: CleanupReportedData
 
 
-class SandboxLost(_Envelope):
+class SandboxLost(Envelope):
     type: Literal["sandbox.lost"] = "sandbox.lost"
     data: SandboxLostData
 
 
-class SandboxProbed(_Envelope):
+class SandboxProbed(Envelope):
     type: Literal["sandbox.probed"] = "sandbox.probed"
     data: SandboxProbedData
 
 
-class GapRecorded(_Envelope):
+class GapRecorded(Envelope):
     type: Literal["gap.recorded"] = "gap.recorded"
     data: GapRecordedData
 
 
-class ArchiveCopied(_Envelope):
+class ArchiveCopied(Envelope):
     type: Literal["archive.copied"] = "archive.copied"
     data: ArchiveCopiedData
 
 
-class ArchiveSkipped(_Envelope):
+class ArchiveSkipped(Envelope):
     type: Literal["archive.skipped"] = "archive.skipped"
     data: ArchiveSkippedData
 
 
-class VerificationRecorded(_Envelope):
+class VerificationRecorded(Envelope):
     type: Literal["verification.recorded"] = "verification.recorded"
     data: VerificationRecordedData
 
 
-class VerificationFailed(_Envelope):
+class VerificationFailed(Envelope):
     type: Literal["verification.failed"] = "verification.failed"
     data: VerificationFailedData
 
 
-class SessionClosed(_Envelope):
+class SessionClosed(Envelope):
     type: Literal["session.closed"] = "session.closed"
     data: SessionClosedData
 
 
-class OutcomeDecided(_Envelope):
+class OutcomeDecided(Envelope):
     type: Literal["outcome.decided"] = "outcome.decided"
     data: Decision
 
 
-class UsageNative(_Envelope):
+class UsageNative(Envelope):
     type: Literal["usage.native"] = "usage.native"
     data: UsageNativeData
 
 
-class ThreadStarted(_Envelope):
+class ThreadStarted(Envelope):
     type: Literal["thread.started"] = "thread.started"
     data: ThreadStartedData
 
 
-class TurnStarted(_Envelope):
+class TurnStarted(Envelope):
     type: Literal["turn.started"] = "turn.started"
     data: _CodexData = Field(default_factory=_CodexData)
 
 
-class TurnCompleted(_Envelope):
+class TurnCompleted(Envelope):
     type: Literal["turn.completed"] = "turn.completed"
     data: TurnCompletedData
 
 
-class TurnFailed(_Envelope):
+class TurnFailed(Envelope):
     type: Literal["turn.failed"] = "turn.failed"
     data: TurnFailedData
 
 
-class ItemStarted(_Envelope):
+class ItemStarted(Envelope):
     type: Literal["item.started"] = "item.started"
     data: ItemData
 
 
-class ItemUpdated(_Envelope):
+class ItemUpdated(Envelope):
     type: Literal["item.updated"] = "item.updated"
     data: ItemData
 
 
-class ItemCompleted(_Envelope):
+class ItemCompleted(Envelope):
     type: Literal["item.completed"] = "item.completed"
     data: ItemData
 
@@ -457,12 +470,12 @@ class ItemCompleted(_Envelope):
 ITEM_EVENTS = (ItemStarted, ItemUpdated, ItemCompleted)  # for isinstance (a union is built per use)
 
 
-class StreamError(_Envelope):
+class StreamError(Envelope):
     type: Literal["stream.error"] = "stream.error"
     data: StreamErrorData
 
 
-class CodexUnknown(_Envelope):
+class CodexUnknown(Envelope):
     type: Literal["codex.unknown"] = "codex.unknown"
     data: CodexUnknownData
 
@@ -496,9 +509,9 @@ Event: TypeAlias = Annotated[
     Field(discriminator="type"),
 ]
 
-EVENT_TYPES: dict[str, type[_Envelope]] = {
+EVENT_TYPES: dict[str, type[Envelope]] = {
     cls.model_fields["type"].default: cls
-    for cls in _Envelope.__subclasses__()
+    for cls in Envelope.__subclasses__()
 }
 CODEX_STREAM_TYPES = frozenset(
     {
@@ -517,163 +530,10 @@ CODEX_STREAM_TYPES = frozenset(
 # Each type's newest schema version, as this code writes it. A new version that only adds
 # optional fields (as 2 of these did) needs no upcaster; one that changes a field registers
 # an upcaster from the old version, so old logs keep folding. A version above this one was
-# written by newer code: it is refused, never read as if it were ours.
+# written by newer code: it is refused, never read as if it were ours (core/parsing.py).
 SCHEMA_VERSION: dict[str, int] = {
     **dict.fromkeys(EVENT_TYPES, 1),
     "agent.launched": 4,  # 2: model_proxy, environment, limits; 3: identity; 4: journal
     "verification.recorded": 3,  # 2: stdout_tail, stderr_tail; 3: files
     "verification.failed": 3,
 }
-Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
-UPCASTERS: dict[tuple[str, int], Upcaster] = {}
-
-_EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
-_EVENTS_ADAPTER: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
-
-
-def describe_invalid(error: ValidationError, whole: str = "event") -> str:
-    """A pydantic error in one line, the one formatter for events, seeds and grants: every
-    missing field at once (a user fixes them together), else the first problem and its
-    field; `whole` names the object when the problem is not in a field."""
-    errors = error.errors()
-    missing = [".".join(_field_path(e["loc"])) for e in errors if e["type"] == "missing"]
-    if len(missing) > 1:
-        return f"missing fields: {', '.join(missing)}"
-    first = errors[0]
-    if first["type"] == "union_tag_invalid":
-        return f"unknown event type {first['input'].get('type')!r}"
-    if first["type"] == "union_tag_not_found":
-        return "field 'type' is required"
-    field = ".".join(_field_path(first["loc"])) or whole
-    return f"field {field!r}: {first['msg'].removeprefix('Value error, ')}"
-
-
-def _field_path(loc: tuple[int | str, ...]) -> list[str]:
-    path = [str(part) for part in loc]
-    return path[1:] if path and path[0] in EVENT_TYPES else path  # the union's branch name
-
-
-def _upcast(obj: dict[str, Any]) -> dict[str, Any]:
-    kind, version = obj.get("type"), obj.get("schema", 1)
-    if not isinstance(kind, str) or not isinstance(version, int):
-        return obj
-    while (kind, version) in UPCASTERS:
-        obj = {**obj, "data": UPCASTERS[(kind, version)](obj.get("data", {})),
-               "schema": version + 1}
-        version += 1
-    return obj
-
-
-# Fields the store adds to an exported line; a parsed event ignores them.
-STORE_FIELDS = frozenset({"position", "recorded_at", "hash"})
-
-
-def parse_event(obj: Mapping[str, Any] | Event) -> Event:
-    """Validate one JSONL event dict into its model; raise `BadEvent` naming the field."""
-    if isinstance(obj, _Envelope):  # already an event model
-        return obj
-    if not isinstance(obj, Mapping):
-        raise BadEvent(f"an event is a JSON object, not {type(obj).__name__}")
-    fields = {k: v for k, v in obj.items() if k not in STORE_FIELDS}
-    try:
-        event = _EVENT_ADAPTER.validate_python(_upcast(fields))
-    except ValidationError as error:
-        raise BadEvent(describe_invalid(error)) from None
-    if event.schema_ > SCHEMA_VERSION[event.type]:
-        raise BadEvent(f"field 'schema': {event.type} schema {event.schema_} is newer than "
-                       f"this trialledger reads (up to {SCHEMA_VERSION[event.type]}); "
-                       "upgrade trialledger")
-    return event
-
-
-def parse_stored(text: str) -> Event:
-    """An event from its canonical text as the store holds it: validated straight from the
-    JSON (about half the time of `json.loads` and `parse_event`); one of an older schema,
-    or text that does not validate, goes through `parse_event` (upcast, or `BadEvent`)."""
-    try:
-        event = _EVENT_ADAPTER.validate_json(text)
-    except ValidationError:
-        return parse_event(json.loads(text))
-    if event.schema_ != SCHEMA_VERSION[event.type]:
-        return parse_event(json.loads(text))
-    return event
-
-
-def parse_events(events: Iterable[Mapping[str, Any] | Event]) -> list[Event]:
-    """`parse_event` of each, a `BadEvent` naming the index of the first bad one: the one
-    parsing loop of replay and the store.
-
-    A list of plain dicts without store fields (what a harness and an export write) is
-    validated at once, which costs half as much per event, and an event of an older schema
-    in it is then parsed again alone (upcast); anything else, or a list that does not
-    validate so, goes one event at a time (which names the first bad one)."""
-    given = events if isinstance(events, list) else list(events)
-    if all(type(raw) is dict and STORE_FIELDS.isdisjoint(raw) for raw in given):
-        try:
-            parsed = _EVENTS_ADAPTER.validate_python(given)
-        except ValidationError:
-            return _parse_each(given)
-        for index, event in enumerate(parsed):
-            if event.schema_ != SCHEMA_VERSION[event.type]:
-                try:
-                    parsed[index] = parse_event(given[index])
-                except BadEvent as error:
-                    raise error.at(index=index) from None
-        return parsed
-    return _parse_each(given)
-
-
-def _parse_each(events: Iterable[Mapping[str, Any] | Event]) -> list[Event]:
-    parsed = []
-    for index, raw in enumerate(events):
-        try:
-            parsed.append(parse_event(raw))
-        except BadEvent as error:
-            raise error.at(index=index) from None
-    return parsed
-
-
-def event_dict(event: _Envelope) -> dict[str, Any]:
-    """The JSONL form of an event, with every field."""
-    return event.model_dump(mode="json")
-
-
-MAX_DEPTH = 64
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's \\ud800 escapes let these through
-_INT64 = range(-(2**63), 2**63)
-
-
-def _storable(value: Any, depth: int = 0) -> str | None:
-    """Why a parsed JSON value cannot be stored as given (None: it can)."""
-    if depth > MAX_DEPTH:
-        return f"nested deeper than {MAX_DEPTH} levels"
-    if isinstance(value, str):
-        return "a lone surrogate (\\ud800–\\udfff) in a string" if LONE_SURROGATE.search(value) \
-            else None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return None if value in _INT64 else "an integer beyond 64 bits"
-    if isinstance(value, dict):
-        items: Iterable[Any] = (x for kv in value.items() for x in kv)
-    elif isinstance(value, list):
-        items = value
-    else:
-        return None
-    return next((why for item in items if (why := _storable(item, depth + 1))), None)
-
-
-def parse_jsonl(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (line number, object) per non-blank line; raise `BadEvent` with the line number
-    for a line that is not a JSON object or could not be stored as it is."""
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        try:
-            obj = json.loads(text)
-        except (ValueError, RecursionError) as error:
-            reason = "nested too deep" if isinstance(error, RecursionError) else str(error)
-            raise BadEvent(f"not JSON ({reason})", line=number) from None
-        if not isinstance(obj, dict):
-            raise BadEvent(f"an event is a JSON object, not {type(obj).__name__}", line=number)
-        if why := _storable(obj):
-            raise BadEvent(why, line=number)
-        yield number, obj

@@ -23,16 +23,22 @@ class _Frozen(BaseModel):
 
 
 class Message(_Frozen):
+    """One message of the agent's conversation."""
+
     role: Literal["user", "assistant", "reasoning"]
     text: str
 
 
 class Invocation(_Frozen):
+    """The agent's run: its status and its conversation."""
+
     status: Literal["completed", "incomplete", "failed"]
     conversation: list[Message]
 
 
 class ToolCall(_Frozen):
+    """One tool call of the agent: what it asked, what came back, how it ended."""
+
     id: str
     name: str
     kind: str
@@ -45,6 +51,8 @@ class ToolCall(_Frozen):
 
 
 class Observations(_Frozen):
+    """What the agent did, computed from the log at any moment (SPEC §9)."""
+
     source: Literal["codex"] = "codex"
     invocation: Invocation
     tool_calls: list[ToolCall]

@@ -24,10 +24,10 @@ from trialledger.core.events import (
     OutcomeDecided,
     SessionSeeded,
     Usage,
-    parse_events,
 )
 from trialledger.core.machine import Session, State
 from trialledger.core.observations import Observations, observe
+from trialledger.core.parsing import parse_events
 from trialledger.core.policy import Policy
 from trialledger.core.seed import seal_seed
 

@@ -12,38 +12,16 @@ import posixpath
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from trialledger.core.errors import SeedRejected
-from trialledger.core.events import SessionSeededData, StoredGrant, describe_invalid
+from trialledger.core.events import Grant, SessionSeededData
+from trialledger.core.parsing import describe_invalid
 from trialledger.core.redact import REDACTED, fingerprint, header_secrets, scrub_data
 
 GRANT_NAME = re.compile(r"[A-Za-z0-9_-]+")
-
-
-class Grant(BaseModel):
-    """A tool grant as a harness gives it, header values in clear."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    kind: Literal["mcp", "direct_http"]
-    required: bool = False
-    url: str
-    headers: dict[str, str] = Field(default_factory=dict)
-
-    def stored(self) -> StoredGrant:
-        """The grant as stored: values `[redacted]`, each with its fingerprint."""
-        return StoredGrant(
-            name=self.name,
-            kind=self.kind,
-            required=self.required,
-            url=self.url,
-            headers=dict.fromkeys(self.headers, REDACTED),
-            header_fingerprints={k: fingerprint(v) for k, v in self.headers.items()},
-        )
 
 
 @dataclass(frozen=True)
@@ -67,6 +45,19 @@ class ValidSeed:
     grants: tuple[Grant, ...]
     secrets: tuple[str, ...]
     skipped: tuple[SkippedGrant, ...] = field(default=())
+
+
+def _given(grant: Mapping[str, Any] | Grant) -> Grant:
+    """A grant as a harness gives it: headers in clear and no `header_fingerprints` (the
+    store makes them; given, they are refused as the unknown field they are here)."""
+    given = bool(grant.header_fingerprints) if isinstance(grant, Grant) else (
+        isinstance(grant, Mapping) and "header_fingerprints" in grant)
+    if isinstance(grant, Mapping):
+        grant = {k: v for k, v in grant.items() if k != "header_fingerprints"}
+    valid = Grant.model_validate(grant)  # a field's error first, as pydantic orders them
+    if given:
+        raise SeedRejected("grant field 'header_fingerprints': Extra inputs are not permitted")
+    return valid
 
 
 def _unusable(grant: Grant) -> str | None:
@@ -141,8 +132,8 @@ def validate_seed(
     """Validate a raw seed into what to store, the secrets to keep, and the grants left out."""
     raw = dict(seed)
     try:
-        own = [Grant.model_validate(g) for g in raw.pop("grants", None) or []]
-        configured = [Grant.model_validate(g) for g in configured_grants]
+        own = [_given(g) for g in raw.pop("grants", None) or []]
+        configured = [_given(g) for g in configured_grants]
     except ValidationError as error:
         raise SeedRejected(f"grant {describe_invalid(error, 'grant')}") from None
     usable, skipped = _merge_grants(own, configured)

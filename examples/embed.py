@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 
-from trialledger.adapters.codex.stream import parse_stream_line
+from trialledger.adapters import parse_stream_line
 from trialledger.store import Ledger
 
 SEED = {  # every required field; `settings` and `grants` may be left out

@@ -24,24 +24,14 @@ import anyio
 from sqlalchemy import LargeBinary, column, select, table, text
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from trialledger.core import (
-    Event,
-    IllegalTransition,
-    Policy,
-    Session,
-    SessionView,
-    ValidSeed,
-    event_dict,
-    get_policy,
-    parse_events,
-    replay,
-    scrub_data,
-    validate_seed,
-)
+from trialledger.core import Event, IllegalTransition, Policy, SessionView, replay
 from trialledger.core.canonical import first_broken_link, session_id_for_seed
-from trialledger.core.policy import DEFAULT_POLICY
+from trialledger.core.machine import Session
+from trialledger.core.parsing import event_dict, parse_events
+from trialledger.core.policy import DEFAULT_POLICY, get_policy
+from trialledger.core.redact import scrub_data
 from trialledger.core.replay import rederive, view_of
-from trialledger.core.seed import seal_seed
+from trialledger.core.seed import ValidSeed, seal_seed, validate_seed
 from trialledger.store.defaults import DEFAULT_DB
 from trialledger.store.engine import Engines, Synchronous, make_engines, sqlite_path
 from trialledger.store.errors import AmbiguousSession as AmbiguousSession  # as before

@@ -24,8 +24,9 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, bindparam, column, delete, insert, table
 
-from trialledger.core import Decision, Event, Session, SessionSeeded
-from trialledger.core.events import GapRecordedData, ModelCall, ModelCallData
+from trialledger.core import Decision, Event
+from trialledger.core.events import GapRecordedData, ModelCall, ModelCallData, SessionSeeded
+from trialledger.core.machine import Session
 from trialledger.core.observations import ToolTraces, derived_gaps
 from trialledger.core.replay import outcome_of
 from trialledger.store.engine import driver_marks

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 import anyio
 from sqlalchemy import select
 
-from trialledger.core import Event, parse_stored
+from trialledger.core import Event
+from trialledger.core.parsing import parse_stored
 from trialledger.core.replay import rederive
 from trialledger.store.log import EVENTS, IN_LIMIT
 from trialledger.store.projections import TABLE_OF

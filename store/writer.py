@@ -19,16 +19,11 @@ from typing import Any
 import anyio
 from sqlalchemy import Connection, delete, func, select, text
 
-from trialledger.core import (
-    ConcurrencyConflict,
-    Event,
-    EventIdConflict,
-    Session,
-    TrialLedgerError,
-    event_dict,
-    parse_stored,
-)
+from trialledger.core import Event, TrialLedgerError
 from trialledger.core.canonical import GENESIS, canonical_text, chain_hash
+from trialledger.core.errors import ConcurrencyConflict, EventIdConflict
+from trialledger.core.machine import Session
+from trialledger.core.parsing import event_dict, parse_stored
 from trialledger.store.engine import Engines
 from trialledger.store.errors import LeaseLost as LeaseLost  # raised here before
 from trialledger.store.group import GroupCommit, Waiter

@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trialledger.core import parse_jsonl, replay
+from trialledger.core import replay
+from trialledger.core.parsing import parse_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 SNAPSHOT = REPO / "tests" / "golden" / "decisions-by-policy.json"

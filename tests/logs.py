@@ -16,8 +16,9 @@ from tests.scenarios import (
     LogBuilder,
 )
 from trialledger.adapters.codex.stream import parse_stream_line
-from trialledger.core import Session, parse_event
 from trialledger.core.canonical import session_id_for_seed
+from trialledger.core.machine import Session
+from trialledger.core.parsing import parse_event
 
 CODEX_LINES = sorted({*CLEAN, *HTTP_429, *STREAM_CUT, *CAPACITY, *TOOL_CALL,
     '{"type":"error","message":"Reconnecting... 1/5 (request timed out)"}',

@@ -291,7 +291,7 @@ async def claimed_session(ledger: Any, holder: str, lease_s: float = 0.2
                           ) -> tuple[Any, Any, Any, LogBuilder]:
     """A one-trial job `f` whose trial `holder` claimed, and the seed of a clean session
     started under that claim's lease (fenced): (jobs, claim, seeded, the session's log)."""
-    from trialledger.core import validate_seed
+    from trialledger.core.seed import validate_seed
     from trialledger.store.jobs import Jobs
 
     jobs = Jobs(ledger)

@@ -9,8 +9,8 @@ from pathlib import Path
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
 from trialledger.adapters.codex.rollout import rollout_files, usage_events
 from trialledger.adapters.codex.stream import parse_stream_line
-from trialledger.core import Settings
-from trialledger.core.seed import Grant
+from trialledger.core.events import Grant
+from trialledger.core.settings import Settings
 
 AT = "2026-11-29T10:00:00Z"
 EXAMPLE = Path(__file__).parent / "data" / "codex-0.125-example.jsonl"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trialledger.core import SeedRejected, validate_seed
+from trialledger.core import SeedRejected
+from trialledger.core.seed import validate_seed
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "embed.py"

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from tests.golden import GOLDEN
-from trialledger.core import parse_jsonl, replay
+from trialledger.core import replay
+from trialledger.core.parsing import parse_jsonl
 
 FILES = sorted(GOLDEN.rglob("*.jsonl"))
 

@@ -10,10 +10,11 @@ from hypothesis import given, settings
 
 from tests.logs import sample, session_logs
 from tests.scenarios import CLEAN, SCENARIOS, LogBuilder, run
-from trialledger.core import IllegalTransition, Session, parse_event, replay
+from trialledger.core import IllegalTransition, replay
 from trialledger.core.canonical import event_id_for
 from trialledger.core.events import EVENT_TYPES
-from trialledger.core.machine import STATES, TRANSITIONS, State
+from trialledger.core.machine import STATES, TRANSITIONS, Session, State
+from trialledger.core.parsing import parse_event
 from trialledger.core.policy import POLICIES, V2, Policy, register_policy
 
 # A log prefix that leaves a session in each state.
@@ -215,7 +216,7 @@ def test_a_log_without_session_ids_gets_uuid5_of_its_seed_data() -> None:
     import json
     import uuid
 
-    from trialledger.core import NS
+    from trialledger.core.canonical import NS
 
     log = SCENARIOS["clean"][0].events
     seed_data = log[0]["data"]

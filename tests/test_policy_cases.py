@@ -10,8 +10,8 @@ from hypothesis import given, settings
 
 from tests.logs import session_logs
 from tests.scenarios import CLEAN, HTTP_429, MCP_STDERR, SCENARIOS, LogBuilder, run
-from trialledger.core import Policy, get_policy, register_policy, replay
-from trialledger.core.policy import V1_RULES, Rule
+from trialledger.core import Policy, register_policy, replay
+from trialledger.core.policy import V1_RULES, Rule, get_policy
 from trialledger.core.usage import ZERO
 
 fast = settings(max_examples=60, deadline=None)

@@ -11,8 +11,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.logs import sample, session_logs
-from trialledger.core import BadEvent, event_dict, parse_event, parse_events, parse_stored, replay
+from trialledger.core import BadEvent, replay
 from trialledger.core.canonical import canonical_text, chain, first_broken_link
+from trialledger.core.parsing import event_dict, parse_event, parse_events, parse_stored
 from trialledger.store import rederive
 
 Log = list[dict[str, Any]]

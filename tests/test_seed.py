@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from trialledger.core import SeedRejected, validate_seed
-from trialledger.core.seed import check_workdir
+from trialledger.core import SeedRejected
+from trialledger.core.seed import check_workdir, validate_seed
 
 BASE: dict[str, Any] = {
     "trial_id": "t", "attempt": 1, "runner_id": "r", "task": "demo", "instruction": "hi",
@@ -43,6 +43,20 @@ def test_grant_headers_are_stored_redacted_with_fingerprints_and_kept_as_secrets
     assert set(valid.secrets) == {"Bearer tok-0123456789abcdef", "tok-0123456789abcdef",
                                   "sk-endpoint-key-123"}
     assert "tok-0123" not in valid.data.model_dump_json()
+
+
+def test_a_grant_is_one_model_given_in_clear_and_stored_redacted() -> None:
+    from trialledger.core.events import Grant
+
+    valid = validate_seed(seed(grants=[grant()]))
+    (given,), (stored,) = valid.grants, valid.data.grants
+    assert type(given) is type(stored) is Grant
+    assert given.headers == {"Authorization": "Bearer tok-0123456789abcdef"}
+    assert given.header_fingerprints == {} and given.stored() == stored
+    # Fingerprints are the store's to make: a grant that brings them is refused, as before.
+    for grants, configured in (([{**grant(), "header_fingerprints": {}}], []), ([], [stored])):
+        with pytest.raises(SeedRejected, match="grant field 'header_fingerprints'"):
+            validate_seed(seed(grants=grants), configured_grants=configured)
 
 
 def test_required_direct_http_grant_is_rejected() -> None:

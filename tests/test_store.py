@@ -14,15 +14,8 @@ from sqlalchemy import text
 from sqlalchemy.util import await_
 
 from tests.scenarios import SCENARIOS, run_of, seed_data, seed_of
-from trialledger.core import (
-    BadEvent,
-    ConcurrencyConflict,
-    EventIdConflict,
-    IllegalTransition,
-    SeedRejected,
-    replay,
-)
-from trialledger.store import Ledger, SchemaOutOfDate
+from trialledger.core import BadEvent, IllegalTransition, SeedRejected, replay
+from trialledger.store import ConcurrencyConflict, EventIdConflict, Ledger, SchemaOutOfDate
 from trialledger.store.engine import open_engines
 from trialledger.store.writer import Writer
 
@@ -513,7 +506,7 @@ async def test_a_lease_taken_over_between_the_fold_and_the_write_fences_the_appe
     taken over after it is still caught, under the lock, and nothing of the old holder's
     is stored. (On PostgreSQL the fold reads the lease `FOR SHARE` in the transaction
     that writes, so a takeover waits for the append's commit instead.)"""
-    from trialledger.core import validate_seed
+    from trialledger.core.seed import validate_seed
     from trialledger.store import LeaseLost
     from trialledger.store.jobs import Jobs
 

@@ -14,8 +14,7 @@ import anyio
 import pytest
 
 from tests.scenarios import seed_data
-from trialledger.core import ConcurrencyConflict
-from trialledger.store import Ledger
+from trialledger.store import ConcurrencyConflict, Ledger
 
 # SIGKILLs of a writer on SQLite (PostgreSQL: a fifth). 30 by default keeps the suite quick;
 # TRIALLEDGER_SIGKILLS=100 is the full run (the "slow mode" of README.md).

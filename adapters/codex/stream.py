@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from trialledger.adapters.sandbox.process import LINE_LIMIT, CutLine
-from trialledger.core import BadEvent, parse_event
+from trialledger.core import BadEvent
 from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
-from trialledger.core.events import CODEX_STREAM_TYPES, LONE_SURROGATE
+from trialledger.core.events import CODEX_STREAM_TYPES
+from trialledger.core.parsing import LONE_SURROGATE, parse_event
 
 RENAMED = {"error": "stream.error"}  # Codex's top-level error line
 # Codex's own type names: ours, less the two that are ours alone.

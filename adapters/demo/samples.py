@@ -19,7 +19,7 @@ from typing import Any
 from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, message, shell, status, tool
 from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner, install_paths
 from trialledger.adapters.task import Task
-from trialledger.core import SessionSeeded
+from trialledger.core.events import SessionSeeded
 from trialledger.store import Ledger
 
 QUESTIONS = {
