@@ -45,6 +45,14 @@ ADHOC = "adhoc"  # Harbor's dataset of the tasks given as task folders
 # Task rows first (by dataset, task), then the overall rows: each dataset's, the job's last.
 _FIGURE_ORDER = ("ORDER BY CASE WHEN task IS NULL THEN 1 ELSE 0 END, "
                  "CASE WHEN dataset IS NULL THEN 1 ELSE 0 END, dataset, task")
+# The reads of a job's figures (`Jobs.summary` and a method each), `:j` the job's name.
+_TASKS_SQL = f"SELECT {{columns}} FROM job_tasks WHERE job = :j {_FIGURE_ORDER}"
+_PASSK_SQL = f"SELECT * FROM job_passk WHERE job = :j {_FIGURE_ORDER}, k"
+_REWARD_MEANS_SQL = f"SELECT * FROM job_reward_means WHERE job = :j {_FIGURE_ORDER}, name"
+_RETRIES_SQL = "SELECT * FROM job_retries WHERE job = :j ORDER BY task, cause_kind"
+_TRIALS_SQL = "SELECT * FROM job_trials WHERE job = :j ORDER BY task, k_index"
+_SKIPPED_SQL = "SELECT task, reason FROM job_skipped WHERE job = :j ORDER BY task"
+_FAILURES_SQL = "SELECT DISTINCT task, detail FROM job_queue WHERE job = :j AND state = :s"
 
 
 def trial_id(job: str, task: str, k_index: int, namespace: uuid.UUID = NS) -> str:
@@ -67,6 +75,10 @@ class Claim:
     k_index: int
     task_dir: str
     token: str
+
+
+def _failures(rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    return {r["task"]: r["detail"] for r in rows}
 
 
 def _with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -382,68 +394,92 @@ class Jobs:
     @guarded
     async def trials(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_trials`, by task and k index."""
-        return await self._rows("SELECT * FROM job_trials WHERE job = :j "
-                                "ORDER BY task, k_index", job)
+        return await self._rows(_TRIALS_SQL, job)
 
     @guarded
     async def tasks(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_tasks`: each task's by dataset and name, then the overall rows (a
         dataset's, then the job's total)."""
-        return await self._rows(f"SELECT * FROM job_tasks WHERE job = :j {_FIGURE_ORDER}", job)
+        return await self._rows(_TASKS_SQL.format(columns="*"), job)
 
     @guarded
     async def passk(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_passk` (a figure's pass@k for each k of Harbor's set)."""
-        return await self._rows(f"SELECT * FROM job_passk WHERE job = :j {_FIGURE_ORDER}, k",
-                                job)
+        return await self._rows(_PASSK_SQL, job)
 
     @guarded
     async def reward_means(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_reward_means` (a mean per reward name, for several names)."""
-        return await self._rows("SELECT * FROM job_reward_means WHERE job = :j "
-                                f"{_FIGURE_ORDER}, name", job)
+        return await self._rows(_REWARD_MEANS_SQL, job)
 
     @guarded
     async def retries(self, job: str) -> list[dict[str, Any]]:
         """Rows of `job_retries`: retry decisions by task and cause."""
-        return await self._rows("SELECT * FROM job_retries WHERE job = :j "
-                                "ORDER BY task, cause_kind", job)
+        return await self._rows(_RETRIES_SQL, job)
 
     @guarded
     async def open_trials(self, job: str) -> list[dict[str, Any]]:
         """Trials still queued or held, with the runner holding each and its lease's expiry
         (seconds from now in the database's clock)."""
-        return await self._rows(
-            "SELECT task, k_index, trial_id, state, runner_id, "
-            f"lease_expires - {self._now} AS lease_left_s FROM job_queue "
-            "WHERE job = :j AND state IN ('queued', 'running') ORDER BY task, k_index", job)
+        return await self._rows(self._open_trials_sql, job)
+
+    @property
+    def _open_trials_sql(self) -> str:
+        return ("SELECT task, k_index, trial_id, state, runner_id, "
+                f"lease_expires - {self._now} AS lease_left_s FROM job_queue "
+                "WHERE job = :j AND state IN ('queued', 'running') ORDER BY task, k_index")
 
     @guarded
     async def summary(self, job: str) -> dict[str, Any]:
-        """Everything `job show` prints: the figures, trials, open trials and failures."""
-        tasks = await self.tasks(job)
+        """Everything `job show` prints: the figures, trials, open trials and failures —
+        the rows of `tasks`, `passk`, … — read in one read transaction (one crossing to
+        the database thread on SQLite; one snapshot, so `partial`, the figures and the
+        trials agree even while a job runs)."""
+        return await self._engines.read(lambda conn: self._summary(conn, job))
+
+    def _summary(self, conn: Connection, job: str) -> dict[str, Any]:
+        if self.postgres:  # READ COMMITTED would give each statement a snapshot of its own
+            conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
+
+        def rows(sql: str, **params: Any) -> list[dict[str, Any]]:
+            result = conn.execute(text(sql), {"j": job, **params})
+            keys = list(result.keys())  # once, not a mapping per row (a third of the time)
+            return [dict(zip(keys, row, strict=True)) for row in result]
+
+        k = conn.execute(text("SELECT k FROM jobs WHERE name = :j"), {"j": job}).scalar()
+        if k is None:
+            raise NoJob(f"no job named {job}")
+        passk = rows(_PASSK_SQL)
+        # `job_tasks.pass_at_k` is the figure's `job_passk` row at the job's k; read from
+        # the rows above rather than by the view's subquery, which computes job_passk again.
+        at_k = {(p["dataset"] or "", p["task"] or ""): p["pass_at_k"] for p in passk
+                if p["k"] == k}
+        tasks = rows(_TASKS_SQL.format(columns=", ".join(c for c in TASK_COLUMNS
+                                                         if c != "pass_at_k")))
+        for t in tasks:
+            t["pass_at_k"] = at_k.get((t["dataset"] or "", t["task"] or ""))
+        # A figure's reward names are several exactly when its `passed` is null (then its
+        # pass/fail is undefined), and the job's overall figure covers every other; with
+        # none so, `job_reward_means` has no row and its query (the whole cover) is skipped.
+        several = any(t["passed"] is None for t in tasks)
         return {"job": job, "partial": any(t["open"] for t in tasks), "tasks": tasks,
-                "passk": await self.passk(job), "reward_means": await self.reward_means(job),
-                "retries": await self.retries(job), "trials": await self.trials(job),
-                "open_trials": await self.open_trials(job),
-                "environment_failed": await self.failures(job),
-                "no_solution": await self.failures(job, "no_solution"),
-                "skipped": await self.skipped(job)}
+                "passk": passk, "reward_means": rows(_REWARD_MEANS_SQL) if several else [],
+                "retries": rows(_RETRIES_SQL), "trials": rows(_TRIALS_SQL),
+                "open_trials": rows(self._open_trials_sql),
+                "environment_failed": _failures(rows(_FAILURES_SQL, s="environment_failed")),
+                "no_solution": _failures(rows(_FAILURES_SQL, s="no_solution")),
+                "skipped": {r["task"]: r["reason"] for r in rows(_SKIPPED_SQL)}}
 
     @guarded
     async def skipped(self, job: str) -> dict[str, str]:
         """Tasks of the job's datasets skipped as invalid (SPEC §15) → why."""
-        rows = await self._rows("SELECT task, reason FROM job_skipped WHERE job = :j "
-                                "ORDER BY task", job)
-        return {r["task"]: r["reason"] for r in rows}
+        return {r["task"]: r["reason"] for r in await self._rows(_SKIPPED_SQL, job)}
 
     @guarded
     async def failures(self, job: str, state: str = "environment_failed") -> dict[str, str]:
         """Tasks whose environment failed (or in another unrunnable `state`, such as
         `no_solution`) → why."""
-        rows = await self._rows("SELECT DISTINCT task, detail FROM job_queue WHERE job = :j "
-                                "AND state = :s", job, {"s": state})
-        return {r["task"]: r["detail"] for r in rows}
+        return _failures(await self._rows(_FAILURES_SQL, job, {"s": state}))
 
     @guarded
     async def names(self) -> list[dict[str, Any]]:
@@ -467,6 +503,7 @@ class Jobs:
             if (await conn.execute(text("SELECT 1 FROM jobs WHERE name = :j"),
                                    {"j": job})).first() is None:
                 raise NoJob(f"no job named {job}")
-            return [dict(r._mapping) for r in await conn.execute(text(sql),
-                                                                 {"j": job, **(params or {})})]
+            result = await conn.execute(text(sql), {"j": job, **(params or {})})
+            keys = list(result.keys())  # once, not a mapping per row
+            return [dict(zip(keys, row, strict=True)) for row in result]
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.runs import in_process, make_task
 from tests.scenarios import CLEAN, LogBuilder
-from trialledger.core import validate_seed
+from trialledger.core.seed import validate_seed
 from trialledger.store import Ledger
 from trialledger.store.jobs import Jobs
 

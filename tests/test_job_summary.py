@@ -1,20 +1,23 @@
 """The job summary as Harbor computes it (docs/SPEC.md §13): the pure figures in
 `core.summary` against brute force, and the views `job_tasks`, `job_passk`,
 `job_reward_means`, `job_retries` and `job_trials` on SQLite and PostgreSQL over imported
-sessions, each held to `core.summary`; then `job show` and `job diff`."""
+sessions, each held to `core.summary`; `Jobs.summary` as their rows, read as one snapshot;
+then `job show` and `job diff`."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from tests.scenarios import CLEAN, HTTP_429, THREAD, TURN, LogBuilder, run
 from trialledger.core import summary
@@ -142,6 +145,16 @@ def _by_figure(rows: list[dict[str, Any]]) -> dict[tuple[str | None, str | None]
     return {(r["dataset"], r["task"]): r for r in rows}
 
 
+async def _each_view(jobs: Jobs, name: str) -> dict[str, Any]:
+    """What `Jobs.summary` holds, each part read alone from its view (`SELECT *`)."""
+    return {"tasks": await jobs.tasks(name), "passk": await jobs.passk(name),
+            "reward_means": await jobs.reward_means(name), "retries": await jobs.retries(name),
+            "trials": await jobs.trials(name), "open_trials": await jobs.open_trials(name),
+            "environment_failed": await jobs.failures(name),
+            "no_solution": await jobs.failures(name, "no_solution"),
+            "skipped": await jobs.skipped(name)}
+
+
 R1, R0 = {"reward": 1.0}, {"reward": 0.0}
 MIXED: dict[str, tuple[str, list[Verdict | str]]] = {
     "a": ("set-1", [R1, R0, None, R1]),  # one unscored: counts 0, fails
@@ -158,6 +171,8 @@ async def test_the_figures_are_harbors_on_both_databases(db: str) -> None:
         passk = await jobs.passk("mixed")
         trials = await jobs.trials("mixed")
         got = await jobs.summary("mixed")
+        alone = await _each_view(jobs, "mixed")
+    assert {name: got[name] for name in alone} == alone  # the summary is the views' rows
     assert set(TASK_COLUMNS) == set(next(iter(tasks.values())))
     assert set(TRIAL_COLUMNS) == set(trials[0])
     finished = {t: [v for v in vs if v != "open"] for t, (_, vs) in MIXED.items()}
@@ -201,6 +216,9 @@ async def test_several_reward_names_give_a_mean_per_name_and_no_pass_at_k(db: st
         means = await jobs.reward_means("names")
         passk = await jobs.passk("names")
         trials = await jobs.trials("names")
+        got = await jobs.summary("names")
+        alone = await _each_view(jobs, "names")
+    assert {name: got[name] for name in alone} == alone and got["reward_means"]
     row = tasks[("adhoc", "t")]
     assert (row["mean"], row["mean_scored"], row["passed"], row["pass_at_k"]) == (None,) * 4
     assert (row["scored"], row["unscored"]) == (2, 1)
@@ -214,6 +232,54 @@ async def test_several_reward_names_give_a_mean_per_name_and_no_pass_at_k(db: st
     assert [t["passed"] for t in trials] == [None, 0, 0]
 
 
+async def _settle(db: str, job: str, task: str, index: int) -> None:
+    """What a worker does at a trial's end, through a store of its own: its session, then
+    the queue's `done`."""
+    async with await Ledger.open(db) as ledger:
+        await _import(ledger, job, task, index, R1)
+        async with ledger._engines.writer.begin() as conn:
+            await conn.execute(text("UPDATE job_queue SET state = 'done' WHERE trial_id = :t"),
+                               {"t": trial_id(job, task, index)})
+
+
+@pytest.mark.anyio
+async def test_the_summary_is_one_snapshot_while_a_worker_settles_a_trial(db: str) -> None:
+    """`job show` on a running job: a trial settled between the summary's first reads and
+    its read of the trials is in none of it (the figures, `partial`, the open trials and
+    the trials' rows agree); the next summary has it in all."""
+    async with await Ledger.open(db) as ledger:
+        jobs = await _job(ledger, "live", 2, {"t": ("adhoc", [R1, "open"])})
+        settling = trial_id("live", "t", 1)
+        settled: list[str] = []
+
+        def settle_before_the_trials(_conn: Any, _cursor: Any, statement: str,
+                                     *_: Any) -> None:
+            if "FROM job_trials" in statement and not settled:
+                settled.append(statement)  # (another thread: this one is inside a read)
+                with ThreadPoolExecutor(1) as pool:
+                    pool.submit(anyio.run, _settle, db, "live", "t", 1).result(timeout=60)
+
+        engines = ledger._engines
+        readers = [e for e in (engines.reader.sync_engine, engines.sync_reader) if e]
+        for engine in readers:
+            event.listen(engine, "before_cursor_execute", settle_before_the_trials)
+        try:
+            during = await jobs.summary("live")
+        finally:
+            for engine in readers:
+                event.remove(engine, "before_cursor_execute", settle_before_the_trials)
+        after = await jobs.summary("live")
+    assert settled
+    overall = _by_figure(during["tasks"])[(None, None)]
+    assert during["partial"] and (overall["open"], overall["scored"]) == (1, 1)
+    assert [t["trial_id"] for t in during["open_trials"]] == [settling]
+    assert {t["trial_id"]: t["state"] for t in during["trials"]}[settling] == "queued"
+    overall = _by_figure(after["tasks"])[(None, None)]
+    assert not after["partial"] and (overall["open"], overall["scored"]) == (0, 2)
+    assert after["open_trials"] == []
+    assert {t["trial_id"]: t["state"] for t in after["trials"]}[settling] == "done"
+
+
 @pytest.mark.anyio
 async def test_retries_are_counted_by_cause_and_cancels_apart(db: str) -> None:
     async with await Ledger.open(db) as ledger:
@@ -225,6 +291,9 @@ async def test_retries_are_counted_by_cause_and_cancels_apart(db: str) -> None:
         row = _by_figure(await jobs.tasks("r"))[("adhoc", "t")]
         retries = await jobs.retries("r")
         trial = (await jobs.trials("r"))[0]
+        got = await jobs.summary("r")
+        alone = await _each_view(jobs, "r")
+    assert {name: got[name] for name in alone} == alone
     assert (row["retries"], row["interrupted"], row["scored"], row["mean"]) == (1, 1, 1, 1.0)
     assert retries == [{"job": "r", "task": "t", "cause_kind": "model_endpoint", "sessions": 1}]
     assert (trial["attempts"], trial["interrupted"]) == (3, 1)

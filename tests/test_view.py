@@ -474,6 +474,60 @@ def test_hostile_text_is_shown_as_text_and_no_script_runs(
     assert tab.dialogs == [] and tab.errors == []
 
 
+def _long_open_log(calls: int) -> list[dict[str, Any]]:
+    """A decided session, not closed, of two events per tool call and a dozen others."""
+    lines = [THREAD, TURN]
+    for i in range(calls):
+        item = {"id": f"item_{i}", "type": "command_execution", "command": f"ls {i}",
+                "aggregated_output": "", "exit_code": None, "status": "in_progress"}
+        lines.append(json.dumps({"type": "item.started", "item": item}))
+        lines.append(json.dumps({"type": "item.completed", "item": dict(
+            item, aggregated_output=f"file-{i}\n", exit_code=0, status="completed")}))
+    lines.append('{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0,'
+                 '"output_tokens":1}}')
+    return LogBuilder().launched().codex(lines).finish(0).events
+
+
+def test_a_session_is_folded_once_for_its_pages_and_again_once_it_grew(tmp_path: Path) -> None:
+    """A long session's first part, its second part and its re-derivation page read its
+    events once (one fold); a session appended to since is read and folded again."""
+    from sqlalchemy import event
+
+    from trialledger.adapters.view.session import PART_EVENTS
+    from trialledger.adapters.view.site import Site
+    from trialledger.adapters.view.store import open_read_only
+
+    db = str(tmp_path / "long.db")
+
+    async def pages() -> tuple[int, int, str, str]:
+        async with await Ledger.open(db) as ledger:
+            session_id = await ledger.import_log(_long_open_log(PART_EVENTS // 2 + 10))
+        async with await open_read_only(db) as reader:
+            site, reads = Site(reader), []
+
+            def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+                reads.extend(["events"] if "FROM events" in statement else [])
+
+            for engine in (reader._engines.reader.sync_engine, reader._engines.sync_reader):
+                if engine is not None:
+                    event.listen(engine, "before_cursor_execute", count)
+            first = await site.session(session_id)
+            await site.session(session_id, 2)
+            await site.rederive(session_id)
+            assert await site.session(session_id) == first
+            once = len(reads)
+            async with await Ledger.open(db) as writer:  # its runner closes it meanwhile
+                await writer.close(session_id)
+            grown = await site.session(session_id, 2)
+            return once, len(reads), first, grown
+
+    with ThreadPoolExecutor(1) as pool:
+        once, twice, first, grown = pool.submit(anyio.run, pages).result(timeout=120)
+    assert (once, twice) == (1, 2)
+    assert "t-session-closed" not in first and "part 1 of 2" in first
+    assert "t-session-closed" in grown and "part 2 of 2" in grown
+
+
 def test_the_store_is_opened_read_only(store: Store, tmp_path: Path) -> None:
     from trialledger.adapters.view.store import open_read_only
 

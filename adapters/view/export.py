@@ -70,8 +70,8 @@ async def export(db: str, folder: Path, *, job: str | None = None) -> Exported:
                         await site.diff(page, slug(other)), encoding="utf-8")
         scope = "WHERE trial_id IN (SELECT trial_id FROM job_queue WHERE job = :j)" if job \
             else ""
-        listed = await rows(ledger, f"SELECT session_id, trial_id FROM sessions {scope} "
-                            "ORDER BY created_at, session_id", {"j": job} if job else {})
+        listed = await rows(ledger, "SELECT session_id, trial_id, head_seq FROM sessions "
+                            f"{scope} ORDER BY created_at, session_id", {"j": job} if job else {})
         trials = list(dict.fromkeys(r["trial_id"] for r in listed))
         for trial_id in trials:
             (folder / "trial" / f"{slug(trial_id)}.html").write_text(
@@ -80,8 +80,7 @@ async def export(db: str, folder: Path, *, job: str | None = None) -> Exported:
             page = slug(r["session_id"])
             (folder / "session" / f"{page}.html").write_text(await site.session(page),
                                                              encoding="utf-8")
-            events = len(await ledger.events(r["session_id"]))
-            for part in range(2, -(-events // PART_EVENTS) + 1):
+            for part in range(2, -(-int(r["head_seq"]) // PART_EVENTS) + 1):  # seq from 1
                 (folder / "session" / f"{page}~{part}.html").write_text(
                     await site.session(page, part), encoding="utf-8")
             (folder / "rederive" / f"{page}.html").write_text(await site.rederive(page),

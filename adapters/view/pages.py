@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from trialledger.adapters.view import charts
+from trialledger.adapters.view import charts, render
 from trialledger.adapters.view.diff import job_diff
 from trialledger.adapters.view.names import slug
 from trialledger.adapters.view.store import rows
@@ -89,7 +89,7 @@ async def job(ledger: Ledger, name: str, *, others: Sequence[Mapping[str, Any]] 
     k = max((t["k_index"] for t in summary["trials"]), default=-1) + 1
     grid: dict[str, list[dict[str, Any] | None]] = {}
     for t in summary["trials"]:
-        grid.setdefault(t["task"], [None] * k)[t["k_index"]] = dict(t, css=_cell_class(t))
+        grid.setdefault(t["task"], [None] * k)[t["k_index"]] = _cell(t)
     for row in [*task_rows, *(t for t in summary["tasks"] if t["task"] is None)]:
         row["passk_list"] = _passk(summary, row)
     return {"name": name, "slug": slug(name), "config": await store.config(name),
@@ -100,6 +100,18 @@ async def job(ledger: Ledger, name: str, *, others: Sequence[Mapping[str, Any]] 
             "tokens": _tokens_histogram(summary["trials"]),
             "compare": [{"name": o["job"], "slug": slug(o["job"])} for o in others
                         if o["job"] != name]}
+
+
+def _cell(trial: Mapping[str, Any]) -> dict[str, Any]:
+    """A grid cell: the trial's row, its colour, and the texts it shows (its tooltip, its
+    link's label and page), worked out here once rather than by filters in the template."""
+    scored, reward = trial["scored"], trial["reward"]
+    title = f"{trial['state']} · {trial['outcome'] or 'no decision'}"
+    if scored:
+        title += f" · reward {render.number(reward)}"
+    label = render.number(reward, 2) if scored else trial["outcome"] or trial["state"]
+    return dict(trial, css=_cell_class(trial), page=slug(trial["trial_id"]), title=title,
+                label=label)
 
 
 def _cell_class(trial: Mapping[str, Any]) -> str:

@@ -28,15 +28,22 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self';
 CSP_HEADER = CSP + "; frame-ancestors 'none'"
 
 
+def _plain(text: str) -> str:
+    """`printable(text)`, without its two expressions when there is nothing to strip:
+    every character it strips or that starts a sequence it strips is a control or format
+    character (Unicode Cc or Cf), and `str.isprintable` is false for any of them."""
+    return text if text.isprintable() else printable(text)
+
+
 def _finalize(value: Any) -> Any:
     if value is None:
         return ""
     if isinstance(value, markupsafe.Markup):  # a macro's output: its values were finalized
         return value
-    return printable(value) if isinstance(value, str) else value
+    return _plain(value) if isinstance(value, str) else value
 
 
-def _number(value: Any, digits: int = 3) -> str:
+def number(value: Any, digits: int = 3) -> str:
     """A figure, or blank when there is none (never a mean over nothing shown as 0)."""
     if value is None:
         return ""
@@ -53,6 +60,8 @@ def _tokens(row: dict[str, Any]) -> str:
 
 def _raw(value: Any) -> str:
     """A value as the `data-value` a table sorts by and a test compares (JSON)."""
+    if value is None or type(value) in (bool, int, float):  # most cells: nothing to strip
+        return json.dumps(value)
     return json.dumps(plain_data(value), default=str)
 
 
@@ -65,9 +74,9 @@ def _json(value: Any) -> str:
 def plain_data(value: Any) -> Any:
     """`value` with terminal escapes stripped from every string in it."""
     if isinstance(value, str):
-        return printable(value)
+        return _plain(value)
     if isinstance(value, dict):
-        return {printable(str(k)): plain_data(v) for k, v in value.items()}
+        return {_plain(str(k)): plain_data(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [plain_data(v) for v in value]
     return value
@@ -84,7 +93,7 @@ def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
                              undefined=jinja2.StrictUndefined, finalize=_finalize,
                              trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(number=_number, tokens=_tokens, raw=_raw, signed=_signed, page=slug,
+    env.filters.update(number=number, tokens=_tokens, raw=_raw, signed=_signed, page=slug,
                        json=_json)
     env.globals["csp"] = CSP
     return env

@@ -5,6 +5,7 @@ output and files, usage, the environment; and its re-derivation under each polic
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -22,6 +23,7 @@ PAUSE_S = 30.0  # a step this long between two events is highlighted as a pause
 LONG_TEXT = 600  # characters past which a tool's output or an event's data is collapsed
 SHOWN_FILE = 64 * 1024  # bytes of a kept file shown on the page
 PART_EVENTS = 1000  # events of the timeline per page
+FOLDED_EVENTS = 20_000  # events of the views one server keeps folded (~4 KB of memory each)
 
 
 def _events(view: SessionView) -> list[Any]:
@@ -60,13 +62,14 @@ def _model_row(call: Any) -> dict[str, Any]:
             "tokens": call.usage.total_tokens if call.usage else None}
 
 
-def timeline(view: SessionView, first: int = 0, count: int | None = None
-             ) -> list[dict[str, Any]]:
+def timeline(view: SessionView, first: int = 0, count: int | None = None, *,
+             explained: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """One row per event (`count` of them from index `first`): when, the step since the
-    one before, what it says."""
+    one before, what it says (`explained`: `explain(view)`, when the caller has it)."""
     tools = {t.id: t for t in view.observations.tool_calls}
     decisions = [e.seq for e in view.events if e.type == "outcome.decided"]
-    said = dict(zip(decisions, explain(view), strict=True))
+    said = dict(zip(decisions, explain(view) if explained is None else explained,
+                    strict=True))
     start = _when(view.events[0].at)
     previous = _when(view.events[max(first - 1, 0)].at)
     found = []
@@ -133,22 +136,63 @@ def _environment(view: SessionView) -> dict[str, Any] | None:
             "runner": d.runner_id}
 
 
-async def session(ledger: Ledger, session_id: str, part: int = 1) -> dict[str, Any]:
-    """Everything the session page shows; its timeline in parts of PART_EVENTS events
-    (`part` from 1), so a long session's page stays quick to render and to read."""
+class Folds:
+    """Sessions' views, each folded once (`Ledger.view`) for every page that shows it: a
+    session page, its other parts, its re-derivation page. A view is kept under its
+    session's head (last seq and hash), read from the store at each request, so a session
+    that has grown since is folded again; past FOLDED_EVENTS events in all, the least
+    recently shown are let go (the last one shown is kept, however long)."""
+
+    def __init__(self, ledger: Ledger, limit: int = FOLDED_EVENTS) -> None:
+        self.ledger, self.limit = ledger, limit
+        self._kept: OrderedDict[str, tuple[tuple[int, str], SessionView]] = OrderedDict()
+
+    async def view(self, session_id: str) -> SessionView:
+        """The session's view as recorded (`NotFound` for a session the store lacks)."""
+        head = await rows(self.ledger, "SELECT head_seq, head_hash FROM sessions "
+                          "WHERE session_id = :s", {"s": session_id})
+        if not head:
+            raise NotFound(f"no session {session_id}")
+        key = (int(head[0]["head_seq"]), str(head[0]["head_hash"]))
+        kept = self._kept.get(session_id)
+        if kept is not None and kept[0] == key:
+            self._kept.move_to_end(session_id)
+            return kept[1]
+        view = await _folded(self.ledger, session_id)
+        self._kept.pop(session_id, None)
+        if view.events[-1].seq == key[0]:  # (not when appended to since the head was read)
+            self._kept[session_id] = (key, view)
+            while len(self._kept) > 1 and sum(
+                    len(v.events) for _, v in self._kept.values()) > self.limit:
+                self._kept.popitem(last=False)
+        return view
+
+
+async def _folded(ledger: Ledger, session_id: str) -> SessionView:
     try:
-        view = await ledger.view(session_id)
+        return await ledger.view(session_id)
     except NoSession:
         raise NotFound(f"no session {session_id}") from None
+
+
+async def session(ledger: Ledger, session_id: str, part: int = 1, *,
+                  view: SessionView | None = None) -> dict[str, Any]:
+    """Everything the session page shows; its timeline in parts of PART_EVENTS events
+    (`part` from 1), so a long session's page stays quick to render and to read. `view`:
+    the session's, when the caller has it folded (`Folds`)."""
+    if view is None:
+        view = await _folded(ledger, session_id)
     seed = _events(view)[0].data
     member = await rows(ledger, "SELECT job FROM job_queue WHERE trial_id = :t",
                         {"t": seed.trial_id})
     parts = max(1, -(-len(view.events) // PART_EVENTS))
     if not 1 <= part <= parts:
         raise NotFound(f"session {session_id} has {parts} part(s) of events, not {part}")
+    explained = explain(view)
     return {"view": view, "seed": seed, "part": part, "parts": parts,
-            "timeline": timeline(view, (part - 1) * PART_EVENTS, PART_EVENTS),
-            "explained": explain(view), "verifications": _verifications(view),
+            "timeline": timeline(view, (part - 1) * PART_EVENTS, PART_EVENTS,
+                                 explained=explained),
+            "explained": explained, "verifications": _verifications(view),
             "kept": _files(view), "environment": _environment(view),
             "gaps": view.observations.gaps, "usage": view.usage,
             "job": {"name": member[0]["job"], "slug": slug(member[0]["job"])} if member
@@ -156,13 +200,18 @@ async def session(ledger: Ledger, session_id: str, part: int = 1) -> dict[str, A
 
 
 async def rederived(ledger: Ledger, session_id: str,
-                    policies: Sequence[str] | None = None) -> dict[str, Any]:
+                    policies: Sequence[str] | None = None, *,
+                    view: SessionView | None = None) -> dict[str, Any]:
     """The session re-derived under each registered policy: its outcome, decision and the
-    first decision that differs from the recorded one (as `Ledger.divergences` finds it)."""
-    stored = await ledger.events(session_id)
-    if not stored:
-        raise NotFound(f"no session {session_id}")
-    events: list[Any] = [s.event for s in stored]
+    first decision that differs from the recorded one (as `Ledger.divergences` finds it).
+    `view`: the session's as recorded, when the caller has it folded (its events)."""
+    if view is not None:
+        events: list[Any] = list(view.events)
+    else:
+        stored = await ledger.events(session_id)
+        if not stored:
+            raise NotFound(f"no session {session_id}")
+        events = [s.event for s in stored]
     own = events[0].data.settings.policy
     found = []
     for name in policies or sorted(POLICIES):

@@ -8,7 +8,7 @@ from trialledger.adapters.view import pages
 from trialledger.adapters.view.names import is_plain, slug
 from trialledger.adapters.view.pages import NotFound, Search
 from trialledger.adapters.view.render import Pages
-from trialledger.adapters.view.session import rederived, session
+from trialledger.adapters.view.session import Folds, rederived, session
 from trialledger.adapters.view.store import rows
 from trialledger.store import Ledger
 from trialledger.store.jobs import Jobs
@@ -25,6 +25,7 @@ class Site:
         self.ledger = ledger
         self.pages = Pages(static=static)
         self.only_job = only_job
+        self.folds = Folds(ledger)  # a session's fold, shared by its parts and pages
 
     async def job_names(self) -> list[str]:
         """The jobs shown: every job, or the exported one."""
@@ -79,13 +80,14 @@ class Site:
 
     async def session(self, name: str, part: int = 1) -> str:
         session_id = await self._id_of(name, "session_id")
-        page = await session(self.ledger, session_id, part)
+        page = await session(self.ledger, session_id, part,
+                             view=await self.folds.view(session_id))
         return self.pages.render("session.html", root="../", title=f"session {session_id[:12]}",
                                  page=page, refresh=None)
 
     async def rederive(self, name: str) -> str:
         session_id = await self._id_of(name, "session_id")
-        page = await rederived(self.ledger, session_id)
+        page = await rederived(self.ledger, session_id, view=await self.folds.view(session_id))
         return self.pages.render("rederive.html", root="../",
                                  title=f"re-derived {session_id[:12]}", r=page, refresh=None)
 
