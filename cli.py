@@ -20,17 +20,25 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import anyio
 from rich.console import Console
-from rich.table import Table
 
 from trialledger.adapters.console import plain, printable
-from trialledger.core import (
-    STATES,
-    BadEvent,
-    IllegalTransition,
-    TrialLedgerError,
-    explain,
-    replay,
+from trialledger.adapters.console.harbor import print_agreements
+from trialledger.adapters.console.jobs import (
+    print_job,
+    print_job_diff,
+    print_jobs,
+    tokens,
+    trial_printer,
 )
+from trialledger.adapters.console.live import progress_text as progress_text  # (tests)
+from trialledger.adapters.console.live import with_live
+from trialledger.adapters.console.render import out as out  # tests set cli.out's width
+from trialledger.adapters.console.render import print_json, table
+from trialledger.adapters.console.session import kept_files, print_outcomes, show_session
+from trialledger.adapters.console.signals import Interrupted, stopper, until_signalled
+from trialledger.adapters.console.tasks import warn_fields
+from trialledger.core import BadEvent, IllegalTransition, TrialLedgerError, replay
+from trialledger.core.machine import STATES
 from trialledger.store.defaults import DEFAULT_DB, DEFAULT_TIMEOUT_S, READER_ROLE
 
 T = TypeVar("T")
@@ -41,7 +49,7 @@ if TYPE_CHECKING:  # the store (SQLAlchemy, alembic) is imported when a command 
 
 EXIT_OK, EXIT_FOUND, EXIT_BAD_INPUT = 0, 1, 2
 AGENT_NAMES = ("codex", "oracle", "nop")  # adapters.scripted.AGENTS (SPEC §15)
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 132)
+_tokens = tokens  # by this name tests/test_job_show.py and test_job_summary.py import it
 
 
 class Refused(Exception):
@@ -81,10 +89,6 @@ def _located(path: Path, lines: list[int], error: BadEvent | IllegalTransition) 
     return Refused(f"{path}: {where}{reason}")
 
 
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, ensure_ascii=False, default=str))
-
-
 # --- commands ---------------------------------------------------------------------------------
 
 
@@ -113,7 +117,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             view = replay(events, policy=args.policy)
         except (BadEvent, IllegalTransition) as error:
             raise _located(path, lines, error) from None
-        _print_json(view.model_dump(mode="json"))
+        print_json(view.model_dump(mode="json"))
         return EXIT_OK
     if not (args.all and args.diff):
         raise Refused("replay needs --log FILE, or --db URL --all --diff")
@@ -132,10 +136,10 @@ def _replay_diff(args: argparse.Namespace) -> int:
 
     count, differing = on_store(args.db, diff, create=False)
     if args.json:
-        _print_json([d.__dict__ for d in differing])
+        print_json([d.__dict__ for d in differing])
     else:
-        _table(["session_id", "seq", "recorded", "derived"],
-               [(d.session_id, d.seq, d.recorded, d.derived) for d in differing])
+        table(["session_id", "seq", "recorded", "derived"],
+              [(d.session_id, d.seq, d.recorded, d.derived) for d in differing])
         under = args.policy or "each session's own policy"
         out.print(f"{len(differing)} of {count} sessions differ under {under}")
     return EXIT_FOUND if differing else EXIT_OK
@@ -205,7 +209,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     result = anyio.run(lambda: run_query(args.db, args.query, timeout_s=args.timeout,
                                          role=args.role))
     if args.json:
-        _print_json(result.records())
+        print_json(result.records())
     elif args.csv:
         import csv
 
@@ -213,7 +217,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
         writer.writerow(result.columns)
         writer.writerows(result.rows)
     else:
-        _table(result.columns, result.rows)
+        table(result.columns, result.rows)
     return EXIT_OK
 
 
@@ -294,6 +298,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.scripted import solve_script
     from trialledger.adapters.task import Task, TaskInvalid, require_verifier
+    from trialledger.adapters.trial import Trial
 
     options = _run_options(args)
     api_key = options.api_key
@@ -301,16 +306,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def trial(ledger: Ledger) -> list[Any]:
         runner = SessionRunner(ledger, task, options, environment)
         if not args.trial:
-            return await runner.run_trial()
+            return (await Trial.fresh(ledger, task.name).run(runner)).ran
         before = await ledger.sessions(trial_id=args.trial)
         if any(s["task"] != task.name for s in before):
             raise Refused(f"--trial {args.trial} is a trial of task {before[0]['task']}, "
                           f"not {task.name}")
-        seen = {s["session_id"] for s in before}
-        sessions = await runner.continue_trial(args.trial)
-        shown = [s for s in sessions if s["session_id"] not in seen] or sessions[-1:]
-        return [SessionResult(s["session_id"], await ledger.view(s["session_id"]))
-                for s in shown]
+        ran = await Trial(ledger, args.trial).run(runner)  # as a job's trial goes on
+        if ran.ran or ran.final is None:
+            return ran.ran
+        return [SessionResult(ran.sessions[-1]["session_id"], ran.final)]  # nothing to run
 
     async def go() -> list[Any]:
         if options.agent == "codex":
@@ -319,7 +323,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         task = require_verifier(Task.load(Path(args.task_dir)))  # as Harbor, up front
-        _warn_fields([task], in_range=_range_mode(args))
+        warn_fields([task], in_range=_range_mode(args))
         check_inputs([task], options)  # settings, grants, Codex: before anything is seeded
         if options.agent == "oracle":
             solve_script(task)  # NoSolution: refused before anything is seeded
@@ -327,27 +331,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         results = anyio.run(until_signalled, go)
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
         raise Refused(str(error)) from None
-    for result in results:
-        if args.json:
-            print(json.dumps(_session_summary(result.view)), flush=True)
-        else:
-            out.print(plain(f"{result.session_id} {result.outcome}"
-                            f"{_reward_words(result.view)}"))
+    print_outcomes(results, as_json=args.json)
     final = results[-1].view if results else None
     scored = (final is not None and final.outcome == "verify" and final.decision is not None
               and final.decision.reward_valid)
     return EXIT_OK if scored else EXIT_FOUND  # SPEC §10: 1 when the trial is left unscored
-
-
-def _reward_words(view: Any) -> str:
-    """What `run` says beside a session's outcome: its reward (`reward=0`: the tests
-    failed), `no reward` when it was verified without a valid one, nothing otherwise."""
-    if view.outcome != "verify":
-        return ""
-    if not view.rewards:
-        return " no reward"
-    valid = view.decision is not None and view.decision.reward_valid
-    return f" {_reward_pairs(view.rewards)}{'' if valid else ' (not valid)'}"
 
 
 def _check_store_file(db: str) -> None:
@@ -356,29 +344,6 @@ def _check_store_file(db: str) -> None:
     from trialledger.store.intact import check_store_file
 
     check_store_file(db)
-
-
-def _reward_pairs(rewards: Mapping[str, Any]) -> str:
-    return " ".join(f"{name}={value:g}" if isinstance(value, (int, float)) else
-                    f"{name}={value}" for name, value in rewards.items())
-
-
-def _warn_fields(tasks: Sequence[Any], skipped: Mapping[str, str] | None = None, *,
-                 in_range: bool = False) -> None:
-    """docs/SPEC.md §15 on stderr (never stdout): each dataset task skipped as unsupported,
-    then one line per distinct field not honoured, with how many tasks have it (phase
-    users are honoured only for image and rootfs tasks in range mode)."""
-
-    for name, why in (skipped or {}).items():
-        print(f"trialledger: warning: skipped task {printable(name)}: {printable(why)}",
-              file=sys.stderr)
-    counts: dict[tuple[str, str], int] = {}
-    for task in tasks:
-        for field, reason in task.unhonoured(in_range).items():
-            counts[field, reason] = counts.get((field, reason), 0) + 1
-    for (field, reason), n in sorted(counts.items()):
-        print(f"trialledger: warning: {printable(field)} {printable(reason)} "
-              f"({n} task{'s' * (n != 1)})", file=sys.stderr)
 
 
 def _prepared(task: Any, args: argparse.Namespace) -> Any:
@@ -432,9 +397,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
                 print(json.dumps({"digest": e.digest, "kind": e.kind, "ref": e.ref,
                                   "bytes": e.size, "created": e.created}))
         else:
-            _table(["digest", "kind", "ref", "MB", "created"],
-                   [[e.digest, e.kind, e.ref, f"{e.size / 1e6:.1f}", e.created]
-                    for e in entries])
+            table(["digest", "kind", "ref", "MB", "created"],
+                  [[e.digest, e.kind, e.ref, f"{e.size / 1e6:.1f}", e.created]
+                   for e in entries])
         return EXIT_OK
     removed = cache.prune(args.digest or ())
     out.print(f"removed {len(removed)} cache entr{'y' if len(removed) == 1 else 'ies'} "
@@ -452,7 +417,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     from trialledger.adapters.task import TaskInvalid
 
     options = _run_options(args)
-    said = _trial_printer(args.json)
+    said = trial_printer(args.json)
     holder: list[Any] = []
 
     async def job(ledger: Ledger) -> dict[str, Any]:
@@ -462,7 +427,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
             lease_s=args.lease_s, cache=_cache(args), engine=args.engine,
             pull=args.pull, force_build=args.force_build, owner=_owner(args), on_trial=said)
         holder.append(runner)
-        await _with_live(ledger, args.name, not args.json, runner.run)
+        await with_live(ledger, args.name, not args.json, runner.run)
         return await _job_summary(ledger, args.name)
 
     async def go() -> dict[str, Any]:
@@ -474,14 +439,14 @@ def cmd_job_run(args: argparse.Namespace) -> int:
         selection = load_tasks([Path(p) for p in args.tasks], args.include or (),
                                args.exclude or ())
         tasks = selection.tasks
-        _warn_fields(tasks, selection.skipped, in_range=_range_mode(args))
+        warn_fields(tasks, selection.skipped, in_range=_range_mode(args))
         check_inputs(tasks, options)  # before the job exists: a refusal leaves none behind
-        summary = anyio.run(lambda: until_signalled(go, stop=_stopper(holder, args.grace),
+        summary = anyio.run(lambda: until_signalled(go, stop=stopper(holder, args.grace),
                                                     grace_s=args.grace))
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
         raise Refused(str(error)) from None
     if not args.json:  # --json: the trials' lines only (`job show --json` has the summary)
-        _print_job(summary, as_json=False)
+        print_job(summary, as_json=False)
     return EXIT_OK if _all_decided(summary) else EXIT_FOUND
 
 
@@ -495,7 +460,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from trialledger.store.jobs import Jobs
 
     options = _run_options(args)  # model, settings and attempts: the job's (worker_runner)
-    said = _trial_printer(args.json)
+    said = trial_printer(args.json)
     holder: list[Any] = []
 
     async def work(ledger: Ledger) -> int:
@@ -508,8 +473,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 force_build=args.force_build, owner=_owner(args), on_trial=said)
             check_inputs(runner.tasks, runner.options)  # e.g. no Codex here: one line
             holder[:] = [runner]
-            await _with_live(ledger, name, not args.json,
-                             functools.partial(runner.run, define=False))
+            await with_live(ledger, name, not args.json,
+                            functools.partial(runner.run, define=False))
         return len(names)
 
     async def go() -> int:
@@ -518,7 +483,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return await in_store(args.db, work, create=False)
 
     try:
-        worked = anyio.run(lambda: until_signalled(go, stop=_stopper(holder, args.grace),
+        worked = anyio.run(lambda: until_signalled(go, stop=stopper(holder, args.grace),
                                                    grace_s=args.grace))
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
         raise Refused(str(error)) from None
@@ -527,100 +492,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def progress_text(counts: Mapping[str, Any]) -> str:
-    """The live display's line: a job's trials by state, and its retries by cause."""
-    retries = ", ".join(f"{cause} ×{n}" for cause, n in counts["retries"].items()) or "none"
-    failed = counts.get("environment_failed", 0)
-    return (f"queued {counts['queued']} · running {counts['running']} · done "
-            f"{counts['done']}{f' · environment failed {failed}' if failed else ''} · "
-            f"retries: {retries}")
-
-
-async def _with_live(ledger: Ledger, job: str, wanted: bool,
-                     work: Callable[[], Awaitable[T]]) -> T:
-    """`work`, under a live rich display of the job's progress when stdout is a terminal
-    (queued / running / done, retries by cause, elapsed, ETA), refreshed from the store."""
-    if not (wanted and out.is_terminal):
-        return await work()
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from trialledger.store.jobs import Jobs
-
-    jobs = Jobs(ledger)
-    done: list[T] = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=out) as bar:
-        shown = bar.add_task(f"job {job}", total=None)
-
-        async def refresh() -> None:
-            with contextlib.suppress(TrialLedgerError):  # a blink: the next refresh
-                counts = await jobs.progress(job)
-                total = sum(counts[k] for k in ("queued", "running", "done",
-                                                "environment_failed"))
-                said = progress_text(counts) if total else f"job {job}: preparing its tasks"
-                bar.update(shown, description=said, total=total or None,
-                           completed=counts["done"] + counts["environment_failed"])
-
-        async def poll() -> None:
-            while True:
-                await refresh()
-                await anyio.sleep(1.0)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(poll)
-            done.append(await work())
-            tg.cancel_scope.cancel()
-        await refresh()  # the final state
-    return done[0]
-
-
 def _owner(args: argparse.Namespace) -> int | None:
     """The uid cache entries are made for: the sandbox user when we are root."""
     from trialledger.adapters.sandbox.identity import sandbox_user
 
     return sandbox_user(args.sandbox_uid).uid if os.geteuid() == 0 else None
-
-
-def _stopper(holder: list[Any], grace_s: float) -> Callable[[], None]:
-    def stop() -> None:
-        if holder:
-            holder[0].stop_claiming()
-        print(f"trialledger: stopping: no new trials; running ones get {grace_s:g} s "
-              f"(a second signal cancels them now)", file=sys.stderr)
-    return stop
-
-
-def _trial_printer(as_json: bool) -> Callable[[Any], None]:
-    """One line (or JSON object) per finished trial: its outcome, its reward and its own
-    duration (its sessions' wall time of work, SPEC §13; not the time since the job began)."""
-
-    def said(done: Any) -> None:
-        if as_json:
-            print(json.dumps({"trial_id": done.trial_id, "task": done.task, "k": done.k_index,
-                              "outcome": done.outcome, "reward": done.reward,
-                              "wall_s": done.wall_s, "sessions": done.sessions}), flush=True)
-        else:
-            out.print(plain(_trial_line(done.task, done.k_index, done.outcome, done.reward,
-                                        len(done.sessions), done.wall_s)))
-
-    return said
-
-
-def _trial_line(task: str, k_index: int, outcome: str, reward: Any, sessions: int,
-                wall_s: Any) -> str:
-    """A trial in one line: how it ended, its reward and its own duration (its sessions'
-    wall time of work, SPEC §13 — not the time since the job began)."""
-    said = "no reward" if reward is None else f"reward {float(reward):g}"
-    took = "" if wall_s is None else f", {float(wall_s):.1f} s"
-    return (f"{task} k={k_index} {outcome} {said} "
-            f"({sessions} session{'s' * (sessions != 1)}{took})")
 
 
 async def _job_summary(ledger: Ledger, name: str) -> dict[str, Any]:
@@ -635,84 +511,6 @@ def _all_decided(summary: Mapping[str, Any]) -> bool:
                for t in summary["trials"]) and not summary["environment_failed"]
 
 
-def _number(value: Any, digits: int = 3) -> str:
-    """A figure, or blank when there is none (never a mean over nothing shown as 0)."""
-    return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) \
-        else str(value)
-
-
-def _tokens(row: Mapping[str, Any]) -> str:
-    """The known token sum and how many sessions' usage is unknown (`tokens 0` is never
-    printed for a sum that is not known)."""
-    known, unknown = row.get("total_tokens"), row.get("unknown_usage") or 0
-    if not unknown:
-        return "" if known is None else str(known)  # None: no session ended yet
-    return f"unknown ({unknown})" if known is None else f"{known} + {unknown} unknown"
-
-
-def _figure_name(row: Mapping[str, Any]) -> str:
-    if row["task"] is not None:
-        return str(row["task"])
-    return "(all)" if row["dataset"] is None else f"(dataset {row['dataset']})"
-
-
-def _passk_text(passk: Sequence[Mapping[str, Any]], row: Mapping[str, Any]) -> str:
-    """A figure's pass@k for each k of Harbor's set, e.g. `2: 0.833 4: 1.000`."""
-    return " ".join(f"{p['k']}: {p['pass_at_k']:.3f}" for p in passk
-                    if p["task"] == row["task"] and p["dataset"] == row["dataset"])
-
-
-def _print_job(summary: Mapping[str, Any], *, as_json: bool, trials: bool = False) -> None:
-    """A job's figures (per task and overall), then who holds its open trials, its tasks
-    that did not run and why; `trials`: first one line per trial."""
-    if as_json:
-        print(json.dumps(summary, default=str))
-        return
-    several = len({t["dataset"] for t in summary["tasks"] if t["task"] is not None}) > 1
-    rows = [[*([t["dataset"] or ""] if several else []), _figure_name(t), t["trials"],
-             t["open"], t["scored"], t["unscored"], _number(t["passed"]), _number(t["mean"]),
-             _number(t["mean_scored"]), _passk_text(summary["passk"], t), t["retries"],
-             t["interrupted"], _tokens(t),
-             "" if t["wall_s"] is None else f"{float(t['wall_s']):.0f}"]
-            for t in summary["tasks"]]
-    for t in summary["trials"] if trials else ():
-        ended = t["outcome"] if t["state"] == "done" and t["outcome"] else t["state"]
-        out.print(plain(_trial_line(t["task"], t["k_index"], ended, t["reward"],
-                                    t["attempts"], t["wall_s"])))
-    _table([*(["dataset"] if several else []), "task", "trials", "open", "scored", "unscored",
-            "passed", "mean", "mean scored", "pass@k", "retries", "interrupted", "tokens",
-            "wall s"], rows)
-    for m in summary["reward_means"]:
-        out.print(plain(f"{_figure_name(m)}: mean {m['name']} = {m['mean']:.3f}"))
-    if summary["retries"]:
-        out.print(plain("retries by cause: " + ", ".join(
-            f"{r['task']} {r['cause_kind']} × {r['sessions']}" for r in summary["retries"])))
-    if summary["partial"]:
-        out.print(plain(f"partial: {len(summary['open_trials'])} trial(s) still open, left "
-                        f"out of every figure"))
-        for t in summary["open_trials"]:
-            out.print(plain(f"  {t['task']} #{t['k_index']} ({t['trial_id']}): "
-                            f"{_holder(t)}"))
-    for state in ("environment_failed", "no_solution"):
-        for task, why in summary[state].items():
-            out.print(plain(f"{task}: {state}: {why}"))
-    for task, why in summary.get("skipped", {}).items():
-        out.print(plain(f"{task}: skipped: {why}"))
-
-
-def _holder(trial: Mapping[str, Any]) -> str:
-    """Who has an open trial: `queued`, or its runner and when its lease expires."""
-    if trial["state"] == "queued":
-        return "queued"
-    left = trial.get("lease_left_s")
-    if left is None:
-        return f"held by {trial['runner_id']}"
-    left = float(left)
-    expiry = (f"its lease expires in {left:.0f} s" if left >= 0 else
-              f"its lease expired {-left:.0f} s ago: the next claim takes it over")
-    return f"held by {trial['runner_id']}, {expiry}"
-
-
 def cmd_job_diff(args: argparse.Namespace) -> int:
     """Two jobs side by side, task by task and overall: mean, passed, pass@k, tokens."""
     from trialledger.adapters.view.diff import job_diff
@@ -722,24 +520,7 @@ def cmd_job_diff(args: argparse.Namespace) -> int:
 
     sa, sb = on_store(args.db, both, create=False)
     result = job_diff(args.a, sa, args.b, sb)
-    rows = result["figures"]
-    if args.json:
-        print(json.dumps(result, default=str))
-        return EXIT_OK
-
-    def cells(row: Mapping[str, Any], name: str) -> list[str]:
-        side = row[name]
-        return [_number(side["a"]), _number(side["b"]),
-                "" if side["diff"] is None else f"{side['diff']:+.3f}"
-                if isinstance(side["diff"], float) else f"{side['diff']:+d}"]
-
-    _table(["figure", "in", "mean A", "mean B", "Δ", "passed A", "passed B", "Δ", "k",
-            "pass@k A", "pass@k B", "Δ", "tokens A", "tokens B", "Δ"],
-           [[r["figure"], {"a": "A only", "b": "B only"}.get(str(r["only"]), "both"),
-             *cells(r, "mean"), *cells(r, "passed"), _number(r["pass_at_k"]["k"]),
-             *cells(r, "pass_at_k"), *cells(r, "total_tokens")] for r in rows])
-    if result["partial"]:
-        out.print(plain("partial: a job has open trials, left out of its figures"))
+    print_job_diff(result, as_json=args.json)
     return EXIT_OK
 
 
@@ -748,7 +529,7 @@ def cmd_job_show(args: argparse.Namespace) -> int:
     skipped and failed tasks; each trial with --trials (and in --json)."""
 
     summary = on_store(args.db, lambda ledger: _job_summary(ledger, args.name), create=False)
-    _print_job(summary, as_json=args.json, trials=args.trials)
+    print_job(summary, as_json=args.json, trials=args.trials)
     return EXIT_OK
 
 
@@ -757,25 +538,8 @@ def cmd_job_ls(args: argparse.Namespace) -> int:
     from trialledger.store.jobs import Jobs
 
     rows = on_store(args.db, lambda ledger: Jobs(ledger).names(), create=False)
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        return EXIT_OK
-    _table(["job", "k", "trials", "queued", "running", "done", "environment failed",
-            "created"],
-           [[r["job"], r["k"], r["trials"], r.get("queued", 0), r.get("running", 0),
-             r.get("done", 0), r.get("environment_failed", 0), r["created_at"]] for r in rows])
+    print_jobs(rows, as_json=args.json)
     return EXIT_OK
-
-
-def _session_summary(view: Any) -> dict[str, Any]:
-    """One session of `run --json`: how it ended and why."""
-    d = view.decision
-    return {"session_id": view.session_id, "outcome": view.outcome,
-            "attempt": view.events[0].data.attempt, "rule": d.rule if d else None,
-            "cause": d.cause.kind if d and d.cause else None,
-            "reward_valid": d.reward_valid if d else None, "rewards": view.rewards,
-            "total_tokens": view.usage.total_tokens if view.usage else None}
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -784,11 +548,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = on_store(args.db, lambda ledger: ledger.listing(
         task=args.task, state=args.state, cause=args.cause), create=False)
     if args.json:
-        _print_json(rows)
+        print_json(rows)
         return EXIT_OK
     columns = ["session_id", "task", "attempt", "state", "outcome", "rule", "cause_kind",
                "total_tokens"]
-    _table(columns, [[r[c] for c in columns] for r in rows])
+    table(columns, [[r[c] for c in columns] for r in rows])
     return EXIT_OK
 
 
@@ -801,53 +565,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     _check_store_file(args.db)
     view = on_store(args.db, view_of, create=False)
     if args.json:
-        _print_json(view.model_dump(mode="json"))
+        print_json(view.model_dump(mode="json"))
         return EXIT_OK
-    from datetime import datetime
-
-    def when(at: str) -> datetime:
-        return datetime.fromisoformat(at.replace("Z", "+00:00"))
-
-    start = when(view.events[0].at)
-    rows, previous = [], start
-    for event in view.events:
-        moment = when(event.at)
-        rows.append((event.seq, f"+{(moment - start).total_seconds():.3f}s",
-                     f"{(moment - previous).total_seconds():.3f}s", event.type,
-                     _model_call(event.data) if event.type == "model.call"
-                     else _brief(event.data.model_dump(mode="json"))))
-        previous = moment
-    _table(["seq", "since start", "step", "type", "data"], rows)
-    seed = view.events[0].data
-    out.print(plain(f"session {view.session_id}  task {seed.task}  attempt {seed.attempt}  "
-                    f"state {view.state}  outcome {view.outcome}"))
-    for line in explain(view):
-        out.print(plain(line))
-    usage = view.usage
-    out.print("usage: " + (f"{usage.total_tokens} tokens ({usage.input_tokens} in, "
-                           f"{usage.output_tokens} out)" if usage else "unavailable"))
-    for gap in view.observations.gaps:
-        out.print(plain(f"gap {gap.code}: {_brief(gap.detail or '')}"))
-    if view.rewards is not None:
-        out.print(plain(f"rewards: {view.rewards}"))
-    for event in view.events:  # what the verifier printed (schema 2)
-        for stream in ("stdout", "stderr"):
-            said = getattr(event.data, f"{stream}_tail", None) if event.type.startswith(
-                "verification.") else None
-            if said:
-                out.print(f"verifier {stream} (tail):", highlight=False)
-                out.print(plain(said.rstrip("\n")))
-    if kept := _kept_files(view):
-        out.print(f"kept files ({len(kept)}; `trialledger artifacts` reads them):")
-        for entry in kept:
-            out.print(plain(f"  {entry.path}  {entry.size} bytes"))
+    show_session(view)
     return EXIT_OK
-
-
-def _kept_files(view: Any) -> list[Any]:
-    """The files the session's verification lists (schema 3; none before)."""
-    return [entry for event in view.events if event.type.startswith("verification.")
-            for entry in event.data.files]
 
 
 def cmd_artifacts(args: argparse.Namespace) -> int:
@@ -860,12 +581,12 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
         return await ledger.view(await ledger.resolve(args.session))
 
     view = on_store(args.db, view_of, create=False)
-    kept = _kept_files(view)
+    kept = kept_files(view)
     chosen = [artifacts.listed(kept, args.path)] if args.path else kept
     folder = artifacts.session_folder(view.events[0].data.settings.sandbox_logs_dir,
                                       view.session_id)
     if not args.path and not args.out:
-        _table(["path", "size", "sha256"], [[e.path, e.size, e.sha256] for e in kept])
+        table(["path", "size", "sha256"], [[e.path, e.size, e.sha256] for e in kept])
     if not os.path.isdir(folder):
         print(f"trialledger: the artifact folder is not on this machine: it would be "
               f"{printable(str(folder))} (on the machine of runner "
@@ -902,77 +623,6 @@ def cmd_view(args: argparse.Namespace) -> int:
     out.print(plain(f"wrote {done.jobs} job(s), {done.trials} trial(s) and {done.sessions} "
                     f"session(s): open {done.index}"))
     return EXIT_OK
-
-
-def _model_call(call: Any) -> str:
-    """`call 2 POST /v1/responses → 429 (0.31 s)`: what the proxy saw of one model call."""
-    answer = str(call.http_status) if call.http_status is not None else "no answer"
-    how = ", ".join(part for part in (
-        "completed" if call.completed else "not completed", call.error,
-        f"{call.usage.total_tokens} tokens" if call.usage else None, call.model) if part)
-    took = ""
-    if call.ended_at:
-        from datetime import datetime
-
-        seconds = (datetime.fromisoformat(call.ended_at.replace("Z", "+00:00"))
-                   - datetime.fromisoformat(call.started_at.replace("Z", "+00:00")))
-        took = f" ({seconds.total_seconds():.2f} s)"
-    return f"call {call.call} {call.method} {call.path} → {answer}, {how}{took}"
-
-
-def _brief(value: Any, width: int = 90) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    text = text.replace("\n", " ")
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-class Interrupted(Exception):
-    """A run stopped by SIGINT, SIGTERM or SIGHUP (its sessions closed `cancelled`)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-
-
-async def until_signalled(work: Callable[[], Awaitable[T]], *,
-                          stop: Callable[[], None] | None = None, grace_s: float = 0.0) -> T:
-    """Run `work`; SIGINT, SIGTERM and SIGHUP (docker, systemd, Kubernetes, Slurm) all
-    cancel it the same way — its cleanup runs, the agent is stopped, the session closed
-    `cancelled`, its folder removed — and then raise `Interrupted`. With `stop`, the
-    first signal calls it and cancels only after `grace_s` (a second one at once)."""
-    done: list[T] = []
-    caught: list[int] = []
-    failed: list[Exception] = []  # raised after the group, so it is never an ExceptionGroup
-    async with anyio.create_task_group() as tg:
-
-        async def watch() -> None:
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM,
-                                            signal.SIGHUP) as signals:
-                async for signum in signals:
-                    caught.append(signum)
-                    if stop is None or len(caught) > 1:
-                        tg.cancel_scope.cancel()
-                        return
-                    stop()
-                    tg.start_soon(cancel_after_grace)
-
-        async def cancel_after_grace() -> None:
-            await anyio.sleep(grace_s)
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(watch)
-        try:
-            done.append(await work())
-        except Exception as error:
-            failed.append(error)
-        tg.cancel_scope.cancel()
-    if failed:
-        raise failed[0]
-    if caught or not done:
-        raise Interrupted(caught[0] if caught else signal.SIGINT)
-    return done[0]
 
 
 def _store_files(db: str) -> list[Path]:
@@ -1044,14 +694,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except SandboxRefused as error:
         raise Refused(str(error)) from None
     out.print(f"\n[bold]Outcomes[/bold] ({len(results)} sessions in {args.db})")
-    _table(["task", "attempt", "outcome", "decisions", "cause", "tokens", "reward"],
-           outcome_rows(results))
+    table(["task", "attempt", "outcome", "decisions", "cause", "tokens", "reward"],
+          outcome_rows(results))
     for question, sql in QUESTIONS.items():
         from trialledger.store.query import run_query
 
         result = anyio.run(functools.partial(run_query, args.db, sql, role=None))  # ours
         out.print(f"\n[bold]{question}[/bold]\n[dim]{' '.join(sql.split())}[/dim]")
-        _table(result.columns, result.rows)
+        table(result.columns, result.rows)
     out.print(f"\nExplore: trialledger ls --db {args.db}; trialledger show --db {args.db} ID")
     return EXIT_OK
 
@@ -1065,47 +715,8 @@ def cmd_import_harbor(args: argparse.Namespace) -> int:
         raise Refused(f"{job}: not a folder")
 
     agreements = on_store(args.db, lambda ledger: import_job(ledger, job))
-    disagreeing = sum(not a.agrees for a in agreements)
-    if args.json:
-        _print_json([a.as_json() for a in agreements])
-        return EXIT_FOUND if disagreeing else EXIT_OK
-    _table(["trial", "session", "harbor → verdict, reward", "ours: rule → action, reward",
-            "agree", "tokens in/cached/out", "why"], [
-        (a.trial, a.session_id,
-         f"{a.harbor_exception or '-'} → {a.harbor_verdict}, {_rewards_text(a.harbor_rewards)}",
-         f"{a.our_rule} → {a.our_action}, {_rewards_text(a.our_rewards)}",
-         "yes" if a.agrees else "NO", _tokens_text(a), a.explanation)
-        for a in agreements])
-    unchanged = sum(a.status == "unchanged" for a in agreements)
-    out.print(f"{len(agreements)} trials imported; {len(agreements) - disagreeing} agree with "
-              f"Harbor's verdict" + (f"; {unchanged} unchanged since an earlier import"
-                                     if unchanged else ""))
-    return EXIT_FOUND if disagreeing else EXIT_OK
-
-
-def _rewards_text(rewards: Mapping[str, Any] | None) -> str:
-    return ", ".join(f"{name} {value}" for name, value in rewards.items()) if rewards else "-"
-
-
-def _tokens_text(agreement: Any) -> str:
-    """Harbor's counts and ours, or one figure when they agree."""
-    def said(tokens: Mapping[str, int | None] | None) -> str:
-        if tokens is None:
-            return "unknown"
-        return "/".join("?" if tokens[k] is None else str(tokens[k])
-                        for k in ("input", "cached", "output"))
-    if agreement.tokens_agree:
-        return f"{said(agreement.our_tokens)} (same)"
-    return f"Harbor {said(agreement.harbor_tokens)}, ours {said(agreement.our_tokens)}"
-
-
-def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    table = Table()
-    for name in columns:  # folded, never cut with "…": an id must stay whole to be typed
-        table.add_column(name, overflow="fold")
-    for row in rows:  # a value may come from the agent: shown, never obeyed (console/)
-        table.add_row(*(plain(v) for v in row))
-    out.print(table)
+    print_agreements(agreements, as_json=args.json)
+    return EXIT_FOUND if any(not a.agrees for a in agreements) else EXIT_OK
 
 
 # --- the parser -------------------------------------------------------------------------------
