@@ -1,18 +1,15 @@
 """Running a job (docs/SPEC.md §13): tasks × k trials, `concurrency` sessions at a time,
 resumable, each trial held under a lease while it runs.
 
-A trial runs sessions (attempt 1, 2, … chained by `retry_of`) until one ends with a final
-decision (`verify` or `unverified`) or `max_attempts` sessions have counted. What the trial
-did next is read from the store each time — the sessions of its trial id — so a resumed
-job, or a worker that took a trial over, continues exactly where the last one stopped:
-open sessions are first recovered (`sandbox.lost`, evidence kept), and a session closed
-`cancelled` or `recovered` without a verdict gives the trial another attempt that does not
-count toward `max_attempts` (a harness failure, not the agent's or the endpoint's).
+The walk: `JobRunner` claims a trial from the job's queue (`_work`) → the trial runs under
+its lease (`Trial.hold`, adapters/trial.py: the one trial rule `run` follows too — its
+next attempt read from its sessions each time, a dead holder's sessions recovered first)
+→ each attempt is a session (`SessionRunner.run_session`) → the trial is settled `done`
+(`_hold`), or, when its lease ended first, left to its next holder.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -27,8 +24,7 @@ from typing import Any, TypeVar
 import anyio
 
 from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
-from trialledger.adapters.journal import delivery
-from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner, find_codex
+from trialledger.adapters.runner import RunOptions, SessionRunner, find_codex
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.scripted import SCRIPTED, NoSolution, solve_script
 from trialledger.adapters.task import (
@@ -38,10 +34,11 @@ from trialledger.adapters.task import (
     UnsupportedField,
     require_verifier,
 )
+from trialledger.adapters.trial import Lease, Trial, TrialRun
 from trialledger.core.policy import get_policy
 from trialledger.core.seed import validate_seed
 from trialledger.core.summary import pass_at_k_for_task
-from trialledger.store import LeaseLost, Ledger, StoreUnavailable
+from trialledger.store import Ledger, StoreUnavailable
 from trialledger.store.jobs import Claim, JobRefused, Jobs
 
 log = logging.getLogger(__name__)
@@ -153,13 +150,6 @@ class TrialDone:
     sessions: list[str]
     reward: float | None = None
     wall_s: float | None = None  # its sessions' wall time of work (SPEC §13)
-
-
-@dataclass
-class _Lapse:
-    """Why a held trial's lease ended before its trial did (None: it did not)."""
-
-    why: str | None = None
 
 
 @dataclass
@@ -297,134 +287,44 @@ class JobRunner:
                 pause = min(pause * 2, 5.0)
 
     async def _hold(self, claim: Claim) -> None:
-        """Run a claimed trial while renewing its lease. A lease not renewed in time, or
-        taken over, stops the trial's session (its sandbox killed) and leaves the trial to
-        its next holder: it is released if the store takes the release, else its lease
-        expires — never settled `done`. A trial that fails unexpectedly ends alone
-        (`_failed`): never the job nor the trials beside it."""
-        lapse = _Lapse()
+        """Run a claimed trial under its lease (`Trial.hold`), then settle it `done`. A
+        trial whose lease ended first (not renewed in time, or taken over) is left to its
+        next holder: released if the store takes the release, else its lease expires —
+        never settled `done`."""
+        lease = Lease(self.jobs, claim, self.lease_s)
         settled = False
-        done: TrialDone | None = None
-        detail = None
-        # The sandbox keeps the lease too: it kills itself 2·lease/3 after the last renewal
-        # unless extended, even when this process is paused and cannot stop it.
-        switch = DeadManSwitch(2 * self.lease_s / 3)
         try:
-            trial = anyio.CancelScope()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._renew, claim, trial, lapse, switch)
-                try:
-                    with trial:
-                        done = await self._trial(claim, switch)
-                except BaseException as error:
-                    if _only(error, LeaseLost):
-                        lapse.why = lapse.why or "taken over"
-                    elif lapse.why is not None and (_unexpected(error)
-                                                    or _only(error, StoreUnavailable)):
-                        log.warning("trial %s: stopped: %s", claim.trial_id, error)
-                    elif _unexpected(error):
-                        done, detail = await self._failed(claim, error)
-                    else:
-                        raise
-                tg.cancel_scope.cancel()
-            if lapse.why is not None or done is None:
-                log.warning("trial %s (%s): its lease was %s; its session was stopped and "
-                            "the trial is left to its next holder", claim.trial_id,
-                            claim.task, lapse.why or "not kept")
+            ran = await Trial(self.ledger, claim.trial_id, lease=lease).hold(
+                functools.partial(self._runner, claim.task))
+            if ran is None:
                 return
-            settled = await self.jobs.settle(claim, "done", detail=detail)
+            done = await self._done(claim, ran)
+            settled = await self.jobs.settle(claim, "done", detail=ran.error)
             if settled and self.on_trial is not None:
                 said = self.on_trial(done)
                 if said is not None:
                     await said
         finally:
-            switch.close()
-            if not settled and lapse.why != "taken over":
-                await self._release(claim)
+            await lease.end(settled=settled)
 
-    async def _release(self, claim: Claim) -> None:
-        """Give the trial back to the queue if it is still ours; a store that does not answer
-        within a third of the lease is left alone (the lease then expires)."""
-        with (anyio.CancelScope(shield=True), anyio.move_on_after(min(10.0, self.lease_s / 3)),
-              contextlib.suppress(StoreUnavailable)):
-            await self.jobs.settle(claim, "queued")
-
-    async def _renew(self, claim: Claim, trial: anyio.CancelScope, lapse: _Lapse,
-                     switch: DeadManSwitch) -> None:
-        """Renew the lease every lease/3, each renewal under the deadline 2·lease/3 after the
-        start of the last one that succeeded (the database's expiry counts from a later
-        moment). Past the deadline — the store down, or a call that hangs — or once the
-        trial was taken over, the trial is cancelled, which stops its sandbox. Each
-        renewal also extends the sandbox's own deadline (`switch`) to the new one."""
-        deadline = anyio.current_time() + 2 * self.lease_s / 3
-        while True:
-            await anyio.sleep(max(0.0, min(self.lease_s / 3, deadline - anyio.current_time())))
-            started, error = anyio.current_time(), None
-            with anyio.move_on_after(max(0.0, deadline - started)):
-                try:
-                    if not await self.jobs.renew(claim, self.lease_s):
-                        lapse.why = "taken over"
-                        log.warning("trial %s was taken over; stopping its session",
-                                    claim.trial_id)
-                        trial.cancel()
-                        return
-                    deadline = started + 2 * self.lease_s / 3
-                    switch.extend(deadline - anyio.current_time())
-                    continue
-                except Exception as failed:  # the store blinked: again until the deadline
-                    error = failed
-            if anyio.current_time() >= deadline:
-                lapse.why = "not renewed in time"
-                log.warning("lease of trial %s not renewed for %.0f s (%s); stopping its "
-                            "session", claim.trial_id, 2 * self.lease_s / 3,
-                            error or "the store did not answer")
-                trial.cancel()
-                return
-            await anyio.sleep(min(1.0, self.lease_s / 10))
-
-    async def _trial(self, claim: Claim, switch: DeadManSwitch) -> TrialDone:
-        task = self.by_name[claim.task]
+    def _runner(self, task: str, switch: DeadManSwitch) -> SessionRunner:
+        """The session runner of a held trial of `task`: its sandboxes keep the lease's
+        deadline (`switch`)."""
         options = dataclasses.replace(self.options, max_attempts=self.max_attempts,
                                       switch=switch)
-        runner = SessionRunner(self.ledger, task, options, self.environments[claim.task])
-        # The lease says no one else holds the trial: its open sessions are a dead
-        # holder's, recovered before the next attempt.
-        sessions = await runner.continue_trial(claim.trial_id, lease=claim.token)
-        return await self._done(claim, sessions, runner.last)
+        return SessionRunner(self.ledger, self.by_name[task], options, self.environments[task])
 
-    async def _failed(self, claim: Claim, error: BaseException) -> tuple[TrialDone, str]:
-        """End a trial whose run raised what no rule foresaw: its open sessions closed
-        (`recovered`, evidence kept), the error logged with its traceback, and the reason
-        kept in the queue (`detail`) — the trial is then done, unscored."""
-        detail = f"the trial ended on an unexpected error: {type(error).__name__}: {error}"
-        log.error("trial %s (%s): %s", claim.trial_id, claim.task, detail,
-                  exc_info=(type(error), error, error.__traceback__))
-        sessions: list[dict[str, Any]] = []
-        try:
-            sessions = await self.ledger.sessions(trial_id=claim.trial_id)
-            await self.ledger.recover_sessions([s["session_id"] for s in sessions
-                                                if s["state"] != "closed"],
-                                               fence=(claim.trial_id, claim.token),
-                                               deliver=delivery(self.ledger))
-            sessions = await self.ledger.sessions(trial_id=claim.trial_id)
-        except Exception as again:  # e.g. an append the store refuses: the next run recovers
-            log.error("trial %s: its sessions could not be closed (%s)", claim.trial_id, again)
-        outcome = (sessions[-1]["outcome"] if sessions else None) or "error"
-        return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome,
-                         [s["session_id"] for s in sessions]), detail[:2000]
-
-    async def _done(self, claim: Claim, sessions: list[dict[str, Any]],
-                    last: SessionResult | None = None) -> TrialDone:
-        outcome = sessions[-1]["outcome"] if sessions else "pending"
-        reward = None
-        if sessions:
-            final = sessions[-1]["session_id"]
-            view = (last.view if last is not None and last.session_id == final
-                    else await self.ledger.view(final))
-            rewards = view.rewards or {}
-            reward = rewards.get("reward", next(iter(rewards.values()), None))
-        return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome,
-                         [s["session_id"] for s in sessions], reward,
+    async def _done(self, claim: Claim, ran: TrialRun) -> TrialDone:
+        """What the progress display shows of a trial that ended: its final outcome and
+        reward, and its wall time of work (none of either when an error ended it)."""
+        ids = [s["session_id"] for s in ran.sessions]
+        if ran.error is not None:
+            outcome = (ran.sessions[-1]["outcome"] if ran.sessions else None) or "error"
+            return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome, ids)
+        outcome = ran.sessions[-1]["outcome"] if ran.sessions else "pending"
+        rewards = (ran.final.rewards if ran.final is not None else None) or {}
+        reward = rewards.get("reward", next(iter(rewards.values()), None))
+        return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome, ids, reward,
                          await self.jobs.work_time(claim.trial_id))
 
 
@@ -455,21 +355,6 @@ async def worker_runner(ledger: Ledger, name: str, base: RunOptions, *,
         # under the name the job recorded (a job created before names were folder names)
         tasks.append(dataclasses.replace(Task.load(Path(folder)), name=task))
     return JobRunner(ledger, name, tasks, options, k=int(config["k"]), **kwargs)
-
-
-def _unexpected(error: BaseException) -> bool:
-    """Whether `error` is one trial's own failure (ended alone), not a cancellation, an
-    interrupt or the store becoming unusable (which stop the whole `job run`)."""
-    if isinstance(error, BaseExceptionGroup):
-        return all(_unexpected(e) for e in error.exceptions)
-    return isinstance(error, Exception) and not isinstance(error, StoreUnavailable)
-
-
-def _only(error: BaseException, kind: type[BaseException]) -> bool:
-    """Whether `error` is `kind`, or a group of nothing else (from a task group)."""
-    if isinstance(error, BaseExceptionGroup):
-        return error.split(kind)[1] is None
-    return isinstance(error, kind)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float | None:

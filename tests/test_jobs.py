@@ -406,7 +406,7 @@ async def test_appends_are_fenced_by_the_trials_lease(db: str) -> None:
     """Once a trial is taken over, its old holder's appends are refused, in the append's own
     transaction, and nothing of theirs is stored; the new holder's go through."""
     from tests.scenarios import claimed_session
-    from trialledger.core import validate_seed
+    from trialledger.core.seed import validate_seed
     from trialledger.store import LeaseLost, Ledger
 
     async with await Ledger.open(db) as ledger:

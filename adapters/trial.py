@@ -1,0 +1,271 @@
+"""A trial (docs/SPEC.md §13): one task attempted by one agent configuration, its sessions
+(attempt 1, 2, … chained by `retry_of`) run until one ends final or the attempts are used.
+
+The one trial rule of `run`, `run --trial`, `job run` and `worker`. What a trial does next
+is read from its sessions in the store each time (`next_attempt`), so a resumed run, or a
+worker that took a trial over, continues exactly where the last one stopped: sessions a
+dead runner left open are first recovered (`sandbox.lost`, evidence kept), and a session
+closed `cancelled` or `recovered` without a verdict gives the trial another attempt that
+does not count toward `max_attempts` (a harness failure, not the agent's or the
+endpoint's). A job's trial runs under its `Lease`, which fences every append, is renewed
+under a deadline, and is kept by the sandbox too (a dead man's switch).
+
+The walk: a job claims a trial (adapters/jobs.py) → `Trial.hold` keeps its lease while
+`Trial.run` runs its attempts → each attempt is `SessionRunner.run_session`
+(adapters/runner.py) → the job settles the trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from trialledger.adapters.journal import delivery
+from trialledger.adapters.sandbox.deadline import DeadManSwitch
+from trialledger.core import SessionView
+from trialledger.store import LeaseLost, Ledger, StoreUnavailable
+from trialledger.store.jobs import Claim, Jobs
+from trialledger.store.ledger import RunnerAlive, gone_from_this_host
+from trialledger.store.writer import Fence
+
+if TYPE_CHECKING:  # the runner imports this module: its sessions are run through ours
+    from trialledger.adapters.runner import SessionResult, SessionRunner
+
+log = logging.getLogger(__name__)
+
+FINAL = ("verify", "unverified")
+UNCOUNTED_CAP = 3  # harness failures a trial may have beyond max_attempts (SPEC §13)
+
+
+def next_attempt(sessions: Sequence[Mapping[str, Any]], max_attempts: int
+                 ) -> tuple[int, str | None] | None:
+    """A trial's next (attempt, retry_of) from its closed sessions, oldest first; None when
+    its last session ended final (`verify`, or `unverified` not by a crash) or
+    `max_attempts` sessions have counted. A harness failure — closed `cancelled`, or
+    `recovered` after a crash without a verdict — never uses up an attempt, but only the
+    first `UNCOUNTED_CAP` give one: past them the trial ends (so one that fails the same
+    way each time never stays queued)."""
+    last = sessions[-1] if sessions else None
+    counted = sum(1 for s in sessions if s["close_reason"] not in ("cancelled", "recovered"))
+    final = last is not None and last["outcome"] in FINAL and not (
+        last["close_reason"] == "recovered" and last["outcome"] != "verify")
+    if final or counted >= max_attempts or len(sessions) - counted > UNCOUNTED_CAP:
+        return None
+    return (int(last["attempt"]) + 1 if last else 1, last["session_id"] if last else None)
+
+
+def fresh_trial_id(task: str) -> str:
+    """A plain `run`'s trial id, new each run: `<task>:<12 hex digits>` (a job's trials are
+    `uuid5(NS, "<job>:<task>:<k>")`, queued with the job: `store.jobs.trial_id`)."""
+    return f"{task}:{uuid.uuid4().hex[:12]}"
+
+
+@dataclass
+class TrialRun:
+    """A trial as a run of it left it."""
+
+    trial_id: str
+    sessions: list[dict[str, Any]]  # all its sessions (rows of `sessions`), oldest first
+    ran: list[SessionResult]  # the sessions this run ran, with their views
+    final: SessionView | None = None  # its final session's view (None: it has none)
+    error: str | None = None  # why an error no rule foresaw ended it (a held trial, §13)
+
+
+class Lease:
+    """A job trial's hold (SPEC §13, "Claims, leases and fencing"): its token fences every
+    append of the trial; it is renewed every lease/3, each renewal under a deadline
+    2·lease/3 after the start of the last one that succeeded; and the sandbox keeps that
+    deadline too (`switch`: it kills itself unless extended, even when this process is
+    paused and cannot stop it)."""
+
+    def __init__(self, jobs: Jobs, claim: Claim, lease_s: float) -> None:
+        self.jobs, self.claim, self.lease_s = jobs, claim, lease_s
+        self.switch = DeadManSwitch(2 * lease_s / 3)
+        self.why: str | None = None  # why it ended before its trial did (None: it did not)
+
+    @property
+    def fence(self) -> Fence:
+        """What every append of the trial carries: (trial id, lease token)."""
+        return self.claim.trial_id, self.claim.token
+
+    async def keep(self, trial: anyio.CancelScope) -> None:
+        """Renew the lease until cancelled (the database's expiry counts from a later
+        moment than the deadline). Past the deadline — the store down, or a call that hangs
+        — or once the trial was taken over, `trial` is cancelled, which stops its sandbox.
+        Each renewal also extends the sandbox's own deadline to the new one."""
+        claim, lease_s = self.claim, self.lease_s
+        deadline = anyio.current_time() + 2 * lease_s / 3
+        while True:
+            await anyio.sleep(max(0.0, min(lease_s / 3, deadline - anyio.current_time())))
+            started, error = anyio.current_time(), None
+            with anyio.move_on_after(max(0.0, deadline - started)):
+                try:
+                    if not await self.jobs.renew(claim, lease_s):
+                        self.why = "taken over"
+                        log.warning("trial %s was taken over; stopping its session",
+                                    claim.trial_id)
+                        trial.cancel()
+                        return
+                    deadline = started + 2 * lease_s / 3
+                    self.switch.extend(deadline - anyio.current_time())
+                    continue
+                except Exception as failed:  # the store blinked: again until the deadline
+                    error = failed
+            if anyio.current_time() >= deadline:
+                self.why = "not renewed in time"
+                log.warning("lease of trial %s not renewed for %.0f s (%s); stopping its "
+                            "session", claim.trial_id, 2 * lease_s / 3,
+                            error or "the store did not answer")
+                trial.cancel()
+                return
+            await anyio.sleep(min(1.0, lease_s / 10))
+
+    async def end(self, *, settled: bool) -> None:
+        """Disarm the sandbox's deadline; a trial not settled is given back to the queue if
+        it is still ours (not taken over) — unless the store does not answer within a third
+        of the lease: the lease then expires."""
+        self.switch.close()
+        if settled or self.why == "taken over":
+            return
+        with (anyio.CancelScope(shield=True), anyio.move_on_after(min(10.0, self.lease_s / 3)),
+              contextlib.suppress(StoreUnavailable)):
+            await self.jobs.settle(self.claim, "queued")
+
+
+class Trial:
+    """One trial: its id (a job's is `uuid5(NS, "<job>:<task>:<k>")`, as its queue row and
+    claim carry it; a plain `run`'s is `fresh_trial_id`), its sessions in the store, its
+    next attempt, the recovery of the sessions a dead runner left open, and — a job's
+    trial — its lease."""
+
+    def __init__(self, ledger: Ledger, trial_id: str, *, lease: Lease | None = None) -> None:
+        self.ledger, self.trial_id, self.lease = ledger, trial_id, lease
+
+    @classmethod
+    def fresh(cls, ledger: Ledger, task: str) -> Trial:
+        """A new trial of `task` (a plain `run`)."""
+        return cls(ledger, fresh_trial_id(task))
+
+    async def sessions(self) -> list[dict[str, Any]]:
+        """Its sessions (rows of the `sessions` view), oldest first."""
+        return await self.ledger.sessions(trial_id=self.trial_id)
+
+    async def recover(self, sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Its sessions, those still open first closed `recovered` (their journals delivered
+        first, SPEC §8): they were left by a runner that died holding the trial. Under a
+        lease, the lease says no one else holds it, and the recovery's appends are fenced by
+        it; without one, only sessions whose runner is gone are (`RunnerAlive` otherwise)."""
+        still_open = [s for s in sessions if s["state"] != "closed"]
+        if not still_open:
+            return sessions
+        if self.lease is None:
+            alive = {r for r in await self.ledger.live_runners() if not gone_from_this_host(r)}
+            if busy := [s for s in still_open if s["runner_id"] in alive]:
+                raise RunnerAlive(f"trial {self.trial_id} has session {busy[0]['session_id']} "
+                                  f"running under runner {busy[0]['runner_id']}, which is "
+                                  f"alive")
+        await self.ledger.recover_sessions(
+            [s["session_id"] for s in still_open],
+            fence=self.lease.fence if self.lease is not None else None,
+            deliver=delivery(self.ledger))
+        return await self.sessions()
+
+    async def run(self, runner: SessionRunner) -> TrialRun:
+        """Run its next attempts with `runner` until one ends final, `max_attempts` have
+        counted or the uncounted ones are used up (`next_attempt`), reading its sessions
+        from the store before each."""
+        ran: list[SessionResult] = []
+        token = self.lease.claim.token if self.lease is not None else None
+        while True:
+            sessions = await self.recover(await self.sessions())
+            step = next_attempt(sessions, max(1, runner.options.max_attempts))
+            if step is None:
+                return TrialRun(self.trial_id, sessions, ran, await self._final(sessions, ran))
+            ran.append(await runner.run_session(attempt=step[0], retry_of=step[1],
+                                                trial_id=self.trial_id, lease=token))
+
+    async def _final(self, sessions: Sequence[Mapping[str, Any]],
+                     ran: Sequence[SessionResult]) -> SessionView | None:
+        """The view of its final session: the one run last when it is, else read back."""
+        if not sessions:
+            return None
+        final = str(sessions[-1]["session_id"])
+        if ran and ran[-1].session_id == final:
+            return ran[-1].view
+        return await self.ledger.view(final)
+
+    async def hold(self, runner: Callable[[DeadManSwitch], SessionRunner]
+                   ) -> TrialRun | None:
+        """Run the trial (a job's, under its lease) with the runner `runner(switch)` makes,
+        while the lease is kept (`Lease.keep`). None when the lease ended first — taken
+        over, or not renewed in time: its session was stopped (its sandbox killed) and the
+        trial is left to its next holder, never settled `done`. An error no rule foresaw
+        ends this trial alone (`TrialRun.error`), never the job nor the trials beside it;
+        a cancellation, an interrupt or an unusable store is raised."""
+        lease = self.lease
+        assert lease is not None  # a held trial is a job's
+        done: TrialRun | None = None
+        trial = anyio.CancelScope()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lease.keep, trial)
+            try:
+                with trial:
+                    done = await self.run(runner(lease.switch))
+            except BaseException as error:
+                if _only(error, LeaseLost):
+                    lease.why = lease.why or "taken over"
+                elif lease.why is not None and (_unexpected(error)
+                                                or _only(error, StoreUnavailable)):
+                    log.warning("trial %s: stopped: %s", self.trial_id, error)
+                elif _unexpected(error):
+                    done = await self._failed(error)
+                else:
+                    raise
+            tg.cancel_scope.cancel()
+        if lease.why is not None or done is None:
+            log.warning("trial %s (%s): its lease was %s; its session was stopped and the "
+                        "trial is left to its next holder", self.trial_id, lease.claim.task,
+                        lease.why or "not kept")
+            return None
+        return done
+
+    async def _failed(self, error: BaseException) -> TrialRun:
+        """End a held trial whose run raised what no rule foresaw: its open sessions closed
+        (`recovered`, evidence kept), the error logged with its traceback, and the reason
+        kept (`TrialRun.error`, the queue's `detail`) — the trial is then done, unscored."""
+        assert self.lease is not None
+        detail = f"the trial ended on an unexpected error: {type(error).__name__}: {error}"
+        log.error("trial %s (%s): %s", self.trial_id, self.lease.claim.task, detail,
+                  exc_info=(type(error), error, error.__traceback__))
+        sessions: list[dict[str, Any]] = []
+        try:
+            sessions = await self.sessions()
+            sessions = await self.recover(sessions)
+        except Exception as again:  # e.g. an append the store refuses: the next run recovers
+            log.error("trial %s: its sessions could not be closed (%s)", self.trial_id, again)
+        return TrialRun(self.trial_id, sessions, [], error=detail[:2000])
+
+
+def _unexpected(error: BaseException) -> bool:
+    """Whether `error` is one trial's own failure (ended alone), not a cancellation, an
+    interrupt or the store becoming unusable (which stop the whole `job run`)."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(_unexpected(e) for e in error.exceptions)
+    return isinstance(error, Exception) and not isinstance(error, StoreUnavailable)
+
+
+def _only(error: BaseException, kind: type[BaseException]) -> bool:
+    """Whether `error` is `kind`, or a group of nothing else (from a task group)."""
+    if isinstance(error, BaseExceptionGroup):
+        return error.split(kind)[1] is None
+    return isinstance(error, kind)
+
+
+__all__ = ["FINAL", "UNCOUNTED_CAP", "Lease", "Trial", "TrialRun", "fresh_trial_id",
+           "next_attempt"]
