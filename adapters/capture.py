@@ -144,51 +144,70 @@ class KeptFiles:
     out_of_time: bool = False
 
 
+@dataclass(frozen=True)
+class ToKeep:
+    """One file a capture pass may keep: where it is read, where it goes, how it is named."""
+
+    tree: AgentTree
+    path: str  # in the tree
+    kept: str  # in the pass's folder (`test-stdout.txt`), before its name is scrubbed
+    named: str  # in a refusal's detail
+
+
 def keep_files(tree: AgentTree, target: Path, name: str, secrets: Sequence[str], *,
                budget_s: float) -> KeptFiles:
-    """Copy every regular file under `tree` into `target/name` (folders 0700, files 0600),
-    each scrubbed of the session's secrets (its name too), at most `MAX_KEPT_FILES` files
-    and `MAX_KEPT_BYTES` bytes, stopping between files once `budget_s` has passed. Each
-    inode is read and written once (another name of it becomes a hard link to that copy);
-    a link, FIFO or device is refused, never followed or opened. Entries are listed by
-    their path in `target` (`verifier/test-stdout.txt`)."""
+    """Copy every regular file under `tree` into `target/name` (`keep_listed`), a link,
+    FIFO or device refused, never followed or opened; `FIRST_KEPT` first, then by path.
+    Entries are listed by their path in `target` (`verifier/test-stdout.txt`)."""
     deadline = time.monotonic() + budget_s
     found, refused = tree.find("", "*")
     result = KeptFiles(refused=[UnsafeAgentFile(f"{name}/{e.path.lstrip('/')}", e.rule)
                                 for e in refused])
     paths = sorted((p.lstrip("/") for p in found),
                    key=lambda p: (FIRST_KEPT.index(p) if p in FIRST_KEPT else len(FIRST_KEPT), p))
-    seen: Seen = {}
-    kept: dict[str, dict[str, Any]] = {}  # source path → its entry
+    keep_listed([ToKeep(tree, path, path, f"{name}/{path}") for path in paths], target, name,
+                secrets, deadline=deadline, result=result)
+    return result
+
+
+def keep_listed(items: Sequence[ToKeep], target: Path, name: str, secrets: Sequence[str], *,
+                deadline: float, result: KeptFiles) -> None:
+    """Copy `items` in order into `target/name` (folders 0700, files 0600), each scrubbed of
+    the session's secrets (its name too), at most `MAX_KEPT_FILES` files and
+    `MAX_KEPT_BYTES` bytes, stopping between files once `deadline` (monotonic) has passed;
+    what was kept, refused and left out goes to `result`. Each inode is read and written
+    once (another name of it becomes a hard link to that copy)."""
+    seen: dict[int, Seen] = {}  # per tree: two trees are two file systems (overlay layers)
+    kept: dict[tuple[int, str], dict[str, Any]] = {}  # (tree, source path) → its entry
     written: set[str] = set()
     room = MAX_KEPT_BYTES
-    for index, path in enumerate(paths):
+    for index, item in enumerate(items):
         if time.monotonic() >= deadline:
-            result.out_of_time, result.left_out = True, result.left_out + len(paths) - index
+            result.out_of_time, result.left_out = True, result.left_out + len(items) - index
             break
-        shown = scrub(path, secrets)
+        shown = scrub(item.kept, secrets)
         if len(result.files) >= MAX_KEPT_FILES:
             result.left_out += 1
             continue
         if shown in written:
-            result.refused.append(UnsafeAgentFile(f"{name}/{path}",
+            result.refused.append(UnsafeAgentFile(item.named,
                                                   "its name, scrubbed, is another's"))
             continue
         destination = target / name / shown
         try:
-            data = tree.read(path, room, seen=seen)
+            data = item.tree.read(item.path, room, seen=seen.setdefault(id(item.tree), {}))
         except AlreadyRead as again:
-            if again.first in kept:
+            if (first := kept.get((id(item.tree), again.first))) is not None:
                 destination.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                _link(target / kept[again.first]["path"], destination)
-                result.files.append({**kept[again.first], "path": f"{name}/{shown}"})
+                _link(target / first["path"], destination)
+                result.files.append({**first, "path": f"{name}/{shown}"})
                 written.add(shown)
             continue
         except UnsafeAgentFile as error:
             if error.rule.endswith("-byte cap"):  # over what the pass has room left for
                 result.left_out += 1
             else:
-                result.refused.append(UnsafeAgentFile(f"{name}/{path}", error.rule))
+                result.refused.append(UnsafeAgentFile(item.named, error.rule))
             continue
         data = scrub(data.decode("utf-8", "surrogateescape"), secrets).encode(
             "utf-8", "surrogateescape")  # bytes that are not UTF-8 stay as they were
@@ -198,12 +217,11 @@ def keep_files(tree: AgentTree, target: Path, name: str, secrets: Sequence[str],
         write_private(destination, data)
         room -= len(data)
         written.add(shown)
-        kept[path] = {"path": f"{name}/{shown}", "size": len(data),
-                      "sha256": hashlib.sha256(data).hexdigest()}
-        result.files.append(kept[path])
+        kept[id(item.tree), item.path] = {"path": f"{name}/{shown}", "size": len(data),
+                                          "sha256": hashlib.sha256(data).hexdigest()}
+        result.files.append(kept[id(item.tree), item.path])
     for folder, _, _ in os.walk(target / name):  # `mkdir(parents=True)` ignores the mode
         os.chmod(folder, 0o700)
-    return result
 
 
 def write_private(destination: Path, data: bytes) -> None:

@@ -49,10 +49,15 @@ def resolve(table: Mapping[str, Any], where: str, *, secret_names: frozenset[str
                 raise EnvUnresolved(f"{where} {name} = ${{{variable}}}: {variable} is not set "
                                     f"in the runner's environment")
             if SENSITIVE.search(name) or name in secret_names:
-                if len(value) < SHORTEST_SECRET:
-                    raise EnvUnresolved(f"{where} {name}: a secret of {len(value)} characters "
-                                        f"would be scrubbed out of every event (at least "
-                                        f"{SHORTEST_SECRET})")
-                secrets.append(value)
+                secrets.append(long_enough(value, f"{where} {name}"))
         values[str(name)] = value
     return ResolvedEnv(values, tuple(secrets))
+
+
+def long_enough(secret: str, where: str) -> str:
+    """`secret`, or `EnvUnresolved` when it is too short to scrub (§7 matches whole forms of
+    any length, so it would be scrubbed out of every string of every event)."""
+    if len(secret) < SHORTEST_SECRET:
+        raise EnvUnresolved(f"{where}: a secret of {len(secret)} characters would be "
+                            f"scrubbed out of every event (at least {SHORTEST_SECRET})")
+    return secret

@@ -15,7 +15,7 @@ from trialledger.adapters.codex.stream import stream_events
 from trialledger.adapters.sandbox.agentfiles import AgentTree, LongLine, UnsafeAgentFile
 from trialledger.adapters.sandbox.identity import sandbox_user
 from trialledger.adapters.sandbox.process import CutLine, LineSplitter
-from trialledger.core import parse_event
+from trialledger.core.parsing import parse_event
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ from tests.runs import in_process, make_task, run_task
 from trialledger.adapters import capture
 from trialledger.adapters.demo.endpoint import message
 from trialledger.adapters.sandbox.agentfiles import AgentTree
-from trialledger.core.events import VerificationRecordedData, event_dict, parse_event
+from trialledger.core.events import VerificationRecordedData
+from trialledger.core.parsing import event_dict, parse_event
 from trialledger.store import Ledger
 from trialledger.store.engine import open_engines
 

@@ -2,7 +2,8 @@
 
 The model endpoint is a custom provider (`wire_api = "responses"`); each MCP grant becomes
 `[mcp_servers.<name>]` with its URL, its session token as `http_headers`, `required` and
-`tool_timeout_sec`. Approvals are off and Codex's own sandbox is bypassed (the local
+`tool_timeout_sec`; a task's stdio server becomes one with its `command` and `args`
+(docs/SPEC.md §15). Approvals are off and Codex's own sandbox is bypassed (the local
 sandbox isolates it); update checks, analytics and history are off; the model key's
 variable is kept out of every tool's environment (`shell_environment_policy`).
 """
@@ -10,12 +11,12 @@ variable is kept out of every tool's environment (`shell_environment_policy`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import tomli_w
 
-from trialledger.core.seed import Grant
+from trialledger.core.events import Grant
 from trialledger.core.settings import Settings
 
 PROVIDER = "trialledger"
@@ -30,8 +31,10 @@ def codex_config(
     settings: Settings,
     grants: Sequence[Grant],
     reach: Callable[[str], str] = str,
+    stdio: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
-    """The config as a TOML-ready dict (`reach`: how the sandbox reaches a URL)."""
+    """The config as a TOML-ready dict (`reach`: how the sandbox reaches a URL; `stdio`:
+    a task's stdio MCP servers, name → command and args, which Codex runs in the sandbox)."""
     provider: dict[str, Any] = {
         "name": "trialledger model endpoint",
         "base_url": reach(base_url),
@@ -71,6 +74,11 @@ def codex_config(
         if settings.mcp_tool_timeout_s is not None:
             server["tool_timeout_sec"] = settings.mcp_tool_timeout_s
         servers[grant.name] = server
+    for name, argv in (stdio or {}).items():
+        server = {"command": argv[0], "args": list(argv[1:])}
+        if settings.mcp_tool_timeout_s is not None:
+            server["tool_timeout_sec"] = settings.mcp_tool_timeout_s
+        servers.setdefault(name, server)  # a grant of the same name wins
     if servers:
         config["mcp_servers"] = servers
     return config

@@ -1,5 +1,5 @@
-"""A real MCP server (the `mcp` package, streamable HTTP) on loopback, for Codex to call
-(the demo and the tests; `pip install trialledger[demo]`).
+"""A real MCP server (the `mcp` package, streamable HTTP, or legacy SSE) on loopback, for
+Codex to call (the demo and the tests; `pip install trialledger[demo]`).
 
 It serves one tool, `lookup`, and keeps the headers of every HTTP request it received so
 a test can check that the session token of a grant arrived.
@@ -20,7 +20,7 @@ from trialledger.adapters.demo import free_port
 class ToolServer:
     """`with ToolServer() as server:` — `server.url` is the MCP endpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: str = "streamable-http") -> None:
         self.headers: list[dict[str, str]] = []
         self.calls: list[str] = []
         mcp = MCPServer(name="gym", log_level="WARNING")
@@ -31,7 +31,10 @@ class ToolServer:
             self.calls.append(query)
             return f"definition of {query}: a scripted answer"
 
-        app = mcp.streamable_http_app(host="127.0.0.1")
+        # `sse`: the legacy HTTP+SSE transport alone (Harbor's default name for a task's)
+        self.path = "/sse" if transport == "sse" else "/mcp"
+        app = (mcp.sse_app(host="127.0.0.1") if transport == "sse"
+               else mcp.streamable_http_app(host="127.0.0.1"))
         recorder = self
 
         async def recording(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -47,7 +50,7 @@ class ToolServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/mcp"
+        return f"http://127.0.0.1:{self.port}{self.path}"
 
     def __enter__(self) -> ToolServer:
         self._thread.start()

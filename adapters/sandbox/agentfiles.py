@@ -69,7 +69,16 @@ class LongLine:
     size: int
 
 
-def _kind(mode: int) -> str:
+@dataclass(frozen=True)
+class Folder:
+    """A folder's entries as `AgentTree.listing` found them."""
+
+    entries: dict[str, os.stat_result]  # name → its lstat (never followed)
+    more: bool = False  # over `MAX_ENTRIES`: the rest not listed
+
+
+def kind(mode: int) -> str:
+    """What a file that is not a regular one is, in a refusal's words."""
     for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
                        (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
                        (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
@@ -146,7 +155,7 @@ class AgentTree:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
-            raise UnsafeAgentFile(relative, _kind(info.st_mode))
+            raise UnsafeAgentFile(relative, kind(info.st_mode))
         if info.st_size > limit:
             os.close(fd)
             raise UnsafeAgentFile(relative, f"{info.st_size} bytes, over the {limit}-byte cap")
@@ -178,7 +187,7 @@ class AgentTree:
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
-                raise UnsafeAgentFile(relative, _kind(info.st_mode))
+                raise UnsafeAgentFile(relative, kind(info.st_mode))
             return os.pread(fd, limit, max(0, info.st_size - limit))
         finally:
             os.close(fd)
@@ -213,6 +222,53 @@ class AgentTree:
                 yield LongLine(skipping)
             elif pending:
                 yield bytes(pending)
+        finally:
+            os.close(fd)
+
+    def lstat(self, relative: str) -> os.stat_result | None:
+        """What a path is, its last component not followed (None: missing); a link or a
+        non-folder on the way raises `UnsafeAgentFile`."""
+        parent, _, name = relative.strip("/").rpartition("/")
+        if name in ("", ".", ".."):
+            raise UnsafeAgentFile(relative, "not a name in the folder")
+        try:
+            fd = self._open(parent, directory=True)
+        except UnsafeAgentFile as error:
+            if error.rule == "missing":
+                return None
+            raise
+        try:
+            with self._identity():
+                return os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise _refusal(error, relative) from None
+        finally:
+            os.close(fd)
+
+    def listing(self, relative: str) -> Folder:
+        """A folder's entries, none followed: at most `MAX_ENTRIES`."""
+        fd = self._open(relative, directory=True)
+        entries: dict[str, os.stat_result] = {}
+        try:
+            with self._identity(), os.scandir(fd) as found:
+                for entry in found:
+                    if len(entries) >= MAX_ENTRIES:
+                        return Folder(entries, more=True)
+                    with contextlib.suppress(FileNotFoundError):  # gone meanwhile
+                        entries[entry.name] = entry.stat(follow_symlinks=False)
+        finally:
+            os.close(fd)
+        return Folder(entries)
+
+    def xattr(self, relative: str, name: str) -> bytes | None:
+        """A folder's extended attribute `name` (None: it has none)."""
+        fd = self._open(relative, directory=True)
+        try:
+            return os.getxattr(fd, name)
+        except OSError:  # absent, or not supported by the file system
+            return None
         finally:
             os.close(fd)
 
@@ -258,7 +314,7 @@ class AgentTree:
                         if stat.S_ISREG(mode):
                             found.append(path)
                         else:
-                            refused.append(UnsafeAgentFile(path, _kind(mode)))
+                            refused.append(UnsafeAgentFile(path, kind(mode)))
         finally:
             os.close(fd)
 
