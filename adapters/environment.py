@@ -83,6 +83,7 @@ class Environment:
     # docker_image task without a Dockerfile (docs/SPEC.md §15, as Harbor uploads it).
     upload: Path | None = None
     plain: bool = False  # the image's own ownership (range mode), else rootless
+    entrypoint: tuple[str, ...] = ()  # the image's ENTRYPOINT (a container's PID 1 runs it)
 
     def record(self) -> dict[str, Any]:
         """`agent.launched.environment`."""
@@ -229,7 +230,8 @@ class Cache:
             kind=data["kind"], ref=data["ref"], digest=data["digest"],
             root=meta.parent / "rootfs", env=tuple((k, v) for k, v in data["env"]),
             workdir=data["workdir"], uid=data["uid"], gid=data["gid"], home=data["home"],
-            plain=data.get("plain", False))
+            plain=data.get("plain", False),
+            entrypoint=tuple(str(arg) for arg in data.get("entrypoint") or ()))
 
     def fill(self, digest: str, unpack: Callable[[Path], Environment], *, owner: int | None
              ) -> Environment:
@@ -379,6 +381,14 @@ def _config_digest(layout: Path) -> str:
     return str(json.loads(blob.read_text(encoding="utf-8"))["config"]["digest"])
 
 
+def _entrypoint(layout: Path) -> tuple[str, ...]:
+    """The ENTRYPOINT of an OCI layout's image (umoci's runtime config joins it with CMD)."""
+    blob = layout / "blobs" / "sha256" / _config_digest(layout).removeprefix("sha256:")
+    config = json.loads(blob.read_text(encoding="utf-8")).get("config") or {}
+    entrypoint = config.get("Entrypoint") or ()
+    return tuple(str(arg) for arg in entrypoint) if isinstance(entrypoint, list) else ()
+
+
 def _unpack_layout(layout: Path, scratch: Path, kind: Kind, ref: str, digest: str,
                    what: str, *, plain: bool = False) -> Environment:
     """`umoci unpack` (`--rootless` unless the entry keeps the image's ownership, which
@@ -393,7 +403,7 @@ def _unpack_layout(layout: Path, scratch: Path, kind: Kind, ref: str, digest: st
     os.rename(bundle / "rootfs", scratch / "rootfs")
     shutil.rmtree(bundle)
     values = dict((k, v) for k, v in env)
-    return Environment(kind=kind, ref=ref, digest=digest,
+    return Environment(kind=kind, ref=ref, digest=digest, entrypoint=_entrypoint(layout),
                        env=tuple((k, v) for k, v in env),
                        workdir=str(process.get("cwd") or "/"),
                        uid=int(user.get("uid", 0)), gid=int(user.get("gid", 0)),

@@ -3,7 +3,8 @@
 Order (SPEC §1): seed (skipped grants as gaps) → config.toml → launch → stdout events as
 they arrive → stderr tail (redacted) → rollout usage → `agent.exited` →
 `cleanup.reported` (the machine decides) → the probe when `failed-live` → the archive →
-the verifier when `graded`, its files kept (SPEC §15) → `verification.*` →
+the task's artifacts kept unless the sandbox is lost (adapters/taskartifacts.py) → the
+verifier when `graded`, its files kept (SPEC §15) → `verification.*` →
 `session.closed`. Capture (stderr, rollout, archive) runs in
 the budget `session_close_timeout_s` from the agent's end; the archive last, under its own
 timeout ending 1 s before the budget. Cancelling at any point keeps what was appended and
@@ -22,22 +23,22 @@ import shutil
 import socket
 import subprocess
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from trialledger.adapters import artifacts, capture, scripted
+from trialledger.adapters import artifacts, capture, scripted, taskartifacts
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
 from trialledger.adapters.codex.install import CodexInstall, codex_install, execute_only
 from trialledger.adapters.codex.stream import stream_events
 from trialledger.adapters.environment import HOST, Environment, resolve_inside
+from trialledger.adapters.healthcheck import run_healthcheck
 from trialledger.adapters.journal import (
     Journal,
     deliver_journal,
-    delivery,
     journal_dir,
     journal_record,
 )
@@ -45,6 +46,7 @@ from trialledger.adapters.preflight import check_store_room
 from trialledger.adapters.proxy import MODEL_ROUTES, Upstream
 from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
 from trialledger.adapters.sandbox.bwrap import VERIFIER_STDOUT
+from trialledger.adapters.sandbox.container import survivors_gap
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.folders import sweep_stale_sessions
 from trialledger.adapters.sandbox.identity import cache_dir
@@ -52,27 +54,20 @@ from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.task import Task
-from trialledger.core import (
-    ConcurrencyConflict,
-    Session,
-    SessionSeeded,
-    SessionView,
-    redact,
-    scrub,
-    validate_seed,
-)
-from trialledger.core.errors import TrialLedgerError
-from trialledger.core.events import SCHEMA_VERSION
+from trialledger.adapters.trial import Trial
+from trialledger.adapters.trial import next_attempt as next_attempt  # its old home
+from trialledger.core import SessionView, redact, scrub
+from trialledger.core.errors import ConcurrencyConflict, TrialLedgerError
+from trialledger.core.events import SCHEMA_VERSION, SessionSeeded
+from trialledger.core.machine import Session
 from trialledger.core.replay import view_of
-from trialledger.core.seed import ValidSeed
+from trialledger.core.seed import ValidSeed, validate_seed
 from trialledger.core.settings import Settings
 from trialledger.store import LeaseLost, Ledger, StoredEvent
 from trialledger.store.ledger import (
     HEARTBEAT_S,
-    RunnerAlive,
     Seeded,
     StoreUnavailable,
-    gone_from_this_host,
 )
 from trialledger.store.writer import Fence, now
 
@@ -381,7 +376,7 @@ class SessionRunner:
             # Our runner records every model call, so its sessions are decided under v3
             # (SPEC §14) unless the caller names another policy.
             "settings": {"policy": "v3", **self._settings()},
-            "grants": [] if self.scripted else list(self.options.grants),
+            "grants": [] if self.scripted else self._grants(),
         }
         root = self.environment.root
         resolve = ((lambda path: resolve_inside(root, path)) if root is not None
@@ -389,55 +384,28 @@ class SessionRunner:
         return validate_seed(seed, private_roots=sandbox.private_roots,
                              resolve=resolve, api_key=self.options.api_key)
 
+    def _grants(self) -> list[Mapping[str, Any]]:
+        """The operator's grants, then the task's HTTP MCP servers as optional grants (but
+        none an operator's grant names: the operator's wins; docs/SPEC.md §15)."""
+        return [*self.options.grants, *self.task.mcp_servers.grants(self.options.grants)]
+
     def _settings(self) -> dict[str, Any]:
         """The task's settings under the caller's, with the workdir made explicit: an
         explicit one wins, else the image's WorkingDir (or /), else /app on the host."""
         raw = {**self.task.settings, **self.options.overrides}
         if raw.get("workdir") is None:
             raw["workdir"] = self.environment.workdir if self.environment.root else "/app"
+        if raw.get("verifier_isolation") is None:  # docs/SPEC.md §15: image and rootfs
+            # sessions live in one container, as Harbor's do (a pristine verifier asked
+            # for needs a sandbox of its own)
+            harbor = self.environment.root is not None and raw.get("verifier_root") != "pristine"
+            raw["verifier_isolation"] = "harbor" if harbor else "strict"
         return raw
 
     async def run_trial(self) -> list[SessionResult]:
-        """Run the task, retrying `lost` sessions as new attempts up to `max_attempts`."""
-        self._trial_key = uuid.uuid4().hex[:12]
-        results: list[SessionResult] = []
-        retry_of = None
-        for attempt in range(1, max(1, self.options.max_attempts) + 1):
-            result = await self.run_session(attempt=attempt, retry_of=retry_of)
-            results.append(result)
-            if result.outcome != "retry":
-                break
-            retry_of = result.session_id
-        return results
-
-    async def continue_trial(self, trial_id: str, *, lease: str | None = None
-                             ) -> list[dict[str, Any]]:
-        """Run a trial's next attempts, as its sessions in the store say (a job's trial, or
-        `run --trial` after a crash): sessions still open are recovered first — without a
-        `lease`, only when their runner is gone (`RunnerAlive` otherwise) — and attempts go
-        on until one ends final or `max_attempts` have counted (`next_attempt`). Returns
-        the trial's sessions (rows of the `sessions` view) at the end."""
-        while True:
-            sessions = await self.ledger.sessions(trial_id=trial_id)
-            still_open = [s for s in sessions if s["state"] != "closed"]
-            if still_open and lease is None:
-                alive = {r for r in await self.ledger.live_runners()
-                         if not gone_from_this_host(r)}
-                if busy := [s for s in still_open if s["runner_id"] in alive]:
-                    raise RunnerAlive(f"trial {trial_id} has session {busy[0]['session_id']} "
-                                      f"running under runner {busy[0]['runner_id']}, which is "
-                                      f"alive")
-            if still_open:  # left by a runner that died holding this trial
-                await self.ledger.recover_sessions(  # fenced: only while the lease is ours
-                    [s["session_id"] for s in still_open],
-                    fence=(trial_id, lease) if lease is not None else None,
-                    deliver=delivery(self.ledger))  # its journal first (SPEC §8)
-                sessions = await self.ledger.sessions(trial_id=trial_id)
-            step = next_attempt(sessions, max(1, self.options.max_attempts))
-            if step is None:
-                return sessions
-            await self.run_session(attempt=step[0], retry_of=step[1], trial_id=trial_id,
-                                   lease=lease)
+        """Run the task as a new trial (`Trial.fresh`, adapters/trial.py: `lost` sessions
+        retried as new attempts up to `max_attempts`); the sessions it ran."""
+        return (await Trial.fresh(self.ledger, self.task.name).run(self)).ran
 
     async def run_session(self, *, attempt: int = 1, retry_of: str | None = None,
                           trial_id: str | None = None, lease: str | None = None
@@ -490,9 +458,12 @@ class SessionRunner:
                 authorization=(f"Bearer {self.options.api_key}"
                                if self.options.api_key else None),
                 routes=MODEL_ROUTES),
-            [] if self.scripted else [str(g["url"]) for g in self.options.grants
+            [] if self.scripted else [str(g["url"]) for g in self._grants()
                                       if g.get("kind") == "mcp" and g.get("url")],
-            isolated=not self.task.allow_internet)
+            # An image's container has a network of its own: private, or (public) connected
+            # outward by slirp4netns (docs/SPEC.md §15); a host task shares the host's.
+            isolated=not self.task.allow_internet or settings_raw["verifier_isolation"] == "harbor",
+            outward=self.task.allow_internet)  # (an allowlist's: the sandbox's own)
         sandbox = LocalSandbox(
             session_key=session_id,
             workdir=str(settings_raw["workdir"]),
@@ -510,6 +481,9 @@ class SessionRunner:
             limits=self.task.limits,
             users=self.task.users,
             switch=self.options.switch,
+            lifetime=str(settings_raw["verifier_isolation"]),
+            task_env=self.task.env,
+            allowed_hosts=self.task.allowed_hosts,
         )
         try:
             valid = self._seed(attempt, retry_of, sandbox, trial_id)
@@ -517,6 +491,7 @@ class SessionRunner:
                                              secrets=[token, *self.task.secrets], fence=fence)
             recorder = _Recorder(self.ledger, seeded,
                                  store_retry_s=self.options.store_retry_s, fence=fence)
+            sandbox.egress_sink = _egress_gaps(recorder)
             try:
                 await self._drive(recorder, sandbox, valid, seeded.secrets)
             finally:
@@ -529,29 +504,36 @@ class SessionRunner:
         finally:
             with anyio.CancelScope(shield=True):
                 await network.aclose()
+                await sandbox.close()
             sandbox.discard()
 
     async def _drive(self, rec: _Recorder, sandbox: LocalSandbox, valid: ValidSeed,
                      secrets: Sequence[str]) -> None:
         settings = valid.data.settings
+        # The oracle's solution goes into the session's layer before anything mounts it
+        # (a healthcheck starts an image's container).
+        oracle = self._oracle_launch(sandbox) if self.options.agent == "oracle" else None
+        if self.task.healthcheck is not None and not await self._healthcheck(rec, sandbox):
+            return  # the sandbox is lost and the session closed
         if self.options.agent == "nop":
             await self._run_nothing(rec, sandbox, settings)
-        elif not await self._launch_and_run(rec, sandbox, valid, secrets):
+        elif not await self._launch_and_run(rec, sandbox, valid, secrets, oracle):
             return  # nothing could be spawned: the session is closed
         if rec.action == "probe":
             await self._probe(rec, sandbox, settings)
         await self._archive(rec, sandbox, settings, secrets)
+        kept = await taskartifacts.keep(rec, self.task.artifacts, sandbox, settings, secrets)
         if rec.action == "verify":
-            await self._verify(rec, sandbox, settings, secrets)
+            await self._verify(rec, sandbox, settings, secrets, kept)
         await rec.add("session.closed", {"reason": "normal"})
 
     async def _launch_and_run(self, rec: _Recorder, sandbox: LocalSandbox, valid: ValidSeed,
-                              secrets: Sequence[str]) -> bool:
-        """Launch Codex or the oracle's `solve.sh`, record it to its end and cleanup; False
-        when it could not be spawned (the session is then lost and closed)."""
+                              secrets: Sequence[str], oracle: _Launch | None = None) -> bool:
+        """Launch Codex or the oracle's `solve.sh` (`oracle`, placed already), record it to
+        its end and cleanup; False when it could not be spawned (the session is then lost
+        and closed)."""
         settings = valid.data.settings
-        launch = (self._oracle_launch(sandbox) if self.options.agent == "oracle"
-                  else await self._codex_launch(rec, sandbox, valid))
+        launch = oracle or await self._codex_launch(rec, sandbox, valid)
         try:
             run = await sandbox.launch(launch.argv, env=launch.env, stdin=launch.stdin)
         except OSError as error:
@@ -569,6 +551,29 @@ class SessionRunner:
                     await self._capture_after_stop(rec, sandbox, run, settings, secrets,
                                                    launch.oracle)
         return True
+
+    async def _healthcheck(self, rec: _Recorder, sandbox: LocalSandbox) -> bool:
+        """The task's healthcheck before the agent (docs/SPEC.md §15): as the image's user,
+        `bash -c` (`sh` without bash) in the workdir with the image's `Env`, `HOME` and
+        `[environment] env`. False when it failed: `sandbox.lost` (R1), the session closed."""
+        check = self.task.healthcheck
+        assert check is not None
+        image = sandbox.image
+        shell = "bash" if image is None or image.has("bash") else "sh"
+        env = {**sandbox.base_env(), **phase_env(self.task, sandbox)}
+
+        async def attempt(timeout_s: float) -> tuple[int | None, str]:
+            try:
+                return await sandbox.run_check([shell, "-c", check.command], timeout_s, env=env)
+            except OSError as error:  # the container could not be started
+                return 127, str(error)
+
+        failure = await run_healthcheck(check, attempt)
+        if failure is None:
+            return True
+        await rec.add("sandbox.lost", {"detail": failure})
+        await rec.add("session.closed", {"reason": "normal"})
+        return False
 
     def _launched(self, sandbox: LocalSandbox, settings: Settings, launch: _Launch,
                   rec: _Recorder) -> dict[str, Any]:
@@ -618,7 +623,9 @@ class SessionRunner:
         text, digest = render(codex_config(model=self.options.model,
                                            base_url=self.options.model_base_url,
                                            settings=settings, grants=valid.grants,
-                                           reach=network.inside_url))
+                                           reach=network.inside_url,
+                                           stdio=self.task.mcp_servers.stdio(
+                                               self.options.grants)))
         config = sandbox.session_dir / "config.toml"
         config.write_text(text, encoding="utf-8")
         os.chown(config, *sandbox.agent_owner)
@@ -660,9 +667,16 @@ class SessionRunner:
         if not status.spawned:  # the launch failed inside the sandbox: nothing ran
             await rec.add("sandbox.lost", {"detail": status.detail})
             return
+        if (why := sandbox.container_lost()) is not None:  # as Docker's container stops
+            await rec.add("sandbox.lost", {"detail": why})
+            return
         await rec.add("agent.exited", {"return_code": status.return_code, "timed_out": timed_out})
         report = await sandbox.confirm_cleanup(run, max(0.1, min(CLEANUP_LIMIT_S, rec.left())))
-        await rec.add("cleanup.reported", {"confirmed": report.confirmed, "error": report.error})
+        survived = survivors_gap(report.survivors)
+        await rec.append([
+            *([{"type": "gap.recorded", "at": now(), "data": survived}] if survived else []),
+            {"type": "cleanup.reported", "at": now(),
+             "data": {"confirmed": report.confirmed, "error": report.error}}])
 
 
     async def _capture_after_stop(self, rec: _Recorder, sandbox: LocalSandbox, run: LocalRun,
@@ -753,14 +767,14 @@ class SessionRunner:
         await rec.add("archive.copied", {"files": result.files, "bytes": result.size})
 
     async def _verify(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings,
-                      secrets: Sequence[str]) -> None:
+                      secrets: Sequence[str], kept: Sequence[dict[str, Any]] = ()) -> None:
+        """The verifier and its capture; `kept`: the task's artifacts, listed first."""
         if sandbox.tests is None:
-            await rec.add("verification.failed",
-                          {"reason": "error", "detail": "the task has no tests/test.sh"})
+            await rec.append([_not_run("the task has no tests/test.sh", kept)])
             return
         run = await sandbox.verify(settings.verifier_timeout_s, verifier_env(self.task, sandbox))
         if run.error is not None:
-            await rec.add("verification.failed", {"reason": "error", "detail": run.error})
+            await rec.append([_not_run(run.error, kept)])
             return
         ended = anyio.current_time()
         tree = sandbox.agent_files(run.logs, role="verifier")
@@ -773,41 +787,57 @@ class SessionRunner:
             tree, artifacts.session_folder(settings.sandbox_logs_dir, rec.session_id), secrets,
             ended + settings.session_close_timeout_s - anyio.current_time())
         await rec.append(gaps + [  # only once its files are kept (SPEC §15)
-            {"type": kind, "at": now(), "data": {**data, **output, "files": files},
+            {"type": kind, "at": now(), "data": {**data, **output, "files": [*kept, *files]},
              "schema": SCHEMA_VERSION[kind]}
             if kind.startswith("verification.") else
             {"type": kind, "at": now(), "data": data} for kind, data in found])
 
 
-FINAL = ("verify", "unverified")
-UNCOUNTED_CAP = 3  # harness failures a trial may have beyond max_attempts (SPEC §13)
+def _not_run(detail: str, kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """`verification.failed {reason: error}` of a verifier that could not run, listing the
+    task's artifacts when any were kept (schema 3)."""
+    data = {"reason": "error", "detail": detail}
+    if not kept:
+        return {"type": "verification.failed", "at": now(), "data": data}
+    return {"type": "verification.failed", "at": now(), "data": {**data, "files": list(kept)},
+            "schema": SCHEMA_VERSION["verification.failed"]}
 
 
-def next_attempt(sessions: Sequence[Mapping[str, Any]], max_attempts: int
-                 ) -> tuple[int, str | None] | None:
-    """A trial's next (attempt, retry_of) from its closed sessions, oldest first; None when
-    its last session ended final (`verify`, or `unverified` not by a crash) or
-    `max_attempts` sessions have counted. A harness failure — closed `cancelled`, or
-    `recovered` after a crash without a verdict — never uses up an attempt, but only the
-    first `UNCOUNTED_CAP` give one: past them the trial ends (so one that fails the same
-    way each time never stays queued)."""
-    last = sessions[-1] if sessions else None
-    counted = sum(1 for s in sessions if s["close_reason"] not in ("cancelled", "recovered"))
-    final = last is not None and last["outcome"] in FINAL and not (
-        last["close_reason"] == "recovered" and last["outcome"] != "verify")
-    if final or counted >= max_attempts or len(sessions) - counted > UNCOUNTED_CAP:
-        return None
-    return (int(last["attempt"]) + 1 if last else 1, last["session_id"] if last else None)
+EGRESS_GAPS = 20  # refused connections listed one by one (docs/SPEC.md §15)
 
 
-def verifier_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
-    """docs/SPEC.md §15: the image's `Env` < `[environment] env` < `[verifier] env`, and
-    `HOME`, unless a table sets it, the image's (its `Env`'s, else its user's home)."""
+def _egress_gaps(rec: _Recorder) -> Callable[[str], Awaitable[None]]:
+    """What an allowlist's egress proxy calls with each refused host or address: gap
+    `egress_refused`, the first `EGRESS_GAPS` of a session one by one, then one that says
+    more were refused."""
+    refused = 0
+
+    async def record(detail: str) -> None:
+        nonlocal refused
+        refused += 1
+        if rec.closed or refused > EGRESS_GAPS + 1:
+            return
+        if refused > EGRESS_GAPS:
+            detail = f"more connections were refused; the first {EGRESS_GAPS} are listed"
+        await rec.capture([{"type": "gap.recorded", "at": now(),
+                            "data": {"code": "egress_refused", "detail": detail}}])
+
+    return record
+
+
+def phase_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
+    """docs/SPEC.md §15: the image's `Env` < `[environment] env`, and `HOME`, unless a
+    table sets it, the image's (its `Env`'s, else its user's home)."""
     env: dict[str, str] = {}
     if (image := sandbox.image) is not None:
         env.update(dict(image.env))
         env.setdefault("HOME", image.home)
-    return {**env, **task.env, **task.verifier_env}
+    return {**env, **task.env}
+
+
+def verifier_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
+    """The verifier's: `phase_env` < `[verifier] env`."""
+    return {**phase_env(task, sandbox), **task.verifier_env}
 
 
 async def _keep_verifier_files(tree: Any, folder: Path, secrets: Sequence[str],

@@ -23,9 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source, SourceKind, within
+from trialledger.adapters.healthcheck import Healthcheck
+from trialledger.adapters.mcpservers import McpServers
+from trialledger.adapters.mcpservers import parse as parse_mcp_servers
+from trialledger.adapters.sandbox.allowlist import AllowList
+from trialledger.adapters.taskartifacts import CONVENTION_ONLY, Artifact, parse_artifacts
 from trialledger.adapters.taskconfig import (
     COMPOSE,
     SINGLE_ID_USER,
+    allowed_entries,
     legacy_sizes,
     network_modes,
     review,
@@ -66,7 +72,11 @@ class Task:
     network_modes: dict[str, str] = field(default_factory=dict)  # environment/agent/verifier
     storage_mb: float | None = None  # recorded, never enforced (§12)
     ignored_fields: dict[str, str] = field(default_factory=dict)  # name → why, sorted
+    mcp_servers: McpServers = field(default_factory=McpServers)  # resolved (§15)
     declared_name: str | None = None  # task.toml's [task] name: shown, never a key
+    healthcheck: Healthcheck | None = None  # [environment.healthcheck], before the agent
+    allowed_hosts: AllowList | None = None  # network_mode = "allowlist": what it may reach
+    artifacts: tuple[Artifact, ...] = CONVENTION_ONLY  # kept after the agent (§15)
     users: dict[str, str] = field(default_factory=dict)  # phase (agent, verifier) → its
     # `user` (a name, a uid, uid:gid or name:group; docs/SPEC.md §15), honoured in range mode
 
@@ -104,7 +114,21 @@ class Task:
             settings["workdir"] = str(environment["workdir"])
         tests = folder / "tests"
         tables = _env_tables(meta, folder)
+        servers = parse_mcp_servers(environment.get("mcp_servers", []),
+                                    str(folder / "task.toml"))
+        check = environment.get("healthcheck")
+        kept, warned = parse_artifacts(meta.get("artifacts", []), str(folder / "task.toml"))
+        allowed = allowed_entries(meta, modes, str(folder / "task.toml"))
+        if allowed is not None and _source(environment, folder) is None:
+            raise UnsupportedField(f"{folder / 'task.toml'}: network_mode = 'allowlist' needs "
+                                   f"an image or rootfs environment (the session's own "
+                                   f"container): a host task shares the host's network")
         return cls(
+            allowed_hosts=(AllowList.parse(allowed, str(folder / "task.toml"))
+                           if allowed is not None else None),
+            artifacts=kept,
+            healthcheck=(Healthcheck.parse(check, str(folder / "task.toml"))
+                         if check is not None else None),
             users=_users(meta, folder),
             name=folder.name,
             declared_name=_declared_name(meta),
@@ -116,13 +140,15 @@ class Task:
             env=tables["environment"].values,
             verifier_env=tables["verifier"].values,
             solution_env=tables["solution"].values,
-            secrets=tuple(secret for table in tables.values() for secret in table.secrets),
+            secrets=(*(secret for table in tables.values() for secret in table.secrets),
+                     *servers.secrets),
+            mcp_servers=servers,
             allow_internet=modes["agent"] == "public",  # the verifier's too: checked equal
             network_modes=modes,
             source=_source(environment, folder),
             limits=_limits(environment, folder),
             storage_mb=_storage_mb(environment, folder),
-            ignored_fields=ignored,
+            ignored_fields=dict(sorted({**ignored, **servers.ignored, **warned}.items())),
             reward_from_exit_code=_flag(meta.get("metadata", {}).get("trialledger", {}),
                                         "reward_from_exit_code", folder, default=False,
                                         table_name="metadata.trialledger"),

@@ -2,7 +2,7 @@
 
 A key is honoured (the loader reads it), refused (`UnsupportedField`, naming it and why),
 warned (recorded in `Task.ignored_fields`, not enforced) or kept as information. A refused
-or warned key whose value asks for nothing (`gpus = 0`, `mcp_servers = []`, `os = "linux"`)
+or warned key whose value asks for nothing (`gpus = 0`, `gpu_types = []`, `os = "linux"`)
 passes without a word. A key that is in neither Harbor's schema nor ours is warned by name:
 nothing in a task.toml is ignored silently.
 
@@ -59,7 +59,6 @@ NOT_ENFORCED = "is recorded, never enforced"
 # Phase users (`[agent] user`, `[verifier] user`) are honoured in range mode; a single-id
 # runner warns at `run` / `job run` that it is not (docs/SPEC.md §15).
 SINGLE_ID_USER = "is not honoured in single-id mode: every phase runs as the image's user"
-NO_ALLOWLIST = Key("refused", "allowlist networking is not yet supported here", _nothing)
 
 # Harbor 0.25's TaskConfig, key by key (plus ours: image_archive, rootfs, pids,
 # [metadata.trialledger]). "*" stands for any key of a free-form table.
@@ -72,16 +71,16 @@ FIELDS: dict[Path, Key] = {
     ("metadata", "trialledger", "reward_from_exit_code"): HONOURED,
     ("multi_step_reward_strategy",): INFORMATION,  # only multi-step tasks use it
     ("steps",): Key("refused", "multi-step tasks are not supported here", _nothing),
-    ("artifacts",): Key("warned", "is not yet collected", _nothing),
+    ("artifacts",): HONOURED,  # adapters/taskartifacts.py (a non-main service refused below)
     ("agent", "timeout_sec"): HONOURED,
     ("agent", "user"): HONOURED,  # range mode (else warned at run: SINGLE_ID_USER)
     ("agent", "network_mode"): HONOURED,  # public, no-network; allowlist refused below
-    ("agent", "allowed_hosts"): NO_ALLOWLIST,
+    ("agent", "allowed_hosts"): HONOURED,
     ("verifier", "timeout_sec"): HONOURED,
     ("verifier", "env"): HONOURED,
     ("verifier", "user"): HONOURED,
     ("verifier", "network_mode"): HONOURED,
-    ("verifier", "allowed_hosts"): NO_ALLOWLIST,
+    ("verifier", "allowed_hosts"): HONOURED,
     ("verifier", "environment_mode"): Key(
         "refused", "a separate verifier container is not supported here", _shared),
     ("verifier", "environment"): Key(
@@ -98,7 +97,7 @@ FIELDS: dict[Path, Key] = {
     ("environment", "env"): HONOURED,
     ("environment", "network_mode"): HONOURED,
     ("environment", "allow_internet"): HONOURED,  # Harbor's legacy alias of network_mode
-    ("environment", "allowed_hosts"): NO_ALLOWLIST,
+    ("environment", "allowed_hosts"): HONOURED,
     ("environment", "cpus"): HONOURED,  # enforced where cgroups allow (§12)
     ("environment", "memory_mb"): HONOURED,
     ("environment", "memory"): HONOURED,  # legacy string, read into memory_mb
@@ -109,9 +108,8 @@ FIELDS: dict[Path, Key] = {
     ("environment", "gpus"): Key("refused", "GPUs are not supported here", _nothing),
     ("environment", "gpu_types"): Key("refused", "GPUs are not supported here", _nothing),
     ("environment", "tpu"): Key("refused", "TPUs are not supported here"),
-    ("environment", "mcp_servers"): Key("warned", "is not yet run: the agent does not get "
-                                                  "the task's MCP servers", _nothing),
-    ("environment", "healthcheck"): Key("warned", "is not yet run"),
+    ("environment", "mcp_servers"): HONOURED,  # adapters/mcpservers.py
+    ("environment", "healthcheck"): HONOURED,
     ("environment", "skills_dir"): Key("warned", "is ignored: skills are not copied for the "
                                                  "agent"),
 }
@@ -168,8 +166,8 @@ def network_modes(meta: Mapping[str, Any], where: str
     """Each phase's network mode (`environment`, `agent`, `verifier`) as Harbor resolves it,
     and the warned fields (a legacy `allow_internet` an explicit field overrides).
 
-    Today one network serves the agent and the verifier, and allowlist is not built: a task
-    asking otherwise is refused by name rather than run differently."""
+    Today one network serves the agent and the verifier: a task asking otherwise is refused
+    by name rather than run differently."""
     environment = meta.get("environment", {})
     ignored: dict[str, str] = {}
     baseline = _mode(environment, "environment", where) or "public"
@@ -201,10 +199,34 @@ def _mode(table: Mapping[str, Any], name: str, where: str) -> str | None:
     if value not in NETWORK_MODES:
         raise TaskInvalid(f"{where}: [{name}] network_mode must be one of "
                           f"{', '.join(NETWORK_MODES)}, not {value!r}")
-    if value == "allowlist":
-        raise UnsupportedField(f"{where}: [{name}] network_mode = 'allowlist': "
-                               f"{NO_ALLOWLIST.reason}")
     return str(value)
+
+
+def allowed_entries(meta: Mapping[str, Any], modes: Mapping[str, str], where: str
+                    ) -> list[Any] | None:
+    """The agent's `allowed_hosts` when its mode is `allowlist` (its table's when that table
+    sets `network_mode`, else `[environment]`'s, as Harbor resolves a phase's policy), the
+    verifier's checked to be the same (one network serves both); None otherwise. A list
+    in a table whose mode is not `allowlist` is refused, as Harbor's model refuses it."""
+    environment = meta.get("environment", {})
+    for name, table in (("environment", environment), *((p, meta.get(p, {})) for p in PHASES)):
+        mode = modes[name] if "network_mode" in table or name == "environment" else None
+        if table.get("allowed_hosts") and mode not in (None, "allowlist"):
+            raise TaskInvalid(f"{where}: [{name}] allowed_hosts is only valid when "
+                              f"network_mode = 'allowlist'")
+    if modes["agent"] != "allowlist":
+        return None
+
+    def entries(phase: str) -> list[Any]:
+        table = meta.get(phase, {})
+        found = (table if "network_mode" in table else environment).get("allowed_hosts")
+        return list(found) if isinstance(found, list) else [] if found is None else [found]
+
+    if entries("agent") != entries("verifier"):
+        raise UnsupportedField(f"{where}: [verifier] allowed_hosts: the agent and the verifier "
+                               f"would reach different hosts; per-phase network policies are "
+                               f"not yet supported here (both phases share one network)")
+    return entries("agent")
 
 
 SIZE_UNITS: dict[str, Callable[[float], int]] = {

@@ -33,6 +33,10 @@ class Settings(BaseModel):
     # What the verifier sees (SPEC §11): the agent's whole filesystem, or the pristine root
     # plus the agent's workdir (not possible with workdir /).
     verifier_root: Literal["agent", "pristine"] = "agent"
+    # How long an image or rootfs session's sandbox lives (SPEC §15): one container for
+    # every phase (`harbor`, the runner's default for them) or a sandbox per phase
+    # (`strict`, the only one for host tasks). None: the runner chooses by environment.
+    verifier_isolation: Literal["harbor", "strict"] | None = None
     # The decision policy of every decision of the session (SPEC §3 "Which policy"); the
     # store writes its default here when a seed names none.
     policy: Annotated[str, Field(min_length=1, max_length=64)] | None = None

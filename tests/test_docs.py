@@ -9,8 +9,8 @@ from pathlib import Path
 
 from sqlalchemy import Connection, inspect
 
-from trialledger.core import EVENT_TYPES, Settings
-from trialledger.core.events import Cause, Decision, Usage
+from trialledger.core.events import EVENT_TYPES, Cause, Decision, Usage
+from trialledger.core.settings import Settings
 from trialledger.store.projections import TABLES
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,7 +2,9 @@
 `job run NAME DATASET --agent oracle` gives every task Harbor's reward 1, and `--agent nop`
 gives 0 where the task says so. The tasks need what real Terminal-Bench tasks need: a
 container's root (`apt-get install`, `adduser`, `chown`, `su`), the verifier's `HOME` and
-`[verifier] env`, a verifier that moves `/tests` aside, `reward.json`, no network.
+`[verifier] env`, a verifier that moves `/tests` aside, `reward.json`, no network, and a
+solution that leaves a web server running for the verifier to talk to (the container
+lives for the whole session, `verifier_isolation = harbor`).
 
 They run over the tests' Debian rootfs in range mode (`.ci/run` runs `trialledger setup`);
 apt installs from a one-package local repository, so no test needs the network.
@@ -11,6 +13,8 @@ apt installs from a one-package local repository, so no test needs the network.
 from __future__ import annotations
 
 import json
+import shutil
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,13 @@ TASKS: dict[str, dict[str, str]] = {
         "test": '#!/bin/bash\nif [ -f /app/ok ]; then echo \'{"reward": 1}\' > '
                 '/logs/verifier/reward.json; else echo \'{"reward": 0}\' > '
                 '/logs/verifier/reward.json; fi\n'},
+    "daemon": {  # busybox httpd daemonizes (fork, setsid): it leaves the agent's group
+        "toml": '[environment]\nnetwork_mode = "no-network"\n',  # loopback of its own
+        "solve": "#!/bin/bash\nmkdir -p /srv/www && echo served > /srv/www/index.html\n"
+                 "/solution/busybox httpd -p 127.0.0.1:8080 -h /srv/www\n",
+        "test": '#!/bin/bash\nexec 3<>/dev/tcp/127.0.0.1/8080 && '
+                'printf "GET /index.html HTTP/1.0\\r\\n\\r\\n" >&3 && grep -q served <&3 && '
+                'echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'},
     "no-network": {
         "toml": '[environment]\nnetwork_mode = "no-network"\n',
         "solve": "#!/bin/bash\n(exec 3<>/dev/tcp/1.1.1.1/80) 2>/dev/null && exit 0\n"
@@ -64,6 +75,8 @@ def write_dataset(root: Path) -> Path:
         (folder / "instruction.md").write_text(f"Solve {name}.\n")
         if name == "apt-and-users":
             local_repository(folder / "solution")
+        if name == "daemon":  # the web server the solution starts (the rootfs has none)
+            shutil.copy2("/bin/busybox", folder / "solution" / "busybox")
         for path, text in ((folder / "solution" / "solve.sh", parts["solve"]),
                            (folder / "tests" / "test.sh", parts["test"])):
             path.write_text(text)
@@ -94,3 +107,27 @@ def test_the_oracle_scores_1_and_nop_0_on_every_task(dataset: Path, tmp_path: Pa
                       "--db", str(db))
     assert done.returncode == 0, done.stdout + done.stderr
     assert job_rewards(db, f"{agent}-check") == {name: reward for name in TASKS}
+
+
+def test_a_daemon_the_solution_started_serves_the_verifier_and_is_named(
+        dataset: Path, tmp_path: Path) -> None:
+    """Under `harbor` the web server the oracle left running answers the verifier, and the
+    session names it (gap `agent_processes_survived`); under `strict` it died with the
+    agent's sandbox and the same solution scores 0."""
+    rewards = {}
+    for isolation in ("harbor", "strict"):
+        db = tmp_path / f"{isolation}.db"
+        done = in_process("job", "run", isolation, str(dataset / "daemon"), "--agent",
+                          "oracle", "--set", f"verifier_isolation={isolation}",
+                          "--db", str(db))
+        assert done.returncode == 0, done.stdout + done.stderr
+        rewards[isolation] = job_rewards(db, isolation)["daemon"]
+        with sqlite3.connect(db) as conn:
+            gaps = [json.loads(row[0])["data"] for row in conn.execute(
+                "SELECT data FROM events WHERE type = 'gap.recorded'")]
+        survived = [g["detail"] for g in gaps if g["code"] == "agent_processes_survived"]
+        if isolation == "harbor":
+            assert len(survived) == 1 and "busybox" in survived[0], gaps
+        else:
+            assert survived == [], gaps
+    assert rewards == {"harbor": 1.0, "strict": 0.0}

@@ -28,7 +28,12 @@ SLEEP = "12.123"  # the oracle's sleep: long enough to outlive every check, uniq
 
 def _marker_alive() -> bool:
     """Whether the oracle's `sleep SLEEP` runs anywhere on this host (inside a sandbox)."""
-    wanted = f"sleep\0{SLEEP}".encode()
+    return _sleeping(SLEEP)
+
+
+def _sleeping(seconds: str) -> bool:
+    """Whether a `sleep SECONDS` runs anywhere on this host (inside a sandbox)."""
+    wanted = f"sleep\0{seconds}".encode()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
@@ -229,6 +234,48 @@ def test_a_paused_worker_s_sandbox_stops_itself_before_the_lease_expires(
         assert float(heartbeat.read_text() or 0) == last, "the agent still writes"
         assert last < paused + LEASE_S, (
             f"a heartbeat {last - paused:.1f} s after the pause, past the lease's expiry")
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.communicate()
+
+
+def test_a_paused_workers_container_stops_itself_daemons_and_all(
+        tmp_path: Path, reachable_tmp: Path) -> None:
+    """The same under `verifier_isolation = harbor` (an image's container): the container
+    lives while the worker renews — past the first deadline, so its PID 1 and the agent
+    never split the renewals — and once the worker is paused it ends, with the agent and
+    the daemon the agent detached from its group."""
+    from tests.test_range_mode import _debian_into
+
+    task = tmp_path / "beater"
+    beat = "while true; do date +%s.%N > /app/$1; sleep 0.1; done"
+    make_task(task, instruction="beat", test_sh="exit 0\n",
+              toml='[environment]\nrootfs = "rootfs.tar"\n',
+              solve_sh=f"#!/bin/bash\nmkdir -p /app\nsetsid bash -c '{beat}' _ daemon &\n"
+                       f"bash -c '{beat}' _ agent\n")
+    _debian_into(task)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trialledger.cli", "job", "run", "beats", str(task),
+         "--db", str(tmp_path / "t.db"), "--agent", "oracle", "--lease-s", str(LEASE_S)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(reachable_tmp)})
+    try:
+        def beats() -> list[Path]:
+            return sorted(reachable_tmp.glob("trialledger-*/upper/app/*"))
+
+        _wait(lambda: len(beats()) == 2 and all(b.stat().st_size for b in beats()), 60,
+              "the agent and its daemon wrote no heartbeat")
+        time.sleep(LEASE_S)  # past 2·lease/3: renewed, the container still runs
+        for heartbeat in beats():
+            assert time.time() - float(heartbeat.read_text() or 0) < 1.5, heartbeat.name
+        os.kill(proc.pid, signal.SIGSTOP)
+        paused = time.time()
+        time.sleep(LEASE_S + 1.5)
+        last = {b.name: float(b.read_text() or 0) for b in beats()}
+        time.sleep(0.5)
+        assert {b.name: float(b.read_text() or 0) for b in beats()} == last, "still writing"
+        assert all(at < paused + LEASE_S for at in last.values()), (last, paused)
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()

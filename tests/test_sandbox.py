@@ -14,7 +14,8 @@ import pytest
 from tests.runs import make_task, run_task
 from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.sandbox.identity import sandbox_user
-from trialledger.adapters.sandbox.local import LocalSandbox, _marked_pids
+from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.sandbox.procscan import marked_pids
 
 pytestmark = pytest.mark.anyio
 HOST_HOME = Path("/root") if os.geteuid() == 0 else Path.home()
@@ -118,7 +119,7 @@ async def test_a_daemonised_grandchild_is_gone_after_the_run(tmp_path: Path, iso
     try:
         out, _ = await run_in(sandbox, "setsid nohup sleep 1000 >/dev/null 2>&1 & echo started")
         assert out.strip() == "started"
-        assert _marked_pids(sandbox.marker) == []
+        assert marked_pids(sandbox.marker) == []
     finally:
         sandbox.discard()
 

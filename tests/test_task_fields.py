@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import sqlite3
+import tarfile
 from contextlib import closing
 from pathlib import Path
 
@@ -32,10 +33,10 @@ REFUSED = [
     ("[[verifier.collect]]\ncommand = 'true'\n", "[verifier] collect"),
     ("[[steps]]\nname = 'one'\n", "steps"),
     ("[[artifacts]]\nsource = '/data/db.sql'\nservice = 'db'\n", "artifacts"),
-    ("[environment]\nnetwork_mode = 'allowlist'\n", "[environment] network_mode"),
     ("[agent]\nnetwork_mode = 'allowlist'\n", "[agent] network_mode"),
-    ("[environment]\nallowed_hosts = ['example.com']\n", "[environment] allowed_hosts"),
-    ("[verifier]\nallowed_hosts = ['*.example.com']\n", "[verifier] allowed_hosts"),
+    ("[environment]\nnetwork_mode = 'allowlist'\nallowed_hosts = ['a.example']\n"
+     "[verifier]\nnetwork_mode = 'allowlist'\nallowed_hosts = ['b.example']\n",
+     "[verifier] allowed_hosts"),
     # one network serves both phases today: a phase that differs is refused, not run wrong
     ("[agent]\nnetwork_mode = 'no-network'\n", "[agent] network_mode"),
     ("[environment]\nallow_internet = false\n[verifier]\nnetwork_mode = 'public'\n",
@@ -44,13 +45,15 @@ REFUSED = [
 
 # (task.toml, the field warned); each is recorded and named, never enforced
 WARNED = [
-    ("[environment.healthcheck]\ncommand = 'true'\n", "[environment] healthcheck"),
-    ("[[environment.mcp_servers]]\nname = 'docs'\nurl = 'http://docs.invalid/sse'\n",
-     "[environment] mcp_servers"),
+    # honoured (tests/test_mcp_servers.py), but not a server Codex can start by that name
+    ("[[environment.mcp_servers]]\nname = 'my docs'\nurl = 'http://docs.invalid/sse'\n",
+     "[environment.mcp_servers] 'my docs'"),
     ("[environment]\nskills_dir = '/skills'\n", "[environment] skills_dir"),
     ("[environment]\nstorage_mb = 10240\n", "[environment] storage_mb"),
     ("[environment]\nstorage = '10G'\n", "[environment] storage"),
-    ("artifacts = ['/app/out.txt']\n", "artifacts"),
+    # honoured, but an entry whose place in artifacts/ another one holds is not collected
+    ("artifacts = ['/app', {source = '/b', destination = 'app/b'}]\n", "artifacts '/b'"),
+    ("[[artifacts]]\nsource = '/app'\ncompress = true\n", "[[artifacts]] compress"),
     ("[environment]\nallow_internet = false\nnetwork_mode = 'public'\n",
      "[environment] allow_internet"),
     ("[environment]\nmemory = 4\n", "[environment] memory"),
@@ -95,6 +98,31 @@ def test_a_refused_field_is_named_and_run_exits_2(tmp_path: Path, toml: str, fie
     assert field in done.stderr and not (tmp_path / "t.db").exists()
 
 
+def test_an_allowlist_is_read_as_harbor_reads_it(tmp_path: Path) -> None:
+    """`allowed_hosts` belongs to an `allowlist` mode (Harbor's model refuses it beside
+    another); a host task cannot have one (it needs an image's container): exit 2."""
+    allowlist = ("network_mode = 'allowlist'\n"
+                 "allowed_hosts = ['Example.COM.', '*.pypi.org', '10.0.0.0/8']\n")
+    (tmp_path / "task").mkdir()
+    tarfile.open(tmp_path / "task" / "rootfs.tar", "w").close()
+    task = write(tmp_path / "task", f"[environment]\nrootfs = 'rootfs.tar'\n{allowlist}")
+    assert task.allowed_hosts is not None and task.allow_internet is False
+    assert task.allowed_hosts.allows_name("example.com")
+    assert task.allowed_hosts.allows_name("files.pypi.org")
+    assert task.allowed_hosts.allows_address("10.1.2.3")
+    assert not task.allowed_hosts.allows_name("pypi.org.evil")
+    with pytest.raises(UnsupportedField, match="allowlist"):
+        write(tmp_path / "host", f"[environment]\n{allowlist}")
+    done = in_process("run", str(tmp_path / "host"), "--agent", "oracle",
+                      "--db", str(tmp_path / "t.db"))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "allowlist" in done.stderr and not (tmp_path / "t.db").exists()
+    for toml in ("[environment]\nallowed_hosts = ['example.com']\n",
+                 "[verifier]\nnetwork_mode = 'public'\nallowed_hosts = ['example.com']\n"):
+        with pytest.raises(TaskInvalid, match="only valid when network_mode = 'allowlist'"):
+            write(tmp_path / f"bad-{len(toml)}", toml)
+
+
 @pytest.mark.parametrize(("toml", "field"), WARNED, ids=[f for _, f in WARNED])
 def test_a_warned_field_is_recorded_by_name(tmp_path: Path, toml: str, field: str) -> None:
     task = write(tmp_path / "task", toml)
@@ -120,7 +148,7 @@ def test_run_prints_each_warned_field_once_on_stderr_never_stdout(tmp_path: Path
     assert done.returncode == 0, done.stderr
     assert "warning" not in done.stdout
     lines = [line for line in done.stderr.splitlines() if "warning" in line]
-    assert len(task.ignored_fields) == 5 and len(lines) == 7
+    assert len(task.ignored_fields) == 4 and len(lines) == 6  # the healthcheck runs
     for field, reason in task.ignored_fields.items():
         assert [line for line in lines if f"warning: {field} " in line] == [
             f"trialledger: warning: {field} {reason} (1 task)"]

@@ -31,10 +31,12 @@ class ExitStatus:
 
 @dataclass(frozen=True)
 class CleanupReport:
-    """The sandbox's word that every agent process is gone."""
+    """The sandbox's word that every agent process is gone (under harbor: its own process
+    group; `survivors` names what it detached that still runs)."""
 
     confirmed: bool
     error: str | None = None
+    survivors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

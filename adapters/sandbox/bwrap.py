@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Role = Literal["agent", "probe", "verifier"]
+# "container": the one sandbox of a session under `verifier_isolation = harbor` (SPEC §15),
+# mounted for every phase at once (the tests are copied in for the verifier, never bound).
+Role = Literal["agent", "probe", "verifier", "container"]
 PRIVATE = "/run/trialledger"
 INIT_INSIDE = f"{PRIVATE}/init"
 TESTS_INSIDE = "/tests"
@@ -77,6 +79,7 @@ class Spawn:
     userns_fd: int | None = None  # range mode: the session's user namespace
     seccomp_fd: int | None = None  # range mode: the filter bwrap loads
     caps: Sequence[str] = ()  # range mode: inner root's capabilities
+    hostname: str | None = None  # the UTS namespace's name (a container's: docs/SPEC.md §15)
 
 
 def mounts(spawn: Spawn) -> list[Mount]:
@@ -92,18 +95,18 @@ def mounts(spawn: Spawn) -> list[Mount]:
         # session's layer (it persists to the verifier, as in a container)
         found.append(Mount("--tmpfs", None, "/tmp"))
     found.append(Mount("--ro-bind", spawn.init, INIT_INSIDE))
-    if spawn.role == "agent":
+    if spawn.role in ("agent", "container"):
         found += [Mount("--ro-bind", source, inside, staged=True)
                   for source, inside in spawn.codex]
     if spawn.sees_agent_files:
         found += [Mount("--ro-bind", path, path, staged=True) for path in spawn.readonly]
         found.append(Mount("--bind", spawn.session_dir, spawn.session_dir))
-        if spawn.role == "agent":
+        if spawn.role in ("agent", "container"):
             found += [Mount("--tmpfs", None, f"{spawn.session_dir}/{name}")
                       for name in CODEX_SCRATCH]
     if spawn.workdir_source is not None:
         found.append(Mount("--bind", spawn.workdir_source, spawn.workdir))
-    if spawn.role == "verifier":
+    if spawn.role in ("verifier", "container"):
         if spawn.tests is not None:
             found.append(Mount("--bind", spawn.tests, TESTS_INSIDE))
         if spawn.verifier_logs is not None:
@@ -125,6 +128,8 @@ def bwrap_argv(spawn: Spawn, placed: Sequence[Mount], command: Sequence[str]) ->
         argv.append("--unshare-net")
     if spawn.block_fd is not None:
         argv += ["--block-fd", str(spawn.block_fd)]
+    if spawn.hostname is not None:
+        argv += ["--hostname", spawn.hostname]
     if spawn.root is not None:
         argv += ["--bind", spawn.root, "/"]
     for mount in placed:

@@ -46,6 +46,26 @@
  *
  *     init --userns ID
  *
+ * And it starts one phase's process in a running sandbox (SPEC §15, `verifier_isolation =
+ * harbor`), as `docker exec` does: it joins the session's cgroups, then the namespaces of
+ * the sandbox's PID 1 (FDS: their descriptors, opened by the runner; the user namespace
+ * owning them first, then mount, PID, network,
+ * IPC, UTS and cgroup, then PID 1's own user namespace when it is nested), and forks the
+ * command there, which first drops to what the sandbox's own processes hold: its user,
+ * the capabilities of MASK (hex; only inner root keeps any), no new privileges, the
+ * seccomp program read from SECCOMP_FD, a process limit (NPROC, 0: none). Not PID 1 of
+ * anything, it reaps only its own child; when that ends it SIGKILLs the child's process
+ * group (what the command detached from it keeps running, as in a container) and reports
+ * {"exit": N, "group_gone": true|false}. With --copy-in it copies the folder SRC_FD
+ * (opened on the host, before the join) to the new folder DEST in the sandbox, owned by
+ * UID:GID, instead of running a command (whatever is at DEST is moved aside first):
+ *
+ *     init --join-fds FDS [--cgroup PROCS]... [--caps MASK] [--seccomp-fd FD] [--nproc N]
+ *          [--chdir DIR] [--copy-in SRC_FD DEST UID GID] --status-fd N [--user ...] -- COMMAND
+ *
+ * `init --idle` sleeps until killed: PID 1's command in a container whose image has no
+ * ENTRYPOINT, as `sleep infinity` is Harbor's.
+ *
  * Built by `trialledger setup` or on first use: gcc -static -O2 -o init init.c
  */
 #define _GNU_SOURCE
@@ -65,6 +85,13 @@
 #include <sys/syscall.h>
 #include <linux/close_range.h>
 #include <sys/wait.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <dirent.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/nsfs.h>
+#include <linux/seccomp.h>
 #include <unistd.h>
 
 static volatile sig_atomic_t child_pid = 0;
@@ -234,8 +261,12 @@ static int become(const char *uid_text, const char *gid_text, const char *groups
     }
     gid_t gid = (gid_t)strtoul(gid_text, NULL, 10);
     uid_t uid = (uid_t)strtoul(uid_text, NULL, 10);
-    if (setgroups(count, groups) != 0 || setresgid(gid, gid, gid) != 0 ||
-        setresuid(uid, uid, uid) != 0)
+    /* No groups where setgroups is denied (a joined single-id sandbox) is what was asked
+     * when the process holds none already. */
+    if (setgroups(count, groups) != 0 && !(errno == EPERM && count == 0 &&
+                                           getgroups(0, NULL) == 0))
+        return -1;
+    if (setresgid(gid, gid, gid) != 0 || setresuid(uid, uid, uid) != 0)
         return -1;
     return 0;
 }
@@ -287,6 +318,206 @@ static int stage(int argc, char **argv) {
     return stage_failed("exec", argv[i]);
 }
 
+
+/* --- a phase's process in a running sandbox (--join) ------------------------------------ */
+
+static char join_error[256];
+
+static int join_failed(const char *what, const char *which) {
+    snprintf(join_error, sizeof join_error, "join: %s %s: %s", what, which, strerror(errno));
+    return -1;
+}
+
+/* Whether FD is the namespace of KIND we are in (asked before any join: /proc/self then
+ * still means us). */
+static int same_namespace(int fd, const char *kind) {
+    char path[64];
+    struct stat ours, theirs;
+    snprintf(path, sizeof path, "/proc/self/ns/%s", kind);
+    return stat(path, &ours) == 0 && fstat(fd, &theirs) == 0 && ours.st_ino == theirs.st_ino &&
+           ours.st_dev == theirs.st_dev;
+}
+
+static int same_file(int a, int b) {
+    struct stat x, y;
+    return fstat(a, &x) == 0 && fstat(b, &y) == 0 && x.st_ino == y.st_ino && x.st_dev == y.st_dev;
+}
+
+/* The namespaces in FDS ("USER,MNT,PID,NET,IPC,UTS,CGROUP": descriptors the runner opened
+ * from the sandbox's PID 1 once it was running, so a recycled pid can never lead us
+ * elsewhere), as `docker exec` enters a container's: the user namespace that owns them
+ * first (so an unprivileged runner gains what the rest need), then mount, PID (for the
+ * child), network, IPC, UTS and cgroup, then PID 1's own user namespace when it is nested
+ * in that one (bwrap's --disable-userns). */
+static int join_namespaces(const char *fds_text) {
+    static const struct { const char *name; int type; } kinds[] = {
+        {"mnt", CLONE_NEWNS}, {"pid", CLONE_NEWPID}, {"net", CLONE_NEWNET},
+        {"ipc", CLONE_NEWIPC}, {"uts", CLONE_NEWUTS}, {"cgroup", CLONE_NEWCGROUP}};
+    enum { KINDS = sizeof kinds / sizeof kinds[0] };
+    int fds[KINDS], shared[KINDS], own, owner;
+    char *at;
+    own = (int)strtol(fds_text, &at, 10);
+    for (size_t i = 0; i < KINDS; i++) {
+        if (*at != ',')
+            return join_failed("read the namespace descriptors", fds_text);
+        fds[i] = (int)strtol(at + 1, &at, 10);
+        shared[i] = same_namespace(fds[i], kinds[i].name); /* the host's network, say */
+    }
+    if ((owner = ioctl(fds[0], NS_GET_USERNS)) < 0)
+        return join_failed("find the owner of", "its mount namespace");
+    int owner_ours = same_namespace(owner, "user"), nested = !same_file(own, owner);
+    if (geteuid() == 0 && setgroups(0, NULL) != 0) /* host root's groups never go in */
+        return join_failed("setgroups", "0");
+    if (!owner_ours && setns(owner, CLONE_NEWUSER) != 0)
+        return join_failed("setns", "user");
+    for (size_t i = 0; i < KINDS; i++)
+        if (!shared[i] && setns(fds[i], kinds[i].type) != 0)
+            return join_failed("setns", kinds[i].name);
+    if (nested && setns(own, CLONE_NEWUSER) != 0)
+        return join_failed("setns", "the nested user namespace");
+    close(owner);
+    return 0;
+}
+
+/* What the sandbox's own processes hold: the bounding set MASK (dropped while we may),
+ * then -- once the user is set -- MASK effective and permitted for inner root (a non-root
+ * user's setresuid cleared them), no ambient or inheritable ones. */
+static int drop_bounding(unsigned long long mask) {
+    for (int cap = 0; cap < 64; cap++)
+        if (!(mask & (1ULL << cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 &&
+            errno != EINVAL)
+            return -1;
+    return prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+}
+
+static int keep_caps(unsigned long long mask) {
+    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    memset(data, 0, sizeof data);
+    if (geteuid() == 0) {
+        data[0].effective = data[0].permitted = (__u32)mask;
+        data[1].effective = data[1].permitted = (__u32)(mask >> 32);
+    }
+    return (int)syscall(SYS_capset, &header, data);
+}
+
+static struct sock_filter seccomp_program[BPF_MAXINSNS];
+static unsigned short seccomp_length = 0;
+
+static int read_seccomp(int fd) {
+    size_t got = 0;
+    ssize_t n;
+    char *at = (char *)seccomp_program;
+    while ((n = read(fd, at + got, sizeof seccomp_program - got)) > 0)
+        got += (size_t)n;
+    close(fd);
+    if (n < 0 || got == 0 || got % sizeof seccomp_program[0] != 0)
+        return -1;
+    seccomp_length = (unsigned short)(got / sizeof seccomp_program[0]);
+    return 0;
+}
+
+static int load_seccomp(void) {
+    struct sock_fprog program = {seccomp_length, seccomp_program};
+    return seccomp_length == 0 ? 0 : prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program);
+}
+
+/* The folder SRC copied into DST (both open), owned by UID:GID, modes kept but for setuid
+ * and setgid bits; links copied as links, anything else skipped; no link followed. */
+static int copy_tree(int src, int dst, uid_t uid, gid_t gid, int depth) {
+    int listing = dup(src);
+    DIR *dir = listing < 0 ? NULL : fdopendir(listing);
+    struct dirent *entry;
+    int failed = dir == NULL || depth > 64;
+    while (!failed && (entry = readdir(dir)) != NULL) {
+        const char *name = entry->d_name;
+        struct stat st;
+        if (strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
+            continue;
+        if (fstatat(src, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+            failed = 1;
+        } else if (S_ISDIR(st.st_mode)) {
+            int from = openat(src, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC), to;
+            failed = from < 0 || mkdirat(dst, name, 0700) != 0 ||
+                     (to = openat(dst, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)) < 0;
+            if (!failed) {
+                failed = copy_tree(from, to, uid, gid, depth + 1) != 0 ||
+                         fchown(to, uid, gid) != 0 || fchmod(to, st.st_mode & 01777) != 0;
+                close(to);
+            }
+            if (from >= 0)
+                close(from);
+        } else if (S_ISREG(st.st_mode)) {
+            int from = openat(src, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+            int to = from < 0 ? -1 : openat(dst, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW |
+                                                   O_CLOEXEC, 0600);
+            char buffer[65536];
+            ssize_t n = 0;
+            failed = to < 0;
+            while (!failed && (n = read(from, buffer, sizeof buffer)) > 0)
+                for (ssize_t done = 0, w; !failed && done < n; done += w)
+                    failed = (w = write(to, buffer + done, (size_t)(n - done))) <= 0;
+            failed = failed || n < 0 || fchown(to, uid, gid) != 0 ||
+                     fchmod(to, st.st_mode & 0777) != 0;
+            if (to >= 0)
+                close(to);
+            if (from >= 0)
+                close(from);
+        } else if (S_ISLNK(st.st_mode)) {
+            char target[4096];
+            ssize_t n = readlinkat(src, name, target, sizeof target - 1);
+            failed = n < 0;
+            if (!failed) {
+                target[n] = '\0';
+                failed = symlinkat(target, dst, name) != 0 ||
+                         fchownat(dst, name, uid, gid, AT_SYMLINK_NOFOLLOW) != 0;
+            }
+        }
+    }
+    if (dir != NULL)
+        closedir(dir);
+    else if (listing >= 0)
+        close(listing);
+    return failed ? -1 : 0;
+}
+
+/* --copy-in: whatever is at DEST moved aside, then a fresh DEST holding SRC's tree. */
+static int copy_in(int src, const char *dest, const char *uid_text, const char *gid_text) {
+    uid_t uid = (uid_t)strtoul(uid_text, NULL, 10);
+    gid_t gid = (gid_t)strtoul(gid_text, NULL, 10);
+    char aside[256];
+    const char *base = strrchr(dest, '/');
+    snprintf(aside, sizeof aside, "/.trialledger-replaced-%s-%ld", base ? base + 1 : dest,
+             (long)getpid());
+    if (rename(dest, aside) != 0 && errno != ENOENT)
+        return -1;
+    if (mkdir(dest, 0700) != 0)
+        return -1;
+    int to = open(dest, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (to < 0)
+        return -1;
+    int failed = copy_tree(src, to, uid, gid, 0) != 0 || fchown(to, uid, gid) != 0 ||
+                 fchmod(to, 0755) != 0;
+    close(to);
+    return failed ? -1 : 0;
+}
+
+/* After the command ended: its process group SIGKILLed, and whether it is gone within 2 s
+ * (what the command detached from it, a daemon, is not in it and keeps running). A daemon
+ * detaches after its parent has returned (fork, the parent exits, the child calls setsid:
+ * busybox's httpd, nginx), so the group is given 200 ms to empty itself first. */
+static int group_gone(pid_t group) {
+    for (int tries = 0; tries < 20 && !(kill(-group, 0) != 0 && errno == ESRCH); tries++)
+        usleep(10000);
+    kill(-group, SIGKILL);
+    for (int tries = 0; tries < 200; tries++) {
+        if (kill(-group, 0) != 0 && errno == ESRCH)
+            return 1;
+        usleep(10000);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     int status_fd = -1, i;
     if (argc >= 2 && strcmp(argv[1], "--stage") == 0)
@@ -297,8 +528,16 @@ int main(int argc, char **argv) {
     char **user = NULL;
     unsigned long deadline_ms = 0;
     char **command = NULL;
+    const char *join_fds = NULL, *chdir_to = NULL, *cgroups[8];
+    int cgroup_count = 0, seccomp_fd = -1, copy_src = -1;
+    unsigned long long caps = 0;
+    unsigned long nproc = 0;
+    char **copy = NULL;
     if (argc == 2 && strcmp(argv[1], "--probe") == 0)
         return 0; /* the liveness probe: a process ran in the sandbox's workdir */
+    if (argc == 2 && strcmp(argv[1], "--idle") == 0)
+        for (;;) /* a container's command when its image has no ENTRYPOINT */
+            pause();
     for (i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--status-fd") == 0 && i + 1 < argc)
             status_fd = atoi(argv[++i]);
@@ -311,12 +550,29 @@ int main(int argc, char **argv) {
             deadline_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "--deadline-ms") == 0 && i + 1 < argc)
             deadline_ms = strtoul(argv[++i], NULL, 10);
+        else if (strcmp(argv[i], "--join-fds") == 0 && i + 1 < argc)
+            join_fds = argv[++i];
+        else if (strcmp(argv[i], "--cgroup") == 0 && i + 1 < argc && cgroup_count < 8)
+            cgroups[cgroup_count++] = argv[++i];
+        else if (strcmp(argv[i], "--caps") == 0 && i + 1 < argc)
+            caps = strtoull(argv[++i], NULL, 16);
+        else if (strcmp(argv[i], "--seccomp-fd") == 0 && i + 1 < argc)
+            seccomp_fd = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--nproc") == 0 && i + 1 < argc)
+            nproc = strtoul(argv[++i], NULL, 10);
+        else if (strcmp(argv[i], "--chdir") == 0 && i + 1 < argc)
+            chdir_to = argv[++i];
+        else if (strcmp(argv[i], "--copy-in") == 0 && i + 4 < argc) {
+            copy_src = atoi(argv[i + 1]);
+            copy = argv + i + 2;
+            i += 4;
+        }
         else if (strcmp(argv[i], "--") == 0) {
             command = argv + i + 1;
             break;
         }
     }
-    if (command == NULL || command[0] == NULL) {
+    if ((command == NULL || command[0] == NULL) && copy == NULL) {
         fprintf(stderr, "usage: init --status-fd N [--oom-score-adj K] [--user UID GID GROUPS] "
                         "-- COMMAND...\n");
         return 2;
@@ -328,6 +584,30 @@ int main(int argc, char **argv) {
         fcntl(status_fd, F_SETFD, FD_CLOEXEC);
     if (deadline_fd >= 0) /* the runner's alone: never the command's */
         fcntl(deadline_fd, F_SETFD, FD_CLOEXEC);
+    if (join_fds != NULL) {
+        for (int c = 0; c < cgroup_count; c++) {
+            int fd = open(cgroups[c], O_WRONLY | O_CLOEXEC);
+            if (fd < 0 || write(fd, "0", 1) != 1) {
+                join_failed("join the cgroup of", cgroups[c]);
+                goto not_joined;
+            }
+            close(fd);
+        }
+        if (seccomp_fd >= 0 && read_seccomp(seccomp_fd) != 0) {
+            join_failed("read the seccomp program", "");
+            goto not_joined;
+        }
+        if (join_namespaces(join_fds) != 0) {
+        not_joined:;
+            char line[400];
+            for (char *c = join_error; *c != '\0'; c++)
+                if (*c == '"' || *c == '\\' || (unsigned char)*c < 0x20)
+                    *c = '\'';
+            snprintf(line, sizeof line, "{\"spawn_error\": \"%s\"}\n", join_error);
+            report(status_fd, line);
+            return 127;
+        }
+    }
 
     /* A close-on-exec pipe tells an exec failure from a started agent. */
     int spawn[2];
@@ -344,8 +624,20 @@ int main(int argc, char **argv) {
         setpgid(0, 0);
         /* Nothing of ours past stdio reaches the command (bwrap's user namespace fd, say). */
         syscall(SYS_close_range, 3U, ~0U, CLOSE_RANGE_CLOEXEC);
-        if (user == NULL || become(user[0], user[1], user[2]) == 0)
-            execvp(command[0], command);
+        if (join_fds != NULL) /* in the sandbox's PID namespace: out of its processes' reach */
+            prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+        struct rlimit limit = {nproc, nproc};
+        if ((join_fds == NULL || drop_bounding(caps) == 0) &&
+            (user == NULL || become(user[0], user[1], user[2]) == 0) &&
+            (join_fds == NULL ||
+             (keep_caps(caps) == 0 && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 &&
+              (nproc == 0 || setrlimit(RLIMIT_NPROC, &limit) == 0) &&
+              (chdir_to == NULL || chdir(chdir_to) == 0)))) {
+            if (copy != NULL)
+                _exit(copy_in(copy_src, copy[0], copy[1], copy[2]) == 0 ? 0 : 1);
+            if (load_seccomp() == 0)
+                execvp(command[0], command);
+        }
         int error = errno;
         (void)!write(spawn[1], &error, sizeof error);
         _exit(127);
@@ -404,10 +696,12 @@ int main(int argc, char **argv) {
         if (done != pid)
             continue;
         char line[64];
+        const char *gone = join_fds == NULL ? "" :
+                           group_gone(pid) ? ", \"group_gone\": true" : ", \"group_gone\": false";
         if (WIFSIGNALED(wstatus))
-            snprintf(line, sizeof line, "{\"signal\": %d}\n", WTERMSIG(wstatus));
+            snprintf(line, sizeof line, "{\"signal\": %d%s}\n", WTERMSIG(wstatus), gone);
         else
-            snprintf(line, sizeof line, "{\"exit\": %d}\n", WEXITSTATUS(wstatus));
+            snprintf(line, sizeof line, "{\"exit\": %d%s}\n", WEXITSTATUS(wstatus), gone);
         report(status_fd, line);
         return 0;
     }

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -38,7 +39,7 @@ import signal
 import stat
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -53,6 +54,7 @@ from trialledger.adapters.environment import (
     resolve_inside,
 )
 from trialledger.adapters.sandbox.agentfiles import AgentTree
+from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.base import (
     SUPERVISOR_ENV,
     CleanupReport,
@@ -73,7 +75,15 @@ from trialledger.adapters.sandbox.bwrap import (
     mounts,
 )
 from trialledger.adapters.sandbox.cgroup import CONTROLLERS, SessionCgroup, hold
+from trialledger.adapters.sandbox.container import Container, caps_mask, entry_command
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
+from trialledger.adapters.sandbox.egress import (
+    EgressProxy,
+    apply_rules,
+    egress_problem,
+    egress_rules,
+    open_ping,
+)
 from trialledger.adapters.sandbox.folders import (
     forget_session_folder,
     make_session_folder,
@@ -96,14 +106,25 @@ from trialledger.adapters.sandbox.idrange import (
     resolve_user,
 )
 from trialledger.adapters.sandbox.mountpoints import Want, make_mount_point
-from trialledger.adapters.sandbox.network import Network
+from trialledger.adapters.sandbox.network import Network, listen_inside
 from trialledger.adapters.sandbox.process import LocalRun
+from trialledger.adapters.sandbox.procscan import kill_marked, pids_in_namespace
+from trialledger.adapters.sandbox.slirp import (
+    Slirp,
+    hostname_of,
+    injected_files,
+    slirp_problem,
+    start_slirp,
+)
 
 log = logging.getLogger(__name__)
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 # A recorded session folder without its lock this old is no session being made right now
 # (its lock follows its creation within microseconds): a removal or a creation cut short.
 ISOLATIONS = ("bwrap", "process-group")
+LIFETIMES = ("harbor", "strict")  # verifier_isolation (docs/SPEC.md §15)
+CHECK_TAIL = 4096  # bytes of a healthcheck try's output kept
+EGRESS_PORT = 15001  # where an allowlist's egress proxy listens in the container
 RECHECK_AFTER_S = 0.2
 _overlays_made: set[tuple[int, int, bool]] = set()  # (lower's device, upper's,
 # range mode): overlays work
@@ -220,6 +241,9 @@ class LocalSandbox:
         limits: Mapping[str, float] | None = None,
         users: Mapping[str, str] | None = None,
         switch: DeadManSwitch | None = None,
+        lifetime: str = "strict",
+        task_env: Mapping[str, str] | None = None,
+        allowed_hosts: AllowList | None = None,
     ) -> None:
         self.workdir = workdir
         self.environment = environment
@@ -235,6 +259,38 @@ class LocalSandbox:
         if verifier_root == "pristine" and workdir == "/":
             raise SandboxRefused("verifier_root = pristine needs a workdir other than /")
         self.verifier_root = verifier_root
+        if lifetime not in LIFETIMES:
+            raise SandboxRefused(f"verifier_isolation {lifetime!r}: expected harbor or strict")
+        if lifetime == "harbor" and self.image is None:
+            raise SandboxRefused("verifier_isolation = harbor needs an image or rootfs "
+                                 "environment: a host task's phases run strict")
+        if lifetime == "harbor" and verifier_root == "pristine":
+            raise SandboxRefused("verifier_root = pristine cannot be used under "
+                                 "verifier_isolation = harbor: one sandbox serves every phase")
+        if (lifetime == "harbor" and network is not None and network.outward
+                and (problem := slirp_problem()) is not None):
+            raise SandboxRefused(f"a public network for an image's container needs "
+                                 f"slirp4netns: {problem}")
+        if allowed_hosts is not None:
+            if lifetime != "harbor":
+                raise SandboxRefused("network_mode = 'allowlist' needs the session's own "
+                                     "container: an image or rootfs task under "
+                                     "verifier_isolation = harbor")
+            if (problem := egress_problem() or slirp_problem()) is not None:
+                raise SandboxRefused(f"network_mode = 'allowlist' cannot be set up here: "
+                                     f"{problem}")
+        self.allowed_hosts = allowed_hosts
+        # Docker's capabilities, less NET_RAW under an allowlist (a packet socket would
+        # pass beside its rules)
+        self.caps = tuple(cap for cap in DOCKER_CAPS
+                          if not (allowed_hosts is not None and cap == "CAP_NET_RAW"))
+        self.egress: EgressProxy | None = None
+        # Where the egress proxy reports a refused connection (the runner's gap)
+        self.egress_sink: Callable[[str], Awaitable[None]] | None = None
+        self.lifetime = lifetime
+        self.container: Container | None = None  # harbor: the session's one sandbox
+        self.slirp: Slirp | None = None  # its outward connection (a public network)
+        self.task_env = dict(task_env or {})  # [environment] env, for the container's PID 1
         self.init = ensure_init()
         self.codex = codex
         self.tests = tests
@@ -295,9 +351,9 @@ class LocalSandbox:
                                  f"({self.limits_reason})")
         ensure_filter()
         image_user = (self.image.uid, self.image.gid)
-        users = {role: resolve_user(self.image.root, self.users.get(role) if role != "probe"
-                                    else None, image_user)
-                 for role in ("agent", "probe", "verifier")}
+        users = {role: resolve_user(self.image.root, self.users.get(role)
+                                    if role in ("agent", "verifier") else None, image_user)
+                 for role in ("agent", "probe", "verifier", "container")}
         slot = Slot.acquire(ids)
         try:
             userns_fd = make_userns(self.init, slot)
@@ -526,7 +582,7 @@ class LocalSandbox:
                                  block_fd=block_fd)
         if self.range is not None:
             spawn = dataclasses.replace(spawn, userns_fd=self.range.userns_fd,
-                                        seccomp_fd=seccomp_fd, caps=DOCKER_CAPS)
+                                        seccomp_fd=seccomp_fd, caps=self.caps)
         staged: list[tuple[Path, Path]] = []
         placed = [dataclasses.replace(m, source=str(self._stage(Path(m.source), staged)))
                   if m.staged and m.source is not None else m for m in mounts(spawn)]
@@ -563,7 +619,8 @@ class LocalSandbox:
             tests=str(self._tests_bound) if self._tests_bound is not None else None,
             verifier_logs=str(verifier_logs) if verifier_logs is not None else None,
             isolated_network=self.network is not None and self.network.isolated,
-            block_fd=block_fd, info_fd=info_fd)
+            block_fd=block_fd, info_fd=info_fd,
+            hostname=hostname_of(self.marker) if role == "container" else None)
 
     def _clear_mount_points(self, placed: Sequence[Mount], role: Role) -> None:
         """Make each mount point bwrap will create in a tree the image or the agent controls
@@ -601,26 +658,201 @@ class LocalSandbox:
             return upper, self.image.root
         return self.root / "upper", self._lower
 
-    def _init(self, command: Sequence[str], status_fd: int, role: Role) -> list[str]:
+    def _init(self, command: Sequence[str], status_fd: int, role: Role,
+              user: InnerUser | None = None, *, deadline: bool = True) -> list[str]:
         init = INIT_INSIDE if self.isolation == "bwrap" else str(self.init)
         argv = [init, "--status-fd", str(status_fd)]
         if self.oom_score_adj is not None:
             argv += ["--oom-score-adj", str(self.oom_score_adj)]
-        if self.switch is not None:
+        if self.switch is not None and deadline:
             argv += ["--deadline-fd", str(self.switch.read_fd),
                      "--deadline-ms", str(self.switch.remaining_ms())]
-        if self.range is not None:  # our init, inner root, switches the command's user
-            user = self.range.users[role]
+        if user is None and self.range is not None:  # our init, inner root, switches the
+            user = self.range.users[role]  # command's user
+        if user is not None:
             groups = ",".join(str(g) for g in user.groups) or "-"
             argv += ["--user", str(user.uid), str(user.gid), groups]
         return [*argv, "--", *command]
 
+    # --- the container (verifier_isolation = harbor) -----------------------------------------
+
+    def _container_env(self) -> dict[str, str]:
+        """PID 1's environment, as Harbor's compose service gets it: the image's `Env` and
+        `HOME`, then `[environment] env`."""
+        assert self.image is not None
+        env = {**self.base_env(), **dict(self.image.env)}
+        env.setdefault("HOME", self.image.home)
+        return {**env, **self.task_env}
+
+    async def _ensure_container(self) -> Container:
+        """The session's container, started on first use (OSError: it could not be, or
+        it has stopped)."""
+        if self.container is not None:
+            if (why := self.container.lost()) is not None:
+                raise OSError(why)
+            return self.container
+        logs = self.root / "verifier-logs"
+        logs.mkdir(mode=0o700)
+        if self.runs_as.switches:
+            os.chown(logs, *self.owner("verifier"))
+        assert self.image is not None  # harbor runs image and rootfs sessions only
+        outward = ((self.network is not None and self.network.outward)
+                   or self.allowed_hosts is not None)
+        self._prepare_layer(resolver=outward)
+        run = await self._spawn(entry_command(self.image.entrypoint, INIT_INSIDE),
+                                env=self._container_env(),
+                                role="container", verifier_logs=logs)
+        info = await anyio.to_thread.run_sync(run.info)
+        pid, namespace = info.get("child-pid"), info.get("pid-namespace")
+        try:
+            if not isinstance(pid, int) or not isinstance(namespace, int):
+                raise OSError("bwrap reported no container")
+            self.container = await Container.attach(run, pid, namespace)
+            if outward:
+                net = info.get("net-namespace")
+                known = net if isinstance(net, int) else None
+                self.slirp = await start_slirp(pid, net_namespace=known)
+                if self.allowed_hosts is not None:
+                    await self._open_egress(pid, known)
+        except BaseException:
+            if self.container is not None:
+                self.container.release()
+                self.container = None
+            await run.aclose()
+            raise
+        return self.container
+
+    async def _open_egress(self, pid: int, net_namespace: int | None) -> None:
+        """An allowlist (docs/SPEC.md §15): `ping` opened to every group in the container's
+        network, its TCP to non-local addresses redirected by nftables to our egress
+        proxy, which listens inside and admits only allowed hosts."""
+        assert self.allowed_hosts is not None
+        taken = {route.port for route in self.network.routes} if self.network else set()
+        port = next(p for p in range(EGRESS_PORT, EGRESS_PORT + 100) if p not in taken)
+        await anyio.to_thread.run_sync(functools.partial(open_ping, pid,
+                                                         net_namespace=net_namespace))
+        await apply_rules(pid, egress_rules(port), net_namespace=net_namespace)
+        (listener,) = await anyio.to_thread.run_sync(listen_inside, pid, [port])
+        self.egress = EgressProxy(self.allowed_hosts, self._refused)
+        await self.egress.start(listener)
+
+    async def _refused(self, detail: str) -> None:
+        if self.egress_sink is not None:
+            await self.egress_sink(detail)
+
+    def _prepare_layer(self, *, resolver: bool) -> None:
+        """The container's start in the session's layer (before anything mounts it):
+        `/logs/agent` and `/logs/artifacts` the agent's to write (`/logs/verifier` is
+        bound in), and Docker's injected files."""
+        assert self.image is not None and self.image.root is not None
+        if resolve_inside(self.image.root, "/logs") == "/logs":
+            logs = self.root / "upper" / "logs"
+            for folder in (logs, logs / "agent", logs / "artifacts"):
+                folder.mkdir(mode=0o755, exist_ok=True)
+                if self.runs_as.switches:
+                    os.chown(folder, *(self._root_owner if folder == logs
+                                       else self.agent_owner))
+        self._inject_docker_files(resolver=resolver)
+
+    def _inject_docker_files(self, *, resolver: bool) -> None:
+        """`/etc/hosts`, `/etc/hostname` and `/etc/resolv.conf` as Docker writes them over
+        an image, into the session's layer, owned by inner root and writable by it, as
+        Docker's are."""
+        assert self.image is not None and self.image.root is not None
+        if resolve_inside(self.image.root, "/etc") != "/etc":
+            return  # an image whose /etc is a link: left as it is
+        etc = self.root / "upper" / "etc"
+        etc.mkdir(mode=0o755, exist_ok=True)
+        owner = self._root_owner if self.runs_as.switches else None
+        if owner is not None:
+            os.chown(etc, *owner)
+        for path, content in injected_files(self.marker, resolver=resolver).items():
+            target = self.root / "upper" / path.lstrip("/")
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            try:
+                os.write(fd, content)
+                if owner is not None:
+                    os.fchown(fd, *owner)
+            finally:
+                os.close(fd)
+
+    def container_lost(self) -> str | None:
+        """Why the session's container is gone (harbor), else None."""
+        return self.container.lost() if self.container is not None else None
+
+    def _inner_user(self, role: Role) -> InnerUser:
+        """Who a joined process runs as: the role's user (range mode), else the one id."""
+        if self.range is not None:
+            return self.range.users[role]
+        assert self.image is not None
+        return InnerUser(self.image.uid, self.image.gid, ())
+
+    async def _spawn_joined(self, command: Sequence[str], *, env: Mapping[str, str],
+                            role: Role, stdin: bool = False,
+                            copy: tuple[int, str, int, int] | None = None) -> LocalRun:
+        """A phase's process in the container (`init --join`); with `copy` (source fd,
+        destination, uid, gid) inner root copies a folder in instead."""
+        container = await self._ensure_container()
+        status_r, status_w = os.pipe()
+        seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
+                   if self.range is not None else None)
+        argv = [str(self.init), "--join-fds", container.join_arg()]
+        for procs in self._cgroup_procs:
+            argv += ["--cgroup", str(procs)]
+        if self.range is not None:
+            argv += ["--caps", caps_mask(self.caps), "--seccomp-fd", str(seccomp)]
+        elif self._nproc:
+            argv += ["--nproc", str(self._nproc)]
+        argv += ["--chdir", self.workdir]
+        user = self._inner_user(role)
+        if copy is not None:
+            argv += ["--copy-in", *(str(part) for part in copy)]
+            user = InnerUser(0, 0, ()) if self.range is not None else user
+        # The lease's switch is the container's PID 1's alone: when it fires, the container
+        # ends and every process joined into it with it (two readers would split the
+        # extensions between them).
+        argv += self._init(command, status_w, role, user, deadline=False)[1:]
+        try:
+            process = await anyio.open_process(
+                argv, env={**env, SUPERVISOR_ENV: self.marker},
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                pass_fds=tuple(fd for fd in (status_w, seccomp, copy[0] if copy else None,
+                                             *container.fds)
+                               if fd is not None),
+                start_new_session=True)
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            for fd in (status_w, seccomp):
+                if fd is not None:
+                    os.close(fd)
+        return LocalRun(process, status_fd=status_r, info_fd=None, isolation="joined",
+                        marker=self.marker)
+
+    async def close(self) -> None:
+        """Stop the session's container (harbor): every process in it ends."""
+        if self.egress is not None:
+            await self.egress.aclose()
+            self.egress = None
+        if self.slirp is not None:
+            await self.slirp.stop()
+            self.slirp = None
+        if self.container is not None:
+            await self.container.stop()
+
     async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
-                     verifier_logs: Path | None = None, stdin: bool = False) -> LocalRun:
+                     verifier_logs: Path | None = None, stdin: bool = False,
+                     copy: tuple[int, str, int, int] | None = None) -> LocalRun:
+        if self.lifetime == "harbor" and role != "container":
+            return await self._spawn_joined(command, env=env, role=role, stdin=stdin,
+                                            copy=copy)
         bwrap = self.isolation == "bwrap"
         status_r, status_w = os.pipe()
         info_r, info_w = os.pipe() if bwrap else (None, None)
-        forwarding = (bwrap and role == "agent" and self.network is not None
+        forwarding = (bwrap and role in ("agent", "container") and self.network is not None
                       and self.network.isolated)
         block_r, block_w = os.pipe() if forwarding else (None, None)
         seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
@@ -632,9 +864,12 @@ class LocalSandbox:
                 if bwrap else [*self._prefix([]), *inner])
         env = {**env, SUPERVISOR_ENV: self.marker}
         try:
+            quiet = subprocess.DEVNULL if role == "container" else subprocess.PIPE  # PID 1's
+            # output: nobody would drain it for the whole session
             process = await anyio.open_process(
                 argv, env=env, cwd=None if bwrap else self.host_work,
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=quiet, stderr=quiet,
                 pass_fds=tuple(fd for fd in (status_w, info_w, block_r, seccomp, userns,
                                              self.switch.read_fd if self.switch else None)
                                if fd is not None),
@@ -675,7 +910,10 @@ class LocalSandbox:
 
     async def launch(self, argv: Sequence[str], *, env: Mapping[str, str], stdin: bytes
                      ) -> LocalRun:
-        """Start the agent with its prompt on stdin."""
+        """Start the agent with its prompt on stdin (harbor: in the session's container,
+        noting what already runs there)."""
+        if self.lifetime == "harbor":
+            (await self._ensure_container()).mark_agent_start()
         run = await self._spawn(argv, env=env, role="agent", stdin=True)
         self._agent = run
         assert run.process.stdin is not None
@@ -687,29 +925,43 @@ class LocalSandbox:
     _agent: LocalRun | None = None
 
     async def confirm_cleanup(self, run: LocalRun, timeout_s: float) -> CleanupReport:
-        """Bounded wait until no process of the run is left (structural under bwrap)."""
+        """Bounded wait until no process of the run is left (structural under bwrap); under
+        harbor until the agent's own process group is gone (its detached processes are
+        reported as `survivors`)."""
+        if run.isolation == "joined":
+            with anyio.move_on_after(timeout_s):
+                await run.process.wait()
+            if run.group_gone is not True:
+                return CleanupReport(False, f"the agent's process group was not confirmed "
+                                            f"gone within {timeout_s:g} s")
+            assert self.container is not None
+            return CleanupReport(True, survivors=tuple(self.container.survivors()))
         if self.isolation == "bwrap":
             namespace = run.info().get("pid-namespace")
             if not isinstance(namespace, int):
                 return CleanupReport(False, "bwrap reported no PID namespace")
             leftover: list[int] = []
             with anyio.move_on_after(timeout_s):
-                while leftover := _pids_in_namespace(namespace):
+                while leftover := pids_in_namespace(namespace):
                     await anyio.sleep(0.05)
             if leftover:
                 return CleanupReport(False, f"{len(leftover)} processes still in the sandbox's "
                                             f"PID namespace after {timeout_s:g} s")
             return CleanupReport(True)
-        return await _kill_marked(self.marker, timeout_s)
+        return await kill_marked(self.marker, timeout_s)
 
     async def _agent_gone(self) -> bool:
         """Whether every process of the agent's run is gone (killing any straggler)."""
         if self._agent is None:
             return True
+        if self._agent.isolation == "joined":  # its group was killed when it ended
+            if self._agent.process.returncode is None:
+                await self._agent.stop(0.5)
+            return self._agent.group_gone is True
         report = await self.confirm_cleanup(self._agent, 2.0)
         if not report.confirmed and self.isolation == "bwrap":
             namespace = self._agent.info().get("pid-namespace")
-            for pid in _pids_in_namespace(namespace) if isinstance(namespace, int) else []:
+            for pid in pids_in_namespace(namespace) if isinstance(namespace, int) else []:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             report = await self.confirm_cleanup(self._agent, 2.0)
@@ -732,6 +984,41 @@ class LocalSandbox:
             return ProbeResult(False, f"{name} exited with {code}")
         return ProbeResult(True, f"{name} ran in the workdir")
 
+    async def run_check(self, command: Sequence[str], timeout_s: float, *,
+                        env: Mapping[str, str]) -> tuple[int | None, str]:
+        """A command as the image's user in the session's sandbox (the healthcheck): its
+        exit code (None: it timed out) and the end of its output (at most `CHECK_TAIL`
+        bytes, stdout and stderr as they came)."""
+        run = await self._spawn(list(command), env=env, role="probe")
+        tail = bytearray()
+        read = [anyio.Event(), anyio.Event()]
+
+        async def keep(stream: Any, done: anyio.Event) -> None:
+            try:
+                if stream is not None:
+                    async for chunk in stream:
+                        tail.extend(chunk)
+                        del tail[:-CHECK_TAIL]
+            finally:
+                done.set()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(keep, run.process.stdout, read[0])
+                tg.start_soon(keep, run.process.stderr, read[1])
+                with anyio.move_on_after(timeout_s) as scope:
+                    status = await run.wait()
+                if scope.cancelled_caught:
+                    await run.stop(0.5)
+                with anyio.move_on_after(0.2):  # a daemon it left may hold the pipes
+                    for done in read:
+                        await done.wait()
+                tg.cancel_scope.cancel()
+            code = None if scope.cancelled_caught else status.return_code
+            return code, tail.decode("utf-8", errors="replace")
+        finally:
+            await run.aclose()
+
     def base_env(self) -> dict[str, str]:
         """The probe's and verifier's environment: PATH (the image's, over an image), LANG
         and LC_ALL."""
@@ -748,6 +1035,8 @@ class LocalSandbox:
         shell runs it: bash where there is one, else sh) with `env` over the base
         environment, its stdout and stderr together into `/logs/verifier/test-stdout.txt`."""
         self._verifications += 1
+        if self.lifetime == "harbor":
+            return await self._verify_in_container(timeout_s, env)
         logs = self.root / f"verifier-{self._verifications}"
         logs.mkdir(mode=0o700)
         if self.runs_as.switches:
@@ -768,6 +1057,42 @@ class LocalSandbox:
                    "TRIALLEDGER_TESTS_DIR": str(tests)}
         code, timed_out = await self._run_bounded(command, timeout_s, env=env, role="verifier",
                                                   verifier_logs=logs)
+        return VerifierRun(code, timed_out, logs)
+
+    async def _verify_in_container(self, timeout_s: float, env: Mapping[str, str] | None
+                                   ) -> VerifierRun:
+        """The verifier as a process of the session's container (harbor): `/logs/verifier`
+        emptied (a folder of ours bound in), a fresh `/tests` copied in by inner root and
+        owned by the verifier's user, then `test.sh` as in `verify`."""
+        logs = self.root / "verifier-logs"
+        if not await self._agent_gone():
+            return VerifierRun(None, False, logs, "agent processes outlived the run")
+        try:
+            await self._ensure_container()
+        except OSError as error:
+            return VerifierRun(None, False, logs, str(error))
+        for entry in os.scandir(logs):  # what the agent (or a daemon of its) left there
+            remove_tree(Path(entry.path))
+        base = {**self.base_env(), **(env or {}), "TRIALLEDGER_VERIFIER_DIR": VERIFIER_LOGS_INSIDE}
+        if self.tests is not None:
+            stage = self.root / f"tests-{self._verifications}"
+            self._copy_tests(stage)
+            verifier = self._inner_user("verifier")
+            source = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                code, _ = await self._run_bounded(
+                    [], min(timeout_s, 60.0), env=base, role="verifier",
+                    copy=(source, TESTS_INSIDE, verifier.uid, verifier.gid))
+            finally:
+                os.close(source)
+            if code != 0:
+                return VerifierRun(None, False, logs, "the tests could not be copied into "
+                                                      "the container")
+        assert self.image is not None
+        shell = "bash" if self.image.has("bash") else "sh"
+        run_it = f'exec "$0" > "$1/{VERIFIER_STDOUT}" 2>&1'
+        command = [shell, "-c", run_it, f"{TESTS_INSIDE}/test.sh", VERIFIER_LOGS_INSIDE]
+        code, timed_out = await self._run_bounded(command, timeout_s, env=base, role="verifier")
         return VerifierRun(code, timed_out, logs)
 
     def _copy_tests(self, target: Path) -> None:
@@ -812,8 +1137,11 @@ class LocalSandbox:
 
     async def _run_bounded(self, command: list[str], timeout_s: float, *,
                            env: Mapping[str, str], role: Role,
-                           verifier_logs: Path | None = None) -> tuple[int | None, bool]:
-        run = await self._spawn(command, env=env, role=role, verifier_logs=verifier_logs)
+                           verifier_logs: Path | None = None,
+                           copy: tuple[int, str, int, int] | None = None
+                           ) -> tuple[int | None, bool]:
+        run = await self._spawn(command, env=env, role=role, verifier_logs=verifier_logs,
+                                copy=copy)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_drain, run.process.stdout)
@@ -822,7 +1150,8 @@ class LocalSandbox:
                     status = await run.wait()
                 if scope.cancelled_caught:
                     await run.stop(0.5)
-                    await _kill_marked(self.marker, 2)
+                    if run.isolation != "joined":  # a joined run's group dies with it
+                        await kill_marked(self.marker, 2)
                     tg.cancel_scope.cancel()
                     return None, True
             return status.return_code, False
@@ -833,6 +1162,11 @@ class LocalSandbox:
         """Remove the session's folders (they hold config.toml with grant tokens), and its
         cgroup with whatever is left in it; then (range mode) free its slot."""
         try:
+            if self.container is not None:
+                if self.container.run.process.returncode is None:
+                    self.container.run.process.kill()  # `close` was not awaited: bwrap's
+                    # PID 1 dies with it, and the cgroup's removal below takes what is left
+                self.container.release()
             if self.cgroup is not None:
                 self.cgroup.remove()
                 self.cgroup = None
@@ -858,51 +1192,3 @@ async def _drain(stream: Any) -> None:
     if stream is not None:
         async for _ in stream:
             pass
-
-
-def _pids_where(matches: Callable[[str], bool]) -> list[int]:
-    """Host pids (other than ours) whose /proc entry `matches`; vanished ones are skipped."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if matches(entry.name):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def _pids_in_namespace(namespace: int) -> list[int]:
-    target = f"pid:[{namespace}]"
-    return _pids_where(lambda pid: os.readlink(f"/proc/{pid}/ns/pid") == target)
-
-
-def _marked_pids(marker: str) -> list[int]:
-    needle = f"{SUPERVISOR_ENV}={marker}".encode()
-
-    def carries(pid: str) -> bool:
-        with open(f"/proc/{pid}/environ", "rb") as handle:
-            return needle in handle.read(1 << 20).split(b"\0")
-
-    return _pids_where(carries)
-
-
-async def _kill_marked(marker: str, timeout_s: float) -> CleanupReport:
-    """Kill every process carrying the session's marker; confirm none is left."""
-    leftover = _marked_pids(marker)
-    with anyio.move_on_after(timeout_s):
-        for signum in (signal.SIGTERM, signal.SIGKILL):
-            for pid in leftover:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-            for _ in range(20):
-                leftover = _marked_pids(marker)
-                if not leftover:
-                    return CleanupReport(True)
-                await anyio.sleep(0.05)
-    leftover = _marked_pids(marker)
-    if leftover:
-        return CleanupReport(False, f"{len(leftover)} processes carrying the session's "
-                                    f"{SUPERVISOR_ENV} marker survived {timeout_s:g} s")
-    return CleanupReport(True)

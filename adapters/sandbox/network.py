@@ -42,8 +42,11 @@ class Network:
     a `model` (an oracle or nop session, SPEC §15) there is no proxy at all."""
 
     def __init__(self, model: Upstream | None, grant_urls: Sequence[str] = (), *,
-                 isolated: bool = False) -> None:
+                 isolated: bool = False, outward: bool = False) -> None:
         self.isolated = isolated
+        # A private namespace connected outward by slirp4netns (`public` for an image's
+        # container, docs/SPEC.md §15): the proxies still listen inside it.
+        self.outward = outward and isolated
         self.routes: list[Route] = []
         self._ports: dict[tuple[str, int], int] = {}
         if model is not None:

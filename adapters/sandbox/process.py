@@ -75,7 +75,8 @@ class LineSplitter:
 
 
 class LocalRun:
-    """A launched agent (under bwrap or in a process group)."""
+    """A launched agent (under bwrap, joined into a session's container, or in a process
+    group)."""
 
     def __init__(self, process: Process, *, status_fd: int, info_fd: int | None,
                  isolation: str, marker: str) -> None:
@@ -89,6 +90,7 @@ class LocalRun:
         self._stderr_size = 0
         self._stderr_cut = False
         self._stderr_closed = anyio.Event()
+        self.group_gone: bool | None = None  # a joined run's report: its group is gone
 
     def info(self) -> dict[str, Any]:
         """bwrap's `--info-fd` report: the sandboxed init's host pid and namespaces."""
@@ -150,6 +152,7 @@ class LocalRun:
             while len(data) < REPORT_LIMIT and (chunk := os.read(self._status_fd, 4096)):
                 data += chunk
         status = _status_of(data, self.process.returncode)
+        self.group_gone = _group_gone(data)
         if (status.return_code is None and status.spawned and self.isolation == "bwrap"
                 and "child-pid" not in self.info()):
             # bwrap itself failed before the sandbox existed: nothing of the agent ran
@@ -189,6 +192,15 @@ class LocalRun:
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+def _group_gone(data: bytes) -> bool | None:
+    """A joined run's report of its process group (`"group_gone"`), if any."""
+    with contextlib.suppress(ValueError, UnicodeDecodeError, IndexError):
+        report = json.loads(data.splitlines()[0])
+        if isinstance(report, dict) and isinstance(report.get("group_gone"), bool):
+            return bool(report["group_gone"])
+    return None
 
 
 def _status_of(data: bytes, returncode: int | None) -> ExitStatus:

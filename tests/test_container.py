@@ -1,0 +1,206 @@
+"""An image session's container (SPEC §15 "Container lifetime", `verifier_isolation =
+harbor`): one sandbox for every phase, each phase's process joined into it, and — for a
+`public` network — a network of its own connected outward by slirp4netns, as Docker's
+bridge is: the host's loopback services out of reach, low ports its root's to bind, and
+Docker's `/etc/hosts`, `/etc/hostname` and `/etc/resolv.conf`.
+
+Every attack here is a real Codex tool call over the tests' Debian rootfs in range mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import images
+from tests.runs import make_task, run_task
+from tests.test_range_mode import DOCKER_CAP_MASK, _debian_into, private_storage
+from trialledger.adapters.demo.endpoint import message, shell
+from trialledger.adapters.environment import Cache, prepare
+from trialledger.adapters.sandbox.local import LocalSandbox
+
+pytestmark = pytest.mark.anyio
+__all__ = ["private_storage"]  # a fixture of test_range_mode's, used here
+
+
+def _outside_address() -> str:
+    """An address of this machine that is not loopback (where a route out leaves from)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent: only the route is chosen
+        address: str = probe.getsockname()[0]
+    assert not address.startswith("127."), address
+    return address
+
+
+@pytest.fixture
+def servers() -> Iterator[tuple[int, str, int]]:
+    """A host service on loopback only, and one on the machine's outside address."""
+    inside_only = socket.create_server(("127.0.0.1", 0))
+    outside = _outside_address()
+    reachable = socket.create_server((outside, 0))
+    try:
+        yield inside_only.getsockname()[1], outside, reachable.getsockname()[1]
+    finally:
+        inside_only.close()
+        reachable.close()
+
+
+PROBE = (
+    "exec 2>&1; "
+    "(echo > /dev/tcp/127.0.0.1/{loop}) 2>/dev/null && echo REACHED-HOST-LOOPBACK; "
+    "(echo > /dev/tcp/10.0.2.2/{loop}) 2>/dev/null && echo REACHED-HOST-LOOPBACK-VIA-GATEWAY; "
+    "(echo > /dev/tcp/{outside}/{port}) 2>/dev/null && echo REACHED-OUTSIDE; "
+    "perl -MIO::Socket::INET -e 'IO::Socket::INET->new(LocalAddr => \"0.0.0.0:80\", "
+    "Listen => 1, ReuseAddr => 1) or die; print \"BOUND-80\\n\"'; "
+    "echo HOSTNAME $(cat /etc/hostname); grep -q nameserver /etc/resolv.conf && "
+    "echo RESOLVER $(awk '/nameserver/ {{print $2}}' /etc/resolv.conf); "
+    "grep -qw localhost /etc/hosts && echo HOSTS-LOCALHOST; "
+    "grep -E '^Cap(Eff|Bnd)' /proc/self/status; echo done")
+
+
+async def _rootfs_run(tmp_path: Path, environment: str, command: str) -> tuple[Any, str]:
+    """A tool call running `command` over the tests' Debian rootfs (range mode), the task's
+    `[environment]` table holding `environment` too; the run and the call's output."""
+    task_dir = tmp_path / "task"
+    task_dir.mkdir()
+    _debian_into(task_dir)
+    task = make_task(task_dir, test_sh="exit 0\n",
+                     toml=f'[environment]\nrootfs = "rootfs.tar"\n{environment}')
+    env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(command), message()],
+                         environment=env)
+    out = "\n".join(call.output for call in ran.view.observations.tool_calls)
+    assert out.strip().endswith("done"), out
+    return ran, out
+
+
+async def test_a_public_network_is_the_containers_own(
+        tmp_path: Path, servers: tuple[int, str, int], kept: list[LocalSandbox]) -> None:
+    loop, outside, port = servers
+    ran, out = await _rootfs_run(tmp_path, "", PROBE.format(loop=loop, outside=outside,
+                                                            port=port))
+    assert "REACHED-HOST-LOOPBACK" not in out, out  # neither directly nor through slirp
+    assert "REACHED-OUTSIDE" in out and "BOUND-80" in out, out
+    assert f"HOSTNAME {ran.result.session_id.replace('-', '')[:12]}" in out, out
+    assert "RESOLVER 10.0.2.3" in out and "HOSTS-LOCALHOST" in out, out
+    assert f"CapEff:\t{DOCKER_CAP_MASK}" in out and f"CapBnd:\t{DOCKER_CAP_MASK}" in out, out
+    assert ran.view.decision is not None and ran.view.decision.rule == "completed"
+    sandbox = kept[-1]
+    assert sandbox.lifetime == "harbor" and sandbox.slirp is None  # stopped with the session
+
+
+async def test_no_network_has_no_way_out_and_no_resolver(
+        tmp_path: Path, servers: tuple[int, str, int], kept: list[LocalSandbox]) -> None:
+    loop, outside, port = servers
+    _, out = await _rootfs_run(tmp_path, 'network_mode = "no-network"\n',
+                               PROBE.format(loop=loop, outside=outside, port=port))
+    assert "REACHED" not in out and "RESOLVER" not in out, out
+    assert "BOUND-80" in out and "HOSTS-LOCALHOST" in out, out
+    assert kept[-1].slirp is None
+
+
+ENTRY = ('ENTRYPOINT ["/bin/sh", "-c", "id -u > /entry-ran; exec \\"$@\\"", "entry"]')
+
+
+def entry_image(ref: str, entrypoint: str) -> str:
+    """The tests' busybox root as an image whose ENTRYPOINT is `entrypoint` (root's)."""
+    if images._podman("image", "exists", ref).returncode == 0:
+        return ref
+    tarball = images.IMAGES / f"busybox-{images._key(images.busybox_root())}.tar"
+    if not tarball.exists():
+        images.podman_image(images.BUSYBOX_REF)  # makes the tarball
+    done = images._podman("import", "--change", entrypoint, str(tarball), ref)
+    assert done.returncode == 0, done.stderr
+    return ref
+
+
+async def _entry_run(tmp_path: Path, ref: str, test_sh: str) -> Any:
+    task = make_task(tmp_path / "task", test_sh=test_sh,
+                     toml=f'[environment]\ndocker_image = "{ref}"\n')
+    env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
+    return await run_task(str(tmp_path / "t.db"), task, [message()], environment=env)
+
+
+async def test_the_images_entrypoint_runs_as_pid_1s_command(
+        tmp_path: Path, private_storage: None) -> None:
+    """As Harbor's compose service runs the image: its ENTRYPOINT with `sh -c "sleep
+    infinity"`, so what it starts is there for the agent and the verifier."""
+    ref = entry_image("localhost/tl-busybox:entrypoint", ENTRY)
+    ran = await _entry_run(tmp_path, ref, "[ \"$(cat /entry-ran)\" = 0 ] && "
+                                         "echo 1 > /logs/verifier/reward.txt || "
+                                         "echo 0 > /logs/verifier/reward.txt\n")
+    assert ran.view.rewards == {"reward": 1.0}
+
+
+async def test_a_container_whose_entrypoint_ends_is_lost(
+        tmp_path: Path, private_storage: None) -> None:
+    """An ENTRYPOINT that exits stops the container, as Docker's would: nothing is graded."""
+    ref = entry_image("localhost/tl-busybox:entrypoint-exits", 'ENTRYPOINT ["/bin/false"]')
+    ran = await _entry_run(tmp_path, ref, "echo 1 > /logs/verifier/reward.txt\n")
+    kinds = [event.type for event in ran.view.events]
+    assert "verification.recorded" not in kinds and "sandbox.lost" in kinds, kinds
+    lost = next(e for e in ran.view.events if e.type == "sandbox.lost")
+    assert "container" in lost.data.detail, lost.data.detail
+
+
+@pytest.fixture
+def web_server() -> Iterator[tuple[str, int]]:
+    """An HTTP server on this machine's outside address that answers every request."""
+    import threading
+
+    server = socket.create_server((_outside_address(), 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                client, _ = server.accept()
+            except OSError:
+                continue
+            with client:
+                client.settimeout(5)
+                with contextlib.suppress(OSError):
+                    client.recv(4096)
+                    client.sendall(b"HTTP/1.0 200 OK\r\n\r\nALLOWED-BODY\n")
+
+    worker = threading.Thread(target=serve, daemon=True)
+    worker.start()
+    try:
+        yield server.getsockname()[0], server.getsockname()[1]
+    finally:
+        stop.set()
+        worker.join(5)
+        server.close()
+
+
+ALLOWLIST_PROBE = (
+    "exec 2>&1; "
+    "get() {{ exec 3<>/dev/tcp/$1/$2 && printf 'GET / HTTP/1.0\\r\\nHost: %s\\r\\n\\r\\n' $3 >&3 "
+    "&& timeout 10 cat <&3; exec 3<&-; }}; "
+    "get {address} {port} allowed.invalid; "
+    "get 192.0.2.77 80 blocked.invalid | head -1; "
+    "grep -E '^CapEff' /proc/self/status; echo done")
+
+
+async def test_an_allowlist_admits_its_hosts_and_refuses_the_rest(
+        tmp_path: Path, web_server: tuple[str, int], kept: list[LocalSandbox]) -> None:
+    """`network_mode = "allowlist"` (SPEC §15): the container's TCP goes through the egress
+    proxy, which admits an allowed address and refuses (403, gap `egress_refused`) what is
+    not; its root holds Docker's capabilities less NET_RAW."""
+    address, port = web_server
+    ran, out = await _rootfs_run(
+        tmp_path, f'network_mode = "allowlist"\nallowed_hosts = ["{address}"]\n',
+        ALLOWLIST_PROBE.format(address=address, port=port))
+    assert "ALLOWED-BODY" in out and "403" in out, out
+    assert f"CapEff:\t{int(DOCKER_CAP_MASK, 16) & ~(1 << 13):016x}" in out, out
+    refused = [e.data.detail for e in ran.view.events
+               if e.type == "gap.recorded" and e.data.code == "egress_refused"]
+    assert refused == ["blocked.invalid"], refused
+    assert ran.view.decision is not None and ran.view.decision.rule == "completed"
+    assert kept[-1].egress is None  # stopped with the session
