@@ -292,9 +292,10 @@ def _run_options(args: argparse.Namespace) -> Any:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the real Codex CLI on a task in the local sandbox; print each session's outcome."""
+    from trialledger.adapters.codex.install import CodexNotFound
     from trialledger.adapters.jobs import check_inputs
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
-    from trialledger.adapters.runner import CodexNotFound, SessionResult, SessionRunner
+    from trialledger.adapters.runner import SessionResult, SessionRunner
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.scripted import solve_script
     from trialledger.adapters.task import Task, TaskInvalid, require_verifier
@@ -410,9 +411,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def cmd_job_run(args: argparse.Namespace) -> int:
     """Create or resume a job and work its queue here; one line per finished trial, then
     the summary. Exit 0 when every trial ended with a final decision, 1 when one did not."""
+    from trialledger.adapters.codex.install import CodexNotFound
     from trialledger.adapters.jobs import JobRunner, check_inputs, load_tasks
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
-    from trialledger.adapters.runner import CodexNotFound
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.task import TaskInvalid
 
@@ -452,9 +453,9 @@ def cmd_job_run(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Work queued trials of any job (or `--job`) from this machine until none is left."""
+    from trialledger.adapters.codex.install import CodexNotFound
     from trialledger.adapters.jobs import check_inputs, worker_runner
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
-    from trialledger.adapters.runner import CodexNotFound
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.task import TaskInvalid
     from trialledger.store.jobs import Jobs
@@ -676,8 +677,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the real Codex CLI through the sample tasks, offline; show outcomes and answers."""
+    from trialledger.adapters.codex.install import CodexNotFound, find_codex
     from trialledger.adapters.demo.samples import QUESTIONS, outcome_rows, run_demo
-    from trialledger.adapters.runner import CodexNotFound, find_codex
     from trialledger.adapters.sandbox.base import SandboxRefused
 
     try:

@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 
 import anyio
 
+from trialledger.adapters.codex.install import find_codex
 from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
-from trialledger.adapters.runner import RunOptions, SessionRunner, find_codex
+from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.scripted import SCRIPTED, NoSolution, solve_script
 from trialledger.adapters.task import (

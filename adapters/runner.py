@@ -16,12 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import math
 import os
 import secrets as tokens
-import shutil
 import socket
-import subprocess
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,18 +29,20 @@ import anyio
 
 from trialledger.adapters import artifacts, capture, scripted, taskartifacts
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
-from trialledger.adapters.codex.install import CodexInstall, codex_install, execute_only
+from trialledger.adapters.codex.install import (
+    CodexInstall,
+    codex_install,
+    codex_version,
+    execute_only,
+    find_codex,
+)
 from trialledger.adapters.codex.stream import stream_events
 from trialledger.adapters.environment import HOST, Environment, resolve_inside
 from trialledger.adapters.healthcheck import run_healthcheck
-from trialledger.adapters.journal import (
-    Journal,
-    deliver_journal,
-    journal_dir,
-    journal_record,
-)
+from trialledger.adapters.journal import journal_dir, journal_record
 from trialledger.adapters.preflight import check_store_room
 from trialledger.adapters.proxy import MODEL_ROUTES, Upstream
+from trialledger.adapters.recorder import STORE_RETRY_S, Recorder
 from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
 from trialledger.adapters.sandbox.bwrap import VERIFIER_STDOUT
 from trialledger.adapters.sandbox.container import survivors_gap
@@ -57,69 +56,15 @@ from trialledger.adapters.task import Task
 from trialledger.adapters.trial import Trial
 from trialledger.adapters.trial import next_attempt as next_attempt  # its old home
 from trialledger.core import SessionView, redact, scrub
-from trialledger.core.errors import ConcurrencyConflict, TrialLedgerError
 from trialledger.core.events import SCHEMA_VERSION, SessionSeeded
-from trialledger.core.machine import Session
-from trialledger.core.replay import view_of
 from trialledger.core.seed import ValidSeed, validate_seed
 from trialledger.core.settings import Settings
-from trialledger.store import LeaseLost, Ledger, StoredEvent
-from trialledger.store.ledger import (
-    HEARTBEAT_S,
-    Seeded,
-    StoreUnavailable,
-)
+from trialledger.store import LeaseLost, Ledger
+from trialledger.store.ledger import HEARTBEAT_S, StoreUnavailable
 from trialledger.store.writer import Fence, now
 
 PROBE_LIMIT_S = 10.0
-STORE_RETRY_S = 120.0  # how long appends wait out a store that is unavailable
 CLEANUP_LIMIT_S = 10.0
-
-
-class CodexNotFound(TrialLedgerError):
-    """No Codex CLI to run (the message says how to install it)."""
-
-
-def find_codex(explicit: str | None = None) -> str:
-    """`--codex-bin`, else `TRIALLEDGER_CODEX_BIN`, else `codex` on PATH."""
-    candidate = explicit or os.environ.get("TRIALLEDGER_CODEX_BIN") or shutil.which("codex")
-    if not candidate or not os.access(candidate, os.X_OK):
-        raise CodexNotFound(
-            "no Codex CLI found: pass --codex-bin, set TRIALLEDGER_CODEX_BIN, or put codex on "
-            "PATH (npm install @openai/codex@0.171.0)")
-    return os.path.abspath(candidate)
-
-
-def codex_version(codex: str) -> str:
-    """The version `codex --version` prints (`codex-cli 0.171.0` → `0.171.0`), asked once
-    per binary (its path and modification time): asking costs a process start."""
-    try:
-        stamp = os.stat(os.path.realpath(codex)).st_mtime_ns
-    except OSError:
-        return "unknown"
-    return _asked_version(codex, stamp)
-
-
-@functools.lru_cache(maxsize=16)
-def _asked_version(codex: str, _stamp: int) -> str:
-    try:
-        done = subprocess.run([codex, "--version"], capture_output=True, check=False,
-                              timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    lines = done.stdout.decode("utf-8", errors="replace").splitlines()
-    words = next((line.split() for line in lines if line.startswith("codex-cli ")), [])
-    return words[-1][:40] if done.returncode == 0 and len(words) == 2 else "unknown"
-
-
-def install_paths(codex: str) -> list[Path]:
-    """The npm install tree a wrapper script around the npm `codex` needs read-only (the
-    runner itself mounts only the native binary; see `codex_install`)."""
-    real = Path(os.path.realpath(codex))
-    for parent in real.parents:
-        if parent.name == "node_modules":
-            return [parent]
-    return [real.parent]
 
 
 @dataclass(frozen=True)
@@ -175,137 +120,6 @@ class SessionResult:
     def outcome(self) -> str:
         """retry, verify, unverified, interrupted or pending."""
         return self.view.outcome
-
-
-class _Recorder:
-    """Appends one session's events in order, tracking its head and last decision; what
-    the store cannot take yet goes to the session's evidence journal (SPEC §8)."""
-
-    def __init__(self, ledger: Ledger, seeded: Seeded, *,
-                 store_retry_s: float = STORE_RETRY_S, fence: Fence | None = None) -> None:
-        self.ledger, self.session_id, self.head = ledger, seeded.session_id, seeded.head_seq
-        self.log = list(seeded.events)  # every event of the session, as the store returned it
-        self.store_retry_s = store_retry_s
-        self.fence = fence  # a job trial's lease: every append checks it
-        self.action: str | None = None
-        self.closed = False
-        self._lock = anyio.Lock()  # Codex's stdout and the model proxy append concurrently
-        self.capture_deadline = math.inf  # set when the agent ends (SPEC §8's budget)
-        self.captured = False  # stderr and usage were taken (normally, or after a stop)
-        self.journal = Journal(seeded.session_id, seeded.secrets)
-        self._queue: list[list[dict[str, Any]]] = []  # captured, not yet stored or journalled
-        self._retry_at, self._pause = 0.0, 0.25  # when the journal is next offered, backoff
-        self._gave_up = False  # an append waited out `store_retry_s`: later ones do not
-
-    def left(self) -> float:
-        """Seconds of this session's capture budget left."""
-        return max(0.0, self.capture_deadline - anyio.current_time())
-
-    async def append(self, events: Sequence[Mapping[str, Any]]) -> None:
-        """Append after the journal is drained, riding out a store that blinks: retried
-        with backoff for up to `store_retry_s`, then left journalled (`StoreUnavailable`)."""
-        await self._offer(events, wait=True)
-
-    async def capture(self, events: Sequence[Mapping[str, Any]]) -> None:
-        """Captured evidence: stored if the store takes it now, else journalled — never
-        waiting out the store (the capture budget bounds reads, not delivery)."""
-        await self._offer(events, wait=False)
-
-    async def _offer(self, events: Sequence[Mapping[str, Any]], *, wait: bool) -> None:
-        if not events:
-            return
-        self._queue.append([dict(e) for e in events])  # held before any wait: a caller
-        since = anyio.current_time()
-        async with self._lock:  # cancelled while it waits loses nothing
-            try:
-                await self._flush(wait=wait, since=since)
-            except BaseException:  # cancelled, or the store gave up: all goes to the journal
-                with contextlib.suppress(OSError, TrialLedgerError):
-                    self._spill()
-                raise
-
-    def _spill(self) -> None:
-        """Everything queued into the journal, in order (on disk when this returns)."""
-        while self._queue:
-            if not self.journal.pending:
-                self.journal.begin(self.head)
-            self.journal.add(self._queue[0])
-            del self._queue[0]
-
-    async def _flush(self, *, wait: bool, since: float) -> None:
-        deadline = anyio.current_time() + (0.0 if self._gave_up else self.store_retry_s)
-        while self.journal.pending or self._queue:
-            if not self.journal.pending:
-                try:
-                    self._took(await self._attempt(self._queue[0]))
-                    del self._queue[0]
-                except StoreUnavailable:
-                    self._spill()  # it may have committed: delivery skips what is stored
-                    self._retry_at = anyio.current_time() + self._pause
-                continue
-            self._spill()  # behind the journal, in order
-            if not wait and anyio.current_time() < self._retry_at:
-                return
-            try:
-                self._took(await deliver_journal(self.ledger, self.session_id,
-                                                 self.journal.path, fence=self.fence) or [])
-                self.journal.delivered()
-                self._pause = 0.25
-                # The budget bounds reads, not delivery: the time this append waited
-                # (for the lock too) is not taken from the reads after it (cleanup's check).
-                self.capture_deadline += anyio.current_time() - since
-            except StoreUnavailable:
-                self._retry_at = anyio.current_time() + self._pause
-                if not wait:
-                    self._pause = min(self._pause * 2, 5.0)
-                    return
-                if anyio.current_time() + self._pause > deadline:
-                    self._gave_up = True
-                    raise
-                await anyio.sleep(self._pause)
-                self._pause = min(self._pause * 2, 5.0)
-
-    async def _attempt(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
-        try:
-            return await self.ledger.append(self.session_id, events, expected_seq=self.head,
-                                             fence=self.fence)
-        except ConcurrencyConflict:
-            return await self._committed(events)  # acknowledged in a blink, or not
-
-    def _took(self, stored: Sequence[StoredEvent]) -> None:
-        """Follow what the store now holds: head, log, last decision, closed."""
-        fresh = [item for item in stored if (item.event.seq or 0) > self.head]
-        if fresh:
-            self.head = fresh[-1].event.seq or self.head
-        self.log += fresh
-        for item in fresh:
-            if item.event.type == "outcome.decided":
-                self.action = item.event.data.action
-            elif item.event.type == "session.closed":
-                self.closed = True
-
-    async def _committed(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
-        """After a lost acknowledgement: the events, if the store holds them after our head
-        (a commit that landed while its answer did not); else the conflict stands."""
-        after = await self.ledger.events(self.session_id, after_seq=self.head)
-        if [s.event.type for s in after[:len(events)]] != [e["type"] for e in events]:
-            raise ConcurrencyConflict(self.session_id, self.head,
-                                      after[-1].event.seq or self.head if after else self.head)
-        return after
-
-    async def add(self, kind: str, data: Mapping[str, Any]) -> None:
-        await self.append([{"type": kind, "at": now(), "data": dict(data)}])
-
-    async def view(self) -> SessionView:
-        """The session's view: folded from the events this recorder appended when they are
-        the whole closed session (seq 1 … head, closed by us: nothing can follow), else
-        read back from the store."""
-        if self.closed and [s.event.seq for s in self.log] == list(range(1, self.head + 1)):
-            session = Session(self.session_id)
-            for stored in self.log:
-                session.load(stored.event)
-            return view_of(session)
-        return await self.ledger.view(self.session_id)
 
 
 _swept = False
@@ -489,8 +303,8 @@ class SessionRunner:
             valid = self._seed(attempt, retry_of, sandbox, trial_id)
             seeded = await self.ledger.start(valid, session_id=session_id,
                                              secrets=[token, *self.task.secrets], fence=fence)
-            recorder = _Recorder(self.ledger, seeded,
-                                 store_retry_s=self.options.store_retry_s, fence=fence)
+            recorder = Recorder(self.ledger, seeded,
+                                store_retry_s=self.options.store_retry_s, fence=fence)
             sandbox.egress_sink = _egress_gaps(recorder)
             try:
                 await self._drive(recorder, sandbox, valid, seeded.secrets)
@@ -507,7 +321,7 @@ class SessionRunner:
                 await sandbox.close()
             sandbox.discard()
 
-    async def _drive(self, rec: _Recorder, sandbox: LocalSandbox, valid: ValidSeed,
+    async def _drive(self, rec: Recorder, sandbox: LocalSandbox, valid: ValidSeed,
                      secrets: Sequence[str]) -> None:
         settings = valid.data.settings
         # The oracle's solution goes into the session's layer before anything mounts it
@@ -527,7 +341,7 @@ class SessionRunner:
             await self._verify(rec, sandbox, settings, secrets, kept)
         await rec.add("session.closed", {"reason": "normal"})
 
-    async def _launch_and_run(self, rec: _Recorder, sandbox: LocalSandbox, valid: ValidSeed,
+    async def _launch_and_run(self, rec: Recorder, sandbox: LocalSandbox, valid: ValidSeed,
                               secrets: Sequence[str], oracle: _Launch | None = None) -> bool:
         """Launch Codex or the oracle's `solve.sh` (`oracle`, placed already), record it to
         its end and cleanup; False when it could not be spawned (the session is then lost
@@ -552,7 +366,7 @@ class SessionRunner:
                                                    launch.oracle)
         return True
 
-    async def _healthcheck(self, rec: _Recorder, sandbox: LocalSandbox) -> bool:
+    async def _healthcheck(self, rec: Recorder, sandbox: LocalSandbox) -> bool:
         """The task's healthcheck before the agent (docs/SPEC.md §15): as the image's user,
         `bash -c` (`sh` without bash) in the workdir with the image's `Env`, `HOME` and
         `[environment] env`. False when it failed: `sandbox.lost` (R1), the session closed."""
@@ -576,7 +390,7 @@ class SessionRunner:
         return False
 
     def _launched(self, sandbox: LocalSandbox, settings: Settings, launch: _Launch,
-                  rec: _Recorder) -> dict[str, Any]:
+                  rec: Recorder) -> dict[str, Any]:
         """The `agent.launched` event of a launch."""
         return {"type": "agent.launched", "at": now(),
                 "schema": SCHEMA_VERSION["agent.launched"], "data": {
@@ -589,7 +403,7 @@ class SessionRunner:
                     "identity": sandbox.identity_record(),
                     "journal": journal_record(rec.session_id)}}
 
-    async def _run_nothing(self, rec: _Recorder, sandbox: LocalSandbox,
+    async def _run_nothing(self, rec: Recorder, sandbox: LocalSandbox,
                            settings: Settings) -> None:
         """The nop agent (SPEC §15): launched, exited 0, nothing left to clean up."""
         await rec.append([self._launched(sandbox, settings, _Launch(
@@ -607,7 +421,7 @@ class SessionRunner:
                        env=scripted.oracle_env(self.task, sandbox), stdin=b"",
                        config_sha256=scripted.NO_CONFIG, model_proxy=False, oracle=places)
 
-    async def _codex_launch(self, rec: _Recorder, sandbox: LocalSandbox, valid: ValidSeed
+    async def _codex_launch(self, rec: Recorder, sandbox: LocalSandbox, valid: ValidSeed
                             ) -> _Launch:
         """Codex: its proxy opened, its config.toml written, the prompt on stdin."""
         settings = valid.data.settings
@@ -635,7 +449,7 @@ class SessionRunner:
         return _Launch(argv=argv, env=env, stdin=self.task.instruction.encode(),
                        config_sha256=digest, model_proxy=True)
 
-    async def _run_and_capture(self, rec: _Recorder, sandbox: LocalSandbox, run: LocalRun,
+    async def _run_and_capture(self, rec: Recorder, sandbox: LocalSandbox, run: LocalRun,
                                settings: Settings, secrets: Sequence[str],
                                oracle: scripted.OraclePlaces | None = None) -> None:
         done_reading = anyio.Event()
@@ -679,7 +493,7 @@ class SessionRunner:
              "data": {"confirmed": report.confirmed, "error": report.error}}])
 
 
-    async def _capture_after_stop(self, rec: _Recorder, sandbox: LocalSandbox, run: LocalRun,
+    async def _capture_after_stop(self, rec: Recorder, sandbox: LocalSandbox, run: LocalRun,
                                   settings: Settings, secrets: Sequence[str],
                                   oracle: scripted.OraclePlaces | None = None) -> None:
         """What a stopped run still gives: its model calls, stderr tail and native usage,
@@ -691,7 +505,7 @@ class SessionRunner:
                 await sandbox.network.aclose()
             await rec.capture(await self._agent_output(rec, sandbox, run, secrets, oracle))
 
-    async def _agent_output(self, rec: _Recorder, sandbox: LocalSandbox, run: LocalRun,
+    async def _agent_output(self, rec: Recorder, sandbox: LocalSandbox, run: LocalRun,
                             secrets: Sequence[str], oracle: scripted.OraclePlaces | None
                             ) -> list[dict[str, Any]]:
         """Codex's stderr tail and native usage; for the oracle, oracle.txt's tail as
@@ -721,7 +535,7 @@ class SessionRunner:
         return [{"type": "agent.stderr", "at": now(),
                  "data": {"tail": redacted, "truncated": truncated}}]
 
-    async def _usage_events(self, rec: _Recorder, sandbox: LocalSandbox
+    async def _usage_events(self, rec: Recorder, sandbox: LocalSandbox
                             ) -> list[dict[str, Any]]:
         tree = sandbox.agent_files(sandbox.session_dir)
         with anyio.move_on_after(rec.left()) as scope:
@@ -732,12 +546,12 @@ class SessionRunner:
                 "code": "native_usage_unread", "detail": "the capture budget ran out"}}]
         return []
 
-    async def _probe(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings) -> None:
+    async def _probe(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings) -> None:
         result = await sandbox.probe(max(0.1, min(PROBE_LIMIT_S, rec.left())),
                                      command=self.options.probe_command)
         await rec.add("sandbox.probed", {"alive": result.alive, "detail": result.detail})
 
-    async def _archive(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings,
+    async def _archive(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings,
                        secrets: Sequence[str]) -> None:
         if settings.sandbox_logs_dir is None:
             return
@@ -766,7 +580,7 @@ class SessionRunner:
                           for refused in result.refused])
         await rec.add("archive.copied", {"files": result.files, "bytes": result.size})
 
-    async def _verify(self, rec: _Recorder, sandbox: LocalSandbox, settings: Settings,
+    async def _verify(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings,
                       secrets: Sequence[str], kept: Sequence[dict[str, Any]] = ()) -> None:
         """The verifier and its capture; `kept`: the task's artifacts, listed first."""
         if sandbox.tests is None:
@@ -806,7 +620,7 @@ def _not_run(detail: str, kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
 EGRESS_GAPS = 20  # refused connections listed one by one (docs/SPEC.md §15)
 
 
-def _egress_gaps(rec: _Recorder) -> Callable[[str], Awaitable[None]]:
+def _egress_gaps(rec: Recorder) -> Callable[[str], Awaitable[None]]:
     """What an allowlist's egress proxy calls with each refused host or address: gap
     `egress_refused`, the first `EGRESS_GAPS` of a session one by one, then one that says
     more were refused."""

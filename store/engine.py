@@ -33,7 +33,7 @@ from trialledger.store.errors import UnsupportedDatabase as UnsupportedDatabase
 
 WRITER_LOCK_KEY = 7_402_145_391  # pg_advisory_xact_lock key shared by every writer
 BUSY_TIMEOUT_MS = 30_000  # how long a SQLite statement waits for another's write lock
-BUSY_ENV = "TRIALLEDGER_SQLITE_BUSY_MS"  # overrides it (after it, appends retry: runner.py)
+BUSY_ENV = "TRIALLEDGER_SQLITE_BUSY_MS"  # overrides it (after it, appends retry: recorder.py)
 Synchronous = Literal["FULL", "NORMAL", "EXTRA", "OFF"]
 T = TypeVar("T")
 P = TypeVar("P")

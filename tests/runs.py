@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trialledger.adapters.codex.install import install_paths
 from trialledger.adapters.demo import samples
 from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint
 from trialledger.adapters.environment import HOST, Environment
-from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner, install_paths
+from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
 from trialledger.adapters.task import Task
 from trialledger.store import Ledger
 

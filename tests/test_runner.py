@@ -291,7 +291,8 @@ async def test_closing_during_the_probe_keeps_the_observations(
     wrapper = killer(tmp_path / "bin", '"type":"item.started"')
     with ScriptedEndpoint([shell("sleep 30")]) as endpoint:
         async with await Ledger.open(db) as ledger:
-            from trialledger.adapters.runner import RunOptions, SessionRunner, install_paths
+            from trialledger.adapters.codex.install import install_paths
+            from trialledger.adapters.runner import RunOptions, SessionRunner
 
             runner = SessionRunner(ledger, task, RunOptions(
                 model_base_url=endpoint.url, model="test-model", codex_bin=str(wrapper),

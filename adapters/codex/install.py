@@ -1,4 +1,8 @@
-"""Which files of a Codex install the sandbox mounts (SPEC §11): the native binary alone.
+"""Finding the Codex CLI, and which files of its install the sandbox mounts (SPEC §11): the
+native binary alone.
+
+`find_codex` takes `--codex-bin`, else `TRIALLEDGER_CODEX_BIN`, else `codex` on PATH;
+`codex_version` is what the seed records of it.
 
 The npm `codex` is a Node script that execs the native binary of its platform package
 (`@openai/codex-<platform>/vendor/<triple>/bin/codex`, with `codex-path/rg` beside it);
@@ -18,14 +22,18 @@ readable to run, so it gets no such protection.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import platform
 import shutil
+import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from trialledger.core.errors import TrialLedgerError
 
 TRIPLES = {"x86_64": "x86_64-unknown-linux-musl", "aarch64": "aarch64-unknown-linux-musl"}
 PLATFORM_PACKAGES = {"x86_64": "codex-linux-x64", "aarch64": "codex-linux-arm64"}
@@ -120,3 +128,49 @@ def execute_only(install: CodexInstall, cache: Path) -> CodexInstall:
             made.chmod(0o111)
             os.replace(made, copy)  # atomic: concurrent runners agree
     return dataclasses.replace(install, entrypoint=copy)
+
+
+class CodexNotFound(TrialLedgerError):
+    """No Codex CLI to run (the message says how to install it)."""
+
+
+def find_codex(explicit: str | None = None) -> str:
+    """`--codex-bin`, else `TRIALLEDGER_CODEX_BIN`, else `codex` on PATH."""
+    candidate = explicit or os.environ.get("TRIALLEDGER_CODEX_BIN") or shutil.which("codex")
+    if not candidate or not os.access(candidate, os.X_OK):
+        raise CodexNotFound(
+            "no Codex CLI found: pass --codex-bin, set TRIALLEDGER_CODEX_BIN, or put codex on "
+            "PATH (npm install @openai/codex@0.171.0)")
+    return os.path.abspath(candidate)
+
+
+def codex_version(codex: str) -> str:
+    """The version `codex --version` prints (`codex-cli 0.171.0` → `0.171.0`), asked once
+    per binary (its path and modification time): asking costs a process start."""
+    try:
+        stamp = os.stat(os.path.realpath(codex)).st_mtime_ns
+    except OSError:
+        return "unknown"
+    return _asked_version(codex, stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _asked_version(codex: str, _stamp: int) -> str:
+    try:
+        done = subprocess.run([codex, "--version"], capture_output=True, check=False,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    lines = done.stdout.decode("utf-8", errors="replace").splitlines()
+    words = next((line.split() for line in lines if line.startswith("codex-cli ")), [])
+    return words[-1][:40] if done.returncode == 0 and len(words) == 2 else "unknown"
+
+
+def install_paths(codex: str) -> list[Path]:
+    """The npm install tree a wrapper script around the npm `codex` needs read-only (the
+    runner itself mounts only the native binary; see `codex_install`)."""
+    real = Path(os.path.realpath(codex))
+    for parent in real.parents:
+        if parent.name == "node_modules":
+            return [parent]
+    return [real.parent]

@@ -1,0 +1,161 @@
+"""The session runner's recorder: one session's events appended in order, riding out a
+store that blinks (SPEC §8).
+
+An append waits out an unavailable store for up to `store_retry_s` (`STORE_RETRY_S` by
+default), retrying with backoff; what the store cannot take yet goes, in order, to the
+session's evidence journal (adapters/journal.py), delivered ahead of anything appended
+after it. Captured evidence is stored if the store takes it now, else journalled, never
+waited for. The recorder follows the session's head, its last decision and whether it is
+closed, and folds the closed session's view from what it appended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+
+from trialledger.adapters.journal import Journal, deliver_journal
+from trialledger.core import SessionView
+from trialledger.core.errors import ConcurrencyConflict, TrialLedgerError
+from trialledger.core.machine import Session
+from trialledger.core.replay import view_of
+from trialledger.store import Ledger, StoredEvent
+from trialledger.store.ledger import Seeded, StoreUnavailable
+from trialledger.store.writer import Fence, now
+
+STORE_RETRY_S = 120.0  # how long appends wait out a store that is unavailable
+
+
+class Recorder:
+    """Appends one session's events in order, tracking its head and last decision; what
+    the store cannot take yet goes to the session's evidence journal (SPEC §8)."""
+
+    def __init__(self, ledger: Ledger, seeded: Seeded, *,
+                 store_retry_s: float = STORE_RETRY_S, fence: Fence | None = None) -> None:
+        self.ledger, self.session_id, self.head = ledger, seeded.session_id, seeded.head_seq
+        self.log = list(seeded.events)  # every event of the session, as the store returned it
+        self.store_retry_s = store_retry_s
+        self.fence = fence  # a job trial's lease: every append checks it
+        self.action: str | None = None
+        self.closed = False
+        self._lock = anyio.Lock()  # Codex's stdout and the model proxy append concurrently
+        self.capture_deadline = math.inf  # set when the agent ends (SPEC §8's budget)
+        self.captured = False  # stderr and usage were taken (normally, or after a stop)
+        self.journal = Journal(seeded.session_id, seeded.secrets)
+        self._queue: list[list[dict[str, Any]]] = []  # captured, not yet stored or journalled
+        self._retry_at, self._pause = 0.0, 0.25  # when the journal is next offered, backoff
+        self._gave_up = False  # an append waited out `store_retry_s`: later ones do not
+
+    def left(self) -> float:
+        """Seconds of this session's capture budget left."""
+        return max(0.0, self.capture_deadline - anyio.current_time())
+
+    async def append(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Append after the journal is drained, riding out a store that blinks: retried
+        with backoff for up to `store_retry_s`, then left journalled (`StoreUnavailable`)."""
+        await self._offer(events, wait=True)
+
+    async def capture(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Captured evidence: stored if the store takes it now, else journalled — never
+        waiting out the store (the capture budget bounds reads, not delivery)."""
+        await self._offer(events, wait=False)
+
+    async def _offer(self, events: Sequence[Mapping[str, Any]], *, wait: bool) -> None:
+        if not events:
+            return
+        self._queue.append([dict(e) for e in events])  # held before any wait: a caller
+        since = anyio.current_time()
+        async with self._lock:  # cancelled while it waits loses nothing
+            try:
+                await self._flush(wait=wait, since=since)
+            except BaseException:  # cancelled, or the store gave up: all goes to the journal
+                with contextlib.suppress(OSError, TrialLedgerError):
+                    self._spill()
+                raise
+
+    def _spill(self) -> None:
+        """Everything queued into the journal, in order (on disk when this returns)."""
+        while self._queue:
+            if not self.journal.pending:
+                self.journal.begin(self.head)
+            self.journal.add(self._queue[0])
+            del self._queue[0]
+
+    async def _flush(self, *, wait: bool, since: float) -> None:
+        deadline = anyio.current_time() + (0.0 if self._gave_up else self.store_retry_s)
+        while self.journal.pending or self._queue:
+            if not self.journal.pending:
+                try:
+                    self._took(await self._attempt(self._queue[0]))
+                    del self._queue[0]
+                except StoreUnavailable:
+                    self._spill()  # it may have committed: delivery skips what is stored
+                    self._retry_at = anyio.current_time() + self._pause
+                continue
+            self._spill()  # behind the journal, in order
+            if not wait and anyio.current_time() < self._retry_at:
+                return
+            try:
+                self._took(await deliver_journal(self.ledger, self.session_id,
+                                                 self.journal.path, fence=self.fence) or [])
+                self.journal.delivered()
+                self._pause = 0.25
+                # The budget bounds reads, not delivery: the time this append waited
+                # (for the lock too) is not taken from the reads after it (cleanup's check).
+                self.capture_deadline += anyio.current_time() - since
+            except StoreUnavailable:
+                self._retry_at = anyio.current_time() + self._pause
+                if not wait:
+                    self._pause = min(self._pause * 2, 5.0)
+                    return
+                if anyio.current_time() + self._pause > deadline:
+                    self._gave_up = True
+                    raise
+                await anyio.sleep(self._pause)
+                self._pause = min(self._pause * 2, 5.0)
+
+    async def _attempt(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
+        try:
+            return await self.ledger.append(self.session_id, events, expected_seq=self.head,
+                                             fence=self.fence)
+        except ConcurrencyConflict:
+            return await self._committed(events)  # acknowledged in a blink, or not
+
+    def _took(self, stored: Sequence[StoredEvent]) -> None:
+        """Follow what the store now holds: head, log, last decision, closed."""
+        fresh = [item for item in stored if (item.event.seq or 0) > self.head]
+        if fresh:
+            self.head = fresh[-1].event.seq or self.head
+        self.log += fresh
+        for item in fresh:
+            if item.event.type == "outcome.decided":
+                self.action = item.event.data.action
+            elif item.event.type == "session.closed":
+                self.closed = True
+
+    async def _committed(self, events: Sequence[Mapping[str, Any]]) -> list[StoredEvent]:
+        """After a lost acknowledgement: the events, if the store holds them after our head
+        (a commit that landed while its answer did not); else the conflict stands."""
+        after = await self.ledger.events(self.session_id, after_seq=self.head)
+        if [s.event.type for s in after[:len(events)]] != [e["type"] for e in events]:
+            raise ConcurrencyConflict(self.session_id, self.head,
+                                      after[-1].event.seq or self.head if after else self.head)
+        return after
+
+    async def add(self, kind: str, data: Mapping[str, Any]) -> None:
+        await self.append([{"type": kind, "at": now(), "data": dict(data)}])
+
+    async def view(self) -> SessionView:
+        """The session's view: folded from the events this recorder appended when they are
+        the whole closed session (seq 1 … head, closed by us: nothing can follow), else
+        read back from the store."""
+        if self.closed and [s.event.seq for s in self.log] == list(range(1, self.head + 1)):
+            session = Session(self.session_id)
+            for stored in self.log:
+                session.load(stored.event)
+            return view_of(session)
+        return await self.ledger.view(self.session_id)
