@@ -711,10 +711,17 @@ class LocalSandbox:
             if outward:
                 net = info.get("net-namespace")
                 known = net if isinstance(net, int) else None
-                self.slirp = await start_slirp(pid, net_namespace=known)
-                if self.allowed_hosts is not None:
-                    await self._open_egress(pid, known)
+                try:
+                    self.slirp = await start_slirp(pid, net_namespace=known)
+                    if self.allowed_hosts is not None:
+                        await self._open_egress(pid, known)
+                except SandboxRefused as error:  # also a container that stopped meanwhile
+                    raise OSError(self.container.lost() or f"the container's network could "
+                                                           f"not be set up: {error}") from None
         except BaseException:
+            if self.slirp is not None:
+                await self.slirp.stop()
+                self.slirp = None
             if self.container is not None:
                 self.container.release()
                 self.container = None
