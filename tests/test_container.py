@@ -185,6 +185,7 @@ ALLOWLIST_PROBE = (
     "&& timeout 10 cat <&3; exec 3<&-; }}; "
     "get {address} {port} allowed.invalid; "
     "get 192.0.2.77 80 blocked.invalid | head -1; "
+    "for n in $(seq 1 21); do get 192.0.2.77 80 blocked-$n.invalid >/dev/null; done; "
     "grep -E '^CapEff' /proc/self/status; echo done")
 
 
@@ -201,6 +202,30 @@ async def test_an_allowlist_admits_its_hosts_and_refuses_the_rest(
     assert f"CapEff:\t{int(DOCKER_CAP_MASK, 16) & ~(1 << 13):016x}" in out, out
     refused = [e.data.detail for e in ran.view.events
                if e.type == "gap.recorded" and e.data.code == "egress_refused"]
-    assert refused == ["blocked.invalid"], refused
+    # the first 20 of a session one by one, then one gap that says more were refused
+    assert refused[:20] == ["blocked.invalid", *(f"blocked-{n}.invalid" for n in range(1, 20))]
+    assert len(refused) == 21 and refused[20].startswith("more connections were refused")
     assert ran.view.decision is not None and ran.view.decision.rule == "completed"
     assert kept[-1].egress is None  # stopped with the session
+
+
+async def test_what_the_agent_left_in_the_verifiers_logs_is_gone_before_it_runs(
+        tmp_path: Path) -> None:
+    """`/logs/verifier` is bound into the container for the whole session, so the agent
+    can write there: a planted reward (and thousands of files beside it) are removed
+    before the verifier runs, so a verifier that writes none gives no reward."""
+    task_dir = tmp_path / "task"
+    task_dir.mkdir()
+    _debian_into(task_dir)
+    task = make_task(task_dir, test_sh="exit 0\n", exit_code_reward=False,
+                     toml='[environment]\nrootfs = "rootfs.tar"\n')
+    env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
+    plant = ("cd /logs/verifier && echo 1 > reward.txt && "
+             "for n in $(seq 1 3000); do : > f$n; done; ls | wc -l; echo done")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(plant), message()],
+                         environment=env)
+    out = ran.view.observations.tool_calls[0].output
+    assert "3001" in out, out  # the agent could write there
+    failed = [e.data for e in ran.view.events if e.type == "verification.failed"]
+    assert [f.reason for f in failed] == ["no_reward"], ran.view.events
+    assert ran.view.rewards is None or ran.view.rewards == {}

@@ -124,6 +124,7 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
 ISOLATIONS = ("bwrap", "process-group")
 LIFETIMES = ("harbor", "strict")  # verifier_isolation (docs/SPEC.md §15)
 CHECK_TAIL = 4096  # bytes of a healthcheck try's output kept
+REMOVE_BATCH = 1000  # names per `rm` run (well inside ARG_MAX)
 EGRESS_PORT = 15001  # where an allowlist's egress proxy listens in the container
 RECHECK_AFTER_S = 0.2
 _overlays_made: set[tuple[int, int, bool]] = set()  # (lower's device, upper's,
@@ -1078,8 +1079,11 @@ class LocalSandbox:
             await self._ensure_container()
         except OSError as error:
             return VerifierRun(None, False, logs, str(error))
-        for entry in os.scandir(logs):  # what the agent (or a daemon of its) left there
-            remove_tree(Path(entry.path))
+        # What the agent (or a daemon of its) left there, any number of entries: removed by
+        # a few `rm` runs, never one per entry.
+        left = os.listdir(logs)
+        for start in range(0, len(left), REMOVE_BATCH):
+            remove_tree(*(logs / name for name in left[start:start + REMOVE_BATCH]))
         base = {**self.base_env(), **(env or {}), "TRIALLEDGER_VERIFIER_DIR": VERIFIER_LOGS_INSIDE}
         if self.tests is not None:
             stage = self.root / f"tests-{self._verifications}"
