@@ -278,7 +278,8 @@ class SessionRunner:
             # outward by slirp4netns (docs/SPEC.md §15); a host task shares the host's.
             isolated=not self.task.allow_internet or settings_raw["verifier_isolation"] == "harbor",
             outward=self.task.allow_internet)  # (an allowlist's: the sandbox's own)
-        sandbox = LocalSandbox(
+        make = functools.partial(
+            LocalSandbox,
             session_key=session_id,
             workdir=str(settings_raw["workdir"]),
             workspace=self.task.workspace,
@@ -299,6 +300,11 @@ class SessionRunner:
             task_env=self.task.env,
             allowed_hosts=self.task.allowed_hosts,
         )
+        # Made (and below discarded) in a worker thread: its bwrap check, folders and
+        # cgroups block for tens of milliseconds, which the trials beside it would wait out.
+        # Shielded, so a sandbox made is always discarded, never dropped by a cancellation.
+        with anyio.CancelScope(shield=True):
+            sandbox = await anyio.to_thread.run_sync(make)
         try:
             valid = self._seed(attempt, retry_of, sandbox, trial_id)
             seeded = await self.ledger.start(valid, session_id=session_id,
@@ -319,7 +325,7 @@ class SessionRunner:
             with anyio.CancelScope(shield=True):
                 await network.aclose()
                 await sandbox.close()
-            sandbox.discard()
+                await anyio.to_thread.run_sync(sandbox.discard)
 
     async def _drive(self, rec: Recorder, sandbox: LocalSandbox, valid: ValidSeed,
                      secrets: Sequence[str]) -> None:

@@ -318,25 +318,26 @@ class Jobs:
     async def _unrunnable(self, job: str, task: str, state: str, reason: str) -> None:
         """Mark the task's unfinished trials `state`, but for one another holder runs under a
         live lease (it may prepare what this machine cannot; it settles the trial itself)."""
-        async with self._engines.writer.begin() as conn:
-            await conn.execute(text(
-                "UPDATE job_queue SET state = :s, detail = :d, "
-                "lease_token = NULL, lease_expires = NULL "
-                "WHERE job = :j AND task = :t AND state <> 'done' AND NOT (state = 'running' "
-                f"AND COALESCE(lease_expires, 0) >= {self._now})"),
-                {"s": state, "d": reason, "j": job, "t": task})
+        await self._atomic(lambda conn: conn.execute(text(
+            "UPDATE job_queue SET state = :s, detail = :d, "
+            "lease_token = NULL, lease_expires = NULL "
+            "WHERE job = :j AND task = :t AND state <> 'done' AND NOT (state = 'running' "
+            f"AND COALESCE(lease_expires, 0) >= {self._now})"),
+            {"s": state, "d": reason, "j": job, "t": task}))
 
     @guarded
     async def requeue_environment(self, job: str, tasks: Sequence[str]) -> None:
         """Tasks whose environment failed (or that had no solution) before get their trials
         back on a new run (one transaction for all the tasks a run prepared)."""
-        async with self._engines.writer.begin() as conn:
+        def requeue(conn: Connection) -> None:
             for part in in_slices(list(tasks)):
                 names = ", ".join(f":t{i}" for i in range(len(part)))
-                await conn.execute(text(
+                conn.execute(text(
                     "UPDATE job_queue SET state = 'queued', detail = NULL WHERE job = :j AND "
                     f"state IN ('environment_failed', 'no_solution') AND task IN ({names})"),
                     {"j": job, **{f"t{i}": task for i, task in enumerate(part)}})
+
+        await self._engines.transaction(requeue)
 
     @guarded
     async def held(self, job: str, tasks: Sequence[str] | None = None) -> int:

@@ -133,10 +133,15 @@ def cache_dir() -> Path:
     return Path(base) / "trialledger"
 
 
+@functools.cache
+def _init_digest() -> str:
+    """The init source's digest, read once per process (every session asks for the init)."""
+    return hashlib.sha256(INIT_SOURCE.read_bytes()).hexdigest()[:16]
+
+
 def init_path() -> Path:
     """Where the init for this source lives (built or not)."""
-    digest = hashlib.sha256(INIT_SOURCE.read_bytes()).hexdigest()[:16]
-    return cache_dir() / f"init-{digest}"
+    return cache_dir() / f"init-{_init_digest()}"
 
 
 def ensure_init() -> Path:
