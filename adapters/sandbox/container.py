@@ -8,20 +8,50 @@ verifier, the copy of the tests — joins it as `docker exec` joins a container 
 container's own processes hold (the phase's user, Docker's capabilities for inner root
 only, no new privileges, the seccomp filter). When a phase's process ends its process
 group is killed; what it detached (a daemon) keeps running into the next phase.
+
+`Container` is the running container; `ContainerPhases`, a part of `LocalSandbox`
+(local.py), starts it in the session's layer (Docker's injected files, `/logs`), joins each
+phase's process into it, runs the verifier and the healthcheck there, and opens its
+network (slirp4netns, an allowlist's egress proxy).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
-from collections.abc import Sequence
+import subprocess
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from trialledger.adapters.environment import resolve_inside
+from trialledger.adapters.sandbox.allowlist import AllowList
+from trialledger.adapters.sandbox.base import SUPERVISOR_ENV, SandboxRefused, VerifierRun
+from trialledger.adapters.sandbox.bwrap import (
+    INIT_INSIDE,
+    TESTS_INSIDE,
+    VERIFIER_LOGS_INSIDE,
+    VERIFIER_STDOUT,
+    Role,
+)
+from trialledger.adapters.sandbox.egress import (
+    EgressProxy,
+    apply_rules,
+    egress_rules,
+    open_ping,
+)
+from trialledger.adapters.sandbox.folders import remove_tree
+from trialledger.adapters.sandbox.idrange import InnerUser, ensure_filter
+from trialledger.adapters.sandbox.layout import SessionLayout
+from trialledger.adapters.sandbox.network import Network, listen_inside
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import pids_in_namespace
+from trialledger.adapters.sandbox.slirp import Slirp, injected_files, start_slirp
 
 # The capability numbers of linux/capability.h for the names range mode grants.
 CAP_NUMBERS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4,
@@ -32,6 +62,9 @@ IDLE = "--idle"  # our init's argument to sleep forever: PID 1's command without
 NAMES_SHOWN = 10  # survivors named in `agent_processes_survived`
 NAMESPACES = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup")  # init --join-fds's order
 READY_S = 10.0  # how long PID 1 may take to start its command
+CHECK_TAIL = 4096  # bytes of a healthcheck try's output kept
+REMOVE_BATCH = 1000  # names per `rm` run (well inside ARG_MAX)
+EGRESS_PORT = 15001  # where an allowlist's egress proxy listens in the container
 
 
 def caps_mask(names: Sequence[str]) -> str:
@@ -135,6 +168,295 @@ class Container:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.fds = ()
+
+
+class ContainerPhases(SessionLayout):
+    """The session's phases in its container (a part of `LocalSandbox`): the container
+    started on first use in the session's layer, each phase's process joined into it, the
+    verifier and the healthcheck run there, its network and egress proxy opened."""
+
+    # Set by LocalSandbox's construction
+    container: Container | None  # the session's one sandbox, once started
+    network: Network | None
+    allowed_hosts: AllowList | None
+    caps: tuple[str, ...]  # what inner root holds in range mode
+    egress: EgressProxy | None
+    egress_sink: Callable[[str], Awaitable[None]] | None  # where a refused connection goes
+    slirp: Slirp | None  # the container's outward connection (a public network)
+    task_env: dict[str, str]  # [environment] env, for the container's PID 1
+    marker: str
+    tests: Path | None
+
+    if TYPE_CHECKING:  # LocalSandbox's: spawning, and the verifier's parts
+        def owner(self, role: Role = "agent") -> tuple[int, int]: ...
+
+        def base_env(self) -> dict[str, str]: ...
+
+        def _init(self, command: Sequence[str], status_fd: int, role: Role,
+                  user: InnerUser | None = None, *, deadline: bool = True) -> list[str]: ...
+
+        async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
+                         verifier_logs: Path | None = None, stdin: bool = False,
+                         copy: tuple[int, str, int, int] | None = None) -> LocalRun: ...
+
+        async def _run_bounded(self, command: list[str], timeout_s: float, *,
+                               env: Mapping[str, str], role: Role,
+                               verifier_logs: Path | None = None,
+                               copy: tuple[int, str, int, int] | None = None
+                               ) -> tuple[int | None, bool]: ...
+
+        async def _agent_gone(self) -> bool: ...
+
+        def _copy_tests(self, target: Path) -> None: ...
+
+    def _container_env(self) -> dict[str, str]:
+        """PID 1's environment, as Harbor's compose service gets it: the image's `Env` and
+        `HOME`, then `[environment] env`."""
+        assert self.image is not None
+        env = {**self.base_env(), **dict(self.image.env)}
+        env.setdefault("HOME", self.image.home)
+        return {**env, **self.task_env}
+
+    async def _ensure_container(self) -> Container:
+        """The session's container, started on first use (OSError: it could not be, or
+        it has stopped)."""
+        if self.container is not None:
+            if (why := self.container.lost()) is not None:
+                raise OSError(why)
+            return self.container
+        logs = self.root / "verifier-logs"
+        logs.mkdir(mode=0o700)
+        if self.runs_as.switches:
+            os.chown(logs, *self.owner("verifier"))
+        assert self.image is not None  # harbor runs image and rootfs sessions only
+        outward = ((self.network is not None and self.network.outward)
+                   or self.allowed_hosts is not None)
+        self._prepare_layer(resolver=outward)
+        run = await self._spawn(entry_command(self.image.entrypoint, INIT_INSIDE),
+                                env=self._container_env(),
+                                role="container", verifier_logs=logs)
+        info = await anyio.to_thread.run_sync(run.info)
+        pid, namespace = info.get("child-pid"), info.get("pid-namespace")
+        try:
+            if not isinstance(pid, int) or not isinstance(namespace, int):
+                raise OSError("bwrap reported no container")
+            self.container = await Container.attach(run, pid, namespace)
+            if outward:
+                net = info.get("net-namespace")
+                known = net if isinstance(net, int) else None
+                try:
+                    self.slirp = await start_slirp(pid, net_namespace=known)
+                    if self.allowed_hosts is not None:
+                        await self._open_egress(pid, known)
+                except SandboxRefused as error:  # also a container that stopped meanwhile
+                    raise OSError(self.container.lost() or f"the container's network could "
+                                                           f"not be set up: {error}") from None
+        except BaseException:
+            if self.slirp is not None:
+                await self.slirp.stop()
+                self.slirp = None
+            if self.container is not None:
+                self.container.release()
+                self.container = None
+            await run.aclose()
+            raise
+        return self.container
+
+    async def _open_egress(self, pid: int, net_namespace: int | None) -> None:
+        """An allowlist (docs/SPEC.md §15): `ping` opened to every group in the container's
+        network, its TCP to non-local addresses redirected by nftables to our egress
+        proxy, which listens inside and admits only allowed hosts."""
+        assert self.allowed_hosts is not None
+        taken = {route.port for route in self.network.routes} if self.network else set()
+        port = next(p for p in range(EGRESS_PORT, EGRESS_PORT + 100) if p not in taken)
+        await anyio.to_thread.run_sync(functools.partial(open_ping, pid,
+                                                         net_namespace=net_namespace))
+        await apply_rules(pid, egress_rules(port), net_namespace=net_namespace)
+        (listener,) = await anyio.to_thread.run_sync(listen_inside, pid, [port])
+        self.egress = EgressProxy(self.allowed_hosts, self._refused)
+        await self.egress.start(listener)
+
+    async def _refused(self, detail: str) -> None:
+        if self.egress_sink is not None:
+            await self.egress_sink(detail)
+
+    def _prepare_layer(self, *, resolver: bool) -> None:
+        """The container's start in the session's layer (before anything mounts it):
+        `/logs/agent` and `/logs/artifacts` the agent's to write (`/logs/verifier` is
+        bound in), and Docker's injected files."""
+        assert self.image is not None and self.image.root is not None
+        if resolve_inside(self.image.root, "/logs") == "/logs":
+            logs = self.root / "upper" / "logs"
+            for folder in (logs, logs / "agent", logs / "artifacts"):
+                folder.mkdir(mode=0o755, exist_ok=True)
+                if self.runs_as.switches:
+                    os.chown(folder, *(self._root_owner if folder == logs
+                                       else self.agent_owner))
+        self._inject_docker_files(resolver=resolver)
+
+    def _inject_docker_files(self, *, resolver: bool) -> None:
+        """`/etc/hosts`, `/etc/hostname` and `/etc/resolv.conf` as Docker writes them over
+        an image, into the session's layer, owned by inner root and writable by it, as
+        Docker's are."""
+        assert self.image is not None and self.image.root is not None
+        if resolve_inside(self.image.root, "/etc") != "/etc":
+            return  # an image whose /etc is a link: left as it is
+        etc = self.root / "upper" / "etc"
+        etc.mkdir(mode=0o755, exist_ok=True)
+        owner = self._root_owner if self.runs_as.switches else None
+        if owner is not None:
+            os.chown(etc, *owner)
+        for path, content in injected_files(self.marker, resolver=resolver).items():
+            target = self.root / "upper" / path.lstrip("/")
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            try:
+                os.write(fd, content)
+                if owner is not None:
+                    os.fchown(fd, *owner)
+            finally:
+                os.close(fd)
+
+    def container_lost(self) -> str | None:
+        """Why the session's container is gone (harbor), else None."""
+        return self.container.lost() if self.container is not None else None
+
+    def _inner_user(self, role: Role) -> InnerUser:
+        """Who a joined process runs as: the role's user (range mode), else the one id."""
+        if self.range is not None:
+            return self.range.users[role]
+        assert self.image is not None
+        return InnerUser(self.image.uid, self.image.gid, ())
+
+    async def _spawn_joined(self, command: Sequence[str], *, env: Mapping[str, str],
+                            role: Role, stdin: bool = False,
+                            copy: tuple[int, str, int, int] | None = None) -> LocalRun:
+        """A phase's process in the container (`init --join`); with `copy` (source fd,
+        destination, uid, gid) inner root copies a folder in instead."""
+        container = await self._ensure_container()
+        status_r, status_w = os.pipe()
+        seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
+                   if self.range is not None else None)
+        argv = [str(self.init), "--join-fds", container.join_arg()]
+        for procs in self._cgroup_procs:
+            argv += ["--cgroup", str(procs)]
+        if self.range is not None:
+            argv += ["--caps", caps_mask(self.caps), "--seccomp-fd", str(seccomp)]
+        elif self._nproc:
+            argv += ["--nproc", str(self._nproc)]
+        argv += ["--chdir", self.workdir]
+        user = self._inner_user(role)
+        if copy is not None:
+            argv += ["--copy-in", *(str(part) for part in copy)]
+            user = InnerUser(0, 0, ()) if self.range is not None else user
+        # The lease's switch is the container's PID 1's alone: when it fires, the container
+        # ends and every process joined into it with it (two readers would split the
+        # extensions between them).
+        argv += self._init(command, status_w, role, user, deadline=False)[1:]
+        try:
+            process = await anyio.open_process(
+                argv, env={**env, SUPERVISOR_ENV: self.marker},
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                pass_fds=tuple(fd for fd in (status_w, seccomp, copy[0] if copy else None,
+                                             *container.fds)
+                               if fd is not None),
+                start_new_session=True)
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            for fd in (status_w, seccomp):
+                if fd is not None:
+                    os.close(fd)
+        return LocalRun(process, status_fd=status_r, info_fd=None, isolation="joined",
+                        marker=self.marker)
+
+    async def close(self) -> None:
+        """Stop the session's container (harbor): every process in it ends."""
+        if self.egress is not None:
+            await self.egress.aclose()
+            self.egress = None
+        if self.slirp is not None:
+            await self.slirp.stop()
+            self.slirp = None
+        if self.container is not None:
+            await self.container.stop()
+
+    async def run_check(self, command: Sequence[str], timeout_s: float, *,
+                        env: Mapping[str, str]) -> tuple[int | None, str]:
+        """A command as the image's user in the session's sandbox (the healthcheck): its
+        exit code (None: it timed out) and the end of its output (at most `CHECK_TAIL`
+        bytes, stdout and stderr as they came)."""
+        run = await self._spawn(list(command), env=env, role="probe")
+        tail = bytearray()
+        read = [anyio.Event(), anyio.Event()]
+
+        async def keep(stream: Any, done: anyio.Event) -> None:
+            try:
+                if stream is not None:
+                    async for chunk in stream:
+                        tail.extend(chunk)
+                        del tail[:-CHECK_TAIL]
+            finally:
+                done.set()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(keep, run.process.stdout, read[0])
+                tg.start_soon(keep, run.process.stderr, read[1])
+                with anyio.move_on_after(timeout_s) as scope:
+                    status = await run.wait()
+                if scope.cancelled_caught:
+                    await run.stop(0.5)
+                with anyio.move_on_after(0.2):  # a daemon it left may hold the pipes
+                    for done in read:
+                        await done.wait()
+                tg.cancel_scope.cancel()
+            code = None if scope.cancelled_caught else status.return_code
+            return code, tail.decode("utf-8", errors="replace")
+        finally:
+            await run.aclose()
+
+    async def _verify_in_container(self, timeout_s: float, env: Mapping[str, str] | None
+                                   ) -> VerifierRun:
+        """The verifier as a process of the session's container (harbor): `/logs/verifier`
+        emptied (a folder of ours bound in), a fresh `/tests` copied in by inner root and
+        owned by the verifier's user, then `test.sh` as in `verify`."""
+        logs = self.root / "verifier-logs"
+        if not await self._agent_gone():
+            return VerifierRun(None, False, logs, "agent processes outlived the run")
+        try:
+            await self._ensure_container()
+        except OSError as error:
+            return VerifierRun(None, False, logs, str(error))
+        # What the agent (or a daemon of its) left there, any number of entries: removed by
+        # a few `rm` runs, never one per entry.
+        left = os.listdir(logs)
+        for start in range(0, len(left), REMOVE_BATCH):
+            remove_tree(*(logs / name for name in left[start:start + REMOVE_BATCH]))
+        base = {**self.base_env(), **(env or {}), "TRIALLEDGER_VERIFIER_DIR": VERIFIER_LOGS_INSIDE}
+        if self.tests is not None:
+            stage = self.root / f"tests-{self._verifications}"
+            self._copy_tests(stage)
+            verifier = self._inner_user("verifier")
+            source = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                code, _ = await self._run_bounded(
+                    [], min(timeout_s, 60.0), env=base, role="verifier",
+                    copy=(source, TESTS_INSIDE, verifier.uid, verifier.gid))
+            finally:
+                os.close(source)
+            if code != 0:
+                return VerifierRun(None, False, logs, "the tests could not be copied into "
+                                                      "the container")
+        assert self.image is not None
+        shell = "bash" if self.image.has("bash") else "sh"
+        run_it = f'exec "$0" > "$1/{VERIFIER_STDOUT}" 2>&1'
+        command = [shell, "-c", run_it, f"{TESTS_INSIDE}/test.sh", VERIFIER_LOGS_INSIDE]
+        code, timed_out = await self._run_bounded(command, timeout_s, env=base, role="verifier")
+        return VerifierRun(code, timed_out, logs)
+
 
 
 def survivors_gap(names: Sequence[str]) -> dict[str, str] | None:

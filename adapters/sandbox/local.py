@@ -13,10 +13,6 @@ never creates a mount point through the agent's symbolic link and the system sym
 always come from the host. Cleanup is structural: the run is over when its PID namespace
 is gone.
 
-When the runner is root, every mount source that is not world-readable (the Codex
-binary, the tests, granted paths) is first bound read-only onto a staging folder in a
-private mount namespace, so the sandbox user can bind it without reading the host.
-
 bwrap's ability to sandbox is checked before every session, exactly as the session will
 run (as the sandbox user, in its cgroups), and a failure is checked once more: a bwrap that
 cannot sandbox refuses the session, never falls back. Only when the operator asks for
@@ -24,35 +20,33 @@ cannot sandbox refuses the session, never falls back. Only when the operator ask
 as the sandbox user, never as root — every process carrying the `TRIALLEDGER_SUPERVISOR`
 marker; cleanup kills the stragglers the marker finds. That mode does not stop the agent
 from writing outside its workdir, and every session records it (`isolation`).
+
+This module builds the sandbox, its bwrap command line and its spawns, and serves the
+Sandbox protocol. The session folder's layout — its overlays, mount points and, when the
+runner is root, the staged binds of mount sources the sandbox user cannot read — is
+`layout.py`'s; the phases of the session's container (`verifier_isolation = harbor`) are
+`container.py`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import hashlib
 import logging
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import anyio
 
 from trialledger.adapters.codex.install import CodexInstall
-from trialledger.adapters.environment import (
-    HOST,
-    Environment,
-    copy_tree,
-    resolve_inside,
-)
+from trialledger.adapters.environment import HOST, Environment, resolve_inside
 from trialledger.adapters.sandbox.agentfiles import AgentTree
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.base import (
@@ -64,26 +58,18 @@ from trialledger.adapters.sandbox.base import (
 )
 from trialledger.adapters.sandbox.bwrap import (
     INIT_INSIDE,
-    PRIVATE,
     TESTS_INSIDE,
     VERIFIER_LOGS_INSIDE,
     VERIFIER_STDOUT,
-    Mount,
     Role,
     Spawn,
     bwrap_argv,
     mounts,
 )
 from trialledger.adapters.sandbox.cgroup import CONTROLLERS, SessionCgroup, hold
-from trialledger.adapters.sandbox.container import Container, caps_mask, entry_command
+from trialledger.adapters.sandbox.container import Container, ContainerPhases
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
-from trialledger.adapters.sandbox.egress import (
-    EgressProxy,
-    apply_rules,
-    egress_problem,
-    egress_rules,
-    open_ping,
-)
+from trialledger.adapters.sandbox.egress import EgressProxy, egress_problem
 from trialledger.adapters.sandbox.folders import (
     forget_session_folder,
     make_session_folder,
@@ -105,17 +91,11 @@ from trialledger.adapters.sandbox.idrange import (
     reserved_range,
     resolve_user,
 )
-from trialledger.adapters.sandbox.mountpoints import Want, make_mount_point
-from trialledger.adapters.sandbox.network import Network, listen_inside
+from trialledger.adapters.sandbox.layout import check_granted_paths, chown_tree, clear_planted
+from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import kill_marked, pids_in_namespace
-from trialledger.adapters.sandbox.slirp import (
-    Slirp,
-    hostname_of,
-    injected_files,
-    slirp_problem,
-    start_slirp,
-)
+from trialledger.adapters.sandbox.slirp import Slirp, hostname_of, slirp_problem
 
 log = logging.getLogger(__name__)
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
@@ -123,12 +103,7 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
 # (its lock follows its creation within microseconds): a removal or a creation cut short.
 ISOLATIONS = ("bwrap", "process-group")
 LIFETIMES = ("harbor", "strict")  # verifier_isolation (docs/SPEC.md §15)
-CHECK_TAIL = 4096  # bytes of a healthcheck try's output kept
-REMOVE_BATCH = 1000  # names per `rm` run (well inside ARG_MAX)
-EGRESS_PORT = 15001  # where an allowlist's egress proxy listens in the container
 RECHECK_AFTER_S = 0.2
-_overlays_made: set[tuple[int, int, bool]] = set()  # (lower's device, upper's,
-# range mode): overlays work
 
 
 def bwrap_problem(user: SandboxUser, cgroups: Sequence[Path] = (),
@@ -156,34 +131,6 @@ def bwrap_problem(user: SandboxUser, cgroups: Sequence[Path] = (),
     return f"bwrap cannot create its namespaces here: {done.stderr.strip()[-200:]}"
 
 
-def _contains(outer: Path, inner: Path) -> bool:
-    return inner == outer or outer in inner.parents
-
-
-def check_granted_paths(paths: Sequence[Path], protected: Sequence[Path]) -> list[Path]:
-    """Read-only paths to mount; refuse one that holds the store, the task or a home."""
-    homes = [Path("/root"), Path("/home"), Path.home()]
-    checked = []
-    for path in paths:
-        real = Path(os.path.realpath(path))
-        for kept in [*protected, *homes]:
-            kept_real = Path(os.path.realpath(kept))
-            if _contains(real, kept_real):
-                raise SandboxRefused(f"refusing to mount {path} into the sandbox: it holds "
-                                     f"{kept}, which the agent must not see")
-        if real.exists():
-            checked.append(real)
-    return checked
-
-
-def _chown_tree(top: Path, owner: tuple[int, int]) -> None:
-    """Give a tree we created to host ids `owner` (links themselves, never followed)."""
-    os.lchown(top, *owner)
-    for folder, dirs, files in os.walk(top):
-        for name in [*dirs, *files]:
-            os.lchown(os.path.join(folder, name), *owner)
-
-
 @dataclass(frozen=True)
 class RangeIds:
     """A range-mode session's ids: its slot, its user namespace, the user it runs as."""
@@ -198,30 +145,10 @@ class RangeIds:
         return SandboxUser(self.slot.start, self.slot.start)
 
 
-def _clear_planted(layer: Path, relative: str, *, whole: bool) -> None:
-    """Remove from an agent-writable `layer` whatever would redirect a mount point at
-    `relative`: a component that is not a real folder (a symlink, a file, a whiteout), or
-    with `whole`, the entry itself (system symlinks are always set from the host)."""
-    parts = [p for p in relative.split("/") if p]
-    current = layer
-    for index, part in enumerate(parts):
-        current = current / part
-        try:
-            mode = os.lstat(current).st_mode
-        except FileNotFoundError:
-            return
-        last = index == len(parts) - 1
-        if stat.S_ISDIR(mode) and not (whole and last):
-            continue
-        if stat.S_ISDIR(mode):
-            remove_tree(current)
-        else:
-            os.unlink(current)
-        return
-
-
-class LocalSandbox:
-    """One session's sandbox on this machine."""
+class LocalSandbox(ContainerPhases):
+    """One session's sandbox on this machine: its construction, the bwrap command line,
+    spawning and the Sandbox protocol; its session folder's layout is `SessionLayout`'s
+    (layout.py), its container's phases (harbor) `ContainerPhases`' (container.py)."""
 
     def __init__(
         self,
@@ -384,7 +311,7 @@ class LocalSandbox:
     def give(self, top: Path) -> None:
         """Hand a tree the runner made for the agent to its user (links not followed)."""
         if self.runs_as.switches:
-            _chown_tree(top, self.agent_owner)
+            chown_tree(top, self.agent_owner)
 
     @property
     def _root_owner(self) -> tuple[int, int]:
@@ -413,50 +340,6 @@ class LocalSandbox:
         of the session's own holds its processes, else the shared `PROCESS_LIMIT`."""
         return 0 if self.cgroup is not None and "pids" in self.cgroup.held else PROCESS_LIMIT
 
-    def _lay_out(self, workspace: Path | None) -> None:
-        self.session_dir = self.root / "home"
-        self.host_work = self.root / "work"  # the workdir on the host (none over an image)
-        self.stage = self.root / "stage"  # mount points of staged binds, made when needed
-        self.session_dir.mkdir()
-        if self.image is None:
-            self.host_work.mkdir()
-        self.private_roots = (str(self.session_dir), PRIVATE)
-        if self.overlay:
-            for name in ("upper", "overlay-work", "merged"):
-                (self.root / name).mkdir()
-        copy_to = self.host_work
-        if self.image is not None:
-            # Over an image the workdir is made in the session's layer (as a container
-            # runtime makes it: a WORKDIR need not exist in the image), where the
-            # workspace then goes; a workdir behind an image symlink is made where it leads.
-            assert self.image.root is not None
-            inside = resolve_inside(self.image.root, self.workdir)
-            copy_to = self.root / "upper" / inside.lstrip("/")
-            if not (self.image.root / inside.lstrip("/")).is_dir():
-                copy_to.mkdir(parents=True, exist_ok=True)
-        if workspace is not None and workspace.is_dir():
-            shutil.copytree(workspace, copy_to, dirs_exist_ok=True, symlinks=True)
-        if self.environment.upload is not None:
-            # A prebuilt image's environment/, as Harbor uploads it (docs/SPEC.md §15).
-            copy_to.mkdir(parents=True, exist_ok=True)
-            copy_tree(self.environment.upload, copy_to)
-        if self.runs_as.switches:
-            # Only bwrap's group may pass (bwrap, as that user, binds the folders below),
-            # never list; no other local user reaches the session's files — a setuid file
-            # the agent made in its workdir is not theirs to run.
-            os.chown(self.root, os.geteuid(), self.runs_as.gid)
-            self.root.chmod(0o710)
-            for folder in (self.session_dir, self.host_work):
-                if folder.exists():
-                    _chown_tree(folder, self.agent_owner)
-            if self.overlay:
-                _chown_tree(self.root / "upper", self.agent_owner)
-                os.chown(self.root / "upper", *self._root_owner)  # the image's / is root's
-        if self.range is not None:
-            (self.root / "lower").mkdir()
-        if self.overlay:
-            self._check_overlay()
-
     def limits_record(self) -> dict[str, Any] | None:
         """`agent.launched.limits`: what the task asked for, and whether it holds (also
         when nothing was asked for but the session has no process limit of its own)."""
@@ -464,30 +347,6 @@ class LocalSandbox:
             return None
         return {"requested": {key: self.limits.get(key) for key in CONTROLLERS},
                 "enforced": self.limits_reason is None, "reason": self.limits_reason}
-
-    @property
-    def _lower(self) -> Path:
-        """The overlay's lower folder: the image's root, else the session's workdir."""
-        if self.image is not None and self.image.root is not None:
-            return self.image.root
-        return self.host_work
-
-    def _check_overlay(self) -> None:
-        """Refuse now, not at launch, when no overlay of this lower folder can be made under
-        the session folders' file system: tried once per process and pair of file systems
-        (a mount in a private namespace costs a few ms, a third of a sandbox start)."""
-        lower = self._lower
-        key = (os.stat(lower).st_dev, os.stat(self.root).st_dev, self.range is not None)
-        if key not in _overlays_made:
-            done = subprocess.run([*self._prefix([]), "true"], capture_output=True,
-                                  text=True, check=False,
-                                  pass_fds=(self.range.userns_fd,) if self.range else ())
-            if done.returncode != 0:
-                raise SandboxRefused(
-                    "workdir / needs a per-session overlay, and none can be made here "
-                    f"(mount -t overlay in a private mount namespace failed: "
-                    f"{done.stderr.strip()[-300:]})")
-            _overlays_made.add(key)
 
     # --- paths ------------------------------------------------------------------------------
 
@@ -517,62 +376,6 @@ class LocalSandbox:
         return AgentTree(folder, *self.owner(role))
 
     # --- the bwrap command line -------------------------------------------------------------
-
-    def _overlay(self, lower: Path, layer: str) -> list[str]:
-        """`mount -t overlay` options and target for `lower` under `<layer>-upper`."""
-        for name in (f"{layer}-upper", f"{layer}-work", f"{layer}-merged"):
-            (self.root / name).mkdir(exist_ok=True)
-        if self.runs_as.switches:  # the layer's root is inner root's, as the image's is
-            os.chown(self.root / f"{layer}-upper", *self._root_owner)
-        options = (f"lowerdir={lower},upperdir={self.root / f'{layer}-upper'},"
-                   f"workdir={self.root / f'{layer}-work'}")
-        if os.geteuid() != 0:
-            options += ",userxattr"
-        return [options, str(self.root / f"{layer}-merged")]
-
-    def _pristine_view(self, role: Role) -> bool:
-        """Whether this sandbox is the verifier's pristine view of an image: a fresh overlay
-        of the image with the agent's workdir bound in."""
-        return role == "verifier" and self.verifier_root == "pristine" and self.image is not None
-
-    def _prefix(self, staged: Sequence[tuple[Path, Path]], role: Role = "agent") -> list[str]:
-        """What runs before bwrap: our static init (`init --stage`) mounts the overlays
-        and binds each staged source read-only onto its mount point in a private mount
-        namespace, drops to the sandbox user, then execs bwrap. In range mode the image's
-        entry is first mounted idmapped onto the slot, and the overlays lie on that."""
-        overlays: list[str] = []
-        idmap = None
-        if self.range is not None:
-            assert self.image is not None and self.image.root is not None
-            idmap = (self.range.userns_fd, self.image.root, self.root / "lower")
-        if self.overlay:
-            lower = self.root / "lower" if idmap is not None else self._lower
-            options = (f"lowerdir={lower},upperdir={self.root / 'upper'},"
-                       f"workdir={self.root / 'overlay-work'}")
-            if os.geteuid() != 0:
-                options += ",userxattr"
-            overlays += [options, str(self.root / "merged")]
-        if self._pristine_view(role):
-            assert self.image is not None and self.image.root is not None
-            overlays += self._overlay(self.root / "lower" if idmap is not None
-                                      else self.image.root, f"pristine-{self._verifications}")
-        return self.runs_as.staged(self.init, overlays,
-                                   [str(p) for pair in staged for p in pair],
-                                   self._cgroup_procs, self._nproc, idmap)
-
-    def _stage(self, source: Path, staged: list[tuple[Path, Path]]) -> Path:
-        """Where bwrap takes `source` from: itself, or (root) a staged read-only bind."""
-        if not self.runs_as.switches:
-            return source
-        point = self.stage / hashlib.sha256(str(source).encode()).hexdigest()[:16]
-        if not point.exists():
-            self.stage.mkdir(exist_ok=True)
-            if source.is_dir():
-                point.mkdir()
-            else:
-                point.touch()
-        staged.append((source, point))
-        return point
 
     def _bwrap(self, command: Sequence[str], *, info_fd: int, role: Role,
                verifier_logs: Path | None = None, block_fd: int | None = None,
@@ -623,42 +426,6 @@ class LocalSandbox:
             block_fd=block_fd, info_fd=info_fd,
             hostname=hostname_of(self.marker) if role == "container" else None)
 
-    def _clear_mount_points(self, placed: Sequence[Mount], role: Role) -> None:
-        """Make each mount point bwrap will create in a tree the image or the agent controls
-        a real path (mountpoints.py), so no link there leads bwrap out of the sandbox's root
-        and `/run/trialledger`, `/tests` and `/logs` are always ours: over the root overlay,
-        in its merged view; inside the workdir or the session folder, in that folder. A
-        point inside a mount of ours (a tmpfs, `/proc`, a host folder) needs nothing."""
-        owner = self._root_owner if self.runs_as.switches else None
-        if self._pristine_view(role):  # the agent's workdir is bound in from its layer: a
-            # workdir it swapped for a link is put back, never followed as a bind source
-            assert self.image is not None and self.image.root is not None
-            _clear_planted(self.root / "upper", resolve_inside(self.image.root, self.workdir),
-                           whole=False)
-        writable = {str(self.host_work): self.host_work, str(self.session_dir): self.session_dir}
-        for index, mount in enumerate(placed):
-            target = PurePosixPath(mount.target)
-            within = next((m for m in reversed(placed[:index])
-                           if PurePosixPath(m.target) in (target, *target.parents)), None)
-            want: Want = "absent" if mount.kind == "--symlink" else (
-                "file" if mount.source is not None and os.path.isfile(mount.source) else "dir")
-            if within is None and self.overlay:
-                upper, lower = self._root_layers(role)
-                make_mount_point(upper, mount.target, want, lower=lower, owner=owner,
-                                 shift=self.range.slot.start if self.range else 0)
-            elif within is not None and within.kind == "--bind" and within.source in writable:
-                make_mount_point(writable[within.source],
-                                 str(target.relative_to(within.target)), want, owner=owner)
-
-    def _root_layers(self, role: Role) -> tuple[Path, Path]:
-        """The upper and lower folders of the overlay bound as the spawn's root."""
-        if self._pristine_view(role):
-            assert self.image is not None and self.image.root is not None
-            upper = self.root / f"pristine-{self._verifications}-upper"
-            upper.mkdir(exist_ok=True)
-            return upper, self.image.root
-        return self.root / "upper", self._lower
-
     def _init(self, command: Sequence[str], status_fd: int, role: Role,
               user: InnerUser | None = None, *, deadline: bool = True) -> list[str]:
         init = INIT_INSIDE if self.isolation == "bwrap" else str(self.init)
@@ -674,182 +441,6 @@ class LocalSandbox:
             groups = ",".join(str(g) for g in user.groups) or "-"
             argv += ["--user", str(user.uid), str(user.gid), groups]
         return [*argv, "--", *command]
-
-    # --- the container (verifier_isolation = harbor) -----------------------------------------
-
-    def _container_env(self) -> dict[str, str]:
-        """PID 1's environment, as Harbor's compose service gets it: the image's `Env` and
-        `HOME`, then `[environment] env`."""
-        assert self.image is not None
-        env = {**self.base_env(), **dict(self.image.env)}
-        env.setdefault("HOME", self.image.home)
-        return {**env, **self.task_env}
-
-    async def _ensure_container(self) -> Container:
-        """The session's container, started on first use (OSError: it could not be, or
-        it has stopped)."""
-        if self.container is not None:
-            if (why := self.container.lost()) is not None:
-                raise OSError(why)
-            return self.container
-        logs = self.root / "verifier-logs"
-        logs.mkdir(mode=0o700)
-        if self.runs_as.switches:
-            os.chown(logs, *self.owner("verifier"))
-        assert self.image is not None  # harbor runs image and rootfs sessions only
-        outward = ((self.network is not None and self.network.outward)
-                   or self.allowed_hosts is not None)
-        self._prepare_layer(resolver=outward)
-        run = await self._spawn(entry_command(self.image.entrypoint, INIT_INSIDE),
-                                env=self._container_env(),
-                                role="container", verifier_logs=logs)
-        info = await anyio.to_thread.run_sync(run.info)
-        pid, namespace = info.get("child-pid"), info.get("pid-namespace")
-        try:
-            if not isinstance(pid, int) or not isinstance(namespace, int):
-                raise OSError("bwrap reported no container")
-            self.container = await Container.attach(run, pid, namespace)
-            if outward:
-                net = info.get("net-namespace")
-                known = net if isinstance(net, int) else None
-                try:
-                    self.slirp = await start_slirp(pid, net_namespace=known)
-                    if self.allowed_hosts is not None:
-                        await self._open_egress(pid, known)
-                except SandboxRefused as error:  # also a container that stopped meanwhile
-                    raise OSError(self.container.lost() or f"the container's network could "
-                                                           f"not be set up: {error}") from None
-        except BaseException:
-            if self.slirp is not None:
-                await self.slirp.stop()
-                self.slirp = None
-            if self.container is not None:
-                self.container.release()
-                self.container = None
-            await run.aclose()
-            raise
-        return self.container
-
-    async def _open_egress(self, pid: int, net_namespace: int | None) -> None:
-        """An allowlist (docs/SPEC.md §15): `ping` opened to every group in the container's
-        network, its TCP to non-local addresses redirected by nftables to our egress
-        proxy, which listens inside and admits only allowed hosts."""
-        assert self.allowed_hosts is not None
-        taken = {route.port for route in self.network.routes} if self.network else set()
-        port = next(p for p in range(EGRESS_PORT, EGRESS_PORT + 100) if p not in taken)
-        await anyio.to_thread.run_sync(functools.partial(open_ping, pid,
-                                                         net_namespace=net_namespace))
-        await apply_rules(pid, egress_rules(port), net_namespace=net_namespace)
-        (listener,) = await anyio.to_thread.run_sync(listen_inside, pid, [port])
-        self.egress = EgressProxy(self.allowed_hosts, self._refused)
-        await self.egress.start(listener)
-
-    async def _refused(self, detail: str) -> None:
-        if self.egress_sink is not None:
-            await self.egress_sink(detail)
-
-    def _prepare_layer(self, *, resolver: bool) -> None:
-        """The container's start in the session's layer (before anything mounts it):
-        `/logs/agent` and `/logs/artifacts` the agent's to write (`/logs/verifier` is
-        bound in), and Docker's injected files."""
-        assert self.image is not None and self.image.root is not None
-        if resolve_inside(self.image.root, "/logs") == "/logs":
-            logs = self.root / "upper" / "logs"
-            for folder in (logs, logs / "agent", logs / "artifacts"):
-                folder.mkdir(mode=0o755, exist_ok=True)
-                if self.runs_as.switches:
-                    os.chown(folder, *(self._root_owner if folder == logs
-                                       else self.agent_owner))
-        self._inject_docker_files(resolver=resolver)
-
-    def _inject_docker_files(self, *, resolver: bool) -> None:
-        """`/etc/hosts`, `/etc/hostname` and `/etc/resolv.conf` as Docker writes them over
-        an image, into the session's layer, owned by inner root and writable by it, as
-        Docker's are."""
-        assert self.image is not None and self.image.root is not None
-        if resolve_inside(self.image.root, "/etc") != "/etc":
-            return  # an image whose /etc is a link: left as it is
-        etc = self.root / "upper" / "etc"
-        etc.mkdir(mode=0o755, exist_ok=True)
-        owner = self._root_owner if self.runs_as.switches else None
-        if owner is not None:
-            os.chown(etc, *owner)
-        for path, content in injected_files(self.marker, resolver=resolver).items():
-            target = self.root / "upper" / path.lstrip("/")
-            with contextlib.suppress(FileNotFoundError):
-                target.unlink()
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            try:
-                os.write(fd, content)
-                if owner is not None:
-                    os.fchown(fd, *owner)
-            finally:
-                os.close(fd)
-
-    def container_lost(self) -> str | None:
-        """Why the session's container is gone (harbor), else None."""
-        return self.container.lost() if self.container is not None else None
-
-    def _inner_user(self, role: Role) -> InnerUser:
-        """Who a joined process runs as: the role's user (range mode), else the one id."""
-        if self.range is not None:
-            return self.range.users[role]
-        assert self.image is not None
-        return InnerUser(self.image.uid, self.image.gid, ())
-
-    async def _spawn_joined(self, command: Sequence[str], *, env: Mapping[str, str],
-                            role: Role, stdin: bool = False,
-                            copy: tuple[int, str, int, int] | None = None) -> LocalRun:
-        """A phase's process in the container (`init --join`); with `copy` (source fd,
-        destination, uid, gid) inner root copies a folder in instead."""
-        container = await self._ensure_container()
-        status_r, status_w = os.pipe()
-        seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
-                   if self.range is not None else None)
-        argv = [str(self.init), "--join-fds", container.join_arg()]
-        for procs in self._cgroup_procs:
-            argv += ["--cgroup", str(procs)]
-        if self.range is not None:
-            argv += ["--caps", caps_mask(self.caps), "--seccomp-fd", str(seccomp)]
-        elif self._nproc:
-            argv += ["--nproc", str(self._nproc)]
-        argv += ["--chdir", self.workdir]
-        user = self._inner_user(role)
-        if copy is not None:
-            argv += ["--copy-in", *(str(part) for part in copy)]
-            user = InnerUser(0, 0, ()) if self.range is not None else user
-        # The lease's switch is the container's PID 1's alone: when it fires, the container
-        # ends and every process joined into it with it (two readers would split the
-        # extensions between them).
-        argv += self._init(command, status_w, role, user, deadline=False)[1:]
-        try:
-            process = await anyio.open_process(
-                argv, env={**env, SUPERVISOR_ENV: self.marker},
-                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                pass_fds=tuple(fd for fd in (status_w, seccomp, copy[0] if copy else None,
-                                             *container.fds)
-                               if fd is not None),
-                start_new_session=True)
-        except BaseException:
-            os.close(status_r)
-            raise
-        finally:
-            for fd in (status_w, seccomp):
-                if fd is not None:
-                    os.close(fd)
-        return LocalRun(process, status_fd=status_r, info_fd=None, isolation="joined",
-                        marker=self.marker)
-
-    async def close(self) -> None:
-        """Stop the session's container (harbor): every process in it ends."""
-        if self.egress is not None:
-            await self.egress.aclose()
-            self.egress = None
-        if self.slirp is not None:
-            await self.slirp.stop()
-            self.slirp = None
-        if self.container is not None:
-            await self.container.stop()
 
     async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
                      verifier_logs: Path | None = None, stdin: bool = False,
@@ -992,41 +583,6 @@ class LocalSandbox:
             return ProbeResult(False, f"{name} exited with {code}")
         return ProbeResult(True, f"{name} ran in the workdir")
 
-    async def run_check(self, command: Sequence[str], timeout_s: float, *,
-                        env: Mapping[str, str]) -> tuple[int | None, str]:
-        """A command as the image's user in the session's sandbox (the healthcheck): its
-        exit code (None: it timed out) and the end of its output (at most `CHECK_TAIL`
-        bytes, stdout and stderr as they came)."""
-        run = await self._spawn(list(command), env=env, role="probe")
-        tail = bytearray()
-        read = [anyio.Event(), anyio.Event()]
-
-        async def keep(stream: Any, done: anyio.Event) -> None:
-            try:
-                if stream is not None:
-                    async for chunk in stream:
-                        tail.extend(chunk)
-                        del tail[:-CHECK_TAIL]
-            finally:
-                done.set()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(keep, run.process.stdout, read[0])
-                tg.start_soon(keep, run.process.stderr, read[1])
-                with anyio.move_on_after(timeout_s) as scope:
-                    status = await run.wait()
-                if scope.cancelled_caught:
-                    await run.stop(0.5)
-                with anyio.move_on_after(0.2):  # a daemon it left may hold the pipes
-                    for done in read:
-                        await done.wait()
-                tg.cancel_scope.cancel()
-            code = None if scope.cancelled_caught else status.return_code
-            return code, tail.decode("utf-8", errors="replace")
-        finally:
-            await run.aclose()
-
     def base_env(self) -> dict[str, str]:
         """The probe's and verifier's environment: PATH (the image's, over an image), LANG
         and LC_ALL."""
@@ -1067,45 +623,6 @@ class LocalSandbox:
                                                   verifier_logs=logs)
         return VerifierRun(code, timed_out, logs)
 
-    async def _verify_in_container(self, timeout_s: float, env: Mapping[str, str] | None
-                                   ) -> VerifierRun:
-        """The verifier as a process of the session's container (harbor): `/logs/verifier`
-        emptied (a folder of ours bound in), a fresh `/tests` copied in by inner root and
-        owned by the verifier's user, then `test.sh` as in `verify`."""
-        logs = self.root / "verifier-logs"
-        if not await self._agent_gone():
-            return VerifierRun(None, False, logs, "agent processes outlived the run")
-        try:
-            await self._ensure_container()
-        except OSError as error:
-            return VerifierRun(None, False, logs, str(error))
-        # What the agent (or a daemon of its) left there, any number of entries: removed by
-        # a few `rm` runs, never one per entry.
-        left = os.listdir(logs)
-        for start in range(0, len(left), REMOVE_BATCH):
-            remove_tree(*(logs / name for name in left[start:start + REMOVE_BATCH]))
-        base = {**self.base_env(), **(env or {}), "TRIALLEDGER_VERIFIER_DIR": VERIFIER_LOGS_INSIDE}
-        if self.tests is not None:
-            stage = self.root / f"tests-{self._verifications}"
-            self._copy_tests(stage)
-            verifier = self._inner_user("verifier")
-            source = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                code, _ = await self._run_bounded(
-                    [], min(timeout_s, 60.0), env=base, role="verifier",
-                    copy=(source, TESTS_INSIDE, verifier.uid, verifier.gid))
-            finally:
-                os.close(source)
-            if code != 0:
-                return VerifierRun(None, False, logs, "the tests could not be copied into "
-                                                      "the container")
-        assert self.image is not None
-        shell = "bash" if self.image.has("bash") else "sh"
-        run_it = f'exec "$0" > "$1/{VERIFIER_STDOUT}" 2>&1'
-        command = [shell, "-c", run_it, f"{TESTS_INSIDE}/test.sh", VERIFIER_LOGS_INSIDE]
-        code, timed_out = await self._run_bounded(command, timeout_s, env=base, role="verifier")
-        return VerifierRun(code, timed_out, logs)
-
     def _copy_tests(self, target: Path) -> None:
         """The task's tests copied to `target` (links as links), the sandbox user's, with
         `test.sh` executable (Harbor's `chmod +x`)."""
@@ -1115,7 +632,7 @@ class LocalSandbox:
         if script.is_file() and not script.is_symlink():
             script.chmod(script.stat().st_mode | 0o111)
         if self.runs_as.switches:
-            _chown_tree(target, self._root_owner if self.range is not None else self.agent_owner)
+            chown_tree(target, self._root_owner if self.range is not None else self.agent_owner)
 
     def _fresh_tests(self) -> Path | None:
         """The verifier's `/tests`: over an overlay that is its root, a real folder of its
@@ -1125,7 +642,7 @@ class LocalSandbox:
         if self.tests is None:
             return None
         if self.overlay and not self._pristine_view("verifier"):
-            _clear_planted(self.root / "upper", TESTS_INSIDE, whole=True)
+            clear_planted(self.root / "upper", TESTS_INSIDE, whole=True)
             layer = self.root / "upper" / TESTS_INSIDE.lstrip("/")
             if os.path.lexists(layer):
                 remove_tree(layer)
