@@ -14,6 +14,7 @@ from trialledger.core.events import (
     Gap,
     GapRecorded,
     SessionSeeded,
+    Usage,
 )
 from trialledger.core.policy import Policy
 
@@ -171,8 +172,10 @@ def observe(
     *,
     closed: bool,
     policy: Policy,
+    usage: tuple[Usage | None, list[Gap]] | None = None,
 ) -> Observations:
-    """The snapshot of what a log captured: conversation, tool calls and gaps."""
+    """The snapshot of what a log captured: conversation, tool calls and gaps. `usage`:
+    `policy.usage_of(events)` when the caller has it (one walk of the log, not two)."""
     conversation: dict[object, Message] = {}
     tools = ToolTraces()
     recorded: list[Gap] = []
@@ -194,7 +197,8 @@ def observe(
             conversation=list(conversation.values()),
         ),
         tool_calls=tools.calls(),
-        gaps=recorded + derived_gaps(events, decisions, tools, closed=closed, policy=policy),
+        gaps=recorded + derived_gaps(events, decisions, tools, closed=closed, policy=policy,
+                                     usage=usage),
     )
 
 
@@ -205,6 +209,7 @@ def derived_gaps(
     *,
     closed: bool,
     policy: Policy,
+    usage: tuple[Usage | None, list[Gap]] | None = None,
 ) -> list[Gap]:
     """The gaps a log implies (SPEC §9), beyond the recorded ones."""
     gaps: list[Gap] = []
@@ -218,7 +223,7 @@ def derived_gaps(
     if closed and not final:
         gaps.append(Gap(code="agent_activation_interrupted",
                         detail="the session closed before a final decision"))
-    gaps += policy.usage_of(events)[1]
+    gaps += (usage if usage is not None else policy.usage_of(events))[1]
     gaps += policy.warning_gaps(facts)
     gaps += policy.gaps_of(facts)
     gaps += [

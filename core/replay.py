@@ -82,17 +82,17 @@ def view_of(session: Session, *, unapplied: Iterable[Event] = (),
         (dict(e.data.rewards) for e in events if e.type == "verification.recorded"),
         None,
     )
+    usage = session.policy.usage_of(events)
     return SessionView(
         session_id=session.session_id,
         state=session.state,
         outcome=outcome_of(session),
         decision=session.decisions[-1] if session.decisions else None,
         decisions=list(session.decisions),
-        usage=session.policy.usage_of(events)[0],
+        usage=usage[0],
         rewards=rewards,
-        observations=observe(
-            events, session.decisions, closed=session.state == "closed", policy=session.policy
-        ),
+        observations=observe(events, session.decisions, closed=session.state == "closed",
+                             policy=session.policy, usage=usage),
         unapplied=list(unapplied),
         diverged_at=diverged_at,
         events=list(events),
