@@ -299,6 +299,9 @@ class SessionRunner:
             lifetime=str(settings_raw["verifier_isolation"]),
             task_env=self.task.env,
             allowed_hosts=self.task.allowed_hosts,
+            network_modes=({"healthcheck": modes["environment"], "agent": modes["agent"],
+                            "verifier": modes["verifier"]}
+                           if (modes := self.task.network_modes) else None),
         )
         # Made (and below discarded) in a worker thread: its bwrap check, folders and
         # cgroups block for tens of milliseconds, which the trials beside it would wait out.

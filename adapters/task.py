@@ -34,6 +34,7 @@ from trialledger.adapters.taskconfig import (
     allowed_entries,
     legacy_sizes,
     network_modes,
+    one_network,
     review,
 )
 from trialledger.adapters.taskconfig import TaskInvalid as TaskInvalid
@@ -119,6 +120,12 @@ class Task:
         check = environment.get("healthcheck")
         kept, warned = parse_artifacts(meta.get("artifacts", []), str(folder / "task.toml"))
         allowed = allowed_entries(meta, modes, str(folder / "task.toml"))
+        if _source(environment, folder) is None:
+            one_network(meta, modes, str(folder / "task.toml"),
+                        "a host task's phases share the host's network")
+        elif "allowlist" in (modes["agent"], modes["verifier"]):
+            one_network(meta, modes, str(folder / "task.toml"),
+                        "an allowlist is one network for both phases here")
         if allowed is not None and _source(environment, folder) is None:
             raise UnsupportedField(f"{folder / 'task.toml'}: network_mode = 'allowlist' needs "
                                    f"an image or rootfs environment (the session's own "
@@ -143,7 +150,7 @@ class Task:
             secrets=(*(secret for table in tables.values() for secret in table.secrets),
                      *servers.secrets),
             mcp_servers=servers,
-            allow_internet=modes["agent"] == "public",  # the verifier's too: checked equal
+            allow_internet=modes["agent"] == "public",  # (a container switches per phase)
             network_modes=modes,
             source=_source(environment, folder),
             limits=_limits(environment, folder),

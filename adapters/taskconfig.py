@@ -164,10 +164,8 @@ PHASES = ("agent", "verifier")
 def network_modes(meta: Mapping[str, Any], where: str
                   ) -> tuple[dict[str, str], dict[str, str]]:
     """Each phase's network mode (`environment`, `agent`, `verifier`) as Harbor resolves it,
-    and the warned fields (a legacy `allow_internet` an explicit field overrides).
-
-    Today one network serves the agent and the verifier: a task asking otherwise is refused
-    by name rather than run differently."""
+    and the warned fields (a legacy `allow_internet` an explicit field overrides). Whether
+    the modes may differ depends on where the task runs (`one_network`)."""
     environment = meta.get("environment", {})
     ignored: dict[str, str] = {}
     baseline = _mode(environment, "environment", where) or "public"
@@ -183,13 +181,18 @@ def network_modes(meta: Mapping[str, Any], where: str
     modes = {"environment": baseline}
     for phase in PHASES:
         modes[phase] = _mode(meta.get(phase, {}), phase, where) or baseline
+    return modes, ignored
+
+
+def one_network(meta: Mapping[str, Any], modes: Mapping[str, str], where: str,
+                why: str) -> None:
+    """Refuse a task whose agent and verifier would need different network modes where one
+    network serves both (`why`: where and why)."""
     if modes["agent"] != modes["verifier"]:
         named = "verifier" if "network_mode" in meta.get("verifier", {}) else "agent"
         raise UnsupportedField(
             f"{where}: [{named}] network_mode: the agent would run {modes['agent']} and the "
-            f"verifier {modes['verifier']}; per-phase network modes are not yet supported "
-            f"here (both phases share one network)")
-    return modes, ignored
+            f"verifier {modes['verifier']}; {why}")
 
 
 def _mode(table: Mapping[str, Any], name: str, where: str) -> str | None:
@@ -224,8 +227,8 @@ def allowed_entries(meta: Mapping[str, Any], modes: Mapping[str, str], where: st
 
     if entries("agent") != entries("verifier"):
         raise UnsupportedField(f"{where}: [verifier] allowed_hosts: the agent and the verifier "
-                               f"would reach different hosts; per-phase network policies are "
-                               f"not yet supported here (both phases share one network)")
+                               f"would reach different hosts; one allowlist serves the whole "
+                               f"session here")
     return entries("agent")
 
 

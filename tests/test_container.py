@@ -22,6 +22,7 @@ from tests.runs import make_task, run_task
 from tests.test_range_mode import DOCKER_CAP_MASK, _debian_into, private_storage
 from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.environment import Cache, prepare
+from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.local import LocalSandbox
 
 pytestmark = pytest.mark.anyio
@@ -63,13 +64,14 @@ PROBE = (
     "grep -E '^Cap(Eff|Bnd)' /proc/self/status; echo done")
 
 
-async def _rootfs_run(tmp_path: Path, environment: str, command: str) -> tuple[Any, str]:
+async def _rootfs_run(tmp_path: Path, environment: str, command: str, *,
+                      test_sh: str = "exit 0\n") -> tuple[Any, str]:
     """A tool call running `command` over the tests' Debian rootfs (range mode), the task's
     `[environment]` table holding `environment` too; the run and the call's output."""
     task_dir = tmp_path / "task"
     task_dir.mkdir()
     _debian_into(task_dir)
-    task = make_task(task_dir, test_sh="exit 0\n",
+    task = make_task(task_dir, test_sh=test_sh,
                      toml=f'[environment]\nrootfs = "rootfs.tar"\n{environment}')
     env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
     ran = await run_task(str(tmp_path / "t.db"), task, [shell(command), message()],
@@ -102,6 +104,36 @@ async def test_no_network_has_no_way_out_and_no_resolver(
     assert "REACHED" not in out and "RESOLVER" not in out, out
     assert "BOUND-80" in out and "HOSTS-LOCALHOST" in out, out
     assert kept[-1].slirp is None
+
+
+@pytest.mark.parametrize(("agent", "verifier"), [("no-network", "public"),
+                                                  ("public", "no-network")])
+async def test_each_phase_runs_on_its_own_network_mode(
+        tmp_path: Path, servers: tuple[int, str, int], kept: list[LocalSandbox],
+        agent: str, verifier: str) -> None:
+    """SPEC §15: the agent and the verifier each take their table's `network_mode`, the
+    container's network switched between them (slirp4netns started or stopped) as Harbor
+    switches its sidecar — an offline agent graded by a verifier that installs what it
+    needs, or the reverse; neither phase reaches what its mode keeps it from."""
+    _, outside, port = servers
+    reach = f"bash -c 'echo > /dev/tcp/{outside}/{port}' 2>/dev/null"
+    tables = (f'\n[agent]\nnetwork_mode = "{agent}"\n'
+              f'[verifier]\nnetwork_mode = "{verifier}"\n')
+    ran, out = await _rootfs_run(
+        tmp_path, tables, f"exec 2>&1; {reach} && echo REACHED-OUTSIDE; echo done",
+        test_sh=f"{reach} && echo 1 > /logs/verifier/reward.txt || "
+                f"echo 0 > /logs/verifier/reward.txt\n")
+    assert ("REACHED-OUTSIDE" in out) == (agent == "public"), out
+    assert ran.view.rewards == {"reward": 1.0 if verifier == "public" else 0.0}
+    assert kept[-1].slirp is None  # stopped with the session
+
+
+def test_phases_on_different_networks_need_the_container() -> None:
+    """Under `strict` each phase's sandbox is made with the session's one network: a task
+    whose agent and verifier modes differ is refused there, never run on the wrong one."""
+    with pytest.raises(SandboxRefused, match="verifier_isolation = harbor"):
+        LocalSandbox(session_key="strict-modes", workdir="/work", lifetime="strict",
+                     network_modes={"agent": "no-network", "verifier": "public"})
 
 
 ENTRY = ('ENTRYPOINT ["/bin/sh", "-c", "id -u > /entry-ran; exec \\"$@\\"", "entry"]')

@@ -37,7 +37,8 @@ REFUSED = [
     ("[environment]\nnetwork_mode = 'allowlist'\nallowed_hosts = ['a.example']\n"
      "[verifier]\nnetwork_mode = 'allowlist'\nallowed_hosts = ['b.example']\n",
      "[verifier] allowed_hosts"),
-    # one network serves both phases today: a phase that differs is refused, not run wrong
+    # a host task's phases share the host's network: a phase that differs is refused, not
+    # run wrong (an image's container switches; tests/test_container.py)
     ("[agent]\nnetwork_mode = 'no-network'\n", "[agent] network_mode"),
     ("[environment]\nallow_internet = false\n[verifier]\nnetwork_mode = 'public'\n",
      "[verifier] network_mode"),

@@ -59,6 +59,7 @@ CAP_NUMBERS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSET
                "CAP_NET_BIND_SERVICE": 10, "CAP_NET_RAW": 13, "CAP_SYS_CHROOT": 18,
                "CAP_MKNOD": 27, "CAP_AUDIT_WRITE": 29, "CAP_SETFCAP": 31}
 IDLE = "--idle"  # our init's argument to sleep forever: PID 1's command without ENTRYPOINT
+NETWORK_PHASES = ("healthcheck", "agent", "verifier")  # each with its network mode (§15)
 NAMES_SHOWN = 10  # survivors named in `agent_processes_survived`
 NAMESPACES = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup")  # init --join-fds's order
 READY_S = 10.0  # how long PID 1 may take to start its command
@@ -95,6 +96,7 @@ class Container:
     process later gets its pid)."""
 
     run: LocalRun
+    pid: int  # PID 1's, on the host
     namespace: int
     fds: tuple[int, ...]
     baseline: set[int] = field(default_factory=set)  # its processes before the agent
@@ -124,7 +126,7 @@ class Container:
                 raise
         finally:
             os.close(pidfd)
-        return cls(run, namespace, tuple(fds))
+        return cls(run, pid, namespace, tuple(fds))
 
     def join_arg(self) -> str:
         """`init --join-fds`'s argument."""
@@ -183,6 +185,9 @@ class ContainerPhases(SessionLayout):
     egress: EgressProxy | None
     egress_sink: Callable[[str], Awaitable[None]] | None  # where a refused connection goes
     slirp: Slirp | None  # the container's outward connection (a public network)
+    phase_modes: dict[str, str]  # NETWORK_PHASES → the phase's network mode
+    _net_namespace: int | None  # the container's network namespace's inode (bwrap's)
+    lifetime: str  # verifier_isolation: harbor (this container) or strict
     task_env: dict[str, str]  # [environment] env, for the container's PID 1
     marker: str
     tests: Path | None
@@ -229,9 +234,8 @@ class ContainerPhases(SessionLayout):
         if self.runs_as.switches:
             os.chown(logs, *self.owner("verifier"))
         assert self.image is not None  # harbor runs image and rootfs sessions only
-        outward = ((self.network is not None and self.network.outward)
-                   or self.allowed_hosts is not None)
-        self._prepare_layer(resolver=outward)
+        self._prepare_layer(resolver="public" in self.phase_modes.values()
+                            or self.allowed_hosts is not None)
         run = await self._spawn(entry_command(self.image.entrypoint, INIT_INSIDE),
                                 env=self._container_env(),
                                 role="container", verifier_logs=logs)
@@ -241,14 +245,13 @@ class ContainerPhases(SessionLayout):
             if not isinstance(pid, int) or not isinstance(namespace, int):
                 raise OSError("bwrap reported no container")
             self.container = await Container.attach(run, pid, namespace)
-            if outward:
-                net = info.get("net-namespace")
-                known = net if isinstance(net, int) else None
+            net = info.get("net-namespace")
+            self._net_namespace = net if isinstance(net, int) else None
+            if self.allowed_hosts is not None:  # one allowlist serves every phase
+                await self._connect()
                 try:
-                    self.slirp = await start_slirp(pid, net_namespace=known)
-                    if self.allowed_hosts is not None:
-                        await self._open_egress(pid, known)
-                except SandboxRefused as error:  # also a container that stopped meanwhile
+                    await self._open_egress(pid, self._net_namespace)
+                except SandboxRefused as error:
                     raise OSError(self.container.lost() or f"the container's network could "
                                                            f"not be set up: {error}") from None
         except BaseException:
@@ -261,6 +264,30 @@ class ContainerPhases(SessionLayout):
             await run.aclose()
             raise
         return self.container
+
+    async def _connect(self) -> None:
+        """slirp4netns started on the container's network (OSError: it could not be)."""
+        assert self.container is not None
+        try:
+            self.slirp = await start_slirp(self.container.pid,
+                                           net_namespace=self._net_namespace)
+        except SandboxRefused as error:  # also a container that stopped meanwhile
+            raise OSError(self.container.lost() or f"the container's network could not be "
+                                                   f"set up: {error}") from None
+
+    async def _use_network(self, phase: str) -> None:
+        """Set the container's network to `phase`'s mode before the phase runs, as Harbor
+        switches its egress sidecar (docs/SPEC.md §15): `public` connected by slirp4netns,
+        `no-network` without it (its tap device goes with it). A process left running
+        from an earlier phase finds the network the phase it runs beside has."""
+        if self.allowed_hosts is not None:
+            return  # the allowlist's rules and proxy stay for the whole session
+        public = self.phase_modes.get(phase) == "public"
+        if public and self.slirp is None:
+            await self._connect()
+        elif not public and self.slirp is not None:
+            await self.slirp.stop()
+            self.slirp = None
 
     async def _open_egress(self, pid: int, net_namespace: int | None) -> None:
         """An allowlist (docs/SPEC.md §15): `ping` opened to every group in the container's
@@ -335,6 +362,8 @@ class ContainerPhases(SessionLayout):
         """A phase's process in the container (`init --join`); with `copy` (source fd,
         destination, uid, gid) inner root copies a folder in instead."""
         container = await self._ensure_container()
+        if role in ("agent", "verifier"):
+            await self._use_network(role)
         status_r, status_w = os.pipe()
         seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
                    if self.range is not None else None)
@@ -388,6 +417,9 @@ class ContainerPhases(SessionLayout):
         """A command as the image's user in the session's sandbox (the healthcheck): its
         exit code (None: it timed out) and the end of its output (at most `CHECK_TAIL`
         bytes, stdout and stderr as they came)."""
+        if self.lifetime == "harbor":  # the healthcheck takes [environment]'s network
+            await self._ensure_container()
+            await self._use_network("healthcheck")
         run = await self._spawn(list(command), env=env, role="probe")
         tail = bytearray()
         read = [anyio.Event(), anyio.Event()]

@@ -67,7 +67,7 @@ from trialledger.adapters.sandbox.bwrap import (
     mounts,
 )
 from trialledger.adapters.sandbox.cgroup import CONTROLLERS, SessionCgroup, hold
-from trialledger.adapters.sandbox.container import Container, ContainerPhases
+from trialledger.adapters.sandbox.container import NETWORK_PHASES, Container, ContainerPhases
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.egress import EgressProxy, egress_problem
 from trialledger.adapters.sandbox.folders import (
@@ -172,6 +172,7 @@ class LocalSandbox(ContainerPhases):
         lifetime: str = "strict",
         task_env: Mapping[str, str] | None = None,
         allowed_hosts: AllowList | None = None,
+        network_modes: Mapping[str, str] | None = None,
     ) -> None:
         self.workdir = workdir
         self.environment = environment
@@ -195,7 +196,16 @@ class LocalSandbox(ContainerPhases):
         if lifetime == "harbor" and verifier_root == "pristine":
             raise SandboxRefused("verifier_root = pristine cannot be used under "
                                  "verifier_isolation = harbor: one sandbox serves every phase")
-        if (lifetime == "harbor" and network is not None and network.outward
+        # Each phase's network mode (healthcheck, agent, verifier; docs/SPEC.md §15): a
+        # container switches between them; a sandbox per phase has one network for all.
+        outward = "public" if network is not None and network.outward else "no-network"
+        self.phase_modes = {phase: (network_modes or {}).get(phase, outward)
+                            for phase in NETWORK_PHASES}
+        if lifetime != "harbor" and self.phase_modes["agent"] != self.phase_modes["verifier"]:
+            raise SandboxRefused("an agent and a verifier on different network modes need "
+                                 "verifier_isolation = harbor (one container whose network "
+                                 "is switched between phases)")
+        if (lifetime == "harbor" and "public" in self.phase_modes.values()
                 and (problem := slirp_problem()) is not None):
             raise SandboxRefused(f"a public network for an image's container needs "
                                  f"slirp4netns: {problem}")
@@ -218,6 +228,7 @@ class LocalSandbox(ContainerPhases):
         self.lifetime = lifetime
         self.container: Container | None = None  # harbor: the session's one sandbox
         self.slirp: Slirp | None = None  # its outward connection (a public network)
+        self._net_namespace: int | None = None  # its network namespace (once it runs)
         self.task_env = dict(task_env or {})  # [environment] env, for the container's PID 1
         self.init = ensure_init()
         self.codex = codex
