@@ -290,9 +290,11 @@ class LocalSandbox(ContainerPhases):
                                  f"({self.limits_reason})")
         ensure_filter()
         image_user = (self.image.uid, self.image.gid)
-        users = {role: resolve_user(self.image.root, self.users.get(role)
-                                    if role in ("agent", "verifier") else None, image_user)
+        specs = {role: self.users.get(role) if role in ("agent", "verifier") else None
                  for role in ("agent", "probe", "verifier", "container")}
+        resolved = {spec: resolve_user(self.image.root, spec, image_user)  # each read once
+                    for spec in set(specs.values())}
+        users = {role: resolved[spec] for role, spec in specs.items()}
         slot = Slot.acquire(ids)
         try:
             userns_fd = make_userns(self.init, slot)
