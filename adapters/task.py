@@ -126,10 +126,6 @@ class Task:
         elif "allowlist" in (modes["agent"], modes["verifier"]):
             one_network(meta, modes, str(folder / "task.toml"),
                         "an allowlist is one network for both phases here")
-        if allowed is not None and _source(environment, folder) is None:
-            raise UnsupportedField(f"{folder / 'task.toml'}: network_mode = 'allowlist' needs "
-                                   f"an image or rootfs environment (the session's own "
-                                   f"container): a host task shares the host's network")
         return cls(
             allowed_hosts=(AllowList.parse(allowed, str(folder / "task.toml"))
                            if allowed is not None else None),

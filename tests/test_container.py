@@ -241,6 +241,36 @@ async def test_an_allowlist_admits_its_hosts_and_refuses_the_rest(
     assert kept[-1].egress is None  # stopped with the session
 
 
+async def test_a_host_tasks_allowlist_holds_in_each_phase(
+        tmp_path: Path, web_server: tuple[str, int], kept: list[LocalSandbox]) -> None:
+    """A host task's `allowlist` (SPEC §15: "for host-environment tasks too"): each phase's
+    sandbox gets a namespace of its own connected by slirp4netns, the rules and the egress
+    proxy — the agent reaches the allowed address and is refused the rest, and so is the
+    verifier, in a sandbox of its own."""
+    address, port = web_server
+    reach = (f"exec 3<>/dev/tcp/{address}/{port} && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 "
+             f"&& timeout 10 cat <&3")
+    blocked = "exec 4<>/dev/tcp/192.0.2.77/80 && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&4 && " \
+              "timeout 10 cat <&4"
+    task = make_task(
+        tmp_path / "task",
+        toml=f'[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = ["{address}"]\n',
+        test_sh=f"#!/bin/bash\nok=0; ({reach}) | grep -q ALLOWED-BODY && ok=1\n"
+                f"({blocked}) | grep -q ' 200 ' && ok=0\n"
+                f"echo $ok > /logs/verifier/reward.txt\n")
+    ran = await run_task(str(tmp_path / "t.db"), task,
+                         [shell(ALLOWLIST_PROBE.format(address=address, port=port)),
+                          shell("grep nameserver /etc/resolv.conf"), message()])
+    out = "\n".join(call.output for call in ran.view.observations.tool_calls)
+    assert "ALLOWED-BODY" in out and "403" in out, out
+    assert "nameserver 10.0.2.3" in out, out  # slirp's resolver, not the host's
+    assert ran.view.rewards == {"reward": 1.0}
+    refused = [e.data.detail for e in ran.view.events
+               if e.type == "gap.recorded" and e.data.code == "egress_refused"]
+    assert refused[:2] == ["blocked.invalid", "blocked-1.invalid"], refused
+    assert kept[-1].slirp is None and kept[-1].egress is None  # stopped with the session
+
+
 async def test_what_the_agent_left_in_the_verifiers_logs_is_gone_before_it_runs(
         tmp_path: Path) -> None:
     """`/logs/verifier` is bound into the container for the whole session, so the agent

@@ -101,7 +101,8 @@ def test_a_refused_field_is_named_and_run_exits_2(tmp_path: Path, toml: str, fie
 
 def test_an_allowlist_is_read_as_harbor_reads_it(tmp_path: Path) -> None:
     """`allowed_hosts` belongs to an `allowlist` mode (Harbor's model refuses it beside
-    another); a host task cannot have one (it needs an image's container): exit 2."""
+    another); a host task's is read the same (its phases' sandboxes get it, SPEC §15), and
+    an allowlist beside another phase's mode is refused: exit 2."""
     allowlist = ("network_mode = 'allowlist'\n"
                  "allowed_hosts = ['Example.COM.', '*.pypi.org', '10.0.0.0/8']\n")
     (tmp_path / "task").mkdir()
@@ -112,9 +113,12 @@ def test_an_allowlist_is_read_as_harbor_reads_it(tmp_path: Path) -> None:
     assert task.allowed_hosts.allows_name("files.pypi.org")
     assert task.allowed_hosts.allows_address("10.1.2.3")
     assert not task.allowed_hosts.allows_name("pypi.org.evil")
+    host = write(tmp_path / "host", f"[environment]\n{allowlist}")
+    assert host.allowed_hosts is not None and host.allowed_hosts.allows_name("example.com")
     with pytest.raises(UnsupportedField, match="allowlist"):
-        write(tmp_path / "host", f"[environment]\n{allowlist}")
-    done = in_process("run", str(tmp_path / "host"), "--agent", "oracle",
+        write(tmp_path / "mixed", f"[environment]\n{allowlist}[verifier]\n"
+                                  f"network_mode = 'public'\n")
+    done = in_process("run", str(tmp_path / "mixed"), "--agent", "oracle",
                       "--db", str(tmp_path / "t.db"))
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "allowlist" in done.stderr and not (tmp_path / "t.db").exists()

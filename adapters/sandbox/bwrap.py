@@ -80,6 +80,7 @@ class Spawn:
     seccomp_fd: int | None = None  # range mode: the filter bwrap loads
     caps: Sequence[str] = ()  # range mode: inner root's capabilities
     hostname: str | None = None  # the UTS namespace's name (a container's: docs/SPEC.md §15)
+    resolver: str | None = None  # a host file bound at /etc/resolv.conf (slirp's resolver)
 
 
 def mounts(spawn: Spawn) -> list[Mount]:
@@ -89,6 +90,8 @@ def mounts(spawn: Spawn) -> list[Mount]:
     for path, link in spawn.system:
         found.append(Mount("--symlink", link, path, whole=True) if link is not None
                      else Mount("--ro-bind", path, path))
+    if spawn.resolver is not None:
+        found.append(Mount("--ro-bind", spawn.resolver, "/etc/resolv.conf", staged=True))
     found += [Mount("--proc", None, "/proc"), Mount("--ro-bind", "/proc/sys", "/proc/sys"),
               Mount("--dev", None, "/dev")]
     if spawn.root is None or spawn.system:  # over an image, /tmp is the image's, in the

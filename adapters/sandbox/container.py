@@ -403,14 +403,31 @@ class ContainerPhases(SessionLayout):
 
     async def close(self) -> None:
         """Stop the session's container (harbor): every process in it ends."""
+        await self._disconnect()
+        if self.container is not None:
+            await self.container.stop()
+
+    async def _disconnect(self) -> None:
+        """The egress proxy and slirp4netns stopped (idempotent)."""
         if self.egress is not None:
             await self.egress.aclose()
             self.egress = None
         if self.slirp is not None:
             await self.slirp.stop()
             self.slirp = None
-        if self.container is not None:
-            await self.container.stop()
+
+    async def _guard(self, pid: int, net_namespace: int | None) -> None:
+        """A host task's allowlist over one phase's sandbox (docs/SPEC.md §15): the last
+        phase's slirp4netns and egress proxy stopped, this namespace connected outward and
+        its rules and proxy opened before the phase's command runs (OSError: they could
+        not be)."""
+        await self._disconnect()
+        try:
+            self.slirp = await start_slirp(pid, net_namespace=net_namespace)
+            await self._open_egress(pid, net_namespace)
+        except SandboxRefused as error:
+            await self._disconnect()
+            raise OSError(f"the sandbox's network could not be set up: {error}") from None
 
     async def run_check(self, command: Sequence[str], timeout_s: float, *,
                         env: Mapping[str, str]) -> tuple[int | None, str]:

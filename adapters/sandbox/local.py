@@ -95,7 +95,7 @@ from trialledger.adapters.sandbox.layout import check_granted_paths, chown_tree,
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import kill_marked, pids_in_namespace
-from trialledger.adapters.sandbox.slirp import Slirp, hostname_of, slirp_problem
+from trialledger.adapters.sandbox.slirp import RESOLVER, Slirp, hostname_of, slirp_problem
 
 log = logging.getLogger(__name__)
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
@@ -104,6 +104,7 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
 ISOLATIONS = ("bwrap", "process-group")
 LIFETIMES = ("harbor", "strict")  # verifier_isolation (docs/SPEC.md §15)
 RECHECK_AFTER_S = 0.2
+HOST_RESOLVER = "/etc/resolv.conf"
 
 
 def bwrap_problem(user: SandboxUser, cgroups: Sequence[Path] = (),
@@ -210,10 +211,9 @@ class LocalSandbox(ContainerPhases):
             raise SandboxRefused(f"a public network for an image's container needs "
                                  f"slirp4netns: {problem}")
         if allowed_hosts is not None:
-            if lifetime != "harbor":
-                raise SandboxRefused("network_mode = 'allowlist' needs the session's own "
-                                     "container: an image or rootfs task under "
-                                     "verifier_isolation = harbor")
+            if lifetime != "harbor" and self.image is not None:
+                raise SandboxRefused("network_mode = 'allowlist' for an image or rootfs task "
+                                     "needs verifier_isolation = harbor (its container)")
             if (problem := egress_problem() or slirp_problem()) is not None:
                 raise SandboxRefused(f"network_mode = 'allowlist' cannot be set up here: "
                                      f"{problem}")
@@ -229,6 +229,11 @@ class LocalSandbox(ContainerPhases):
         self.container: Container | None = None  # harbor: the session's one sandbox
         self.slirp: Slirp | None = None  # its outward connection (a public network)
         self._net_namespace: int | None = None  # its network namespace (once it runs)
+        # A host task's allowlist: each phase's sandbox gets the rules, slirp4netns and the
+        # egress proxy of its own namespace; its resolver is slirp's (when the host's
+        # resolv.conf is a plain file that can be bound over)
+        self._guarded = allowed_hosts is not None and lifetime != "harbor"
+        self._resolver: Path | None = None
         self.task_env = dict(task_env or {})  # [environment] env, for the container's PID 1
         self.init = ensure_init()
         self.codex = codex
@@ -258,6 +263,10 @@ class LocalSandbox(ContainerPhases):
                 raise SandboxRefused(f"{problem} (refusing to run the agent unconfined; "
                                      f"--isolation process-group runs it without a sandbox)")
             self._lay_out(workspace)
+            if self._guarded and os.path.isfile(HOST_RESOLVER) and not os.path.islink(
+                    HOST_RESOLVER):  # (a link would be followed inside, to nowhere)
+                self._resolver = self.root / "resolv.conf"
+                self._resolver.write_text(f"nameserver {RESOLVER}\n", encoding="ascii")
         except BaseException:
             self.discard()
             raise
@@ -437,7 +446,8 @@ class LocalSandbox(ContainerPhases):
             verifier_logs=str(verifier_logs) if verifier_logs is not None else None,
             isolated_network=self.network is not None and self.network.isolated,
             block_fd=block_fd, info_fd=info_fd,
-            hostname=hostname_of(self.marker) if role == "container" else None)
+            hostname=hostname_of(self.marker) if role == "container" else None,
+            resolver=str(self._resolver) if self._resolver is not None else None)
 
     def _init(self, command: Sequence[str], status_fd: int, role: Role,
               user: InnerUser | None = None, *, deadline: bool = True) -> list[str]:
@@ -466,7 +476,8 @@ class LocalSandbox(ContainerPhases):
         info_r, info_w = os.pipe() if bwrap else (None, None)
         forwarding = (bwrap and role in ("agent", "container") and self.network is not None
                       and self.network.isolated)
-        block_r, block_w = os.pipe() if forwarding else (None, None)
+        guarded = bwrap and self._guarded and role in ("agent", "verifier")
+        block_r, block_w = os.pipe() if forwarding or guarded else (None, None)
         seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
                    if self.range is not None else None)
         userns = self.range.userns_fd if self.range is not None else None
@@ -500,17 +511,24 @@ class LocalSandbox(ContainerPhases):
         run = LocalRun(process, status_fd=status_r, info_fd=info_r,
                        isolation=self.isolation, marker=self.marker)
         if block_w is not None:
-            await self._open_network(run, block_w)
+            await self._open_network(run, block_w, forwarding=forwarding, guarded=guarded)
         return run
 
-    async def _open_network(self, run: LocalRun, block_w: int) -> None:
-        """Open the proxies inside the sandbox's network, then let bwrap go on."""
+    async def _open_network(self, run: LocalRun, block_w: int, *, forwarding: bool,
+                            guarded: bool) -> None:
+        """Open the proxies inside the sandbox's network (and a host task's allowlist:
+        its rules, slirp4netns and the egress proxy), then let bwrap go on."""
         assert self.network is not None
         try:
-            pid = (await anyio.to_thread.run_sync(run.info)).get("child-pid")
+            info = await anyio.to_thread.run_sync(run.info)
+            pid = info.get("child-pid")
             if not isinstance(pid, int):
                 raise OSError("bwrap reported no child pid for the network namespace")
-            await self.network.open_inside(pid)
+            if forwarding:
+                await self.network.open_inside(pid)
+            if guarded:
+                net = info.get("net-namespace")
+                await self._guard(pid, net if isinstance(net, int) else None)
             os.write(block_w, b"x")
         except BaseException:
             await run.aclose()
