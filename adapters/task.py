@@ -123,9 +123,6 @@ class Task:
         if _source(environment, folder) is None:
             one_network(meta, modes, str(folder / "task.toml"),
                         "a host task's phases share the host's network")
-        elif "allowlist" in (modes["agent"], modes["verifier"]):
-            one_network(meta, modes, str(folder / "task.toml"),
-                        "an allowlist is one network for both phases here")
         return cls(
             allowed_hosts=(AllowList.parse(allowed, str(folder / "task.toml"))
                            if allowed is not None else None),

@@ -207,29 +207,33 @@ def _mode(table: Mapping[str, Any], name: str, where: str) -> str | None:
 
 def allowed_entries(meta: Mapping[str, Any], modes: Mapping[str, str], where: str
                     ) -> list[Any] | None:
-    """The agent's `allowed_hosts` when its mode is `allowlist` (its table's when that table
-    sets `network_mode`, else `[environment]`'s, as Harbor resolves a phase's policy), the
-    verifier's checked to be the same (one network serves both); None otherwise. A list
-    in a table whose mode is not `allowlist` is refused, as Harbor's model refuses it."""
+    """The `allowed_hosts` of the phases whose mode is `allowlist` (a phase's table's when
+    that table sets `network_mode`, else `[environment]`'s, as Harbor resolves a phase's
+    policy), checked to be the same list (one allowlist serves the session); None when no
+    phase is `allowlist`. A list in a table whose mode is not `allowlist` is refused, as
+    Harbor's model refuses it."""
     environment = meta.get("environment", {})
     for name, table in (("environment", environment), *((p, meta.get(p, {})) for p in PHASES)):
         mode = modes[name] if "network_mode" in table or name == "environment" else None
         if table.get("allowed_hosts") and mode not in (None, "allowlist"):
             raise TaskInvalid(f"{where}: [{name}] allowed_hosts is only valid when "
                               f"network_mode = 'allowlist'")
-    if modes["agent"] != "allowlist":
+    listed = [p for p in ("environment", *PHASES) if modes[p] == "allowlist"]
+    if not listed:
         return None
 
     def entries(phase: str) -> list[Any]:
         table = meta.get(phase, {})
-        found = (table if "network_mode" in table else environment).get("allowed_hosts")
+        found = (table if "network_mode" in table or phase == "environment"
+                 else environment).get("allowed_hosts")
         return list(found) if isinstance(found, list) else [] if found is None else [found]
 
-    if entries("agent") != entries("verifier"):
-        raise UnsupportedField(f"{where}: [verifier] allowed_hosts: the agent and the verifier "
-                               f"would reach different hosts; one allowlist serves the whole "
-                               f"session here")
-    return entries("agent")
+    differs = next((phase for phase in listed if entries(phase) != entries(listed[0])), None)
+    if differs is not None:
+        raise UnsupportedField(f"{where}: [{differs}] allowed_hosts: its phase would reach "
+                               f"other hosts than [{listed[0]}]'s; one allowlist serves the "
+                               f"whole session here")
+    return entries(listed[0])
 
 
 SIZE_UNITS: dict[str, Callable[[float], int]] = {

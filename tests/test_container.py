@@ -241,6 +241,35 @@ async def test_an_allowlist_admits_its_hosts_and_refuses_the_rest(
     assert kept[-1].egress is None  # stopped with the session
 
 
+@pytest.mark.parametrize(("agent", "verifier"), [("allowlist", "public"),
+                                                  ("public", "allowlist")])
+async def test_an_allowlist_phase_beside_a_public_one(
+        tmp_path: Path, web_server: tuple[str, int], kept: list[LocalSandbox],
+        agent: str, verifier: str) -> None:
+    """SPEC §15: before each phase the runner loads or removes the allowlist's rules and
+    proxy (and starts slirp4netns for both modes): the same request is refused (403, gap
+    `egress_refused`) in the allowlist's phase and answered in the public one."""
+    address, port = web_server
+    get = (f"exec 3<>/dev/tcp/{address}/{port} && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 "
+           f"&& timeout 10 cat <&3")
+    hosts = 'allowed_hosts = ["192.0.2.200"]\n'  # never the web server's address
+    tables = (f'[agent]\nnetwork_mode = "{agent}"\n{hosts if agent == "allowlist" else ""}'
+              f'[verifier]\nnetwork_mode = "{verifier}"\n'
+              f'{hosts if verifier == "allowlist" else ""}')
+    ran, out = await _rootfs_run(
+        tmp_path, f'\n{tables}',
+        f"exec 2>&1; bash -c \"{get}\"; echo done",
+        test_sh=f"bash -c \"{get}\" | grep -q ALLOWED-BODY && "
+                f"echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    assert ("ALLOWED-BODY" in out) == (agent == "public"), out
+    assert ("403" in out) == (agent == "allowlist"), out
+    assert ran.view.rewards == {"reward": 1.0 if verifier == "public" else 0.0}
+    refused = [e.data.detail for e in ran.view.events
+               if e.type == "gap.recorded" and e.data.code == "egress_refused"]
+    assert refused == [address]  # (no Host: the address names it), from one phase only
+    assert kept[-1].slirp is None and kept[-1].egress is None
+
+
 async def test_a_host_tasks_allowlist_holds_in_each_phase(
         tmp_path: Path, web_server: tuple[str, int], kept: list[LocalSandbox]) -> None:
     """A host task's `allowlist` (SPEC §15: "for host-environment tasks too"): each phase's

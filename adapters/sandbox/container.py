@@ -40,6 +40,7 @@ from trialledger.adapters.sandbox.bwrap import (
     Role,
 )
 from trialledger.adapters.sandbox.egress import (
+    NO_RULES,
     EgressProxy,
     apply_rules,
     egress_rules,
@@ -247,13 +248,6 @@ class ContainerPhases(SessionLayout):
             self.container = await Container.attach(run, pid, namespace)
             net = info.get("net-namespace")
             self._net_namespace = net if isinstance(net, int) else None
-            if self.allowed_hosts is not None:  # one allowlist serves every phase
-                await self._connect()
-                try:
-                    await self._open_egress(pid, self._net_namespace)
-                except SandboxRefused as error:
-                    raise OSError(self.container.lost() or f"the container's network could "
-                                                           f"not be set up: {error}") from None
         except BaseException:
             if self.slirp is not None:
                 await self.slirp.stop()
@@ -278,16 +272,27 @@ class ContainerPhases(SessionLayout):
     async def _use_network(self, phase: str) -> None:
         """Set the container's network to `phase`'s mode before the phase runs, as Harbor
         switches its egress sidecar (docs/SPEC.md §15): `public` connected by slirp4netns,
-        `no-network` without it (its tap device goes with it). A process left running
-        from an earlier phase finds the network the phase it runs beside has."""
-        if self.allowed_hosts is not None:
-            return  # the allowlist's rules and proxy stay for the whole session
-        public = self.phase_modes.get(phase) == "public"
-        if public and self.slirp is None:
-            await self._connect()
-        elif not public and self.slirp is not None:
+        `allowlist` connected with the rules loaded and the egress proxy listening,
+        `no-network` without either (the tap device goes with slirp4netns). A process left
+        running from an earlier phase finds the network the phase it runs beside has."""
+        assert self.container is not None
+        mode = self.phase_modes.get(phase, "no-network")
+        if mode == "no-network" and self.slirp is not None:  # cut off before the rules go
             await self.slirp.stop()
             self.slirp = None
+        try:
+            if mode != "allowlist" and self.egress is not None:
+                await apply_rules(self.container.pid, NO_RULES,
+                                  net_namespace=self._net_namespace)
+                await self.egress.aclose()
+                self.egress = None
+            if mode == "allowlist" and self.egress is None:  # the rules before the way out
+                await self._open_egress(self.container.pid, self._net_namespace)
+        except SandboxRefused as error:
+            raise OSError(self.container.lost() or f"the container's network could not be "
+                                                   f"set up: {error}") from None
+        if mode != "no-network" and self.slirp is None:
+            await self._connect()
 
     async def _open_egress(self, pid: int, net_namespace: int | None) -> None:
         """An allowlist (docs/SPEC.md §15): `ping` opened to every group in the container's
