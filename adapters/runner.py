@@ -274,9 +274,9 @@ class SessionRunner:
                 routes=MODEL_ROUTES),
             [] if self.scripted else [str(g["url"]) for g in self._grants()
                                       if g.get("kind") == "mcp" and g.get("url")],
-            # An image's container has a network of its own: private, or (public) connected
-            # outward by slirp4netns (docs/SPEC.md §15); a host task shares the host's.
-            isolated=not self.task.allow_internet or settings_raw["verifier_isolation"] == "harbor",
+            # An image's sandbox has a network of its own: private, or (public) connected
+            # outward by slirp4netns (docs/SPEC.md §15); a host task's public is the host's.
+            isolated=(not self.task.allow_internet or self.environment.root is not None),
             outward=self.task.allow_internet)  # (an allowlist's: the sandbox's own)
         make = functools.partial(
             LocalSandbox,

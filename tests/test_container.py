@@ -65,7 +65,8 @@ PROBE = (
 
 
 async def _rootfs_run(tmp_path: Path, environment: str, command: str, *,
-                      test_sh: str = "exit 0\n") -> tuple[Any, str]:
+                      test_sh: str = "exit 0\n",
+                      settings: dict[str, Any] | None = None) -> tuple[Any, str]:
     """A tool call running `command` over the tests' Debian rootfs (range mode), the task's
     `[environment]` table holding `environment` too; the run and the call's output."""
     task_dir = tmp_path / "task"
@@ -75,7 +76,7 @@ async def _rootfs_run(tmp_path: Path, environment: str, command: str, *,
                      toml=f'[environment]\nrootfs = "rootfs.tar"\n{environment}')
     env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
     ran = await run_task(str(tmp_path / "t.db"), task, [shell(command), message()],
-                         environment=env)
+                         environment=env, settings=settings)
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)
     assert out.strip().endswith("done"), out
     return ran, out
@@ -94,6 +95,25 @@ async def test_a_public_network_is_the_containers_own(
     assert ran.view.decision is not None and ran.view.decision.rule == "completed"
     sandbox = kept[-1]
     assert sandbox.lifetime == "harbor" and sandbox.slirp is None  # stopped with the session
+
+
+async def test_a_public_network_under_strict_is_each_phases_own(
+        tmp_path: Path, servers: tuple[int, str, int], kept: list[LocalSandbox]) -> None:
+    """Under `strict` (a sandbox per phase) an image's `public` network is each phase's own,
+    connected by slirp4netns as the container's is: the outside reached, the host's
+    loopback not, port 80 its root's to bind, slirp's resolver — for the verifier too."""
+    loop, outside, port = servers
+    reach = f"bash -c 'echo > /dev/tcp/{outside}/{port}' 2>/dev/null"
+    ran, out = await _rootfs_run(
+        tmp_path, "", PROBE.format(loop=loop, outside=outside, port=port),
+        settings={"verifier_isolation": "strict"},
+        test_sh=f"{reach} && echo 1 > /logs/verifier/reward.txt || "
+                f"echo 0 > /logs/verifier/reward.txt\n")
+    assert "REACHED-HOST-LOOPBACK" not in out, out
+    assert "REACHED-OUTSIDE" in out and "BOUND-80" in out, out
+    assert "RESOLVER 10.0.2.3" in out, out
+    assert ran.view.rewards == {"reward": 1.0}
+    assert kept[-1].lifetime == "strict" and kept[-1].slirp is None
 
 
 async def test_no_network_has_no_way_out_and_no_resolver(

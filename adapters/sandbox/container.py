@@ -422,14 +422,15 @@ class ContainerPhases(SessionLayout):
             self.slirp = None
 
     async def _guard(self, pid: int, net_namespace: int | None) -> None:
-        """A host task's allowlist over one phase's sandbox (docs/SPEC.md §15): the last
-        phase's slirp4netns and egress proxy stopped, this namespace connected outward and
-        its rules and proxy opened before the phase's command runs (OSError: they could
-        not be)."""
+        """One phase's sandbox of its own connected outward (strict: a host task's allowlist,
+        an image's public network; docs/SPEC.md §15): the last phase's slirp4netns and
+        egress proxy stopped, this namespace connected and an allowlist's rules and proxy
+        opened before the phase's command runs (OSError: they could not be)."""
         await self._disconnect()
         try:
             self.slirp = await start_slirp(pid, net_namespace=net_namespace)
-            await self._open_egress(pid, net_namespace)
+            if self.allowed_hosts is not None:
+                await self._open_egress(pid, net_namespace)
         except SandboxRefused as error:
             await self._disconnect()
             raise OSError(f"the sandbox's network could not be set up: {error}") from None

@@ -206,7 +206,8 @@ class LocalSandbox(ContainerPhases):
             raise SandboxRefused("an agent and a verifier on different network modes need "
                                  "verifier_isolation = harbor (one container whose network "
                                  "is switched between phases)")
-        if (lifetime == "harbor" and "public" in self.phase_modes.values()
+        if (self.image is not None and isolation == "bwrap"
+                and "public" in self.phase_modes.values()
                 and (problem := slirp_problem()) is not None):
             raise SandboxRefused(f"a public network for an image's container needs "
                                  f"slirp4netns: {problem}")
@@ -229,10 +230,14 @@ class LocalSandbox(ContainerPhases):
         self.container: Container | None = None  # harbor: the session's one sandbox
         self.slirp: Slirp | None = None  # its outward connection (a public network)
         self._net_namespace: int | None = None  # its network namespace (once it runs)
-        # A host task's allowlist: each phase's sandbox gets the rules, slirp4netns and the
-        # egress proxy of its own namespace; its resolver is slirp's (when the host's
-        # resolv.conf is a plain file that can be bound over)
-        self._guarded = allowed_hosts is not None and lifetime != "harbor"
+        # A sandbox per phase (strict) with a network of its own outward — a host task's
+        # allowlist, an image's public network: each phase's namespace is connected by
+        # slirp4netns (and gets the allowlist's rules and egress proxy) before its command
+        # runs; its resolver is slirp's (over a host's resolv.conf only when it is a plain
+        # file that can be bound over)
+        self._guarded = lifetime != "harbor" and network is not None and (
+            allowed_hosts is not None
+            or (self.image is not None and self.phase_modes["agent"] == "public"))
         self._resolver: Path | None = None
         self.task_env = dict(task_env or {})  # [environment] env, for the container's PID 1
         self.init = ensure_init()
@@ -263,8 +268,9 @@ class LocalSandbox(ContainerPhases):
                 raise SandboxRefused(f"{problem} (refusing to run the agent unconfined; "
                                      f"--isolation process-group runs it without a sandbox)")
             self._lay_out(workspace)
-            if self._guarded and os.path.isfile(HOST_RESOLVER) and not os.path.islink(
-                    HOST_RESOLVER):  # (a link would be followed inside, to nowhere)
+            if self._guarded and (self.image is not None or (  # (over the host's, a link
+                    os.path.isfile(HOST_RESOLVER) and not os.path.islink(HOST_RESOLVER))):
+                # would be followed inside, to nowhere)
                 self._resolver = self.root / "resolv.conf"
                 self._resolver.write_text(f"nameserver {RESOLVER}\n", encoding="ascii")
         except BaseException:
