@@ -261,6 +261,24 @@ async def test_an_allowlist_admits_its_hosts_and_refuses_the_rest(
     assert kept[-1].egress is None  # stopped with the session
 
 
+async def test_an_allowlist_admits_a_host_by_name(
+        tmp_path: Path, kept: list[LocalSandbox]) -> None:
+    """A name entry (SPEC §15): the container resolves deb.debian.org through slirp's
+    resolver (these machines reach Debian's mirror) and its request, `Host:` the allowed
+    name, is admitted — the proxy connecting to the address it resolved itself; the same
+    address asked for another name is refused (403, gap `egress_refused` naming it)."""
+    get = ('exec 3<>/dev/tcp/deb.debian.org/80 && printf "HEAD /debian/ HTTP/1.1\\r\\n'
+           'Connection: close\\r\\nHost: %s\\r\\n\\r\\n" "$0" >&3 && timeout 20 head -1 <&3')
+    ran, out = await _rootfs_run(
+        tmp_path, 'network_mode = "allowlist"\nallowed_hosts = ["deb.debian.org"]\n',
+        f"exec 2>&1; bash -c '{get}' deb.debian.org; bash -c '{get}' example.com; echo done")
+    lines = [line for line in out.splitlines() if line.startswith("HTTP/")]
+    assert len(lines) == 2 and " 200 " in lines[0] and " 403 " in lines[1], out
+    refused = [e.data.detail for e in ran.view.events
+               if e.type == "gap.recorded" and e.data.code == "egress_refused"]
+    assert refused == ["example.com"]
+
+
 @pytest.mark.parametrize(("agent", "verifier"), [("allowlist", "public"),
                                                   ("public", "allowlist")])
 async def test_an_allowlist_phase_beside_a_public_one(
