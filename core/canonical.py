@@ -13,6 +13,9 @@ NS = uuid.UUID("c103da3a-5624-571b-8699-c4e4db20453f")
 _NS_BYTES = NS.bytes
 GENESIS = "0" * 64
 CANONICAL_KEYS = ("session_id", "seq", "event_id", "type", "at", "data", "schema")
+# The identity fields a stored row also keeps in columns of their own, for SQL to read: the
+# hash covers only the canonical text, so `audit` checks each copy against it.
+COPIED_KEYS = ("session_id", "seq", "event_id", "type", "at", "schema")
 
 
 def event_id_for(session_id: str, seq: int) -> str:
@@ -67,6 +70,23 @@ def chain(canonicals: Iterable[str], prev_hash: str = GENESIS) -> list[str]:
         prev_hash = chain_hash(prev_hash, text)
         hashes.append(prev_hash)
     return hashes
+
+
+def copy_fault(canonical: str, columns: Mapping[str, Any]) -> str | None:
+    """The first column of a stored row (`COPIED_KEYS`) whose value is not the one its
+    canonical text holds, described; None when every copy agrees (and for a text that is
+    not an event: the chain check names that)."""
+    try:
+        fields = json.loads(canonical)
+    except ValueError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    for key in COPIED_KEYS:
+        if key in columns and columns[key] != fields.get(key):
+            return (f"its {key} column says {columns[key]!r} where its hashed text says "
+                    f"{fields.get(key)!r} (the row was altered outside the hash)")
+    return None
 
 
 def first_broken_link(

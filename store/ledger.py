@@ -25,7 +25,12 @@ from sqlalchemy import LargeBinary, column, select, table, text
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from trialledger.core import Event, IllegalTransition, Policy, SessionView, replay
-from trialledger.core.canonical import first_broken_link, session_id_for_seed
+from trialledger.core.canonical import (
+    COPIED_KEYS,
+    copy_fault,
+    first_broken_link,
+    session_id_for_seed,
+)
 from trialledger.core.machine import Session
 from trialledger.core.parsing import event_dict, parse_events
 from trialledger.core.policy import DEFAULT_POLICY, get_policy
@@ -483,11 +488,13 @@ class Ledger:
                 .order_by(SESSIONS.c.session_id))).all()}
             data_column = (EVENTS.c.data if self.dialect != "sqlite"  # bytes: decoded below
                            else EVENTS.c.data.cast(LargeBinary))
+            copies = [EVENTS.c[key] for key in COPIED_KEYS if key not in ("session_id", "seq")]
             rows = (await conn.execute(
-                select(EVENTS.c.session_id, EVENTS.c.seq, data_column, EVENTS.c.hash)
+                select(EVENTS.c.session_id, EVENTS.c.seq, data_column, EVENTS.c.hash, *copies)
                 .order_by(EVENTS.c.session_id, EVENTS.c.seq))).all()
         by_session: dict[str, list[tuple[int, str, str]]] = {}
-        for sid, seq, data, digest in rows:
+        altered = None  # the first row whose column copies disagree with its text
+        for sid, seq, data, digest, *copied in rows:
             if isinstance(data, bytes):
                 try:
                     data = data.decode("utf-8")
@@ -495,6 +502,9 @@ class Ledger:
                     return AuditReport(len(heads), len(rows), f"session {sid}: event at seq "
                                        f"{seq} is damaged (its stored text is not UTF-8)")
             by_session.setdefault(sid, []).append((seq, data, digest))
+            if altered is None and (fault := copy_fault(data, dict(
+                    zip(COPIED_KEYS, (sid, seq, *copied), strict=True)))):
+                altered = f"session {sid}: event at seq {seq}: {fault}"
         for sid in sorted(set(by_session) | set(heads)):
             if sid not in heads:
                 return AuditReport(len(heads), len(rows),
@@ -504,7 +514,7 @@ class Ledger:
                                       head_hash=head_hash)
             if fault:
                 return AuditReport(len(heads), len(rows), f"session {sid}: {fault}")
-        return AuditReport(len(heads), len(rows), None)
+        return AuditReport(len(heads), len(rows), altered)
 
     @guarded
     async def divergences(self, policy: str | None = None, *, jobs: int = 1,

@@ -306,6 +306,23 @@ async def test_audit_detects_removed_reordered_and_moved_events(
         assert report.fault is not None and expected in report.fault
 
 
+@pytest.mark.parametrize("column, value", [
+    ("type", "'verification.recorded'"), ("at", "'2020-01-01T00:00:00Z'"),
+    ("event_id", "'forged'"), ("schema", "7"),
+])
+async def test_audit_names_a_column_altered_outside_the_hash(
+        db: str, column: str, value: str) -> None:
+    """SQL reads an event's type, time, id and schema from columns of their own, which
+    the hash does not cover: a copy that disagrees with the hashed text is a fault."""
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        await ledger.append(sid, run_of("clean"))
+        await raw(ledger, f"UPDATE events SET {column} = {value} WHERE seq = 3")
+        report = await ledger.audit()
+        assert report.fault is not None, column
+        assert f"{sid}: event at seq 3: its {column} column" in report.fault
+
+
 async def test_audit_detects_an_inserted_event(db: str) -> None:
     async with await Ledger.open(db) as ledger:
         sid = (await ledger.seed(seed_data())).session_id
