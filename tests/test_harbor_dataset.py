@@ -2,12 +2,15 @@
 `job run NAME DATASET --agent oracle` gives every task Harbor's reward 1, and `--agent nop`
 gives 0 where the task says so. The tasks need what real Terminal-Bench tasks need: a
 container's root (`apt-get install`, `adduser`, `chown`, `su`), the verifier's `HOME` and
-`[verifier] env`, a verifier that moves `/tests` aside, `reward.json`, no network, and a
-solution that leaves a web server running for the verifier to talk to (the container
-lives for the whole session, `verifier_isolation = harbor`).
+`[verifier] env`, a verifier that moves `/tests` aside, `reward.json`, no network, and
+solutions that leave daemons running for the verifier to talk to — a web server, and an
+sshd installed from Debian's mirror and logged into over ssh (the container lives for the
+whole session, `verifier_isolation = harbor`).
 
-They run over the tests' Debian rootfs in range mode (`.ci/run` runs `trialledger setup`);
-apt installs from a one-package local repository, so no test needs the network.
+They run over the tests' Debian rootfs in range mode (`.ci/run` runs `trialledger setup`).
+`apt-and-users` installs from a one-package local repository; `sshd` installs
+openssh-server from deb.debian.org as real tasks do (these machines reach Debian's mirror,
+from which the rootfs itself was built).
 """
 
 from __future__ import annotations
@@ -49,6 +52,18 @@ TASKS: dict[str, dict[str, str]] = {
         "test": '#!/bin/bash\nexec 3<>/dev/tcp/127.0.0.1/8080 && '
                 'printf "GET /index.html HTTP/1.0\\r\\n\\r\\n" >&3 && grep -q served <&3 && '
                 'echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'},
+    "sshd": {  # as real tasks do: install an sshd from Debian's mirror, leave it running
+        "solve": "#!/bin/bash\nset -ex\napt-get update -qq\n"
+                 "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+                 "--no-install-recommends openssh-server openssh-client\n"
+                 "mkdir -p /run/sshd /root/.ssh\n"
+                 "ssh-keygen -q -t ed25519 -N '' -f /root/.ssh/id_ed25519\n"
+                 "cp /root/.ssh/id_ed25519.pub /root/.ssh/authorized_keys\n"
+                 "/usr/sbin/sshd -p 2222 -o ListenAddress=127.0.0.1\n",
+        "test": '#!/bin/bash\nout=$(ssh -o BatchMode=yes -o StrictHostKeyChecking=no '
+                '-p 2222 root@127.0.0.1 \'echo through-$((40 + 2))\')\n'
+                '[ "$out" = through-42 ] && echo 1 > /logs/verifier/reward.txt '
+                '|| echo 0 > /logs/verifier/reward.txt\n'},
     "no-network": {
         "toml": '[environment]\nnetwork_mode = "no-network"\n',
         "solve": "#!/bin/bash\n(exec 3<>/dev/tcp/1.1.1.1/80) 2>/dev/null && exit 0\n"
