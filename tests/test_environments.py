@@ -382,6 +382,29 @@ async def test_requested_limits_are_held_by_the_sessions_cgroups(tmp_path: Path,
         assert sorted(out.split()) == ["cpu", "memory", "pids"], out
 
 
+# Through real Codex tool calls: 600 MiB asked of a 256 MiB session by a process that
+# offers itself to the OOM killer first (else Codex, the biggest, is the one killed), and
+# two seconds of a busy loop under a quarter of a CPU (at most half a second of CPU,
+# whatever the load).
+ALLOCATE = ("echo 1000 > /proc/self/oom_score_adj; "
+            "python3 -c 'bytearray(600 << 20); print(\"allocated\")'; echo rc=$?")
+SPIN = ("python3 -c 'import os, time\nt = time.time()\nwhile time.time() - t < 2: pass\n"
+        "c = os.times()\nprint(\"cpu=%.2f\" % (c.user + c.system))'")
+
+
+async def test_requested_limits_are_enforced_for_real(tmp_path: Path) -> None:
+    """SPEC §12: the task's `memory_mb` and `cpus` hold (cgroup v1 here): a process past
+    the memory limit is killed by the kernel, and a busy loop gets the CPU share asked."""
+    task = make_task(tmp_path / "task", test_sh="exit 0\n",
+                     toml="[environment]\ncpus = 0.25\nmemory_mb = 256\n")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(ALLOCATE), shell(SPIN),
+                                                        message()])
+    allocated, spun = (call.output for call in ran.view.observations.tool_calls)
+    assert "allocated" not in allocated.splitlines() and "rc=137" in allocated, allocated
+    cpu = float(spun.split("cpu=")[1].split()[0])
+    assert cpu < 0.8, spun  # 0.5 s allowed (0.25 × 2 s), a period's slack beside it
+
+
 async def test_no_requested_limits_are_recorded_as_none(tmp_path: Path) -> None:
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     ran = await run_task(str(tmp_path / "t.db"), task, [message()])
