@@ -399,7 +399,10 @@ class SessionProxy:
                     return answer
             if 200 <= upstream.status < 300:
                 observer.finish()  # a whole response body, read once it is all here
-            await answer.write_eof()
+            try:
+                await answer.write_eof()
+            except (ConnectionError, RuntimeError):  # Codex went away before the end
+                call["error"] = "client_closed"
             return answer
         except asyncio.CancelledError:  # Codex went away: a whole body it had still counts
             if upstream.content.at_eof() and 200 <= upstream.status < 300:
