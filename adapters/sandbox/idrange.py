@@ -256,24 +256,41 @@ class Slot:
         self._fd = -1
 
 
-def make_userns(init: Path, slot: Slot) -> int:
-    """The session's user namespace (an fd), owned by the slot's first id, mapping inner
-    0–65535 onto the slot, with nested user namespaces forbidden inside."""
-    holder = subprocess.Popen([str(init), "--userns", str(slot.start)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert holder.stdin is not None and holder.stdout is not None
-    try:
-        if holder.stdout.readline() != b"ready\n":
-            holder.wait(5)
-            raise SandboxRefused(f"making the session's user namespace failed: "
-                                 f"{holder.stderr.read().decode(errors='replace').strip()}"
-                                 if holder.stderr else "making the user namespace failed")
-        for name in ("uid_map", "gid_map"):
-            with open(f"/proc/{holder.pid}/{name}", "w", encoding="ascii") as handle:
-                handle.write(f"0 {slot.start} {SLOT}\n")
-        return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    finally:
-        holder.stdin.close()
+class UsernsMaker:
+    """The session's user namespace being made: our init (`--userns`) started as the
+    slot's first id unshares it, then `finish` writes its maps and opens it. Started
+    before the session's other preparation (its cgroup, its users read from the image),
+    so that the process starts while the runner does that work."""
+
+    def __init__(self, init: Path, slot: Slot) -> None:
+        self.slot = slot
+        self._holder = subprocess.Popen([str(init), "--userns", str(slot.start)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE)
+
+    def finish(self) -> int:
+        """The namespace (an fd), owned by the slot's first id, mapping inner 0–65535
+        onto the slot, with nested user namespaces forbidden inside."""
+        holder = self._holder
+        assert holder.stdin is not None and holder.stdout is not None
+        try:
+            if holder.stdout.readline() != b"ready\n":
+                holder.wait(5)
+                raise SandboxRefused(f"making the session's user namespace failed: "
+                                     f"{holder.stderr.read().decode(errors='replace').strip()}"
+                                     if holder.stderr else "making the user namespace failed")
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{holder.pid}/{name}", "w", encoding="ascii") as handle:
+                    handle.write(f"0 {self.slot.start} {SLOT}\n")
+            return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """End the holder (it exits once its stdin closes) and close its pipes."""
+        holder = self._holder
+        if holder.stdin is not None and not holder.stdin.closed:
+            holder.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             holder.wait(5)
         if holder.returncode is None:

@@ -86,8 +86,8 @@ from trialledger.adapters.sandbox.idrange import (
     DOCKER_CAPS,
     InnerUser,
     Slot,
+    UsernsMaker,
     ensure_filter,
-    make_userns,
     reserved_range,
     resolve_user,
 )
@@ -258,10 +258,13 @@ class LocalSandbox(ContainerPhases):
         self.range: RangeIds | None = None
         self.users = dict(users or {})  # phase → its `user` (range mode honours them)
         self.switch = switch  # a job trial's lease: every process killed once it lapses
+        making = None  # (range mode) the session's user namespace, begun first
         try:
-            self.cgroup, self.limits_reason = hold(self.limits, self.marker)
             if self.image is not None and self.image.plain:
-                self.range = self._take_range()
+                making = self._begin_range()
+            self.cgroup, self.limits_reason = hold(self.limits, self.marker)
+            if making is not None:
+                self.range, making = self._take_range(making), None
             if isolation == "bwrap" and (problem := bwrap_problem(
                     self.runs_as, self._cgroup_procs, self._nproc,
                     self.range.userns_fd if self.range else None)) is not None:
@@ -274,6 +277,9 @@ class LocalSandbox(ContainerPhases):
                 self._resolver = self.root / "resolv.conf"
                 self._resolver.write_text(f"nameserver {RESOLVER}\n", encoding="ascii")
         except BaseException:
+            if making is not None:
+                making.abandon()
+                making.slot.release()
             self.discard()
             raise
         if isolation == "process-group":
@@ -292,14 +298,24 @@ class LocalSandbox(ContainerPhases):
             raise SandboxRefused("allow_internet = false needs a private network namespace, "
                                  "which needs bwrap; --isolation process-group cannot run it")
 
-    def _take_range(self) -> RangeIds:
-        """A slot of the sandbox user's range and the session's user namespace over it
-        (a plain cache entry is only ever mounted this way)."""
-        assert self.image is not None and self.image.root is not None
+    def _begin_range(self) -> UsernsMaker:
+        """A slot of the sandbox user's range, and the making of the session's user
+        namespace over it begun (a plain cache entry is only ever mounted this way)."""
         ids = reserved_range()
         if os.geteuid() != 0 or ids is None:
             raise SandboxRefused("this image's cache entry keeps its own ownership (range "
                                  "mode), which needs a root runner after `trialledger setup`")
+        slot = Slot.acquire(ids)
+        try:
+            return UsernsMaker(self.init, slot)
+        except BaseException:
+            slot.release()
+            raise
+
+    def _take_range(self, making: UsernsMaker) -> RangeIds:
+        """The session's range ids once its cgroup is held: each role's user read from the
+        image, the user namespace finished."""
+        assert self.image is not None and self.image.root is not None
         if self.cgroup is None or "pids" not in self.cgroup.held:
             raise SandboxRefused(f"range mode needs a pids cgroup of the session's own "
                                  f"({self.limits_reason})")
@@ -310,13 +326,7 @@ class LocalSandbox(ContainerPhases):
         resolved = {spec: resolve_user(self.image.root, spec, image_user)  # each read once
                     for spec in set(specs.values())}
         users = {role: resolved[spec] for role, spec in specs.items()}
-        slot = Slot.acquire(ids)
-        try:
-            userns_fd = make_userns(self.init, slot)
-        except BaseException:
-            slot.release()
-            raise
-        return RangeIds(slot, userns_fd, users)
+        return RangeIds(making.slot, making.finish(), users)
 
     @property
     def runs_as(self) -> SandboxUser:
