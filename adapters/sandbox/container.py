@@ -485,8 +485,8 @@ class ContainerPhases(SessionLayout):
             await self._ensure_container()
         except OSError as error:
             return VerifierRun(None, False, logs, str(error))
-        # What the agent (or a daemon of its) left there, any number of entries: removed by
-        # a few `rm` runs, never one per entry.
+        # What the agent (or a daemon of its) left there, any number of entries: removed in
+        # batches (in-process while small, else by `rm`), never a process per entry.
         left = os.listdir(logs)
         for start in range(0, len(left), REMOVE_BATCH):
             remove_tree(*(logs / name for name in left[start:start + REMOVE_BATCH]))

@@ -65,19 +65,80 @@ def make_session_folder(session_key: str) -> tuple[Path, int]:
     return root, lock
 
 
+# A tree at most this deep and with at most this many entries is removed in-process (no
+# process start, which a session's start and end pay a few times); anything bigger goes
+# to `rm`, which walks without recursion.
+IN_PROCESS_DEPTH = 32
+IN_PROCESS_ENTRIES = 4096
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def remove_tree(*paths: str | Path, dir_fd: int | None = None) -> None:
-    """Remove folders the agent could write, whole, never following a link: with GNU `rm
+    """Remove folders the agent could write, whole, never following a link and never
+    leaving the file system each starts on: small ones in-process, the rest with GNU `rm
     -rf --one-file-system`, which walks without recursion — an agent's tree can be nested
-    deeper than Python's recursion limit (`shutil.rmtree` recurses per level on 3.11). With
-    `dir_fd`, each path is a name in that folder."""
-    if not paths:
+    deeper than Python's recursion limit (`shutil.rmtree` recurses per level on 3.11).
+    With `dir_fd`, each path is a name in that folder."""
+    budget = [IN_PROCESS_ENTRIES]
+    left = [p for p in paths if not _removed_in_process(str(p), dir_fd, budget)]
+    if not left:
         return
-    targets = [str(p) if dir_fd is None else f"/proc/self/fd/{dir_fd}/{p}" for p in paths]
+    targets = [str(p) if dir_fd is None else f"/proc/self/fd/{dir_fd}/{p}" for p in left]
     done = subprocess.run(["rm", "-rf", "--one-file-system", "--", *targets],
                           pass_fds=() if dir_fd is None else (dir_fd,),
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise OSError(f"rm -rf: {done.stderr.strip()[-300:]}")
+
+
+def _removed_in_process(path: str, dir_fd: int | None, budget: list[int]) -> bool:
+    """Whether `path` (a folder, a link or a file; gone already counts) was removed here;
+    False leaves whatever is still there to `rm` (too deep, too many entries, another
+    file system below, or any error)."""
+    try:
+        top = os.open(path, _OPEN_DIR, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return True
+    except OSError:  # not a folder (a link, a file), or unreadable: `rm` says which
+        return False
+    try:
+        if not _emptied(top, os.fstat(top).st_dev, 1, budget):
+            return False
+    except OSError:
+        return False
+    finally:
+        os.close(top)
+    try:
+        os.rmdir(path, dir_fd=dir_fd)
+    except OSError:
+        return False
+    return True
+
+
+def _emptied(folder: int, device: int, depth: int, budget: list[int]) -> bool:
+    """Remove everything in the open `folder`; False once a bound is reached or a folder
+    on another file system is met (what is left stays)."""
+    with os.scandir(folder) as entries:
+        names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+    for name, is_folder in names:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return False
+        if not is_folder:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=folder)
+            continue
+        if depth >= IN_PROCESS_DEPTH:
+            return False
+        child = os.open(name, _OPEN_DIR, dir_fd=folder)
+        try:
+            if os.fstat(child).st_dev != device or not _emptied(child, device, depth + 1,
+                                                                 budget):
+                return False
+        finally:
+            os.close(child)
+        os.rmdir(name, dir_fd=folder)
+    return True
 
 
 def remove_lock_last(root: Path) -> None:
@@ -94,7 +155,7 @@ def remove_lock_last(root: Path) -> None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
     with contextlib.suppress(OSError):
-        remove_tree(*folders)  # one `rm` for them all
+        remove_tree(*folders)  # (at most one `rm` for them all)
     with contextlib.suppress(OSError):
         if {name for name in os.listdir(root)} <= {LOCK}:
             with contextlib.suppress(FileNotFoundError):
