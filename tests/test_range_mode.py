@@ -191,6 +191,12 @@ ATTACK = (
     "unshare -U true 2>/dev/null && echo NESTED userns; "
     "unshare -m true 2>/dev/null && echo NESTED mountns; "
     "mount -t tmpfs none /tmp 2>/dev/null && echo MOUNTED; "
+    # the host's kernel and cgroups, probed by access(2) only (never written: a test
+    # changes no host setting)
+    "for f in /proc/sysrq-trigger /proc/sys/kernel/core_pattern /sys/kernel/uevent_helper "
+    "/sys/fs/cgroup/cgroup.procs /sys/fs/cgroup/pids.max /sys/fs/cgroup/pids/pids.max "
+    "/sys/fs/cgroup/memory/memory.limit_in_bytes; do [ -w $f ] && echo WRITABLE $f; done; "
+    "mknod /tmp/tl-null c 1 3 2>/dev/null && echo MKNOD; "
     "touch /work/made-by-agent /tmp/made-by-agent; echo done")
 
 
@@ -208,7 +214,7 @@ async def test_range_mode_escape_suite_through_a_codex_tool_call(
                          environment=env)
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)
     assert "done" in out, [e.model_dump_json()[:600] for e in ran.view.events]
-    for attack in ("READ", "WRITABLE", "NESTED", "MOUNTED"):
+    for attack in ("READ", "WRITABLE", "NESTED", "MOUNTED", "MKNOD"):
         assert attack not in out, out
     assert SECRET not in "\n".join(e.model_dump_json() for e in ran.view.events)
     sandbox = kept[-1]
@@ -240,7 +246,7 @@ async def test_inner_root_has_exactly_dockers_capabilities(
                          environment=env)
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)
     assert "UID 0" in out and f"CapEff:\t{DOCKER_CAP_MASK}" in out, out
-    for attack in ("WRITABLE", "NESTED", "MOUNTED"):
+    for attack in ("WRITABLE", "NESTED", "MOUNTED", "MKNOD"):
         assert attack not in out, out
     assert len(DOCKER_CAPS) == bin(int(DOCKER_CAP_MASK, 16)).count("1")
     start = kept[-1].range.slot.start if kept[-1].range else -1
