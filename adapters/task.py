@@ -34,7 +34,6 @@ from trialledger.adapters.taskconfig import (
     allowed_entries,
     legacy_sizes,
     network_modes,
-    one_network,
     review,
 )
 from trialledger.adapters.taskconfig import TaskInvalid as TaskInvalid
@@ -120,9 +119,6 @@ class Task:
         check = environment.get("healthcheck")
         kept, warned = parse_artifacts(meta.get("artifacts", []), str(folder / "task.toml"))
         allowed = allowed_entries(meta, modes, str(folder / "task.toml"))
-        if _source(environment, folder) is None:
-            one_network(meta, modes, str(folder / "task.toml"),
-                        "a host task's phases share the host's network")
         return cls(
             allowed_hosts=(AllowList.parse(allowed, str(folder / "task.toml"))
                            if allowed is not None else None),

@@ -164,8 +164,7 @@ PHASES = ("agent", "verifier")
 def network_modes(meta: Mapping[str, Any], where: str
                   ) -> tuple[dict[str, str], dict[str, str]]:
     """Each phase's network mode (`environment`, `agent`, `verifier`) as Harbor resolves it,
-    and the warned fields (a legacy `allow_internet` an explicit field overrides). Whether
-    the modes may differ depends on where the task runs (`one_network`)."""
+    and the warned fields (a legacy `allow_internet` an explicit field overrides)."""
     environment = meta.get("environment", {})
     ignored: dict[str, str] = {}
     baseline = _mode(environment, "environment", where) or "public"
@@ -182,17 +181,6 @@ def network_modes(meta: Mapping[str, Any], where: str
     for phase in PHASES:
         modes[phase] = _mode(meta.get(phase, {}), phase, where) or baseline
     return modes, ignored
-
-
-def one_network(meta: Mapping[str, Any], modes: Mapping[str, str], where: str,
-                why: str) -> None:
-    """Refuse a task whose agent and verifier would need different network modes where one
-    network serves both (`why`: where and why)."""
-    if modes["agent"] != modes["verifier"]:
-        named = "verifier" if "network_mode" in meta.get("verifier", {}) else "agent"
-        raise UnsupportedField(
-            f"{where}: [{named}] network_mode: the agent would run {modes['agent']} and the "
-            f"verifier {modes['verifier']}; {why}")
 
 
 def _mode(table: Mapping[str, Any], name: str, where: str) -> str | None:

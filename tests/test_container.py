@@ -24,6 +24,8 @@ from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.environment import Cache, prepare
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.sandbox.network import Network
+from trialledger.adapters.sandbox.slirp import RESOLVER
 
 pytestmark = pytest.mark.anyio
 __all__ = ["private_storage"]  # a fixture of test_range_mode's, used here
@@ -126,15 +128,17 @@ async def test_no_network_has_no_way_out_and_no_resolver(
     assert kept[-1].slirp is None
 
 
+@pytest.mark.parametrize("lifetime", ["harbor", "strict"])
 @pytest.mark.parametrize(("agent", "verifier"), [("no-network", "public"),
                                                   ("public", "no-network")])
 async def test_each_phase_runs_on_its_own_network_mode(
         tmp_path: Path, servers: tuple[int, str, int], kept: list[LocalSandbox],
-        agent: str, verifier: str) -> None:
-    """SPEC §15: the agent and the verifier each take their table's `network_mode`, the
+        agent: str, verifier: str, lifetime: str) -> None:
+    """SPEC §15: the agent and the verifier each take their table's `network_mode` — the
     container's network switched between them (slirp4netns started or stopped) as Harbor
-    switches its sidecar — an offline agent graded by a verifier that installs what it
-    needs, or the reverse; neither phase reaches what its mode keeps it from."""
+    switches its sidecar, or (strict) each phase's sandbox made on its own — an offline
+    agent graded by a verifier that installs what it needs, or the reverse; neither phase
+    reaches what its mode keeps it from."""
     _, outside, port = servers
     reach = f"bash -c 'echo > /dev/tcp/{outside}/{port}' 2>/dev/null"
     tables = (f'\n[agent]\nnetwork_mode = "{agent}"\n'
@@ -142,18 +146,54 @@ async def test_each_phase_runs_on_its_own_network_mode(
     ran, out = await _rootfs_run(
         tmp_path, tables, f"exec 2>&1; {reach} && echo REACHED-OUTSIDE; echo done",
         test_sh=f"{reach} && echo 1 > /logs/verifier/reward.txt || "
-                f"echo 0 > /logs/verifier/reward.txt\n")
+                f"echo 0 > /logs/verifier/reward.txt\n",
+        settings={"verifier_isolation": lifetime})
     assert ("REACHED-OUTSIDE" in out) == (agent == "public"), out
     assert ran.view.rewards == {"reward": 1.0 if verifier == "public" else 0.0}
-    assert kept[-1].slirp is None  # stopped with the session
+    assert kept[-1].lifetime == lifetime and kept[-1].slirp is None  # stopped with it
 
 
-def test_phases_on_different_networks_need_the_container() -> None:
-    """Under `strict` each phase's sandbox is made with the session's one network: a task
-    whose agent and verifier modes differ is refused there, never run on the wrong one."""
-    with pytest.raises(SandboxRefused, match="verifier_isolation = harbor"):
-        LocalSandbox(session_key="strict-modes", workdir="/work", lifetime="strict",
-                     network_modes={"agent": "no-network", "verifier": "public"})
+@pytest.mark.parametrize(("agent", "verifier"), [("public", "no-network"),
+                                                  ("no-network", "public"),
+                                                  ("allowlist", "public")])
+async def test_a_host_tasks_phases_each_run_on_their_own_network_mode(
+        tmp_path: Path, web_server: tuple[str, int], kept: list[LocalSandbox],
+        agent: str, verifier: str) -> None:
+    """A host task's phases are sandboxes of their own (SPEC §15): a `public` phase is on
+    the host's network, a `no-network` one in a namespace of its own with only the model's
+    proxy, an `allowlist` one connected by slirp4netns behind the rules — whatever the
+    other phase's mode; the resolver is slirp's only where slirp4netns connects."""
+    address, port = web_server
+    get = (f"exec 3<>/dev/tcp/{address}/{port} && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 "
+           f"&& timeout 10 cat <&3")
+    hosts = 'allowed_hosts = ["192.0.2.200"]\n'  # never the web server's address
+    task = make_task(
+        tmp_path / "task",
+        toml=(f'[agent]\nnetwork_mode = "{agent}"\n{hosts if agent == "allowlist" else ""}'
+              f'[verifier]\nnetwork_mode = "{verifier}"\n'),
+        test_sh=f"#!/bin/bash\n(bash -c \"{get}\") | grep -q ALLOWED-BODY && "
+                f"! grep -q {RESOLVER} /etc/resolv.conf && "  # the host's resolver
+                f"echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    ran = await run_task(str(tmp_path / "t.db"), task, [
+        shell(f"exec 2>&1; bash -c \"{get}\"; grep -h nameserver /etc/resolv.conf; echo done"),
+        message()])
+    out = "\n".join(call.output for call in ran.view.observations.tool_calls)
+    assert out.strip().endswith("done"), out
+    assert ("ALLOWED-BODY" in out) == (agent == "public"), out
+    assert ("403" in out) == (agent == "allowlist"), out
+    assert (f"nameserver {RESOLVER}" in out) == (agent == "allowlist"), out
+    assert ran.view.rewards == {"reward": 1.0 if verifier == "public" else 0.0}
+    assert kept[-1].slirp is None and kept[-1].egress is None  # stopped with the session
+
+
+def test_a_process_group_refuses_a_phase_off_the_hosts_network() -> None:
+    """Without bwrap there is no namespace of a phase's own: a phase whose mode is not
+    `public` is refused by name, never run on the host's network."""
+    network = Network(None)
+    with pytest.raises(SandboxRefused, match="network_mode = 'no-network'"):
+        LocalSandbox(session_key="group-modes", workdir="/work", isolation="process-group",
+                     network=network, network_modes={"agent": "public",
+                                                     "verifier": "no-network"})
 
 
 ENTRY = ('ENTRYPOINT ["/bin/sh", "-c", "id -u > /entry-ran; exec \\"$@\\"", "entry"]')
@@ -279,13 +319,15 @@ async def test_an_allowlist_admits_a_host_by_name(
     assert refused == ["example.com"]
 
 
+@pytest.mark.parametrize("lifetime", ["harbor", "strict"])
 @pytest.mark.parametrize(("agent", "verifier"), [("allowlist", "public"),
                                                   ("public", "allowlist")])
 async def test_an_allowlist_phase_beside_a_public_one(
         tmp_path: Path, web_server: tuple[str, int], kept: list[LocalSandbox],
-        agent: str, verifier: str) -> None:
+        agent: str, verifier: str, lifetime: str) -> None:
     """SPEC §15: before each phase the runner loads or removes the allowlist's rules and
-    proxy (and starts slirp4netns for both modes): the same request is refused (403, gap
+    proxy in the container, or (strict) connects each phase's own sandbox with or without
+    them (slirp4netns for both modes): the same request is refused (403, gap
     `egress_refused`) in the allowlist's phase and answered in the public one."""
     address, port = web_server
     get = (f"exec 3<>/dev/tcp/{address}/{port} && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 "
@@ -298,7 +340,8 @@ async def test_an_allowlist_phase_beside_a_public_one(
         tmp_path, f'\n{tables}',
         f"exec 2>&1; bash -c \"{get}\"; echo done",
         test_sh=f"bash -c \"{get}\" | grep -q ALLOWED-BODY && "
-                f"echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+                f"echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n",
+        settings={"verifier_isolation": lifetime})
     assert ("ALLOWED-BODY" in out) == (agent == "public"), out
     assert ("403" in out) == (agent == "allowlist"), out
     assert ran.view.rewards == {"reward": 1.0 if verifier == "public" else 0.0}

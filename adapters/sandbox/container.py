@@ -203,7 +203,8 @@ class ContainerPhases(SessionLayout):
 
         async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
                          verifier_logs: Path | None = None, stdin: bool = False,
-                         copy: tuple[int, str, int, int] | None = None) -> LocalRun: ...
+                         copy: tuple[int, str, int, int] | None = None,
+                         phase: str | None = None) -> LocalRun: ...
 
         async def _run_bounded(self, command: list[str], timeout_s: float, *,
                                env: Mapping[str, str], role: Role,
@@ -421,15 +422,15 @@ class ContainerPhases(SessionLayout):
             await self.slirp.stop()
             self.slirp = None
 
-    async def _guard(self, pid: int, net_namespace: int | None) -> None:
-        """One phase's sandbox of its own connected outward (strict: a host task's allowlist,
-        an image's public network; docs/SPEC.md §15): the last phase's slirp4netns and
-        egress proxy stopped, this namespace connected and an allowlist's rules and proxy
+    async def _guard(self, pid: int, net_namespace: int | None, *, allowlist: bool) -> None:
+        """One phase's sandbox of its own connected outward (strict: an allowlist, an
+        image's public network; docs/SPEC.md §15): the last phase's slirp4netns and egress
+        proxy stopped, this namespace connected and (`allowlist`) the rules and proxy
         opened before the phase's command runs (OSError: they could not be)."""
         await self._disconnect()
         try:
             self.slirp = await start_slirp(pid, net_namespace=net_namespace)
-            if self.allowed_hosts is not None:
+            if allowlist:
                 await self._open_egress(pid, net_namespace)
         except SandboxRefused as error:
             await self._disconnect()
@@ -443,7 +444,7 @@ class ContainerPhases(SessionLayout):
         if self.lifetime == "harbor":  # the healthcheck takes [environment]'s network
             await self._ensure_container()
             await self._use_network("healthcheck")
-        run = await self._spawn(list(command), env=env, role="probe")
+        run = await self._spawn(list(command), env=env, role="probe", phase="healthcheck")
         tail = bytearray()
         read = [anyio.Event(), anyio.Event()]
 

@@ -183,8 +183,6 @@ class LocalSandbox(ContainerPhases):
         self.isolation = isolation
         self.user = sandbox_user(sandbox_uid)  # never host root, in either isolation
         self.overlay = workdir == "/" or self.image is not None
-        if isolation == "process-group":
-            self._refuse_unconfined(environment, network)
         self.network = network
         if verifier_root == "pristine" and workdir == "/":
             raise SandboxRefused("verifier_root = pristine needs a workdir other than /")
@@ -198,26 +196,21 @@ class LocalSandbox(ContainerPhases):
             raise SandboxRefused("verifier_root = pristine cannot be used under "
                                  "verifier_isolation = harbor: one sandbox serves every phase")
         # Each phase's network mode (healthcheck, agent, verifier; docs/SPEC.md §15): a
-        # container switches between them; a sandbox per phase has one network for all.
+        # container switches between them; a sandbox per phase (strict) is made on its own.
         outward = "public" if network is not None and network.outward else "no-network"
         self.phase_modes = {phase: (network_modes or {}).get(phase, outward)
                             for phase in NETWORK_PHASES}
-        if lifetime != "harbor" and self.phase_modes["agent"] != self.phase_modes["verifier"]:
-            raise SandboxRefused("an agent and a verifier on different network modes need "
-                                 "verifier_isolation = harbor (one container whose network "
-                                 "is switched between phases)")
+        if isolation == "process-group":
+            self._refuse_unconfined(environment, network)
         if (self.image is not None and isolation == "bwrap"
                 and "public" in self.phase_modes.values()
                 and (problem := slirp_problem()) is not None):
             raise SandboxRefused(f"a public network for an image's container needs "
                                  f"slirp4netns: {problem}")
-        if allowed_hosts is not None:
-            if lifetime != "harbor" and self.image is not None:
-                raise SandboxRefused("network_mode = 'allowlist' for an image or rootfs task "
-                                     "needs verifier_isolation = harbor (its container)")
-            if (problem := egress_problem() or slirp_problem()) is not None:
-                raise SandboxRefused(f"network_mode = 'allowlist' cannot be set up here: "
-                                     f"{problem}")
+        if allowed_hosts is not None and (
+                problem := egress_problem() or slirp_problem()) is not None:
+            raise SandboxRefused(f"network_mode = 'allowlist' cannot be set up here: "
+                                 f"{problem}")
         self.allowed_hosts = allowed_hosts
         # Docker's capabilities, less NET_RAW under an allowlist (a packet socket would
         # pass beside its rules)
@@ -230,14 +223,6 @@ class LocalSandbox(ContainerPhases):
         self.container: Container | None = None  # harbor: the session's one sandbox
         self.slirp: Slirp | None = None  # its outward connection (a public network)
         self._net_namespace: int | None = None  # its network namespace (once it runs)
-        # A sandbox per phase (strict) with a network of its own outward — a host task's
-        # allowlist, an image's public network: each phase's namespace is connected by
-        # slirp4netns (and gets the allowlist's rules and egress proxy) before its command
-        # runs; its resolver is slirp's (over a host's resolv.conf only when it is a plain
-        # file that can be bound over)
-        self._guarded = lifetime != "harbor" and network is not None and (
-            allowed_hosts is not None
-            or (self.image is not None and self.phase_modes["agent"] == "public"))
         self._resolver: Path | None = None
         self.task_env = dict(task_env or {})  # [environment] env, for the container's PID 1
         self.init = ensure_init()
@@ -271,7 +256,8 @@ class LocalSandbox(ContainerPhases):
                 raise SandboxRefused(f"{problem} (refusing to run the agent unconfined; "
                                      f"--isolation process-group runs it without a sandbox)")
             self._lay_out(workspace)
-            if self._guarded and (self.image is not None or (  # (over the host's, a link
+            if any(self._connected(phase) for phase in NETWORK_PHASES) and (
+                    self.image is not None or (  # (over the host's, a link
                     os.path.isfile(HOST_RESOLVER) and not os.path.islink(HOST_RESOLVER))):
                 # would be followed inside, to nowhere)
                 self._resolver = self.root / "resolv.conf"
@@ -287,7 +273,8 @@ class LocalSandbox(ContainerPhases):
                         "(isolation: process-group)", session_key, self.user.uid)
 
     def _refuse_unconfined(self, environment: Environment, network: Network | None) -> None:
-        """What a process group cannot do safely: an image, workdir /, a private network."""
+        """What a process group cannot do safely: an image, workdir /, a private network
+        (for any phase)."""
         if self.image is not None:
             raise SandboxRefused(f"the task's {environment.kind} environment needs bwrap; "
                                  f"--isolation process-group cannot run it")
@@ -297,6 +284,33 @@ class LocalSandbox(ContainerPhases):
         if network is not None and network.isolated:
             raise SandboxRefused("allow_internet = false needs a private network namespace, "
                                  "which needs bwrap; --isolation process-group cannot run it")
+        if network is not None and (modes := sorted(
+                {mode for mode in self.phase_modes.values() if mode != "public"})):
+            raise SandboxRefused(f"network_mode = {modes[0]!r} needs a private network "
+                                 f"namespace, which needs bwrap; --isolation process-group "
+                                 f"cannot run it")
+
+    # --- each phase's network (strict: a sandbox per phase) ---------------------------------
+
+    def _own_network(self, role: Role, phase: str) -> bool:
+        """Whether a phase's sandbox has a network namespace of its own: the agent's (and
+        the container's) is the session's `Network`'s, where its proxies listen; another
+        phase's is private unless its mode is a host task's `public` (the host's)."""
+        if self.network is None:
+            return False
+        if role in ("agent", "container") or phase == "agent":
+            return self.network.isolated
+        return self.image is not None or self.phase_modes[phase] != "public"
+
+    def _connected(self, phase: str) -> bool:
+        """Whether a phase's own namespace is connected outward before its command runs
+        (strict: slirp4netns, with an allowlist's rules and egress proxy): an allowlist,
+        or an image's public network. (A container's network is switched by
+        `_use_network` instead.)"""
+        if self.lifetime == "harbor" or self.network is None or self.isolation != "bwrap":
+            return False
+        mode = self.phase_modes[phase]
+        return mode == "allowlist" or (mode == "public" and self.image is not None)
 
     def _begin_range(self) -> UsernsMaker:
         """A slot of the sandbox user's range, and the making of the session's user
@@ -415,12 +429,12 @@ class LocalSandbox(ContainerPhases):
 
     # --- the bwrap command line -------------------------------------------------------------
 
-    def _bwrap(self, command: Sequence[str], *, info_fd: int, role: Role,
+    def _bwrap(self, command: Sequence[str], *, info_fd: int, role: Role, phase: str,
                verifier_logs: Path | None = None, block_fd: int | None = None,
                seccomp_fd: int | None = None) -> list[str]:
         """The spawn's whole argv: the staging prefix (root), the drop to the sandbox user,
         then bwrap (whose command line `bwrap.py` builds from what is read here)."""
-        spawn = self._spawn_plan(role, info_fd=info_fd, verifier_logs=verifier_logs,
+        spawn = self._spawn_plan(role, phase, info_fd=info_fd, verifier_logs=verifier_logs,
                                  block_fd=block_fd)
         if self.range is not None:
             spawn = dataclasses.replace(spawn, userns_fd=self.range.userns_fd,
@@ -431,8 +445,8 @@ class LocalSandbox(ContainerPhases):
         self._clear_mount_points(placed, role)
         return [*self._prefix(staged, role), *bwrap_argv(spawn, placed, command)]
 
-    def _spawn_plan(self, role: Role, *, info_fd: int, verifier_logs: Path | None,
-                    block_fd: int | None) -> Spawn:
+    def _spawn_plan(self, role: Role, phase: str, *, info_fd: int,
+                    verifier_logs: Path | None, block_fd: int | None) -> Spawn:
         # Over an image the agent is the image's User inside (files the sandbox uid owns on
         # the host are that user's); on the host it is always the sandbox uid.
         uid, gid = ((self.image.uid, self.image.gid) if self.image is not None
@@ -460,10 +474,13 @@ class LocalSandbox(ContainerPhases):
             sees_agent_files=role == "agent" or self.verifier_root == "agent",
             tests=str(self._tests_bound) if self._tests_bound is not None else None,
             verifier_logs=str(verifier_logs) if verifier_logs is not None else None,
-            isolated_network=self.network is not None and self.network.isolated,
+            isolated_network=self._own_network(role, phase),
             block_fd=block_fd, info_fd=info_fd,
             hostname=hostname_of(self.marker) if role == "container" else None,
-            resolver=str(self._resolver) if self._resolver is not None else None)
+            # slirp's resolver: an image's always; a host task's only where slirp4netns
+            # connects the phase (elsewhere the host's resolver serves its network)
+            resolver=(str(self._resolver) if self._resolver is not None and (
+                self.image is not None or self._connected(phase)) else None))
 
     def _init(self, command: Sequence[str], status_fd: int, role: Role,
               user: InnerUser | None = None, *, deadline: bool = True) -> list[str]:
@@ -483,7 +500,10 @@ class LocalSandbox(ContainerPhases):
 
     async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
                      verifier_logs: Path | None = None, stdin: bool = False,
-                     copy: tuple[int, str, int, int] | None = None) -> LocalRun:
+                     copy: tuple[int, str, int, int] | None = None,
+                     phase: str | None = None) -> LocalRun:
+        """Start `command` as `role` (harbor: joined into the session's container; strict:
+        in a sandbox of its own on `phase`'s network, by default the role's)."""
         if self.lifetime == "harbor" and role != "container":
             return await self._spawn_joined(command, env=env, role=role, stdin=stdin,
                                             copy=copy)
@@ -492,14 +512,16 @@ class LocalSandbox(ContainerPhases):
         info_r, info_w = os.pipe() if bwrap else (None, None)
         forwarding = (bwrap and role in ("agent", "container") and self.network is not None
                       and self.network.isolated)
-        guarded = bwrap and self._guarded and role in ("agent", "verifier")
+        phase = phase or ("verifier" if role == "verifier" else "agent")
+        guarded = (bwrap and role != "container" and (role != "probe" or phase != "agent")
+                   and self._connected(phase))  # (a liveness probe needs no way out)
         block_r, block_w = os.pipe() if forwarding or guarded else (None, None)
         seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
                    if self.range is not None else None)
         userns = self.range.userns_fd if self.range is not None else None
         inner = self._init(command, status_w, role)
-        argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, verifier_logs=verifier_logs,
-                            block_fd=block_r, seccomp_fd=seccomp)
+        argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, phase=phase,
+                            verifier_logs=verifier_logs, block_fd=block_r, seccomp_fd=seccomp)
                 if bwrap else [*self._prefix([]), *inner])
         env = {**env, SUPERVISOR_ENV: self.marker}
         try:
@@ -527,13 +549,14 @@ class LocalSandbox(ContainerPhases):
         run = LocalRun(process, status_fd=status_r, info_fd=info_r,
                        isolation=self.isolation, marker=self.marker)
         if block_w is not None:
-            await self._open_network(run, block_w, forwarding=forwarding, guarded=guarded)
+            await self._open_network(run, block_w, forwarding=forwarding,
+                                     guarded=phase if guarded else None)
         return run
 
     async def _open_network(self, run: LocalRun, block_w: int, *, forwarding: bool,
-                            guarded: bool) -> None:
-        """Open the proxies inside the sandbox's network (and a host task's allowlist:
-        its rules, slirp4netns and the egress proxy), then let bwrap go on."""
+                            guarded: str | None) -> None:
+        """Open the proxies inside the sandbox's network (and connect the `guarded` phase's
+        own: slirp4netns, an allowlist's rules and egress proxy), then let bwrap go on."""
         assert self.network is not None
         try:
             info = await anyio.to_thread.run_sync(run.info)
@@ -542,9 +565,10 @@ class LocalSandbox(ContainerPhases):
                 raise OSError("bwrap reported no child pid for the network namespace")
             if forwarding:
                 await self.network.open_inside(pid)
-            if guarded:
+            if guarded is not None:
                 net = info.get("net-namespace")
-                await self._guard(pid, net if isinstance(net, int) else None)
+                await self._guard(pid, net if isinstance(net, int) else None,
+                                  allowlist=self.phase_modes[guarded] == "allowlist")
             os.write(block_w, b"x")
         except BaseException:
             await run.aclose()
