@@ -65,6 +65,9 @@ from trialledger.store.writer import Fence, now
 
 PROBE_LIMIT_S = 10.0
 CLEANUP_LIMIT_S = 10.0
+# How long a launch that failed under harbor waits for the container to be seen ending
+# (then the container's end is the recorded reason)
+CONTAINER_END_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -359,8 +362,10 @@ class SessionRunner:
         launch = oracle or await self._codex_launch(rec, sandbox, valid)
         try:
             run = await sandbox.launch(launch.argv, env=launch.env, stdin=launch.stdin)
-        except OSError as error:
-            await rec.add("sandbox.lost", {"detail": f"the agent could not be spawned: {error}"})
+        except OSError as error:  # (joining a container that just ended, too)
+            why = await sandbox.container_ended(CONTAINER_END_WAIT_S)
+            await rec.add("sandbox.lost",
+                          {"detail": why or f"the agent could not be spawned: {error}"})
             await rec.add("session.closed", {"reason": "normal"})
             return False
         try:
@@ -487,8 +492,10 @@ class SessionRunner:
                 await sandbox.network.aclose()
         rec.captured = True
         await rec.capture(await self._agent_output(rec, sandbox, run, secrets, oracle))
-        if not status.spawned:  # the launch failed inside the sandbox: nothing ran
-            await rec.add("sandbox.lost", {"detail": status.detail})
+        if not status.spawned:  # the launch failed inside the sandbox: nothing ran (the
+            # container's end, when that is why)
+            why = await sandbox.container_ended(CONTAINER_END_WAIT_S)
+            await rec.add("sandbox.lost", {"detail": why or status.detail})
             return
         if (why := sandbox.container_lost()) is not None:  # as Docker's container stops
             await rec.add("sandbox.lost", {"detail": why})

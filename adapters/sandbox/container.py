@@ -106,7 +106,10 @@ class Container:
     async def attach(cls, run: LocalRun, pid: int, namespace: int) -> Container:
         """Once PID 1 runs its command (so bwrap has finished making the root: the join
         lands in the container, never in the half-made namespace), hold its namespaces."""
-        pidfd = os.pidfd_open(pid)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # PID 1 already gone (an ENTRYPOINT that exits at once)
+            raise ContainerFailed("the container stopped as it started") from None
         try:
             with anyio.move_on_after(READY_S):
                 while len(pids_in_namespace(namespace)) < 2:
@@ -354,6 +357,17 @@ class ContainerPhases(SessionLayout):
     def container_lost(self) -> str | None:
         """Why the session's container is gone (harbor), else None."""
         return self.container.lost() if self.container is not None else None
+
+    async def container_ended(self, wait_s: float) -> str | None:
+        """Why the session's container is gone, waiting up to `wait_s` for it to end: a
+        phase that could not join it may have met it dying (a fork in a PID namespace
+        whose PID 1 is gone fails before the runner sees PID 1 end). None under strict,
+        or while it runs."""
+        if self.container is None:
+            return None
+        with anyio.move_on_after(wait_s):
+            await self.container.run.process.wait()
+        return self.container.lost()
 
     def _inner_user(self, role: Role) -> InnerUser:
         """Who a joined process runs as: the role's user (range mode), else the one id."""

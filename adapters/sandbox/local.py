@@ -513,8 +513,11 @@ class LocalSandbox(ContainerPhases):
         forwarding = (bwrap and role in ("agent", "container") and self.network is not None
                       and self.network.isolated)
         phase = phase or ("verifier" if role == "verifier" else "agent")
-        guarded = (bwrap and role != "container" and (role != "probe" or phase != "agent")
-                   and self._connected(phase))  # (a liveness probe needs no way out)
+        networked = role != "container" and (role != "probe" or phase != "agent")  # (a
+        # liveness probe needs no way out)
+        guarded = bwrap and networked and self._connected(phase)
+        if networked and not guarded:  # the last phase's way out goes with it
+            await self._disconnect()
         block_r, block_w = os.pipe() if forwarding or guarded else (None, None)
         seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
                    if self.range is not None else None)
