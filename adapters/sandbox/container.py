@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import select
 import subprocess
@@ -66,6 +67,7 @@ NAMESPACES = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup")  # init --joi
 READY_S = 10.0  # how long PID 1 may take to start its command
 CHECK_TAIL = 4096  # bytes of a healthcheck try's output kept
 REMOVE_BATCH = 1000  # names per `rm` run (well inside ARG_MAX)
+REMOVE_ROUNDS = 1000  # batches at most (a million names)
 EGRESS_PORT = 15001  # where an allowlist's egress proxy listens in the container
 
 
@@ -502,9 +504,15 @@ class ContainerPhases(SessionLayout):
             return VerifierRun(None, False, logs, str(error))
         # What the agent (or a daemon of its) left there, any number of entries: removed in
         # batches (in-process while small, else by `rm`), never a process per entry.
-        left = os.listdir(logs)
-        for start in range(0, len(left), REMOVE_BATCH):
-            remove_tree(*(logs / name for name in left[start:start + REMOVE_BATCH]))
+        # Never listed whole (an agent's million names would be held in memory): a batch
+        # at a time, for at most REMOVE_ROUNDS batches (a daemon still writing past that
+        # leaves its files to the verifier, as it would under Harbor).
+        for _ in range(REMOVE_ROUNDS):
+            with os.scandir(logs) as entries:
+                batch = [entry.name for entry in itertools.islice(entries, REMOVE_BATCH)]
+            if not batch:
+                break
+            remove_tree(*(logs / name for name in batch))
         base = {**self.base_env(), **(env or {}), "TRIALLEDGER_VERIFIER_DIR": VERIFIER_LOGS_INSIDE}
         if self.tests is not None:
             stage = self.root / f"tests-{self._verifications}"

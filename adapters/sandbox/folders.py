@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import os
 import secrets
 import subprocess
@@ -118,11 +119,14 @@ def _removed_in_process(path: str, dir_fd: int | None, budget: list[int]) -> boo
 def _emptied(folder: int, device: int, depth: int, budget: list[int]) -> bool:
     """Remove everything in the open `folder`; False once a bound is reached or a folder
     on another file system is met (what is left stays)."""
-    with os.scandir(folder) as entries:
-        names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+    with os.scandir(folder) as entries:  # never read whole: at most the budget, and one
+        names = [(entry.name, entry.is_dir(follow_symlinks=False))  # more to see it is past
+                 for entry in itertools.islice(entries, max(budget[0], 0) + 1)]
+    if len(names) > budget[0]:
+        return False
     for name, is_folder in names:
         budget[0] -= 1
-        if budget[0] < 0:
+        if budget[0] < 0:  # (the folders below took the rest)
             return False
         if not is_folder:
             with contextlib.suppress(FileNotFoundError):
