@@ -10,7 +10,7 @@ JSONL (and upcasting an older schema) is core/parsing.py's.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeAlias
+from typing import Annotated, Any, Literal, TypeAlias, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -24,6 +24,8 @@ from pydantic import (
 from trialledger.core.redact import REDACTED, fingerprint
 from trialledger.core.settings import Settings
 
+Model = TypeVar("Model", bound=BaseModel)
+
 _RFC3339_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|\+00:00)")
 
 
@@ -31,6 +33,18 @@ def _utc_timestamp(value: str) -> str:
     if not _RFC3339_UTC.fullmatch(value):
         raise ValueError(f"{value!r} is not an RFC 3339 UTC timestamp (like 2026-01-31T12:00:00Z)")
     return value
+
+
+def built(cls: type[Model], fields: dict[str, Any]) -> Model:
+    """An instance of `cls` (no extra fields, no private attributes) holding `fields`, every
+    field of it, each made by the caller as its type says: not validated again. For what
+    core derives by the thousand; `model_construct` costs twice what validation does."""
+    model = cls.__new__(cls)
+    object.__setattr__(model, "__dict__", fields)
+    object.__setattr__(model, "__pydantic_fields_set__", set(fields))
+    object.__setattr__(model, "__pydantic_extra__", None)
+    object.__setattr__(model, "__pydantic_private__", None)
+    return model
 
 
 Timestamp = Annotated[str, AfterValidator(_utc_timestamp)]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Container, Sequence
+from typing import Any, Literal, TypeGuard
 
 from pydantic import BaseModel, ConfigDict
 
@@ -15,6 +15,7 @@ from trialledger.core.events import (
     GapRecorded,
     SessionSeeded,
     Usage,
+    built,
 )
 from trialledger.core.policy import Policy
 
@@ -96,6 +97,12 @@ CONVERSATION_ITEMS = {"agent_message": "assistant", "reasoning": "reasoning"}
 FAILED_ITEM_STATUSES = frozenset({"failed", "declined"})
 
 
+def _is_one_of(value: Any, names: Container[str]) -> TypeGuard[str]:
+    """Whether an item's field is one of these names: the item is whatever the agent's
+    Codex printed, so the field may be any JSON, a list or an object too (unhashable)."""
+    return isinstance(value, str) and value in names
+
+
 class _ToolTrace:
     __slots__ = ("completed_at", "item", "started_at")
 
@@ -109,22 +116,24 @@ class _ToolTrace:
         name, arguments, output = TOOL_ITEMS[str(item.get("type"))]
         if self.completed_at is None:
             status: Literal["completed", "failed", "incomplete"] = "incomplete"
-        elif item.get("status") in FAILED_ITEM_STATUSES:
+        elif _is_one_of(item.get("status"), FAILED_ITEM_STATUSES):
             status = "failed"
         else:
             status = "completed"
         code = item.get("exit_code")
-        return ToolCall(
-            id=item_id,
-            name=name(item),
-            kind=str(item.get("type")),
-            arguments=arguments(item),
-            output=output(item),
-            exit_code=code if isinstance(code, int) else None,
-            status=status,
-            started_at=self.started_at,
-            completed_at=self.completed_at,
-        )
+        # Each field made here as its type says (`int(code)`: a bool exit code is read as
+        # pydantic reads it), so it is not validated again: a long session has thousands.
+        return built(ToolCall, {
+            "id": item_id,
+            "name": name(item),
+            "kind": str(item.get("type")),
+            "arguments": arguments(item),
+            "output": output(item),
+            "exit_code": int(code) if isinstance(code, int) else None,
+            "status": status,
+            "started_at": self.started_at,
+            "completed_at": self.completed_at,
+        })
 
 
 class ToolTraces:
@@ -140,10 +149,12 @@ class ToolTraces:
         if not isinstance(event, ITEM_EVENTS):
             return None
         item: dict[str, Any] = event.data.item
-        if item.get("type") not in TOOL_ITEMS:
+        if not _is_one_of(item.get("type"), TOOL_ITEMS):
             return None
         item_id = str(item.get("id"))
-        trace = self.traces.setdefault(item_id, _ToolTrace())
+        trace = self.traces.get(item_id)
+        if trace is None:
+            trace = self.traces[item_id] = _ToolTrace()
         if trace.completed_at is None:  # a completed item keeps its final content
             trace.item = item
         if event.type == "item.started" and trace.started_at is None:
@@ -187,7 +198,7 @@ def observe(
         elif tools.feed(event) is None and event.type == "item.completed":
             item: dict[str, Any] = event.data.item
             kind, text = item.get("type"), item.get("text")
-            if kind in CONVERSATION_ITEMS and isinstance(text, str):
+            if _is_one_of(kind, CONVERSATION_ITEMS) and isinstance(text, str):
                 role = CONVERSATION_ITEMS[kind]
                 conversation[(kind, str(item.get("id")))] = Message(role=role, text=text)
     decision = decisions[-1] if decisions else None

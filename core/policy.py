@@ -8,7 +8,7 @@ table) registered under a new name; the machine never changes.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -283,7 +283,7 @@ class Policy:
         fatal: list[str] = []
         last_turn_failed = last_fatal_stream = None
         warnings: dict[object, str] = {}
-        turn_started = False
+        turn_started = turn_completed = False
         last_turn = None
         exited = cleanup = lost = probe = stderr = None
         verify_after_error = False
@@ -307,8 +307,10 @@ class Policy:
                         fatal.append(message)
             elif isinstance(event, ITEM_EVENTS):
                 item = event.data.item
-                if item.get("type") == "error":
-                    warnings[item.get("id", len(warnings))] = str(item.get("message", ""))
+                if item.get("type") == "error":  # keyed by its id, which may be any JSON
+                    item_id = item.get("id", len(warnings))
+                    key = item_id if isinstance(item_id, Hashable) else repr(item_id)
+                    warnings[key] = str(item.get("message", ""))
             elif isinstance(event, AgentExited):
                 exited = event
             elif isinstance(event, CleanupReported):
@@ -330,9 +332,9 @@ class Policy:
             if event.type in ("turn.started", "turn.completed", "turn.failed"):
                 last_turn = event.type
                 turn_started = turn_started or event.type == "turn.started"
+                turn_completed = turn_completed or event.type == "turn.completed"
         timed_out = exited.data.timed_out if exited else False
         return_code = exited.data.return_code if exited else None
-        turn_completed = any(e.type == "turn.completed" for e in events)
         output_limited = bool(fatal) and all(m == self.output_limit_error for m in fatal)
         error: str | None
         if output_limited:

@@ -150,7 +150,8 @@ async def test_a_tool_cannot_reach_into_codex(tmp_path: Path) -> None:
 
 async def test_garbage_on_codex_stdout_cannot_crash_the_runner(tmp_path: Path) -> None:
     # What a compromised Codex could print: a 2.2 MB line, invalid UTF-8, a lone
-    # surrogate escape, JSON nested 100,000 deep, a torn last line.
+    # surrogate escape, JSON nested 100,000 deep, items whose names are lists and objects
+    # (unhashable where the fold looks names up), a torn last line.
     (tmp_path / "bin").mkdir()
     noisy = executable(tmp_path / "bin" / "codex-garbage", f"""#!/bin/bash
 head -c 2200000 /dev/zero | tr '\\0' x; echo
@@ -158,6 +159,9 @@ printf '\\377\\376 not utf-8\\n'
 printf '%s\\n' '{{"type":"item.completed","item":{{"id":"f","type":"agent_message",'\
 '"text":"\\ud800"}}}}'
 python3 -c 'print("[" * 100000)'
+echo '{{"type":"item.started","item":{{"id":"g","type":["command_execution"]}}}}'
+echo '{{"type":"item.completed","item":{{"id":"h","type":"command_execution","status":{{}}}}}}'
+echo '{{"type":"item.completed","item":{{"id":["w"],"type":"error","message":"m"}}}}'
 {codex_path()} "$@"
 printf '{{"type":"turn.comp'
 """)
@@ -171,6 +175,9 @@ printf '{{"type":"turn.comp'
     forged = next(e for e in ran.view.events if e.type == "item.completed"
                   and e.data.item.get("id") == "f")
     assert forged.data.item["text"] == "\ufffd"
+    items = [e.data.item.get("id") for e in ran.view.events if e.type.startswith("item.")]
+    assert "g" in items and "h" in items and ["w"] in items
+    assert [c.status for c in ran.view.observations.tool_calls if c.id == "h"] == ["completed"]
     assert ran.view.outcome == "verify" and ran.view.rewards == {"reward": 1.0}
 
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.scenarios import LogBuilder
+from tests.test_agent_json import json_values
 from trialledger.core import SessionView, replay
+from trialledger.core.observations import TOOL_ITEMS, ToolCall
 
 EXAMPLE = (Path(__file__).parent / "data" / "codex-0.125-example.jsonl").read_text(
     encoding="utf-8"
@@ -64,3 +71,31 @@ def test_status_is_incomplete_while_undecided() -> None:
     builder = LogBuilder().launched().codex(EXAMPLE.splitlines()[:3])
     assert replay(builder.events).observations.invocation.status == "incomplete"
     assert _view().observations.invocation.status == "completed"
+
+
+# An item as a compromised Codex may print it: any JSON in every field that is read.
+ITEM_FIELDS = ("id", "command", "aggregated_output", "exit_code", "status", "tool", "arguments",
+               "result", "error", "changes", "query", "items", "text", "message")
+hostile_items = st.fixed_dictionaries(
+    {"type": st.sampled_from([*TOOL_ITEMS, "agent_message", "reasoning", "error"])
+     | json_values(2)},
+    optional={key: json_values(3) for key in ITEM_FIELDS})
+item_events = st.sampled_from(["item.started", "item.updated", "item.completed"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(st.tuples(item_events, hostile_items), min_size=1, max_size=6))
+def test_a_tool_call_holds_what_validating_its_fields_would(
+        items: list[tuple[str, dict[str, Any]]]) -> None:
+    """Whatever the items hold (lists and objects where names are expected too), the log
+    folds; and tool calls, built without validation (a long session has thousands), each
+    equal, and dump as, the call their fields validate to."""
+    lines = [json.dumps({"type": kind, "item": item}) for kind, item in items]
+    view = replay(LogBuilder().launched().codex(['{"type":"turn.started"}', *lines])
+                  .finish(0).events)
+    assert view.decision is not None
+    for call in view.observations.tool_calls:
+        validated = ToolCall.model_validate(dict(call.__dict__))
+        assert call == validated
+        assert call.model_dump_json() == validated.model_dump_json()
+        assert call.model_fields_set == validated.model_fields_set

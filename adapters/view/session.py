@@ -37,7 +37,7 @@ def _when(at: str) -> datetime:
 
 def _tool_row(event: Event, tools: dict[str, Any]) -> dict[str, Any] | None:
     item = getattr(event.data, "item", None)
-    call = tools.get(item.get("id", "")) if isinstance(item, dict) else None
+    call = tools.get(str(item.get("id"))) if isinstance(item, dict) else None  # as traced
     if call is None:
         return None
     output = call.output if isinstance(call.output, str) or call.output is None \
