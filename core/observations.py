@@ -191,16 +191,18 @@ def observe(
     tools = ToolTraces()
     recorded: list[Gap] = []
     for event in events:
-        if isinstance(event, SessionSeeded):
-            conversation["instruction"] = Message(role="user", text=event.data.instruction)
-        elif isinstance(event, GapRecorded):
-            recorded.append(event.data)
-        elif tools.feed(event) is None and event.type == "item.completed":
+        if isinstance(event, ITEM_EVENTS):  # first: most of a long log
+            if tools.feed(event) is not None or event.type != "item.completed":
+                continue
             item: dict[str, Any] = event.data.item
             kind, text = item.get("type"), item.get("text")
             if _is_one_of(kind, CONVERSATION_ITEMS) and isinstance(text, str):
                 role = CONVERSATION_ITEMS[kind]
                 conversation[(kind, str(item.get("id")))] = Message(role=role, text=text)
+        elif isinstance(event, SessionSeeded):
+            conversation["instruction"] = Message(role="user", text=event.data.instruction)
+        elif isinstance(event, GapRecorded):
+            recorded.append(event.data)
     decision = decisions[-1] if decisions else None
     return Observations(
         invocation=Invocation(

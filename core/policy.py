@@ -294,7 +294,13 @@ class Policy:
         for event in events:
             if exited is None and event.type in STREAM_TYPES:
                 last_stream = event
-            if isinstance(event, TurnFailed):
+            if isinstance(event, ITEM_EVENTS):  # first: most of a long log
+                item = event.data.item
+                if item.get("type") == "error":  # keyed by its id, which may be any JSON
+                    item_id = item.get("id", len(warnings))
+                    key = item_id if isinstance(item_id, Hashable) else repr(item_id)
+                    warnings[key] = str(item.get("message", ""))
+            elif isinstance(event, TurnFailed):
                 message = str((event.data.error or {}).get("message") or "turn failed")
                 last_turn_failed = message
                 if not fatal or fatal[-1] != message:
@@ -305,12 +311,6 @@ class Policy:
                     last_fatal_stream = message
                     if not fatal or fatal[-1] != message:
                         fatal.append(message)
-            elif isinstance(event, ITEM_EVENTS):
-                item = event.data.item
-                if item.get("type") == "error":  # keyed by its id, which may be any JSON
-                    item_id = item.get("id", len(warnings))
-                    key = item_id if isinstance(item_id, Hashable) else repr(item_id)
-                    warnings[key] = str(item.get("message", ""))
             elif isinstance(event, AgentExited):
                 exited = event
             elif isinstance(event, CleanupReported):

@@ -24,6 +24,7 @@ from trialledger.core.events import (
     OutcomeDecided,
     SessionSeeded,
     Usage,
+    built,
 )
 from trialledger.core.machine import Session, State
 from trialledger.core.observations import Observations, observe
@@ -83,20 +84,22 @@ def view_of(session: Session, *, unapplied: Iterable[Event] = (),
         None,
     )
     usage = session.policy.usage_of(events)
-    return SessionView(
-        session_id=session.session_id,
-        state=session.state,
-        outcome=outcome_of(session),
-        decision=session.decisions[-1] if session.decisions else None,
-        decisions=list(session.decisions),
-        usage=usage[0],
-        rewards=rewards,
-        observations=observe(events, session.decisions, closed=session.state == "closed",
-                             policy=session.policy, usage=usage),
-        unapplied=list(unapplied),
-        diverged_at=diverged_at,
-        events=list(events),
-    )
+    # Every field is already of its type (the events, decisions and usage are validated
+    # models), so the view is not validated again: that re-checked each of the events.
+    return built(SessionView, {
+        "session_id": session.session_id,
+        "state": session.state,
+        "outcome": outcome_of(session),
+        "decision": session.decisions[-1] if session.decisions else None,
+        "decisions": list(session.decisions),
+        "usage": usage[0],
+        "rewards": rewards,
+        "observations": observe(events, session.decisions, closed=session.state == "closed",
+                                policy=session.policy, usage=usage),
+        "unapplied": list(unapplied),
+        "diverged_at": diverged_at,
+        "events": list(events),
+    })
 
 
 def _session_id(events: list[Event], first: Mapping[str, Any] | Event | None) -> str:

@@ -64,19 +64,19 @@ def recover_usage(events: Sequence[Event]) -> tuple[Usage | None, list[Gap]]:
     work_happened = False
     for event in events:
         kind = event.type
-        if isinstance(event, UsageNative):
+        if kind.startswith("item."):  # first: most of a long log
+            item = getattr(event.data, "item", {})
+            if item.get("type") != "error":
+                work_happened = True
+            if kind == "item.started":
+                item_started_after_completion = True
+        elif isinstance(event, UsageNative):
             native = event
         elif kind in TURN_TYPES:
             last_turn = event
             if kind == "turn.completed":
                 work_happened = True
                 item_started_after_completion = False
-        elif kind.startswith("item."):
-            item = getattr(event.data, "item", {})
-            if item.get("type") != "error":
-                work_happened = True
-            if kind == "item.started":
-                item_started_after_completion = True
     if native is not None:
         return Usage.model_validate(native.data.total.model_dump()), []
     if (

@@ -88,12 +88,14 @@ item_events = st.sampled_from(["item.started", "item.updated", "item.completed"]
 def test_a_tool_call_holds_what_validating_its_fields_would(
         items: list[tuple[str, dict[str, Any]]]) -> None:
     """Whatever the items hold (lists and objects where names are expected too), the log
-    folds; and tool calls, built without validation (a long session has thousands), each
-    equal, and dump as, the call their fields validate to."""
+    folds; and the view and its tool calls, built without validation (a long session has
+    thousands), each equal, and dump as, what their fields validate to."""
     lines = [json.dumps({"type": kind, "item": item}) for kind, item in items]
     view = replay(LogBuilder().launched().codex(['{"type":"turn.started"}', *lines])
                   .finish(0).events)
     assert view.decision is not None
+    validated_view = SessionView.model_validate(dict(view.__dict__))  # built as well
+    assert view == validated_view and view.model_dump_json() == validated_view.model_dump_json()
     for call in view.observations.tool_calls:
         validated = ToolCall.model_validate(dict(call.__dict__))
         assert call == validated
