@@ -10,6 +10,7 @@ JSONL (and upcasting an older schema) is core/parsing.py's.
 from __future__ import annotations
 
 import re
+from datetime import date
 from typing import Annotated, Any, Literal, TypeAlias, TypeVar
 
 from pydantic import (
@@ -26,13 +27,26 @@ from trialledger.core.settings import Settings
 
 Model = TypeVar("Model", bound=BaseModel)
 
-_RFC3339_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|\+00:00)")
+# ASCII digits (`\d` also takes other scripts' digits, which no date parser reads), each
+# field in its range; a day past the 28th is checked against its month and year.
+_RFC3339_UTC = re.compile(r"(?!0000)[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+                          r"T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?(Z|\+00:00)")
 
 
 def _utc_timestamp(value: str) -> str:
-    if not _RFC3339_UTC.fullmatch(value):
+    """A real instant, so that every reader of an event's times (the policies, `show`,
+    the view, SQL) can read it: an imported `2026-02-30` crashed `show` until 2026-12-02."""
+    if not _RFC3339_UTC.fullmatch(value) or (value[8:10] > "28" and not _is_day(value[:10])):
         raise ValueError(f"{value!r} is not an RFC 3339 UTC timestamp (like 2026-01-31T12:00:00Z)")
     return value
+
+
+def _is_day(text: str) -> bool:
+    try:
+        date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
 
 
 def built(cls: type[Model], fields: dict[str, Any]) -> Model:

@@ -82,6 +82,24 @@ def test_import_scrubs_secret_env_and_reports_bad_lines(
     assert code == 0 and json.loads(out) == [{"n": 0}]  # nothing half-written
 
 
+@pytest.mark.parametrize("at", ["2026-02-30T00:00:00Z", "2026-11-29T24:00:00Z",
+                                "\u0662\u0660\u0662\u0666-01-01T00:00:00Z"])
+def test_an_impossible_time_is_refused_on_import_not_crashed_on_show(
+        capsys: Any, tmp_path: Path, examples: Path, at: str) -> None:
+    """`show` and the policies read each time back as a datetime: a day the calendar has
+    not (or digits of another script) is a bad line at import, one line, nothing stored."""
+    lines = (examples / "clean.jsonl").read_text().splitlines()
+    second = json.loads(lines[1])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([lines[0], json.dumps({**second, "at": at}), *lines[2:]]) + "\n")
+    code, out, err = run(capsys, "import", "--db", str(tmp_path / "x.db"), str(bad))
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1
+    assert "line 2:" in err and "is not an RFC 3339 UTC timestamp" in err
+    code, out, _ = run(capsys, "sql", "--db", str(tmp_path / "x.db"), "--json",
+                       "SELECT COUNT(*) AS n FROM events")
+    assert code == 0 and json.loads(out) == [{"n": 0}]
+
+
 def test_audit_ok_then_names_a_tampered_event(capsys: Any, tmp_path: Path, examples: Path) -> None:
     db = str(tmp_path / "t.db")
     imported(capsys, db, examples, "clean", "http_429")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -173,3 +174,35 @@ def test_runs_of_chunks_cover_every_session_once_in_order(sessions: int, process
     assert len(batches) <= processes * rederive.CHUNKS_PER_PROCESS
     assert all(batch and all(part for part in batch) for batch in batches)
     assert all(len(part) <= rederive.MAX_CHUNK for part in parts)
+
+
+LOOSE_TIMESTAMP = r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|\+00:00)"  # any digits
+
+
+def _with_at(at: str) -> dict[str, Any]:
+    return {"type": "session.closed", "at": at, "data": {"reason": "normal"}}
+
+
+@settings(max_examples=300, deadline=None)
+@given(at=st.from_regex(LOOSE_TIMESTAMP, fullmatch=True))
+def test_every_time_an_event_takes_is_a_real_instant(at: str) -> None:
+    """What `show`, the view and policy v3 read back with `datetime.fromisoformat` (an
+    imported `2026-02-30` once crashed `show`): accepted only when it is a real instant."""
+    try:
+        real = datetime.fromisoformat(at.replace("Z", "+00:00"))
+    except ValueError:
+        real = None
+    if real is None or not at.isascii():
+        with pytest.raises(BadEvent, match="is not an RFC 3339 UTC timestamp"):
+            parse_event(_with_at(at))
+    else:
+        assert parse_event(_with_at(at)).at == at
+
+
+@settings(max_examples=300, deadline=None)
+@given(moment=st.datetimes(min_value=datetime(1, 1, 1), timezones=st.just(UTC)),
+       digits=st.integers(0, 9), suffix=st.sampled_from(["Z", "+00:00"]))
+def test_every_real_instant_is_taken(moment: datetime, digits: int, suffix: str) -> None:
+    fraction = f".{moment.microsecond:06d}000"[: digits + 1] if digits else ""
+    at = moment.strftime("%Y-%m-%dT%H:%M:%S").rjust(19, "0") + fraction + suffix
+    assert parse_event(_with_at(at)).at == at
