@@ -64,12 +64,13 @@ class Observations(_Frozen):
 def _mcp_output(item: dict[str, Any]) -> Any:
     result, error = item.get("result"), item.get("error")
     if isinstance(result, dict):
+        content = result.get("content")
         texts = [
             block.get("text", "")
-            for block in result.get("content") or []
+            for block in (content if isinstance(content, list) else ())
             if isinstance(block, dict) and block.get("type") == "text"
         ]
-        return "\n".join(texts)
+        return "\n".join(text for text in texts if isinstance(text, str))
     if isinstance(error, dict):
         return error.get("message")
     return None

@@ -73,13 +73,29 @@ def test_status_is_incomplete_while_undecided() -> None:
     assert _view().observations.invocation.status == "completed"
 
 
-# An item as a compromised Codex may print it: any JSON in every field that is read.
+# An item as a compromised Codex may print it: any JSON in each field that is read, and
+# an MCP call's result in its own shape with any JSON in its blocks (and any JSON for it).
+def _or_any(shape: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return shape | json_values(2)
+
+
 ITEM_FIELDS = ("id", "command", "aggregated_output", "exit_code", "status", "tool", "arguments",
-               "result", "error", "changes", "query", "items", "text", "message")
-hostile_items = st.fixed_dictionaries(
-    {"type": st.sampled_from([*TOOL_ITEMS, "agent_message", "reasoning", "error"])
-     | json_values(2)},
-    optional={key: json_values(3) for key in ITEM_FIELDS})
+               "changes", "query", "items", "text", "message", "result", "error")
+text_blocks = st.lists(_or_any(st.fixed_dictionaries(
+    {"type": _or_any(st.just("text"))}, optional={"text": json_values(2)})), max_size=3)
+
+
+def _items(kind: st.SearchStrategy[Any], **shaped: st.SearchStrategy[Any]
+           ) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries({"type": kind, **shaped}, optional={
+        key: json_values(3) for key in ITEM_FIELDS if key not in shaped})
+
+
+hostile_items = st.one_of(
+    _items(_or_any(st.sampled_from([*TOOL_ITEMS, "agent_message", "reasoning", "error"]))),
+    _items(st.just("mcp_tool_call"),
+           result=_or_any(st.fixed_dictionaries({"content": _or_any(text_blocks)})),
+           error=_or_any(st.fixed_dictionaries({"message": json_values(2)}))))
 item_events = st.sampled_from(["item.started", "item.updated", "item.completed"])
 
 
