@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from tests.scenarios import LogBuilder
 from tests.test_agent_json import json_values
+from trialledger.adapters.console.session import show_session
+from trialledger.adapters.view.session import timeline
 from trialledger.core import SessionView, replay
 from trialledger.core.observations import TOOL_ITEMS, ToolCall
 
@@ -104,12 +106,14 @@ item_events = st.sampled_from(["item.started", "item.updated", "item.completed"]
 def test_a_tool_call_holds_what_validating_its_fields_would(
         items: list[tuple[str, dict[str, Any]]]) -> None:
     """Whatever the items hold (lists and objects where names are expected too), the log
-    folds; and the view and its tool calls, built without validation (a long session has
-    thousands), each equal, and dump as, what their fields validate to."""
+    folds and is shown; and the view and its tool calls, built without validation (a long
+    session has thousands), each equal, and dump as, what their fields validate to."""
     lines = [json.dumps({"type": kind, "item": item}) for kind, item in items]
     view = replay(LogBuilder().launched().codex(['{"type":"turn.started"}', *lines])
                   .finish(0).events)
     assert view.decision is not None
+    show_session(view)  # and both readers of it show it: `show` and the view's timeline
+    assert len(timeline(view)) == len(view.events)
     validated_view = SessionView.model_validate(dict(view.__dict__))  # built as well
     assert view == validated_view and view.model_dump_json() == validated_view.model_dump_json()
     for call in view.observations.tool_calls:
@@ -117,3 +121,26 @@ def test_a_tool_call_holds_what_validating_its_fields_would(
         assert call == validated
         assert call.model_dump_json() == validated.model_dump_json()
         assert call.model_fields_set == validated.model_fields_set
+
+
+codex_lines = st.fixed_dictionaries(
+    {"type": st.sampled_from(["thread.started", "turn.started", "turn.completed", "turn.failed",
+                              "item.started", "item.updated", "item.completed", "error"])},
+    optional={"thread_id": json_values(1), "message": json_values(1), "item": hostile_items,
+              "usage": _or_any(st.dictionaries(st.sampled_from(
+                  ["input_tokens", "cached_input_tokens", "output_tokens",
+                   "reasoning_output_tokens"]), json_values(1))),
+              "error": _or_any(st.fixed_dictionaries({"message": json_values(1)}))})
+
+
+@settings(max_examples=200, deadline=None)
+@given(objects=st.lists(codex_lines, min_size=1, max_size=8), code=st.sampled_from([0, 1, None]))
+def test_whatever_codex_prints_folds_decides_and_is_shown(
+        objects: list[dict[str, Any]], code: int | None) -> None:
+    """Every type Codex prints, each field any JSON: each line becomes its event or
+    `codex.unknown`, and the log folds to a decision that `show` and the view can show."""
+    lines = [json.dumps(obj) for obj in objects]
+    view = replay(LogBuilder().launched().codex(lines).finish(code).events)
+    assert view.decision is not None
+    show_session(view)
+    assert len(timeline(view)) == len(view.events)
