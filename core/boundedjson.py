@@ -7,7 +7,8 @@ line, a reward file, a line of Codex's stdout, a Harbor job folder — is parsed
 its size, then its nesting depth by a linear scan of the brackets outside strings (no
 recursion, so a deep line is refused cheaply, before parsing), then `json.loads` with
 hooks that refuse non-finite numbers and integers beyond 64 bits. Every refusal is
-`UnsafeJSON`, naming the rule broken, never the content.
+`UnsafeJSON`, naming the rule broken, never the content. A lone surrogate (a `\\ud800`
+escape, which JSON lets through and no UTF-8 text can hold) becomes U+FFFD, in keys too.
 
     >>> bounded_loads('{"reward": 1}', limit=64)
     {'reward': 1}
@@ -36,6 +37,10 @@ NOT_JSON = "not JSON"
 _STRING = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+\\?+(?:"|\Z)', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]++")
 _STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's \\ud800 escapes let these through
+# Where a lone surrogate in the parsed value can come from: an escape of one, or one in the
+# text itself (a name read with `surrogateescape`).
+_SURROGATE_SOURCE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
 
 
 class UnsafeJSON(TrialLedgerError, ValueError):
@@ -102,9 +107,22 @@ def bounded_loads(text: str | bytes, *, limit: int, max_depth: int = MAX_DEPTH) 
     if text.count("[") + text.count("{") > max_depth and nesting_depth(text) > max_depth:
         raise UnsafeJSON(f"nested deeper than {max_depth} levels")
     try:
-        return json.loads(text, parse_int=_integer, parse_float=_number,
-                          parse_constant=_constant)
+        value = json.loads(text, parse_int=_integer, parse_float=_number,
+                           parse_constant=_constant)
     except UnsafeJSON:
         raise
     except (ValueError, RecursionError) as error:  # RecursionError: never, by the scan
         raise UnsafeJSON(f"{NOT_JSON} ({type(error).__name__})") from None
+    return repaired(value) if _SURROGATE_SOURCE.search(text) else value
+
+
+def repaired(value: Any) -> Any:
+    """`value` with every lone surrogate made U+FFFD, in keys too (its depth is bounded by
+    the reader, so the recursion is)."""
+    if isinstance(value, str):
+        return LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [repaired(v) for v in value]
+    if isinstance(value, dict):
+        return {repaired(k): repaired(v) for k, v in value.items()}
+    return value

@@ -9,12 +9,12 @@ of a log; `event_dict` is the way back.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from trialledger.core.boundedjson import LONE_SURROGATE
 from trialledger.core.errors import BadEvent
 from trialledger.core.events import EVENT_TYPES, SCHEMA_VERSION, Envelope, Event
 
@@ -135,7 +135,6 @@ def event_dict(event: Envelope) -> dict[str, Any]:
 
 
 MAX_DEPTH = 64
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's \\ud800 escapes let these through
 _INT64 = range(-(2**63), 2**63)
 
 

@@ -217,3 +217,35 @@ def test_import_harbor_survives_a_poisoned_job_result(capsys: Any, tmp_path: Pat
     (job / "result.json").write_text(DEEP)  # the job's own: n_retries unreadable, so 0
     code = main(["import-harbor", "--db", str(tmp_path / "t.db"), str(job)])
     assert code in (0, 1), capsys.readouterr().err
+
+
+
+surrogates = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+texts_with_surrogates = st.lists(st.text(max_size=3) | surrogates, max_size=4).map("".join)
+
+
+def _as_read(value: Any, escaped: bool) -> Any:
+    """What a reader should make of `value` written as JSON: escaped (`\\ud83d\\ude00`),
+    a high and a low surrogate side by side are one character; every other surrogate, and
+    every surrogate written as it is, is U+FFFD."""
+    if isinstance(value, str):
+        if escaped:
+            return value.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+        return "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in value)
+    if isinstance(value, list):
+        return [_as_read(v, escaped) for v in value]
+    return {_as_read(k, escaped): _as_read(v, escaped) for k, v in value.items()}
+
+
+@fast
+@given(value=st.recursive(texts_with_surrogates, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(texts_with_surrogates, inner, max_size=3),
+                          max_leaves=8),
+       escaped=st.booleans())
+def test_a_lone_surrogate_is_read_as_the_replacement_character(value: Any,
+                                                               escaped: bool) -> None:
+    """JSON lets `\\ud800` through (and a name read with surrogateescape holds one), but no
+    UTF-8 text, and so no event, can hold it: the reader makes each U+FFFD, keys too."""
+    read = bounded_loads(json.dumps(value, ensure_ascii=escaped), limit=2**20)
+    assert read == _as_read(value, escaped)
+    json.dumps(read, ensure_ascii=False).encode("utf-8")  # no lone surrogate is left

@@ -201,6 +201,28 @@ async def test_an_unsafe_reward_file_is_a_gap_never_its_content(
     assert ran.view.state == "closed"
 
 
+async def test_names_that_are_not_text_cannot_crash_the_runner(tmp_path: Path) -> None:
+    """A byte that is not UTF-8 in a file's name reads as a lone surrogate, and so does a
+    `\\ud800` escape in JSON: no event can hold one (the store's text is UTF-8), so each
+    reached the store and failed the append. The agent plants both where the runner reads:
+    a rollout's name, and through a hijacked verifier a kept file's name and a reward's."""
+    evil = ("D=$TRIALLEDGER_VERIFIER_DIR; printf '{\"\\\\ud800x\": 1}' > $D/reward.json; "
+            "echo kept > \"$D/out$(printf '\\377').txt\"; exit 0")
+    task = make_task(tmp_path / "task", test_sh="bash /app/check.sh\n",
+                     workspace={"check.sh": "exit 1\n"})
+    attack = (f"cat > check.sh <<'EOF'\n{evil}\nEOF\n"
+              "f=$(find $CODEX_HOME/sessions -name 'rollout-*.jsonl' | head -1); "
+              "ln -s /nonexistent \"$(dirname $f)/rollout-$(printf '\\377').jsonl\"; "
+              "echo planted")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()])
+    assert "planted" in output(ran)
+    assert ran.view.state == "closed" and ran.view.rewards == {"\ufffdx": 1.0}
+    refused = [detail for code, detail in gaps(ran) if code == "unsafe_agent_file"]
+    assert any(d.endswith("out\ufffd.txt: a name that is not UTF-8") for d in refused), refused
+    assert any(d.endswith("rollout-\ufffd.jsonl: a name that is not UTF-8")
+               for d in refused), refused
+
+
 @pytest.mark.parametrize("plant", ["canary", "dev-zero", "fifo", "dangling", "folder",
                                    "sessions-link", "unreadable"])
 async def test_an_unsafe_rollout_is_a_gap_never_its_content(

@@ -19,9 +19,9 @@ from typing import Any
 
 from trialledger.adapters.sandbox.process import LINE_LIMIT, CutLine
 from trialledger.core import BadEvent
-from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
+from trialledger.core.boundedjson import LONE_SURROGATE, UnsafeJSON, bounded_loads
 from trialledger.core.events import CODEX_STREAM_TYPES
-from trialledger.core.parsing import LONE_SURROGATE, parse_event
+from trialledger.core.parsing import parse_event
 
 RENAMED = {"error": "stream.error"}  # Codex's top-level error line
 # Codex's own type names: ours, less the two that are ours alone.
@@ -49,18 +49,6 @@ class StreamRecord:
 TEXT_LIMIT = 3 * LINE_LIMIT
 
 
-def _repaired(value: Any) -> Any:
-    """`value` with every lone surrogate (JSON lets `\\ud800` through) made U+FFFD (its
-    depth is bounded by the reader, so the recursion is)."""
-    if isinstance(value, str):
-        return LONE_SURROGATE.sub("\ufffd", value)
-    if isinstance(value, list):
-        return [_repaired(v) for v in value]
-    if isinstance(value, dict):
-        return {_repaired(k): _repaired(v) for k, v in value.items()}
-    return value
-
-
 def stream_events(line: bytes | CutLine, at: str) -> list[dict[str, Any]]:
     """The events for one raw stdout line from the sandbox, stamped `at`."""
     if isinstance(line, CutLine):
@@ -76,7 +64,7 @@ def parse_stream_line(line: str) -> StreamRecord:
     """Map one `codex exec --json` stdout line (without its newline) to a record."""
     line = LONE_SURROGATE.sub("\ufffd", line)
     try:
-        obj = _repaired(bounded_loads(line, limit=TEXT_LIMIT))
+        obj = bounded_loads(line, limit=TEXT_LIMIT)  # lone surrogates made U+FFFD
     except UnsafeJSON as error:
         detail = line[:200] if error.malformed else f"{error.rule}: {line[:200]}"
         return StreamRecord("codex.unknown", {"line": line},

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trialledger.adapters.sandbox.identity import libc
+from trialledger.core.boundedjson import LONE_SURROGATE
 from trialledger.core.errors import TrialLedgerError
 
 REWARD_LIMIT = 64 * 1024
@@ -51,6 +52,17 @@ class UnsafeAgentFile(TrialLedgerError):
 
 
 Seen = dict[tuple[int, int], str]  # (st_dev, st_ino) → the first name read
+
+
+def is_text(name: str) -> bool:
+    """Whether a name read from the sandbox is text an event can hold: `os.scandir` gives
+    each byte that is not UTF-8 as a lone surrogate (`surrogateescape`)."""
+    return not LONE_SURROGATE.search(name)
+
+
+def as_text(name: str) -> str:
+    """A name to show: each byte that is not UTF-8 as U+FFFD."""
+    return LONE_SURROGATE.sub("\ufffd", name)
 
 
 class AlreadyRead(TrialLedgerError):
@@ -295,6 +307,10 @@ class AgentTree:
                     if count >= MAX_ENTRIES:
                         refused.append(UnsafeAgentFile(shown, f"over {MAX_ENTRIES} entries"))
                         break
+                    if not is_text(entry.name):
+                        refused.append(UnsafeAgentFile(f"{shown}/{as_text(entry.name)}",
+                                                       "a name that is not UTF-8"))
+                        continue
                     path = f"{shown}/{entry.name}"
                     try:
                         mode = entry.stat(follow_symlinks=False).st_mode
