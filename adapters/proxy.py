@@ -38,6 +38,7 @@ import aiohttp
 from aiohttp import web
 
 from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
+from trialledger.core.events import MAX_TOKENS
 from trialledger.core.usage import token_count
 
 REQUEST_LIMIT = 256 * 2**20  # bytes of one request body
@@ -157,7 +158,7 @@ def _usage(raw: object) -> dict[str, int | None] | None:
     if not isinstance(raw, dict):
         return None
     inputs, outputs = token_count(raw.get("input_tokens")), token_count(raw.get("output_tokens"))
-    if inputs is None or outputs is None:
+    if inputs is None or outputs is None or inputs + outputs > MAX_TOKENS:
         return None
     details_in = raw.get("input_tokens_details") or {}
     details_out = raw.get("output_tokens_details") or {}

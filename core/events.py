@@ -63,6 +63,11 @@ def built(cls: type[Model], fields: dict[str, Any]) -> Model:
 
 Timestamp = Annotated[str, AfterValidator(_utc_timestamp)]
 Count = Annotated[int, Field(ge=0)]
+# A token count above a trillion is no count a model reported: the readers of what the
+# sandbox wrote take it as unknown and an event may not hold it, so that the sums SQL makes
+# over a job's sessions stay within 64 bits (two 2**62 counts broke `job show`).
+MAX_TOKENS = 10**12
+Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 FiniteNumber = Annotated[float, Field(allow_inf_nan=False)]
 
 
@@ -84,21 +89,21 @@ class _CodexData(BaseModel):
 class Usage(_Data):
     """Token usage of a run (SPEC §4); cached ⊂ input, reasoning ⊂ output; None = unavailable."""
 
-    input_tokens: Count
-    cached_input_tokens: Count | None
-    output_tokens: Count
-    reasoning_output_tokens: Count | None
-    total_tokens: Count
+    input_tokens: Tokens
+    cached_input_tokens: Tokens | None
+    output_tokens: Tokens
+    reasoning_output_tokens: Tokens | None
+    total_tokens: Tokens
 
 
 class TokenCounts(_Data):
     """One native usage record from Codex's rollout (all five figures known)."""
 
-    input_tokens: Count
-    cached_input_tokens: Count
-    output_tokens: Count
-    reasoning_output_tokens: Count
-    total_tokens: Count
+    input_tokens: Tokens
+    cached_input_tokens: Tokens
+    output_tokens: Tokens
+    reasoning_output_tokens: Tokens
+    total_tokens: Tokens
 
 
 class Cause(_Data):

@@ -24,6 +24,7 @@ from dataclasses import replace
 from datetime import datetime
 
 from trialledger.core.events import (
+    MAX_TOKENS,
     Event,
     Gap,
     ModelCall,
@@ -162,8 +163,13 @@ def proxy_usage(events: Sequence[Event]) -> tuple[Usage | None, list[Gap]]:
             gaps.append(PARTIAL)
             break
         assert total is not None
-        total = Usage(**{k: (getattr(total, k) or 0) + (getattr(call.usage, k) or 0)
-                         for k in Usage.model_fields})
+        summed = {k: (getattr(total, k) or 0) + (getattr(call.usage, k) or 0)
+                  for k in Usage.model_fields}
+        if max(summed.values()) > MAX_TOKENS:  # no count a model reported (core.events)
+            total = None
+            gaps.append(PARTIAL)
+            break
+        total = Usage(**summed)
     if native and total is not None and native[-1].model_dump() != total.model_dump():
         detail = json.dumps({"native": native[-1].model_dump(), "proxy": total.model_dump()},
                             sort_keys=True, separators=(",", ":"))

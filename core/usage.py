@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from trialledger.core.events import Event, Gap, Usage, UsageNative
+from trialledger.core.events import MAX_TOKENS, Event, Gap, Usage, UsageNative
 
 TURN_TYPES = frozenset({"turn.started", "turn.completed", "turn.failed"})
 ZERO = Usage(
@@ -22,8 +22,9 @@ PARTIAL = Gap(
 
 
 def token_count(value: Any) -> int | None:
-    """A token count as reported: a non-negative integer, else None (unknown)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    """A token count as reported: an integer from 0 to MAX_TOKENS, else None (unknown)."""
+    plausible = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS
+    return value if plausible else None
 
 
 def _positive(usage: dict[str, Any], key: str, gap_code: str) -> tuple[int | None, list[Gap]]:
@@ -38,7 +39,7 @@ def _from_turn_completed(usage: dict[str, Any] | None) -> tuple[Usage, list[Gap]
         return None
     input_tokens = token_count(usage.get("input_tokens"))
     output_tokens = token_count(usage.get("output_tokens"))
-    if input_tokens is None or output_tokens is None:
+    if input_tokens is None or output_tokens is None or input_tokens + output_tokens > MAX_TOKENS:
         return None
     cached, cached_gaps = _positive(usage, "cached_input_tokens", "cached_token_usage_unavailable")
     reasoning, reasoning_gaps = _positive(

@@ -223,6 +223,28 @@ async def test_names_that_are_not_text_cannot_crash_the_runner(tmp_path: Path) -
                for d in refused), refused
 
 
+async def test_a_forged_token_count_past_a_trillion_is_never_stored(tmp_path: Path) -> None:
+    """A rollout is the agent's to write: a record of 2**62 tokens each way was stored as
+    the session's usage, and two such sessions overflowed the 64-bit sums of `job show`.
+    A count past a trillion is no count: the record is skipped, with a gap."""
+    huge = 2**62
+    record = json.dumps({"timestamp": "2026-12-02T00:00:00Z", "type": "event_msg", "payload": {
+        "type": "token_count", "info": {"total_token_usage": {
+            "input_tokens": huge, "cached_input_tokens": 0, "output_tokens": huge - 1,
+            "reasoning_output_tokens": 0, "total_tokens": 2 * huge - 1}}}})
+    attack = ("f=$(find $CODEX_HOME/sessions -name 'rollout-*.jsonl' | head -1); "
+              f"echo '{record}' > \"$(dirname $f)/rollout-zzzz.jsonl\"; echo planted")
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()])
+    assert "planted" in output(ran)
+    natives = [e.data.total for e in ran.view.events if e.type == "usage.native"]
+    assert natives and all(n.total_tokens < 10**12 for n in natives)
+    assert ran.view.usage is not None and ran.view.usage.total_tokens < 10**12
+    assert any("rollout-zzzz.jsonl: 1 line(s) with a usage record whose counts are not counts"
+               in detail for code, detail in gaps(ran) if code == "unsafe_agent_file"), gaps(ran)
+    assert ran.view.outcome == "verify"
+
+
 @pytest.mark.parametrize("plant", ["canary", "dev-zero", "fifo", "dangling", "folder",
                                    "sessions-link", "unreadable"])
 async def test_an_unsafe_rollout_is_a_gap_never_its_content(

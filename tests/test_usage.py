@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tests.scenarios import (
     CLEAN,
     HTTP_429,
@@ -14,7 +21,9 @@ from tests.scenarios import (
     LogBuilder,
     run,
 )
-from trialledger.core import SessionView, replay
+from trialledger.core import BadEvent, SessionView, replay
+from trialledger.core.events import MAX_TOKENS
+from trialledger.store import Ledger
 
 
 def _gaps(view: SessionView) -> list[str]:
@@ -92,3 +101,29 @@ def test_failed_turn_after_work_is_null_not_zero() -> None:
 def test_warning_items_are_not_work() -> None:
     u = replay(run([THREAD, METADATA, TURN, *HTTP_429[3:]], 1).events).usage
     assert u is not None and u.total_tokens == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(inputs=st.integers(0, 2**63 - 1), outputs=st.integers(0, 2**63 - 1))
+def test_usage_is_never_past_a_trillion_tokens(inputs: int, outputs: int) -> None:
+    """What Codex's stream claims may be any 64-bit count; the session's usage is a count
+    up to 10**12 or unknown (with its gap), never a sum past what SQL's sums can add."""
+    usage = json.dumps({"type": "turn.completed", "usage": {
+        "input_tokens": inputs, "cached_input_tokens": 1, "output_tokens": outputs,
+        "reasoning_output_tokens": 1}})
+    view = replay(LogBuilder().launched().codex([THREAD, TURN, usage]).finish(0).events)
+    if inputs + outputs <= MAX_TOKENS:
+        assert view.usage is not None and view.usage.total_tokens == inputs + outputs
+    else:
+        assert view.usage is None and "partial_model_usage_unavailable" in _gaps(view)
+
+
+@pytest.mark.anyio
+async def test_a_count_past_a_trillion_is_refused_on_import(tmp_path: Path) -> None:
+    """An event may not hold one (two such sessions overflowed `job show`'s sums)."""
+    builder = LogBuilder().launched().codex([THREAD, TURN])
+    builder.native((10**12, 1, 10**12 + 1), (10**12, 1, 10**12 + 1)).finish(0)
+    async with await Ledger.open(str(tmp_path / "t.db")) as ledger:
+        with pytest.raises(BadEvent, match="less than or equal to 1000000000000"):
+            await ledger.import_log(builder.events)
+        assert await ledger.session_count() == 0

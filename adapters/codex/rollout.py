@@ -23,22 +23,24 @@ from typing import Any
 
 from trialledger.adapters.sandbox.agentfiles import ROLLOUT_LINE_LIMIT
 from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
+from trialledger.core.usage import token_count
 
 # The file reader skips lines over ROLLOUT_LINE_LIMIT bytes (SPEC §11); decoding may turn
 # each invalid byte of one into a 3-byte U+FFFD.
 TEXT_LIMIT = 3 * ROLLOUT_LINE_LIMIT
+NOT_COUNTS = "with a usage record whose counts are not counts (integers up to 10**12)"
 FIELDS = ("input_tokens", "cached_input_tokens", "output_tokens", "reasoning_output_tokens",
           "total_tokens")
 
 
 def _counts(raw: Any) -> dict[str, int] | None:
+    """The five counts of a usage record (a missing one 0), or None unless each is a
+    count a model could report (`token_count`: up to a trillion)."""
     if not isinstance(raw, dict):
         return None
-    counts = {name: raw.get(name, 0) for name in FIELDS}
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-               for v in counts.values()):
-        return None
-    return counts
+    counts = {name: token_count(raw.get(name, 0)) for name in FIELDS}
+    known = {name: count for name, count in counts.items() if count is not None}
+    return known if len(known) == len(FIELDS) else None
 
 
 def _token_counts(lines: Iterable[str], refused: Counter[str]
@@ -62,8 +64,11 @@ def iter_usage_events(lines: Iterable[str], *, at: str, refused: Counter[str] | 
     """The `usage.native` (and `gap.recorded`) events of a rollout's lines, one at a time;
     `refused` counts the lines over the reader's limits by the rule they broke."""
     previous: dict[str, int] | None = None
-    for _, info in _token_counts(lines, Counter() if refused is None else refused):
+    refused = Counter() if refused is None else refused
+    for _, info in _token_counts(lines, refused):
         total = _counts(info.get("total_token_usage"))
+        if total is None and isinstance(info.get("total_token_usage"), dict):
+            refused[NOT_COUNTS] += 1
         if total is None or total == previous:
             continue
         consistent = total["total_tokens"] == total["input_tokens"] + total["output_tokens"]
