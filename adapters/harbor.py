@@ -140,9 +140,15 @@ def _evidence(view: SessionView) -> str:
     return "; ".join(said) or f"a {decision.status if decision else 'missing'} run"
 
 
+def _object(value: Any) -> dict[str, Any]:
+    """A JSON object of a Harbor result, or {} for any other JSON (the folder is the
+    agent's: nothing in it is trusted to have Harbor's shape)."""
+    return value if isinstance(value, dict) else {}
+
+
 def _harbor_tokens(result: dict[str, Any]) -> Tokens | None:
     """Harbor's `agent_result` counts (its input includes the cached tokens, as ours)."""
-    agent = result.get("agent_result") or {}
+    agent = _object(result.get("agent_result"))
     counts = {name: agent.get(key) for name, key in (
         ("input", "n_input_tokens"), ("cached", "n_cache_tokens"), ("output", "n_output_tokens"))}
     if counts["input"] is None and counts["output"] is None:
@@ -160,11 +166,11 @@ def _our_tokens(view: SessionView) -> Tokens | None:
 
 
 def _harbor_verdict(result: dict[str, Any]) -> tuple[str, bool]:
-    info = result.get("exception_info") or None
+    info = _object(result.get("exception_info"))
     valid = bool(result.get("reward_valid"))
     if not info:
         return "verify", valid
-    policy = info.get("policy") or {}
+    policy = _object(info.get("policy"))
     if policy.get("should_retry"):
         return "retry", valid
     return ("verify" if policy.get("should_grade", True) else "drop"), valid
@@ -364,9 +370,9 @@ async def import_job(ledger: Ledger, job: Path) -> list[Agreement]:
         await ledger.import_log(full)  # the same log again is a no-op; a changed one refused
         decision = view.decision
         verdict, harbor_valid = _harbor_verdict(result)
-        info = result.get("exception_info") or {}
+        info = _object(result.get("exception_info"))
         policy = info.get("policy")
-        rewards = (result.get("verifier_result") or {}).get("rewards")
+        rewards = _object(result.get("verifier_result")).get("rewards")
         agreements.append(Agreement(
             trial=trial, session_id=session_id, status="unchanged" if stored else "imported",
             harbor_exception=info.get("exception_type"),

@@ -270,7 +270,8 @@ def _root_emulated(launched: Any) -> Gap | None:
 
 def _unenforced(limits: dict[str, Any]) -> Gap:
     """`limits_not_enforced`: what was asked for and why the host could not enforce it."""
-    asked = ", ".join(f"{k}={v}" for k, v in sorted((limits.get("requested") or {}).items())
-                      if v is not None)
+    requested = limits.get("requested")  # as the runner writes it; an imported log's any JSON
+    asked = ", ".join(f"{k}={v}" for k, v in sorted(requested.items()) if v is not None) \
+        if isinstance(requested, dict) else ""
     return Gap(code="limits_not_enforced",
                detail=f"{asked}: {limits.get('reason') or 'not enforced'}")

@@ -175,10 +175,14 @@ def seal_seed(events: Sequence[Any]) -> tuple[list[Any], tuple[str, ...]]:
         if not isinstance(headers, Mapping):
             sealed_grants.append(grant)
             continue
+        kept = grant.get("header_fingerprints")
+        if kept is not None and not isinstance(kept, Mapping):
+            sealed_grants.append(grant)  # no grant's shape: the seed's validation names it
+            continue
         raw = {k: v for k, v in headers.items() if isinstance(v, str) and v != REDACTED}
         for value in raw.values():
             secrets += header_secrets(value)
-        fingerprints = dict(grant.get("header_fingerprints") or {})
+        fingerprints = dict(kept or {})
         fingerprints.update({k: fingerprint(v) for k, v in raw.items()})
         sealed_grants.append({**grant, "headers": {k: REDACTED if k in raw else v
                                                    for k, v in headers.items()},

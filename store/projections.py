@@ -108,9 +108,10 @@ def _environment(session: Session) -> Row:
     """The environment a schema-2 `agent.launched` names (null: the host, or none yet)."""
     for event in itertools.islice(session.events, 1, None):  # no copy of the whole log
         if event.type == "agent.launched":
-            environment = event.data.ran_in
-            return {"environment_ref": environment.get("ref"),
-                    "environment_digest": environment.get("digest")}
+            environment = event.data.ran_in  # an imported log's may hold any JSON
+            ref, digest = environment.get("ref"), environment.get("digest")
+            return {"environment_ref": ref if isinstance(ref, str) else None,
+                    "environment_digest": digest if isinstance(digest, str) else None}
         if event.type != "gap.recorded":  # the launch comes right after the seed's gaps
             break
     return {"environment_ref": None, "environment_digest": None}

@@ -100,6 +100,53 @@ def test_an_impossible_time_is_refused_on_import_not_crashed_on_show(
     assert code == 0 and json.loads(out) == [{"n": 0}]
 
 
+def _launched_with(lines: list[str], **data: Any) -> list[str]:
+    """The log with its `agent.launched` holding `data` besides its own."""
+    events = [json.loads(line) for line in lines]
+    for event in events:
+        if event["type"] == "agent.launched":
+            event["data"].update(data)
+            event["schema"] = 4
+    return [json.dumps(e) for e in events]
+
+
+@pytest.mark.parametrize(("data", "code"), [
+    ({"limits": {"enforced": False, "requested": [1, 2]}}, 0),
+    ({"limits": {"enforced": False, "requested": "4 cpus"}}, 0),
+    ({"environment": {"kind": "image", "ref": ["a"], "digest": {"b": 1}}}, 0)])
+def test_an_imported_launch_of_another_shape_is_stored_and_shown(
+        capsys: Any, tmp_path: Path, examples: Path, data: dict[str, Any], code: int) -> None:
+    """`agent.launched`'s limits and environment are any JSON in an imported log: the
+    limits' gap and the environment's columns read what has their shape, the rest is kept
+    in the event (a list crashed the gap with a traceback, and the columns' insert)."""
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(_launched_with(
+        (examples / "clean.jsonl").read_text().splitlines(), **data)) + "\n")
+    db = str(tmp_path / "t.db")
+    done, sid, err = run(capsys, "import", "--db", db, str(log))
+    assert (done, err) == (code, "")
+    shown, out, err = run(capsys, "show", "--db", db, sid.strip())
+    assert (shown, err) == (0, "") and f"session {sid.strip()}" in out
+    _, out, _ = run(capsys, "sql", "--db", db, "--json",
+                    "SELECT environment_ref, environment_digest FROM sessions")
+    assert json.loads(out) == [{"environment_ref": None, "environment_digest": None}]
+
+
+@pytest.mark.parametrize("fingerprints", [[1], "ab", 5])
+def test_a_grant_whose_fingerprints_are_not_an_object_is_refused_on_import(
+        capsys: Any, tmp_path: Path, examples: Path, fingerprints: Any) -> None:
+    lines = (examples / "clean.jsonl").read_text().splitlines()
+    seed = json.loads(lines[0])
+    seed["data"]["grants"] = [{"name": "g", "kind": "mcp", "url": "http://127.0.0.1:9/mcp",
+                               "headers": {"Authorization": "Bearer sk-grant-secret-1"},
+                               "header_fingerprints": fingerprints}]
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join([json.dumps(seed), *lines[1:]]) + "\n")
+    code, out, err = run(capsys, "import", "--db", str(tmp_path / "t.db"), str(log))
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1
+    assert "header_fingerprints" in err and "sk-grant-secret-1" not in err
+
+
 def test_audit_ok_then_names_a_tampered_event(capsys: Any, tmp_path: Path, examples: Path) -> None:
     db = str(tmp_path / "t.db")
     imported(capsys, db, examples, "clean", "http_429")

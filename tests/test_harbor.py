@@ -216,6 +216,27 @@ def test_a_malformed_trial_refuses_the_whole_job_naming_it(
     assert anyio.run(_session_count, db) == 0  # nothing of the job was stored
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    (("exception_info", "policy"), "yes"), (("agent_result",), [1]),
+    (("agent_result",), "many"), (("exception_info", "policy"), [True])])
+def test_a_result_field_of_another_shape_is_read_as_absent(
+        capsys: Any, tmp_path: Path, job: tuple[Path, dict[str, str]],
+        field: tuple[str, ...], value: Any) -> None:
+    """Read after the trial was checked, Harbor's policy and token counts crashed the
+    import with a traceback (the session stored, the table never printed)."""
+    folder, ids = job
+    path = folder / "fix-git-merge__Hk3pQ9a" / "result.json"
+    result = json.loads(path.read_text())
+    holder = result
+    for key in field[:-1]:
+        holder = holder[key]
+    holder[field[-1]] = value
+    path.write_text(json.dumps(result))
+    code, out = _run(capsys, "import-harbor", "--db", str(tmp_path / "t.db"), str(folder))
+    assert code in (0, 1) and f"{len(ids)} trials imported" in out  # 1: a verdict differs
+    assert anyio.run(_session_count, str(tmp_path / "t.db")) == len(ids)
+
+
 @pytest.mark.parametrize("what", ["empty", "a task folder"])
 def test_a_folder_without_trials_is_refused_in_one_line(
         capsys: Any, tmp_path: Path, what: str) -> None:
