@@ -588,7 +588,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
                                       view.session_id)
     if not args.path and not args.out:
         table(["path", "size", "sha256"], [[e.path, e.size, e.sha256] for e in kept])
-    if not os.path.isdir(folder):
+    if not artifacts.on_this_machine(folder, view.session_id):
         print(f"trialledger: the artifact folder is not on this machine: it would be "
               f"{printable(str(folder))} (on the machine of runner "
               f"{printable(view.events[0].data.runner_id)})", file=sys.stderr)
@@ -598,7 +598,9 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
             out.print(plain(str(written)))
     elif args.path:
         data = artifacts.read_kept(folder, chosen[0])
-        if (raw := getattr(sys.stdout, "buffer", None)) is not None:
+        if sys.stdout.isatty():  # the agent's bytes: no escape of theirs reaches a terminal
+            sys.stdout.write(printable(data.decode("utf-8", errors="replace")))
+        elif (raw := getattr(sys.stdout, "buffer", None)) is not None:
             raw.write(data)
             raw.flush()
         else:  # a text stream (a test's, say)

@@ -12,10 +12,12 @@ following any link, and its bytes must still have the event's sha256.
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from trialledger.adapters.capture import write_private
+from trialledger.adapters.capture import MAX_KEPT_BYTES, write_private
 from trialledger.adapters.environment import default_cache_dir
 from trialledger.adapters.sandbox.agentfiles import AgentTree, UnsafeAgentFile
 from trialledger.core.errors import TrialLedgerError
@@ -34,6 +36,21 @@ def session_folder(sandbox_logs_dir: str | None, session_id: str) -> Path:
     return root / session_id
 
 
+def on_this_machine(folder: Path, session_id: str) -> bool:
+    """Whether `folder` is an artifact folder the runner made here: a session id that is
+    one plain name (an imported log's may be `/etc` or `../..`), and a real folder, no
+    link, of this user's, no one else's to read (0700, as the runner makes it) — so a log
+    cannot point the readers at another folder of the host."""
+    if session_id in ("", ".", "..") or "/" in session_id or "\0" in session_id:
+        return False
+    try:
+        info = os.lstat(folder)
+    except (OSError, ValueError):
+        return False
+    return (stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+            and info.st_mode & 0o077 == 0)
+
+
 def listed(files: Sequence[KeptFile], path: str) -> KeptFile:
     """The entry of `path` (as listed, `verifier/…`), or `ArtifactRefused`."""
     wanted = path.strip("/")
@@ -47,15 +64,18 @@ def listed(files: Sequence[KeptFile], path: str) -> KeptFile:
 def read_kept(folder: Path, entry: KeptFile) -> bytes:
     """The bytes of a kept file, opened without following links (regular files only),
     refused when they no longer have the sha256 the event records."""
-    try:
-        data = AgentTree(folder).read(entry.path, max(entry.size, 0))
-    except UnsafeAgentFile as error:
-        if not error.rule.endswith("-byte cap"):
-            raise ArtifactRefused(f"{entry.path}: {error.rule}") from None
-        data = b""  # longer than it was kept: changed
-    if hashlib.sha256(data).hexdigest() != entry.sha256:
-        raise ArtifactRefused(f"{entry.path}: changed since it was kept (its sha256 is not "
+    changed = ArtifactRefused(f"{entry.path}: changed since it was kept (its sha256 is not "
                               f"the recorded one)")
+    if entry.size > MAX_KEPT_BYTES:  # no file was kept so large: an imported log's claim
+        raise changed
+    try:
+        data = AgentTree(folder).read(entry.path, entry.size)
+    except UnsafeAgentFile as error:
+        if error.rule.endswith("-byte cap"):  # longer than it was kept
+            raise changed from None
+        raise ArtifactRefused(f"{entry.path}: {error.rule}") from None
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise changed
     return data
 
 

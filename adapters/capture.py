@@ -222,6 +222,8 @@ def keep_listed(items: Sequence[ToKeep], target: Path, name: str, secrets: Seque
         result.files.append(kept[id(item.tree), item.path])
     for folder, _, _ in os.walk(target / name):  # `mkdir(parents=True)` ignores the mode
         os.chmod(folder, 0o700)
+    if target.is_dir():  # the session's folder too: its readers take no other (artifacts)
+        os.chmod(target, 0o700)
 
 
 def write_private(destination: Path, data: bytes) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pty
 import stat
+import sys
 from pathlib import Path
 from typing import Any, cast
 
@@ -16,9 +18,11 @@ import pytest
 from sqlalchemy import text
 
 from tests.runs import in_process, make_task, run_task
+from tests.scenarios import CLEAN, LogBuilder
 from trialledger.adapters import capture
 from trialledger.adapters.demo.endpoint import message
 from trialledger.adapters.sandbox.agentfiles import AgentTree
+from trialledger.adapters.view.names import slug
 from trialledger.core.events import VerificationRecordedData
 from trialledger.core.parsing import event_dict, parse_event
 from trialledger.store import Ledger
@@ -226,3 +230,79 @@ def test_an_older_verification_reads_no_files_and_dumps_as_written() -> None:
         assert event_dict(event)["data"] == written["data"]
     new = parse_event({**written, "schema": 3, "data": {**written["data"], "files": []}})
     assert event_dict(new)["data"]["files"] == []
+
+
+def _log_pointing_at(logs_dir: Path, session_id: str | None, kept: bytes) -> list[Any]:
+    """An imported log whose verification lists `verifier/test-stdout.txt` with `kept`'s
+    sha256, its seed naming `logs_dir` and (when given) its own session id."""
+    log = LogBuilder(settings={"sandbox_logs_dir": str(logs_dir)}).launched()
+    log.codex(CLEAN).finish(0)
+    log.events.append({"type": "verification.recorded", "at": "2026-11-29T09:00:00Z",
+                       "schema": 3, "data": {
+                           "rewards": {"reward": 1.0}, "detail": None,
+                           "files": [{"path": "verifier/test-stdout.txt", "size": len(kept),
+                                      "sha256": hashlib.sha256(kept).hexdigest()}]}})
+    log.add("session.closed", {"reason": "normal"})
+    if session_id is not None:
+        log.events[0]["session_id"] = session_id
+    return log.events
+
+
+@pytest.mark.parametrize("how", ["absolute id", "relative id", "logs dir"])
+async def test_an_imported_log_cannot_point_the_readers_at_another_folder(
+        tmp_path: Path, how: str) -> None:
+    """The folder is `<sandbox_logs_dir>/<session id>`, both the log's: an id of `/x` or
+    `../x`, or a logs dir naming a folder of the host, read it (its files' contents when
+    their sha256 is known, their existence always). Only a plain id's 0700 folder of this
+    user, as the runner makes it, is read."""
+    victim = tmp_path / "victim"  # another folder of the host: 0755, as most are
+    (victim / "verifier").mkdir(parents=True)
+    (victim / "verifier" / "test-stdout.txt").write_bytes(b"HOST-FILE")
+    (tmp_path / "logs").mkdir(mode=0o700)  # the logs dir a runner here would have made
+    logs, sid = {"absolute id": (tmp_path / "logs", str(victim)),
+                 "relative id": (tmp_path / "logs", "../victim"),
+                 "logs dir": (tmp_path, "victim")}[how]
+    db = str(tmp_path / "t.db")
+    async with await Ledger.open(db) as ledger:
+        session_id = await ledger.import_log(_log_pointing_at(logs, sid, b"HOST-FILE"))
+    printed = await cli("artifacts", session_id, "verifier/test-stdout.txt", "--db", db)
+    assert printed.returncode == 1 and "HOST-FILE" not in printed.stdout
+    assert "not on this machine" in printed.stderr
+    from trialledger.adapters.view.site import Site
+    from trialledger.adapters.view.store import open_read_only
+    async with await open_read_only(db) as reader:
+        page = await Site(reader).session(slug(session_id))
+    assert "HOST-FILE" not in page and 'id="files-elsewhere"' in page
+
+
+async def test_a_kept_file_that_grew_is_changed_even_when_kept_empty(tmp_path: Path) -> None:
+    """A file past its recorded size was read as empty, which has the sha256 of an empty
+    file kept: it was given back as empty, and copied so."""
+    ran = await verifier_run(tmp_path, ": > /logs/verifier/empty.txt\n")
+    sid, db = ran.result.session_id, str(tmp_path / "t.db")
+    kept = tmp_path / "kept" / sid / "verifier" / "empty.txt"
+    assert kept.read_bytes() == b""
+    kept.write_bytes(b"appended later")
+    printed = await cli("artifacts", sid, "verifier/empty.txt", "--db", db)
+    assert printed.returncode == 2 and "changed since it was kept" in printed.stderr
+    copied = await cli("artifacts", sid, "--out", str(tmp_path / "out"), "--db", db)
+    assert copied.returncode == 2 and not (tmp_path / "out").exists()
+
+
+async def test_a_kept_file_is_printed_to_a_terminal_without_its_escapes(
+        tmp_path: Path) -> None:
+    ran = await verifier_run(tmp_path, "printf 'a\\033]52;c;cm0gLXJmIH4K\\007b\\n' "
+                                       "> /logs/verifier/esc.txt\n")
+    sid, db = ran.result.session_id, str(tmp_path / "t.db")
+    main, attached = pty.openpty()
+    try:
+        done = await anyio.run_process(
+            [sys.executable, "-m", "trialledger.cli", "artifacts", sid, "verifier/esc.txt",
+             "--db", db], stdout=attached, check=False)
+        shown = os.read(main, 4096)
+    finally:
+        os.close(main)
+        os.close(attached)
+    assert done.returncode == 0 and b"\x1b" not in shown and b"ab" in shown
+    piped = await cli("artifacts", sid, "verifier/esc.txt", "--db", db)  # not a terminal
+    assert "\x1b]52" in piped.stdout  # the bytes as kept

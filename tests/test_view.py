@@ -562,6 +562,23 @@ def test_bad_input_is_one_line_and_exit_2(store: Store, tmp_path: Path, argv: li
     assert os.listdir(tmp_path / "full") == ["mine.txt"]
 
 
+@pytest.mark.parametrize("planted", ["index.html", "session"])
+def test_an_export_never_writes_through_a_planted_link(store: Store, tmp_path: Path,
+                                                       planted: str) -> None:
+    """A folder an export wrote (its mark) where someone planted a link in a page's place
+    or a folder's: the file the link names was overwritten with a page."""
+    folder, victim = tmp_path / "shared", tmp_path / "victim"
+    folder.mkdir()
+    victim.mkdir()
+    (victim / "index.html").write_text("not a page")
+    (folder / ".trialledger-view").write_text("written by trialledger view --export\n")
+    os.symlink(victim / "index.html" if planted == "index.html" else victim, folder / planted)
+    done = _cli("view", "--db", str(store.db), "--export", str(folder))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert os.listdir(victim) == ["index.html"]
+    assert (victim / "index.html").read_text() == "not a page"
+
+
 def test_a_job_with_open_trials_reloads_from_the_store(server: Server, tab: Watched) -> None:
     """The served page of a job still open refreshes itself from the store (no script)."""
     page = tab.page

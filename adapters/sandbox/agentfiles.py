@@ -184,14 +184,16 @@ class AgentTree:
         """A whole regular file of at most `limit` bytes (`seen`: see `AlreadyRead`)."""
         fd = self._open_regular(relative, limit, seen)
         try:
-            data = b""
-            while len(data) <= limit and (chunk := os.read(fd, 65536)):
-                data += chunk
+            chunks: list[bytes] = []  # joined once: `data += chunk` copied it all each time
+            size = 0
+            while size <= limit and (chunk := os.read(fd, 65536)):
+                chunks.append(chunk)
+                size += len(chunk)
         finally:
             os.close(fd)
-        if len(data) > limit:  # it grew after fstat
+        if size > limit:  # it grew after fstat
             raise UnsafeAgentFile(relative, f"over the {limit}-byte cap")
-        return data
+        return b"".join(chunks)
 
     def tail(self, relative: str, limit: int) -> bytes:
         """The last `limit` bytes of a regular file of any size."""

@@ -4,7 +4,7 @@ sessions filters applied in the page instead of by a server."""
 
 from __future__ import annotations
 
-import shutil
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +44,21 @@ def _prepare(folder: Path) -> None:
                                                    and not (folder / MARK).is_file())):
         raise ExportRefused(f"{folder} holds other files: export into a new or empty folder")
     for sub in ("job", "trial", "session", "rederive", "diff", "static"):
+        if (folder / sub).is_symlink():  # pages are never written through a planted link
+            raise ExportRefused(f"{folder / sub} is a link: export into a new or empty folder")
         (folder / sub).mkdir(parents=True, exist_ok=True)
-    (folder / MARK).write_text("written by trialledger view --export\n")
+    _write(folder / MARK, "written by trialledger view --export\n")
+
+
+def _write(path: Path, text: str | bytes) -> None:
+    """`text` as the file `path`, replacing one an export wrote, never through a link
+    planted in its place (one to a file elsewhere would be overwritten)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    except OSError as error:
+        raise ExportRefused(f"{path}: {error.strerror} (a link where a page goes?)") from None
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(text.encode("utf-8") if isinstance(text, str) else text)
 
 
 async def export(db: str, folder: Path, *, job: str | None = None) -> Exported:
@@ -56,33 +69,28 @@ async def export(db: str, folder: Path, *, job: str | None = None) -> Exported:
         _prepare(folder)
         site = Site(ledger, static=True, only_job=job)
         for asset in STATIC.iterdir():
-            shutil.copyfile(asset, folder / "static" / asset.name)
+            _write(folder / "static" / asset.name, asset.read_bytes())
         names = await site.job_names()
-        (folder / "index.html").write_text(await site.index(), encoding="utf-8")
-        (folder / "sessions.html").write_text(
-            await site.sessions(Search(limit=ALL_SESSIONS)), encoding="utf-8")
+        _write(folder / "index.html", await site.index())
+        _write(folder / "sessions.html", await site.sessions(Search(limit=ALL_SESSIONS)))
         for name in names:
             page = slug(name)
-            (folder / "job" / f"{page}.html").write_text(await site.job(page), encoding="utf-8")
+            _write(folder / "job" / f"{page}.html", await site.job(page))
             for other in names:
                 if other != name:
-                    (folder / "diff" / f"{page}~{slug(other)}.html").write_text(
-                        await site.diff(page, slug(other)), encoding="utf-8")
+                    _write(folder / "diff" / f"{page}~{slug(other)}.html",
+                           await site.diff(page, slug(other)))
         scope = "WHERE trial_id IN (SELECT trial_id FROM job_queue WHERE job = :j)" if job \
             else ""
         listed = await rows(ledger, "SELECT session_id, trial_id, head_seq FROM sessions "
                             f"{scope} ORDER BY created_at, session_id", {"j": job} if job else {})
         trials = list(dict.fromkeys(r["trial_id"] for r in listed))
         for trial_id in trials:
-            (folder / "trial" / f"{slug(trial_id)}.html").write_text(
-                await site.trial(slug(trial_id)), encoding="utf-8")
+            _write(folder / "trial" / f"{slug(trial_id)}.html", await site.trial(slug(trial_id)))
         for r in listed:
             page = slug(r["session_id"])
-            (folder / "session" / f"{page}.html").write_text(await site.session(page),
-                                                             encoding="utf-8")
+            _write(folder / "session" / f"{page}.html", await site.session(page))
             for part in range(2, -(-int(r["head_seq"]) // PART_EVENTS) + 1):  # seq from 1
-                (folder / "session" / f"{page}~{part}.html").write_text(
-                    await site.session(page, part), encoding="utf-8")
-            (folder / "rederive" / f"{page}.html").write_text(await site.rederive(page),
-                                                              encoding="utf-8")
+                _write(folder / "session" / f"{page}~{part}.html", await site.session(page, part))
+            _write(folder / "rederive" / f"{page}.html", await site.rederive(page))
         return Exported(folder, len(names), len(trials), len(listed))

@@ -145,7 +145,7 @@ def _files(view: SessionView) -> dict[str, Any]:
     folder = artifacts.session_folder(seed.settings.sandbox_logs_dir, view.session_id)
     kept = [f for e in _events(view) if e.type.startswith("verification.")
             for f in e.data.files]
-    here = folder.is_dir()
+    here = artifacts.on_this_machine(folder, view.session_id)
     listed = []
     for entry in kept:
         shown, refused = None, None
