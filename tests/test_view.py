@@ -31,6 +31,7 @@ import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
 from tests.runs import codex_path, in_process, make_task
+from tests.scenarios import CLEAN as CLEAN_LINES
 from tests.scenarios import THREAD, TURN, LogBuilder, run_of, seed_of
 from trialledger import cli
 from trialledger.adapters.console import printable
@@ -577,6 +578,37 @@ def test_an_export_never_writes_through_a_planted_link(store: Store, tmp_path: P
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert os.listdir(victim) == ["index.html"]
     assert (victim / "index.html").read_text() == "not a page"
+
+
+def test_a_page_name_is_never_another_sessions_id(tmp_path: Path) -> None:
+    """A session whose id is not plain (`a:b`) is shown under a page name of its letters and
+    a digest; an imported session whose id was exactly that name took over its page (in
+    the server and in an export), and the server could not show the first at all."""
+    from trialledger.adapters.view.names import slug
+    from trialledger.adapters.view.site import Site
+    from trialledger.adapters.view.store import open_read_only
+
+    db = str(tmp_path / "names.db")
+
+    async def pages() -> tuple[str, str]:
+        first = LogBuilder(instruction="THE-REAL-ONE").launched().codex(CLEAN_LINES).finish(0)
+        first.events[0]["session_id"] = "a:b"
+        async with await Ledger.open(db) as ledger:
+            await ledger.import_log(first.events)
+            other = LogBuilder(instruction="AN-IMPOSTOR").launched().codex(CLEAN_LINES)
+            other.events[0]["session_id"] = slug("a:b")
+            await ledger.import_log(other.finish(0).events)
+        async with await open_read_only(db) as reader:
+            site = Site(reader)
+            return await site.session(slug("a:b")), await site.session(slug(slug("a:b")))
+
+    with ThreadPoolExecutor(1) as pool:
+        real, impostor = pool.submit(anyio.run, pages).result(timeout=60)
+    assert "THE-REAL-ONE" in real and "AN-IMPOSTOR" not in real
+    assert "AN-IMPOSTOR" in impostor
+    done = _cli("view", "--db", db, "--export", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert len(os.listdir(tmp_path / "out" / "session")) == 2
 
 
 def test_a_job_with_open_trials_reloads_from_the_store(server: Server, tab: Watched) -> None:

@@ -1,7 +1,8 @@
 """Page names: a job's name, a trial's or a session's id as one segment of a relative
 address and as a file name in an export. Plain names are themselves; any other (a job
-named `a/b`, an imported trial id `x:../y`) becomes its plain letters and a digest, so no
-name can leave its folder or read as a URL scheme."""
+named `a/b`, an imported trial id `x:../y`) becomes its plain letters, `+` and a digest, so
+no name can leave its folder or read as a URL scheme, and none is a plain name (which
+another session's id could be, taking over its page)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def slug(name: str) -> str:
     if _PLAIN.fullmatch(name):
         return name
     plain = re.sub(r"[^A-Za-z0-9_-]", "_", name)[:40]
-    return f"{plain}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+    return f"{plain}+{hashlib.sha256(name.encode()).hexdigest()[:12]}"
 
 
 def is_plain(name: str) -> bool:
