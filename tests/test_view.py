@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -238,12 +239,22 @@ def _digest(path: Path) -> str:
 # -- the tests --------------------------------------------------------------------------------
 
 def test_the_server_says_it_is_read_only_binds_loopback_and_sends_a_strict_policy(
-        server: Server) -> None:
+        store: Store, server: Server) -> None:
     assert "read-only" in server.line and server.url.startswith("http://127.0.0.1:")
     with urllib.request.urlopen(server.url, timeout=30) as response:
         policy = response.headers["Content-Security-Policy"]
     assert "script-src 'self'" in policy and "default-src 'none'" in policy
     assert "unsafe-inline" not in policy
+
+    class Kept(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *_: Any) -> None:
+            return None  # see the redirect itself
+
+    for moved in ("favicon.ico", f"session/{store.probed[:8]}.html"):  # a prefix of an id
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.build_opener(Kept).open(f"{server.url}{moved}", timeout=30)
+        assert answer.value.code == 302
+        assert answer.value.headers["Content-Security-Policy"] == policy, moved
 
 
 def test_every_page_loads_without_a_console_error_and_the_store_is_not_written(

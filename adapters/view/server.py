@@ -37,7 +37,8 @@ async def _guarded(request: web.Request, handler: Handler) -> web.StreamResponse
     except NotFound as error:
         response = _page(site.error(404, str(error), root=root), status=404)
     except web.HTTPException as error:
-        if error.status < 400:  # a redirect
+        if error.status < 400:  # a redirect: with the headers too
+            error.headers.update(HEADERS)
             raise
         response = _page(site.error(error.status, error.reason, root=root), status=error.status)
     response.headers.update(HEADERS)
