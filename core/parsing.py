@@ -9,6 +9,7 @@ of a log; `event_dict` is the way back.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -147,6 +148,8 @@ def _storable(value: Any, depth: int = 0) -> str | None:
             else None
     if isinstance(value, int) and not isinstance(value, bool):
         return None if value in _INT64 else "an integer beyond 64 bits"
+    if isinstance(value, float) and not math.isfinite(value):  # NaN, Infinity, 1e999
+        return "a number JSON cannot hold (NaN or infinite)"
     if isinstance(value, dict):
         items: Iterable[Any] = (x for kv in value.items() for x in kv)
     elif isinstance(value, list):

@@ -100,6 +100,22 @@ def test_an_impossible_time_is_refused_on_import_not_crashed_on_show(
     assert code == 0 and json.loads(out) == [{"n": 0}]
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_a_number_json_cannot_hold_is_refused_on_import(
+        capsys: Any, tmp_path: Path, examples: Path, number: str) -> None:
+    """Python's JSON reader takes `NaN` and `1e999`; stored, they became null — the log
+    silently changed. A bad line instead: one line, exit 2, nothing stored."""
+    lines = (examples / "clean.jsonl").read_text().splitlines()
+    item = json.dumps({"type": "item.completed", "at": json.loads(lines[2])["at"], "data": {
+        "item": {"id": "i1", "type": "agent_message", "text": "hi", "x": "@@"}}})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([*lines[:3], item.replace('"@@"', number), *lines[3:]]) + "\n")
+    code, out, err = run(capsys, "import", "--db", str(tmp_path / "x.db"), str(bad))
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1
+    assert "line 4:" in err and "NaN or infinite" in err
+    assert not (tmp_path / "x.db").exists()  # refused before a store was opened
+
+
 def _launched_with(lines: list[str], **data: Any) -> list[str]:
     """The log with its `agent.launched` holding `data` besides its own."""
     events = [json.loads(line) for line in lines]
