@@ -35,7 +35,7 @@ _RFC3339_UTC = re.compile(r"(?!0000)[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3
 
 def _utc_timestamp(value: str) -> str:
     """A real instant, so that every reader of an event's times (the policies, `show`,
-    the view, SQL) can read it: an imported `2026-02-30` crashed `show` until 2026-12-02."""
+    the view, SQL) can read it back as one."""
     if not _RFC3339_UTC.fullmatch(value) or (value[8:10] > "28" and not _is_day(value[:10])):
         raise ValueError(f"{value!r} is not an RFC 3339 UTC timestamp (like 2026-01-31T12:00:00Z)")
     return value
@@ -65,7 +65,7 @@ Timestamp = Annotated[str, AfterValidator(_utc_timestamp)]
 Count = Annotated[int, Field(ge=0)]
 # A token count above a trillion is no count a model reported: the readers of what the
 # sandbox wrote take it as unknown and an event may not hold it, so that the sums SQL makes
-# over a job's sessions stay within 64 bits (two 2**62 counts broke `job show`).
+# over a job's sessions stay within 64 bits.
 MAX_TOKENS = 10**12
 Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 FiniteNumber = Annotated[float, Field(allow_inf_nan=False)]

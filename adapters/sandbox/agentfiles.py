@@ -184,7 +184,7 @@ class AgentTree:
         """A whole regular file of at most `limit` bytes (`seen`: see `AlreadyRead`)."""
         fd = self._open_regular(relative, limit, seen)
         try:
-            chunks: list[bytes] = []  # joined once: `data += chunk` copied it all each time
+            chunks: list[bytes] = []  # joined once: linear in the file's size
             size = 0
             while size <= limit and (chunk := os.read(fd, 65536)):
                 chunks.append(chunk)
