@@ -20,7 +20,7 @@ import anyio
 
 from trialledger.adapters.journal import Journal, deliver_journal
 from trialledger.core import SessionView
-from trialledger.core.errors import ConcurrencyConflict, TrialLedgerError
+from trialledger.core.errors import BadEvent, ConcurrencyConflict, TrialLedgerError
 from trialledger.core.machine import Session
 from trialledger.core.replay import view_of
 from trialledger.store import Ledger, StoredEvent
@@ -28,6 +28,15 @@ from trialledger.store.ledger import Seeded, StoreUnavailable
 from trialledger.store.writer import Fence, now
 
 STORE_RETRY_S = 120.0  # how long appends wait out a store that is unavailable
+
+
+def refused_gap(events: Sequence[Mapping[str, Any]], refused: BadEvent) -> dict[str, Any]:
+    """Gap `evidence_refused` in place of events the store refused as invalid: what they
+    were and why (the store's one line, which names a field, never its value)."""
+    kinds = ", ".join(dict.fromkeys(str(e.get("type")) for e in events))
+    return {"type": "gap.recorded", "at": now(), "data": {
+        "code": "evidence_refused",
+        "detail": f"{len(events)} event(s) ({kinds}) the store refused: {refused}"[:2000]}}
 
 
 class Recorder:
@@ -95,6 +104,8 @@ class Recorder:
                 except StoreUnavailable:
                     self._spill()  # it may have committed: delivery skips what is stored
                     self._retry_at = anyio.current_time() + self._pause
+                except BadEvent as refused:  # never storable: journalled, it would refuse
+                    self._queue[0] = [refused_gap(self._queue[0], refused)]  # all after it
                 continue
             self._spill()  # behind the journal, in order
             if not wait and anyio.current_time() < self._retry_at:

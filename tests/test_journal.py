@@ -192,3 +192,33 @@ def test_a_jobs_next_holder_delivers_a_journal_skipping_what_the_store_took(
     assert kinds[:7] == ["session.seeded", "agent.launched", "thread.started",
                          "item.completed", "turn.started", "item.completed", "sandbox.lost"]
     assert kinds[-1] == "session.closed" and kinds.count("item.completed") == 2
+
+
+def test_events_the_store_refuses_as_invalid_are_a_gap_never_a_poison(tmp_path: Path) -> None:
+    """A batch the store refuses as invalid would be refused again however often it is
+    offered: journalled, it failed every later append of the session and its recovery.
+    It is recorded as gap `evidence_refused` (what it was, the store's one line) instead,
+    and the session goes on."""
+    import anyio
+
+    from tests.scenarios import LogBuilder
+    from trialledger.adapters.recorder import Recorder
+    from trialledger.store import Ledger
+    from trialledger.store.writer import now
+
+    async def run() -> tuple[list[tuple[str, str | None]], bool, list[str]]:
+        async with await Ledger.open(str(tmp_path / "t.db")) as ledger:
+            seeded = await ledger.seed(seed_data())
+            recorder = Recorder(ledger, seeded)
+            await recorder.append([LogBuilder().launched().events[1]])
+            await recorder.append([{"type": "gap.recorded", "at": now(),
+                                    "data": {"code": ""}}])  # a code is never empty
+            await recorder.add("agent.stderr", {"tail": "after it", "truncated": False})
+            view = await ledger.view(seeded.session_id)
+            return ([(g.code, g.detail) for g in view.observations.gaps],
+                    recorder.journal.pending, [e.type for e in view.events])
+
+    gaps, pending, types = anyio.run(run)
+    assert not pending and types[-1] == "agent.stderr"
+    (detail,) = [d for code, d in gaps if code == "evidence_refused"]
+    assert detail is not None and "1 event(s) (gap.recorded)" in detail and "'data.code'" in detail
