@@ -86,7 +86,9 @@ async def test_an_images_links_at_mount_points_lead_nowhere(
                          environment=env, settings={"verifier_root": verifier_root})
     assert os.listdir(host_folder) == []  # bwrap made nothing on the host
     said = "\n".join(call.output for call in ran.view.observations.tool_calls)
-    assert images.BUSYBOX_MARKER in said  # the agent ran, in the image
+    assert images.BUSYBOX_MARKER in said, (  # the agent ran, in the image
+        ran.view.decision, [(g.code, g.detail) for g in ran.view.observations.gaps],
+        [(e.type, e.data) for e in ran.view.events if e.type in ("agent.stderr", "model.call")])
     for point in ("/run", "/run/trialledger", "/tmp", "/dev"):  # the agent's mount points
         assert f"DIR {point}" in said and f"LINK {point}" not in said, said
     # the verifier's: the task's tests ran (not the image's), their reward reached our logs
