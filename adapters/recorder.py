@@ -58,6 +58,7 @@ class Recorder:
         self._queue: list[list[dict[str, Any]]] = []  # captured, not yet stored or journalled
         self._retry_at, self._pause = 0.0, 0.25  # when the journal is next offered, backoff
         self._gave_up = False  # an append waited out `store_retry_s`: later ones do not
+        self._refused: BadEvent | None = None  # a batch the store refused, now its gap
 
     def left(self) -> float:
         """Seconds of this session's capture budget left."""
@@ -81,6 +82,11 @@ class Recorder:
         async with self._lock:  # cancelled while it waits loses nothing
             try:
                 await self._flush(wait=wait, since=since)
+                if (refused := self._refused) is not None:
+                    # Its gap is stored in its place; the session must not be decided from
+                    # the rest (SPEC §8): the caller ends it as it ends any unforeseen error.
+                    self._refused = None
+                    raise refused
             except BaseException:  # cancelled, or the store gave up: all goes to the journal
                 with contextlib.suppress(OSError, TrialLedgerError):
                     self._spill()
@@ -106,6 +112,7 @@ class Recorder:
                     self._retry_at = anyio.current_time() + self._pause
                 except BadEvent as refused:  # never storable: journalled, it would refuse
                     self._queue[0] = [refused_gap(self._queue[0], refused)]  # all after it
+                    self._refused = refused
                 continue
             self._spill()  # behind the journal, in order
             if not wait and anyio.current_time() < self._retry_at:

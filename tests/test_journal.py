@@ -197,12 +197,14 @@ def test_a_jobs_next_holder_delivers_a_journal_skipping_what_the_store_took(
 def test_events_the_store_refuses_as_invalid_are_a_gap_never_a_poison(tmp_path: Path) -> None:
     """A batch the store refuses as invalid would be refused again however often it is
     offered: journalled, it failed every later append of the session and its recovery.
-    It is recorded as gap `evidence_refused` (what it was, the store's one line) instead,
-    and the session goes on."""
+    Gap `evidence_refused` (what it was, the store's one line) is stored in its place and
+    the append still raises (nothing is decided from the rest); later appends, the
+    recovery's, are taken."""
     import anyio
 
     from tests.scenarios import LogBuilder
     from trialledger.adapters.recorder import Recorder
+    from trialledger.core import BadEvent
     from trialledger.store import Ledger
     from trialledger.store.writer import now
 
@@ -211,8 +213,9 @@ def test_events_the_store_refuses_as_invalid_are_a_gap_never_a_poison(tmp_path: 
             seeded = await ledger.seed(seed_data())
             recorder = Recorder(ledger, seeded)
             await recorder.append([LogBuilder().launched().events[1]])
-            await recorder.append([{"type": "gap.recorded", "at": now(),
-                                    "data": {"code": ""}}])  # a code is never empty
+            with pytest.raises(BadEvent, match=r"data\.code"):
+                await recorder.append([{"type": "gap.recorded", "at": now(),
+                                        "data": {"code": ""}}])  # a code is never empty
             await recorder.add("agent.stderr", {"tail": "after it", "truncated": False})
             view = await ledger.view(seeded.session_id)
             return ([(g.code, g.detail) for g in view.observations.gaps],
