@@ -116,11 +116,17 @@ def bounded_loads(text: str | bytes, *, limit: int, max_depth: int = MAX_DEPTH) 
     return repaired(value) if _SURROGATE_SOURCE.search(text) else value
 
 
+def as_text(text: str) -> str:
+    """`text` with every lone surrogate (a `\\ud800` escape, a byte read with
+    `surrogateescape`) made U+FFFD: text UTF-8 can hold."""
+    return LONE_SURROGATE.sub("\ufffd", text)
+
+
 def repaired(value: Any) -> Any:
     """`value` with every lone surrogate made U+FFFD, in keys too (its depth is bounded by
     the reader, so the recursion is)."""
     if isinstance(value, str):
-        return LONE_SURROGATE.sub("\ufffd", value)
+        return as_text(value)
     if isinstance(value, list):
         return [repaired(v) for v in value]
     if isinstance(value, dict):

@@ -19,7 +19,7 @@ from typing import Any
 
 from trialledger.adapters.sandbox.process import LINE_LIMIT, CutLine
 from trialledger.core import BadEvent
-from trialledger.core.boundedjson import LONE_SURROGATE, UnsafeJSON, bounded_loads
+from trialledger.core.boundedjson import UnsafeJSON, as_text, bounded_loads
 from trialledger.core.events import CODEX_STREAM_TYPES
 from trialledger.core.parsing import parse_event
 
@@ -62,7 +62,7 @@ def stream_events(line: bytes | CutLine, at: str) -> list[dict[str, Any]]:
 
 def parse_stream_line(line: str) -> StreamRecord:
     """Map one `codex exec --json` stdout line (without its newline) to a record."""
-    line = LONE_SURROGATE.sub("\ufffd", line)
+    line = as_text(line)
     try:
         obj = bounded_loads(line, limit=TEXT_LIMIT)  # lone surrogates made U+FFFD
     except UnsafeJSON as error:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trialledger.adapters.sandbox.identity import libc
-from trialledger.core.boundedjson import LONE_SURROGATE
+from trialledger.core.boundedjson import LONE_SURROGATE, as_text
 from trialledger.core.errors import TrialLedgerError
 
 REWARD_LIMIT = 64 * 1024
@@ -58,11 +58,6 @@ def is_text(name: str) -> bool:
     """Whether a name read from the sandbox is text an event can hold: `os.scandir` gives
     each byte that is not UTF-8 as a lone surrogate (`surrogateescape`)."""
     return not LONE_SURROGATE.search(name)
-
-
-def as_text(name: str) -> str:
-    """A name to show: each byte that is not UTF-8 as U+FFFD."""
-    return LONE_SURROGATE.sub("\ufffd", name)
 
 
 class AlreadyRead(TrialLedgerError):
