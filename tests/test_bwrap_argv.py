@@ -145,7 +145,7 @@ spawns = st.builds(
 def test_every_spawn_keeps_the_sandbox_promises(spawn: Spawn) -> None:
     argv = argv_of(spawn)
     options = argv[:argv.index("--chdir")]
-    assert argv[0] == "bwrap"
+    assert argv[0] == spawn.bwrap and argv[0].startswith("/")  # never a PATH search
     for flag in REQUIRED:
         assert flag in options
     assert options[options.index("--cap-drop") + 1] == "ALL"

@@ -23,6 +23,7 @@ import pytest
 
 from tests.test_slirp import DEADLINE_S, Sandbox, banner, host_address
 from tests.test_slirp import sandbox as slirp_sandbox
+from trialledger.adapters.sandbox import hostside
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.egress import (
     NO_RULES,
@@ -555,7 +556,7 @@ async def test_ipv6_is_redirected_and_its_original_destination_read() -> None:
 @pytest.mark.anyio
 async def test_without_nftables_the_reason_names_the_package(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(hostside, "SYSTEM_PATH", str(tmp_path))  # where the runner looks
     assert egress_problem() == "nft is not installed (apt-get install nftables)"
     with pytest.raises(EgressFailed, match=r"^nft is not installed \(apt-get install nftables\)$"):
         await apply_rules(os.getpid(), NO_RULES)

@@ -20,8 +20,9 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.runs import codex_path, make_task, run_task
+from tests.runs import codex_path, in_process, make_task, run_task
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, message, shell, tool
+from trialledger.adapters.sandbox import hostside
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.cgroup import DEFAULT_PIDS
 from trialledger.adapters.sandbox.identity import sandbox_user
@@ -130,18 +131,16 @@ def failing_bwrap(folder: Path, failures: int) -> Path:
 def test_a_bwrap_that_cannot_sandbox_refuses_and_never_falls_back(
         tmp_path: Path, reachable_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = failing_bwrap(reachable_tmp / "bin", failures=1000)
-    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    monkeypatch.setattr(hostside, "SYSTEM_PATH", f"{folder}:{hostside.SYSTEM_PATH}")
     key = secrets.token_hex(4)
     with pytest.raises(SandboxRefused, match="cannot create its namespaces"):
         LocalSandbox(session_key=key, workdir="/app")
     assert not list(Path(tempfile.gettempdir()).glob(f"trialledger-{key}*"))  # none half made
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     with ScriptedEndpoint([shell("id -u"), message()]) as endpoint:
-        done = subprocess.run(
-            [sys.executable, "-m", "trialledger.cli", "run", str(task.folder), "--db",
-             str(tmp_path / "t.db"), "--model-base-url", endpoint.url, "--model", "m",
-             "--codex-bin", codex_path()], capture_output=True, text=True, timeout=60,
-            cwd=REPO, env={**os.environ, "PATH": f"{folder}:{os.environ['PATH']}"})
+        done = in_process("run", str(task.folder), "--db", str(tmp_path / "t.db"),
+                          "--model-base-url", endpoint.url, "--model", "m",
+                          "--codex-bin", codex_path())
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "bwrap" in done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
@@ -151,7 +150,7 @@ def test_a_bwrap_that_cannot_sandbox_refuses_and_never_falls_back(
 def test_a_transient_bwrap_failure_is_checked_again(
         reachable_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = failing_bwrap(reachable_tmp / "bin", failures=1)
-    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    monkeypatch.setattr(hostside, "SYSTEM_PATH", f"{folder}:{hostside.SYSTEM_PATH}")
     sandbox = LocalSandbox(session_key="recheck-1", workdir="/app")
     try:
         assert sandbox.isolation == "bwrap"

@@ -189,7 +189,8 @@ async def test_a_bwrap_that_cannot_create_the_sandbox_is_a_lost_sandbox(
     from tests.runs import make_task, run_task
     from trialledger.adapters.demo.endpoint import message as reply
 
-    real = subprocess.run(["which", "bwrap"], capture_output=True, text=True).stdout.strip()
+    from trialledger.adapters.sandbox.hostside import program
+    real = program("bwrap")
     import shutil
     import tempfile
 
@@ -200,7 +201,11 @@ async def test_a_bwrap_that_cannot_create_the_sandbox_is_a_lost_sandbox(
                     f'>&2; exit 1; }}; done\nexec {real} "$@"\n')
     fake.chmod(0o755)
     bin_dir.chmod(0o755)  # the sandbox user runs it (the one-time check)
-    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    # (the runner never finds bwrap by PATH: a task could name its own; so the fake is
+    # put where the runner looks for its programs)
+    from trialledger.adapters.sandbox import local
+    monkeypatch.setattr(local, "program",
+                        lambda name: str(fake) if name == "bwrap" else program(name))
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     try:
         ran = await run_task(str(tmp_path / "t.db"), task, [reply()])

@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 import pytest
 
+from trialledger.adapters.sandbox import hostside
 from trialledger.adapters.sandbox.slirp import (
     SlirpFailed,
     injected_files,
@@ -406,7 +407,7 @@ async def test_a_slirp4netns_not_ready_in_time_is_killed() -> None:
 
 async def test_without_slirp4netns_the_reason_names_the_package(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(hostside, "SYSTEM_PATH", str(tmp_path))  # where the runner looks
     assert slirp_problem() == "slirp4netns is not installed (apt-get install slirp4netns)"
     error = await _refused(os.getpid())
     assert str(error) == "slirp4netns is not installed (apt-get install slirp4netns)"

@@ -63,6 +63,7 @@ class Spawn:
     workdir: str  # inside
     init: str  # our static init on the host
     session_dir: str  # the session's writable home, bound at its own path
+    bwrap: str = "/usr/bin/bwrap"  # bwrap's absolute path (never found by a PATH search)
     root: str | None = None  # a merged overlay bound at `/`; None: the host's system folders
     system: Sequence[tuple[str, str | None]] = ()  # the host's system folders, mounted over
     # the root read-only (none over an image): (path, link target or None)
@@ -122,11 +123,11 @@ def bwrap_argv(spawn: Spawn, placed: Sequence[Mount], command: Sequence[str]) ->
     staged sources replaced where the runner staged them)."""
     if spawn.userns_fd is not None:  # our init switches each process to its user
         assert spawn.seccomp_fd is not None, "range mode never runs without its filter"
-        argv = ["bwrap", *RANGE_ISOLATION, "--userns", str(spawn.userns_fd),
+        argv = [spawn.bwrap, *RANGE_ISOLATION, "--userns", str(spawn.userns_fd),
                 "--seccomp", str(spawn.seccomp_fd),
                 *(option for cap in spawn.caps for option in ("--cap-add", cap))]
     else:
-        argv = ["bwrap", *ISOLATION, "--uid", str(spawn.uid), "--gid", str(spawn.gid)]
+        argv = [spawn.bwrap, *ISOLATION, "--uid", str(spawn.uid), "--gid", str(spawn.gid)]
     if spawn.isolated_network:
         argv.append("--unshare-net")
     if spawn.block_fd is not None:

@@ -48,6 +48,7 @@ from trialledger.adapters.sandbox.egress import (
     open_ping,
 )
 from trialledger.adapters.sandbox.folders import remove_tree
+from trialledger.adapters.sandbox.hostside import env_file, host_env
 from trialledger.adapters.sandbox.idrange import InnerUser, ensure_filter
 from trialledger.adapters.sandbox.layout import SessionLayout
 from trialledger.adapters.sandbox.network import Network, listen_inside
@@ -204,7 +205,8 @@ class ContainerPhases(SessionLayout):
         def base_env(self) -> dict[str, str]: ...
 
         def _init(self, command: Sequence[str], status_fd: int, role: Role,
-                  user: InnerUser | None = None, *, deadline: bool = True) -> list[str]: ...
+                  user: InnerUser | None = None, *, env_fd: int, deadline: bool = True
+                  ) -> list[str]: ...
 
         async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
                          verifier_logs: Path | None = None, stdin: bool = False,
@@ -386,6 +388,7 @@ class ContainerPhases(SessionLayout):
         container = await self._ensure_container()
         if role in ("agent", "verifier"):
             await self._use_network(role)
+        env_fd = env_file({**env, SUPERVISOR_ENV: self.marker})  # for our init, in there
         status_r, status_w = os.pipe()
         seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
                    if self.range is not None else None)
@@ -404,20 +407,20 @@ class ContainerPhases(SessionLayout):
         # The lease's switch is the container's PID 1's alone: when it fires, the container
         # ends and every process joined into it with it (two readers would split the
         # extensions between them).
-        argv += self._init(command, status_w, role, user, deadline=False)[1:]
+        argv += self._init(command, status_w, role, user, env_fd=env_fd, deadline=False)[1:]
         try:
             process = await anyio.open_process(
-                argv, env={**env, SUPERVISOR_ENV: self.marker},
+                argv, env=host_env(**{SUPERVISOR_ENV: self.marker}),
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                pass_fds=tuple(fd for fd in (status_w, seccomp, copy[0] if copy else None,
-                                             *container.fds)
+                pass_fds=tuple(fd for fd in (status_w, seccomp, env_fd,
+                                             copy[0] if copy else None, *container.fds)
                                if fd is not None),
                 start_new_session=True)
         except BaseException:
             os.close(status_r)
             raise
         finally:
-            for fd in (status_w, seccomp):
+            for fd in (status_w, seccomp, env_fd):
                 if fd is not None:
                     os.close(fd)
         return LocalRun(process, status_fd=status_r, info_fd=None, isolation="joined",

@@ -21,7 +21,6 @@ import asyncio
 import ctypes
 import logging
 import os
-import shutil
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable
@@ -29,6 +28,7 @@ from ipaddress import IPv4Address, IPv6Address, ip_address
 
 from trialledger.adapters.sandbox.allowlist import Address, AllowList, as_address
 from trialledger.adapters.sandbox.base import SandboxRefused
+from trialledger.adapters.sandbox.hostside import has_program, host_env, program
 from trialledger.adapters.sandbox.identity import libc
 from trialledger.adapters.sandbox.slirp import RESOLVER
 from trialledger.adapters.sandbox.sniff import UNKNOWN, Sniffed, sniff
@@ -69,7 +69,7 @@ class EgressFailed(SandboxRefused):
 def egress_problem() -> str | None:
     """Why `allowlist` cannot be set up here (None: it can): a tool it needs is missing."""
     for tool, package in (("nft", "nftables"), ("nsenter", "util-linux")):
-        if shutil.which(tool) is None:
+        if not has_program(tool):
             return f"{tool} is not installed (apt-get install {package})"
     return None
 
@@ -128,8 +128,8 @@ async def apply_rules(pid: int, rules: str, *, net_namespace: int | None = None)
     fd, _ = _open_namespace(pid, net_namespace)
     try:
         process = await asyncio.create_subprocess_exec(
-            "nsenter", f"--net=/proc/self/fd/{fd}", "--", "nft", "-f", "-",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+            program("nsenter"), f"--net=/proc/self/fd/{fd}", "--", program("nft"), "-f", "-",
+            env=host_env(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, pass_fds=(fd,))
     finally:
         os.close(fd)

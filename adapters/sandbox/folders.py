@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from trialledger.adapters.environment import default_cache_dir
+from trialledger.adapters.sandbox.hostside import host_env, program
 
 FOLDER_PREFIX = "trialledger-"
 LOCK = ".session-lock"
@@ -85,8 +86,8 @@ def remove_tree(*paths: str | Path, dir_fd: int | None = None) -> None:
     if not left:
         return
     targets = [str(p) if dir_fd is None else f"/proc/self/fd/{dir_fd}/{p}" for p in left]
-    done = subprocess.run(["rm", "-rf", "--one-file-system", "--", *targets],
-                          pass_fds=() if dir_fd is None else (dir_fd,),
+    done = subprocess.run([program("rm"), "-rf", "--one-file-system", "--", *targets],
+                          env=host_env(), pass_fds=() if dir_fd is None else (dir_fd,),
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise OSError(f"rm -rf: {done.stderr.strip()[-300:]}")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trialledger.adapters.sandbox.base import SandboxRefused
+from trialledger.adapters.sandbox.hostside import program
 
 SANDBOX_USER = "trialledger-sandbox"
 PROCESS_LIMIT = 8192  # RLIMIT_NPROC of the sandbox user where no session pids cgroup exists
@@ -67,8 +68,8 @@ class SandboxUser:
                 options[0:0] = ["--idmap", *(str(part) for part in idmap)]
             options.insert(0, "--mount-ns")
         elif mounting:
-            namespace = ["unshare", "--user", "--map-root-user", "--mount", "--propagation",
-                         "private", "--"]
+            namespace = [program("unshare"), "--user", "--map-root-user", "--mount",
+                         "--propagation", "private", "--"]
         joins = [option for procs in cgroups for option in ("--cgroup", str(procs))]
         return [*namespace, str(init), "--stage", *joins, *options, *overlays, "--", *binds,
                 "--"]

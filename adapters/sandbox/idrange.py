@@ -35,6 +35,7 @@ from pathlib import Path
 from trialledger.adapters.environment import resolve_inside
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.cgroup import LimitsNotEnforced, delegated, v1_hierarchies
+from trialledger.adapters.sandbox.hostside import host_env
 from trialledger.adapters.sandbox.identity import SANDBOX_USER, cache_dir, ensure_init
 
 SLOT = 65_536
@@ -266,7 +267,7 @@ class UsernsMaker:
         self.slot = slot
         self._holder = subprocess.Popen([str(init), "--userns", str(slot.start)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE)
+                                        stderr=subprocess.PIPE, env=host_env())
 
     def finish(self) -> int:
         """The namespace (an fd), owned by the slot's first id, mapping inner 0–65535

@@ -7,8 +7,13 @@
  * neither open /proc/1/fd/N nor ptrace it: the status channel is ours alone. Static, so
  * nothing of ours needs a program inside the sandbox.
  *
- *     init --status-fd N [--oom-score-adj K] [--user UID GID GROUPS]
+ *     init --status-fd N [--oom-score-adj K] [--user UID GID GROUPS] [--env-fd FD]
  *          [--deadline-fd FD --deadline-ms MS] -- COMMAND ARGS...
+ *
+ * With --env-fd the command's whole environment is read from FD (NUL-separated
+ * NAME=VALUE entries, at most ENV_MAX bytes) and nothing of init's own is kept: the task's
+ * variables are handed over inside the sandbox, never to a program on the host side
+ * (bwrap is dynamic: a task's LD_PRELOAD would run there), never on a command line.
  *
  * With --deadline-fd it is a dead man's switch (a job trial's lease, SPEC §13): it SIGKILLs
  * the command's group MS milliseconds from its start unless the runner extends the
@@ -93,6 +98,9 @@
 #include <linux/nsfs.h>
 #include <linux/seccomp.h>
 #include <unistd.h>
+
+#define ENV_MAX (4 << 20)
+#define ENV_ENTRIES_MAX 65536
 
 static volatile sig_atomic_t child_pid = 0;
 static volatile sig_atomic_t deadline_fd = -1;
@@ -314,7 +322,11 @@ static int stage(int argc, char **argv) {
     }
     if (user != NULL && (failed = drop(user[0], user[1], user[2])) != 0)
         return failed;
-    execvp(argv[i], argv + i);
+    if (argv[i][0] != '/') { /* never a PATH search on the host side */
+        errno = EINVAL;
+        return stage_failed("exec (not an absolute path)", argv[i]);
+    }
+    execv(argv[i], argv + i);
     return stage_failed("exec", argv[i]);
 }
 
@@ -518,6 +530,41 @@ static int group_gone(pid_t group) {
     return 0;
 }
 
+/* The command's environment from FD (see --env-fd): an array for `environ`, or NULL. */
+static char **read_env(int fd) {
+    char *data = malloc(ENV_MAX + 1);
+    char **entries = malloc(sizeof(char *) * (ENV_ENTRIES_MAX + 1));
+    size_t length = 0, count = 0;
+    if (data == NULL || entries == NULL)
+        return NULL;
+    for (;;) {
+        ssize_t got = read(fd, data + length, ENV_MAX + 1 - length);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got < 0)
+            return NULL;
+        if (got == 0)
+            break;
+        length += (size_t)got;
+        if (length > ENV_MAX) {
+            errno = E2BIG;
+            return NULL;
+        }
+    }
+    close(fd);
+    for (size_t at = 0; at < length;) {
+        char *end = memchr(data + at, '\0', length - at);
+        if (end == NULL || count == ENV_ENTRIES_MAX || strchr(data + at, '=') == NULL) {
+            errno = EINVAL;
+            return NULL;
+        }
+        entries[count++] = data + at;
+        at = (size_t)(end - data) + 1;
+    }
+    entries[count] = NULL;
+    return entries;
+}
+
 int main(int argc, char **argv) {
     int status_fd = -1, i;
     if (argc >= 2 && strcmp(argv[1], "--stage") == 0)
@@ -529,7 +576,8 @@ int main(int argc, char **argv) {
     unsigned long deadline_ms = 0;
     char **command = NULL;
     const char *join_fds = NULL, *chdir_to = NULL, *cgroups[8];
-    int cgroup_count = 0, seccomp_fd = -1, copy_src = -1;
+    int cgroup_count = 0, seccomp_fd = -1, copy_src = -1, env_fd = -1;
+    char **env = NULL;
     unsigned long long caps = 0;
     unsigned long nproc = 0;
     char **copy = NULL;
@@ -550,6 +598,8 @@ int main(int argc, char **argv) {
             deadline_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "--deadline-ms") == 0 && i + 1 < argc)
             deadline_ms = strtoul(argv[++i], NULL, 10);
+        else if (strcmp(argv[i], "--env-fd") == 0 && i + 1 < argc)
+            env_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "--join-fds") == 0 && i + 1 < argc)
             join_fds = argv[++i];
         else if (strcmp(argv[i], "--cgroup") == 0 && i + 1 < argc && cgroup_count < 8)
@@ -584,6 +634,13 @@ int main(int argc, char **argv) {
         fcntl(status_fd, F_SETFD, FD_CLOEXEC);
     if (deadline_fd >= 0) /* the runner's alone: never the command's */
         fcntl(deadline_fd, F_SETFD, FD_CLOEXEC);
+    if (env_fd >= 0 && (env = read_env(env_fd)) == NULL) {
+        char line[128];
+        snprintf(line, sizeof line, "{\"spawn_error\": \"the environment: %s\"}\n",
+                 strerror(errno));
+        report(status_fd, line);
+        return 127;
+    }
     if (join_fds != NULL) {
         for (int c = 0; c < cgroup_count; c++) {
             int fd = open(cgroups[c], O_WRONLY | O_CLOEXEC);
@@ -635,6 +692,8 @@ int main(int argc, char **argv) {
               (chdir_to == NULL || chdir(chdir_to) == 0)))) {
             if (copy != NULL)
                 _exit(copy_in(copy_src, copy[0], copy[1], copy[2]) == 0 ? 0 : 1);
+            if (env != NULL) /* the command's PATH finds it, as in a container */
+                environ = env;
             if (load_seccomp() == 0)
                 execvp(command[0], command);
         }

@@ -30,6 +30,7 @@ from trialledger.adapters.environment import Environment, copy_tree, resolve_ins
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.bwrap import PRIVATE, Mount, Role
 from trialledger.adapters.sandbox.folders import remove_tree
+from trialledger.adapters.sandbox.hostside import host_env, program
 from trialledger.adapters.sandbox.identity import SandboxUser
 from trialledger.adapters.sandbox.mountpoints import Want, make_mount_point
 
@@ -179,8 +180,8 @@ class SessionLayout:
         lower = self._lower
         key = (os.stat(lower).st_dev, os.stat(self.root).st_dev, self.range is not None)
         if key not in _overlays_made:
-            done = subprocess.run([*self._prefix([]), "true"], capture_output=True,
-                                  text=True, check=False,
+            done = subprocess.run([*self._prefix([]), program("true")], capture_output=True,
+                                  text=True, check=False, env=host_env(),
                                   pass_fds=(self.range.userns_fd,) if self.range else ())
             if done.returncode != 0:
                 raise SandboxRefused(

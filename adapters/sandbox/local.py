@@ -76,6 +76,7 @@ from trialledger.adapters.sandbox.folders import (
     remove_lock_last,
     remove_tree,
 )
+from trialledger.adapters.sandbox.hostside import env_file, has_program, host_env, program
 from trialledger.adapters.sandbox.identity import (
     PROCESS_LIMIT,
     SandboxUser,
@@ -115,17 +116,18 @@ def bwrap_problem(user: SandboxUser, cgroups: Sequence[Path] = (),
     user namespace `userns_fd`) and, when it fails, once more: a transient failure
     (another session's processes filling a shared limit, say) is never taken for the
     machine's, and nothing is cached."""
-    if shutil.which("bwrap") is None:
+    if not has_program("bwrap"):
         return "bwrap is not installed (apt-get install bubblewrap)"
     users = (["--userns", str(userns_fd)] if userns_fd is not None
              else ["--unshare-user", "--disable-userns"])
-    command = [*user.staged(ensure_init(), cgroups=cgroups, nproc=nproc), "bwrap",
+    command = [*user.staged(ensure_init(), cgroups=cgroups, nproc=nproc), program("bwrap"),
                *users, "--cap-drop", "ALL", "--unshare-pid",
                "--as-pid-1", "--ro-bind", "/", "/", "true"]
     for attempt in range(2):
         if attempt:
             time.sleep(RECHECK_AFTER_S)
         done = subprocess.run(command, capture_output=True, text=True, check=False,
+                              env=host_env(),
                               pass_fds=() if userns_fd is None else (userns_fd,))
         if done.returncode == 0:
             return None
@@ -467,6 +469,7 @@ class LocalSandbox(ContainerPhases):
             for path in SYSTEM_PATHS if os.path.islink(path) or os.path.isdir(path)]
         return Spawn(
             role=role, uid=uid, gid=gid, workdir=self.workdir, init=str(self.init),
+            bwrap=program("bwrap"),
             session_dir=str(self.session_dir), root=root, system=system,
             workdir_source=workdir_source,
             codex=[(str(s), i) for s, i in self.codex.mounts()] if self.codex else [],
@@ -483,9 +486,10 @@ class LocalSandbox(ContainerPhases):
                 self.image is not None or self._connected(phase)) else None))
 
     def _init(self, command: Sequence[str], status_fd: int, role: Role,
-              user: InnerUser | None = None, *, deadline: bool = True) -> list[str]:
+              user: InnerUser | None = None, *, env_fd: int, deadline: bool = True
+              ) -> list[str]:
         init = INIT_INSIDE if self.isolation == "bwrap" else str(self.init)
-        argv = [init, "--status-fd", str(status_fd)]
+        argv = [init, "--status-fd", str(status_fd), "--env-fd", str(env_fd)]
         if self.oom_score_adj is not None:
             argv += ["--oom-score-adj", str(self.oom_score_adj)]
         if self.switch is not None and deadline:
@@ -507,6 +511,8 @@ class LocalSandbox(ContainerPhases):
         if self.lifetime == "harbor" and role != "container":
             return await self._spawn_joined(command, env=env, role=role, stdin=stdin,
                                             copy=copy)
+        # The task's variables go to our init inside the sandbox alone (hostside.py)
+        env_fd = env_file({**env, SUPERVISOR_ENV: self.marker})
         bwrap = self.isolation == "bwrap"
         status_r, status_w = os.pipe()
         info_r, info_w = os.pipe() if bwrap else (None, None)
@@ -522,19 +528,21 @@ class LocalSandbox(ContainerPhases):
         seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
                    if self.range is not None else None)
         userns = self.range.userns_fd if self.range is not None else None
-        inner = self._init(command, status_w, role)
-        argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, phase=phase,
-                            verifier_logs=verifier_logs, block_fd=block_r, seccomp_fd=seccomp)
-                if bwrap else [*self._prefix([]), *inner])
-        env = {**env, SUPERVISOR_ENV: self.marker}
+        inner = self._init(command, status_w, role, env_fd=env_fd)
         try:
+            argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, phase=phase,
+                                verifier_logs=verifier_logs, block_fd=block_r,
+                                seccomp_fd=seccomp)
+                    if bwrap else [*self._prefix([]), *inner])
             quiet = subprocess.DEVNULL if role == "container" else subprocess.PIPE  # PID 1's
             # output: nobody would drain it for the whole session
             process = await anyio.open_process(
-                argv, env=env, cwd=None if bwrap else self.host_work,
+                argv, env=host_env(**{SUPERVISOR_ENV: self.marker}),
+                cwd=None if bwrap else self.host_work,
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                 stdout=quiet, stderr=quiet,
                 pass_fds=tuple(fd for fd in (status_w, info_w, block_r, seccomp, userns,
+                                             env_fd,
                                              self.switch.read_fd if self.switch else None)
                                if fd is not None),
                 start_new_session=True,
@@ -545,7 +553,7 @@ class LocalSandbox(ContainerPhases):
                     os.close(fd)
             raise
         finally:
-            for fd in (status_w, info_w, block_r, seccomp):
+            for fd in (status_w, info_w, block_r, seccomp, env_fd):
                 if fd is not None:
                     with contextlib.suppress(OSError):
                         os.close(fd)

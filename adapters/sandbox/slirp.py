@@ -23,7 +23,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -33,6 +32,7 @@ from collections import deque
 import anyio
 
 from trialledger.adapters.sandbox.base import SandboxRefused
+from trialledger.adapters.sandbox.hostside import find, host_env, program
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def slirp_problem() -> str | None:
 
 
 def _problem() -> str | None:
-    binary = shutil.which("slirp4netns")
+    binary = find("slirp4netns")
     if binary is None:
         return "slirp4netns is not installed (apt-get install slirp4netns)"
     if binary not in _options_missing:
@@ -90,7 +90,7 @@ def _problem() -> str | None:
 def _missing_option(binary: str) -> str | None:
     try:
         done = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=5,
-                              check=False)
+                              check=False, env=host_env())
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"working --help ({error})"
     usage = done.stdout + done.stderr
@@ -213,7 +213,7 @@ async def start_slirp(pid: int, *, timeout_s: float = 10,
     `timeout_s`."""
     if (problem := slirp_problem()) is not None:
         raise SlirpFailed(problem)
-    binary = shutil.which("slirp4netns") or "slirp4netns"
+    binary = program("slirp4netns")
     netns, userns = _open_namespaces(pid, net_namespace)
     ready_r, ready_w = os.pipe()
     exit_r, exit_w = os.pipe()
@@ -222,8 +222,8 @@ async def start_slirp(pid: int, *, timeout_s: float = 10,
             f"--userns-path=/proc/self/fd/{userns}", f"/proc/self/fd/{netns}", TAP]
     try:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, pass_fds=(ready_w, exit_r, netns,
-                                                                     userns),
+                                   stderr=subprocess.PIPE, env=host_env(),
+                                   pass_fds=(ready_w, exit_r, netns, userns),
                                    start_new_session=True)
     except OSError as error:
         os.close(ready_r)
