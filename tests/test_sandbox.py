@@ -188,7 +188,6 @@ async def test_a_bwrap_that_cannot_create_the_sandbox_is_a_lost_sandbox(
     # a namespace limit would make it): one line, sandbox.lost, retried.
     from tests.runs import make_task, run_task
     from trialledger.adapters.demo.endpoint import message as reply
-
     from trialledger.adapters.sandbox.hostside import program
     real = program("bwrap")
     import shutil
