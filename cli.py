@@ -299,6 +299,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.scripted import solve_script
     from trialledger.adapters.task import Task, TaskInvalid, require_verifier
+    from trialledger.adapters.taskfiles import file_limit
     from trialledger.adapters.trial import Trial
 
     options = _run_options(args)
@@ -323,7 +324,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return await in_store(args.db, trial)
 
     try:
-        task = require_verifier(Task.load(Path(args.task_dir)))  # as Harbor, up front
+        task = require_verifier(Task.load(Path(args.task_dir),  # as Harbor, up front
+                                          max_bytes=file_limit(options.overrides)))
         warn_fields([task], in_range=_range_mode(args))
         check_inputs([task], options)  # settings, grants, Codex: before anything is seeded
         if options.agent == "oracle":
@@ -350,14 +352,14 @@ def _check_store_file(db: str) -> None:
 def _prepared(task: Any, args: argparse.Namespace) -> Any:
     """The task's environment, built and unpacked into the cache (EnvironmentUnavailable:
     one line naming what is missing; nothing seeded)."""
-    from trialledger.adapters.environment import HOST, prepare
+    from trialledger.adapters.environment import HOST, prepare, with_limits
     from trialledger.adapters.sandbox.identity import sandbox_user
 
     if task.source is None:
         return HOST
     owner = sandbox_user(args.sandbox_uid).uid if os.geteuid() == 0 else None
-    return prepare(task.source, _cache(args), owner=owner, engine=args.engine,
-                   pull=args.pull, force_build=args.force_build)
+    return prepare(with_limits(task.source, task.limits), _cache(args), owner=owner,
+                   engine=args.engine, pull=args.pull, force_build=args.force_build)
 
 
 def _range_mode(args: argparse.Namespace) -> bool:
@@ -416,6 +418,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.task import TaskInvalid
+    from trialledger.adapters.taskfiles import file_limit
 
     options = _run_options(args)
     said = trial_printer(args.json)
@@ -438,7 +441,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
 
     try:
         selection = load_tasks([Path(p) for p in args.tasks], args.include or (),
-                               args.exclude or ())
+                               args.exclude or (), max_bytes=file_limit(options.overrides))
         tasks = selection.tasks
         warn_fields(tasks, selection.skipped, in_range=_range_mode(args))
         check_inputs(tasks, options)  # before the job exists: a refusal leaves none behind
@@ -614,11 +617,15 @@ def cmd_view(args: argparse.Namespace) -> int:
     """A read-only web view of the store, served (loopback by default) or exported."""
     if args.job is not None and args.export is None:
         raise Refused("--job chooses the pages of an export: give --export DIR with it")
+    if args.allowed_host and args.export is not None:
+        raise Refused("--allowed-host names who may ask a served view: an export serves nothing")
     if args.export is None:
         from trialledger.adapters.view.server import serve
 
-        anyio.run(lambda: serve(args.db, host=args.host, port=args.port,
-                                say=lambda line: print(printable(line), flush=True)))
+        anyio.run(lambda: serve(
+            args.db, host=args.host, port=args.port, allowed=args.allowed_host,
+            say=lambda line: print(printable(line), flush=True),
+            warn=lambda line: print(printable(line), file=sys.stderr, flush=True)))
         return EXIT_OK
     from trialledger.adapters.view.export import export
 
@@ -866,6 +873,7 @@ EXAMPLES = {  # each subcommand's --help ends with these
                   "trialledger artifacts 3f2a verifier/test-stdout.txt",
                   "trialledger artifacts 3f2a --out kept/"],
     "view": ["trialledger view --db trials.db", "trialledger view --port 9000",
+             "trialledger view --host 0.0.0.0 --allowed-host box.lan",
              "trialledger view --export site/ --job nightly"],
     "demo": ["trialledger demo --db demo.db"],
     "import-harbor": ["trialledger import-harbor --db trials.db jobs/2026-10-20__14-03-05"],
@@ -1049,6 +1057,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
                    "loopback only)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any free)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests for this host name or address (repeatable; "
+                   "loopback's names and the bound address are always answered, others get "
+                   "421)")
     p.add_argument("--export", type=Path, metavar="DIR",
                    help="write the pages as static files under DIR instead of serving them")
     p.add_argument("--job", help="with --export: only this job's pages")

@@ -2,9 +2,10 @@
 
 The build reads a copy of `environment/` that the build user owns, in a private folder with
 its own TMPDIR; the `FROM` images the operator's storage holds are copied into the build
-storage first; builds into one storage take turns. Past its timeout a build's process group
-is killed and its working containers removed. The built image is saved by the build user,
-moved out of its reach, and read into the cache as an archive.
+storage first; builds into one storage take turns. Every engine command of a build runs in
+its box (`adapters/buildbox.py`: its own cgroup, and for `podman build` its own network),
+which ends whole with the build, taking its working containers along. The built image is
+saved by the build user, moved out of its reach, and read into the cache as an archive.
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ import contextlib
 import fcntl
 import os
 import shutil
-import signal
 import stat
-import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from trialledger.adapters.builder import WHAT, Builder, build_user, sweep
+from trialledger.adapters.buildbox import BuildBox, contained
+from trialledger.adapters.builder import WHAT, Builder, build_user
 from trialledger.adapters.environment import (
     Cache,
     Environment,
@@ -32,6 +32,7 @@ from trialledger.adapters.environment import (
     copy_tree,
     prepare_archive,
 )
+from trialledger.adapters.sandbox.slirp import RESOLVER
 
 
 @dataclass(frozen=True)
@@ -69,15 +70,15 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
     tag = f"localhost/trialledger-build:{context_digest(context)[:32]}"
     dockerfile = (context / "Dockerfile").read_text(encoding="utf-8", errors="replace")
     with _workspace(builder) as work:
-        with _locked(builder.lock):
-            if not _has(builder, work, tag):
+        with _locked(builder.lock), contained(builder, work.inner, work.tmp, source) as box:
+            if not box.succeeds(["podman", "image", "exists", tag]):
                 _stage_context(builder, work, context)
-                _copy_base_images(builder, work, engine, base_images(dockerfile))
-                _build(builder, work, tag, source.build_timeout_s)
-            digest = _image_id(builder, work, tag)
+                _copy_base_images(box, work, engine, base_images(dockerfile))
+                _build(box, work, tag, source.build_timeout_s)
+            digest = _image_id(box, tag)
             if (found := cache.lookup(digest)) is not None:
                 return found
-            archive = _save(builder, work, tag)
+            archive = _save(box, work, tag)
         return prepare_archive(archive, "Dockerfile", cache, owner, digest=digest)
 
 
@@ -103,9 +104,7 @@ def _stage_context(builder: Builder, work: Workspace, context: Path) -> None:
 
 
 def _give(builder: Builder, root: Path) -> None:
-    """Give a tree to the build user (nothing to do when the runner builds itself)."""
-    if builder.storage is None:
-        return
+    """Give a tree to the build user."""
     os.lchown(root, builder.uid, builder.gid)
     for folder, dirs, files in os.walk(root):
         for name in [*dirs, *files]:
@@ -123,22 +122,10 @@ def _locked(lock: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _engine(builder: Builder, work: Workspace, argv: Sequence[str]) -> str:
-    """A podman or buildah command as the build user, in its storage."""
-    return _tool(argv, WHAT, as_user=builder.as_user, env=builder.env(work.tmp))
-
-
-def _has(builder: Builder, work: Workspace, tag: str) -> bool:
-    return subprocess.run([*builder.as_user, "podman", "image", "exists", tag],
-                          env=builder.env(work.tmp), capture_output=True, check=False,
-                          stdin=subprocess.DEVNULL).returncode == 0
-
-
-def _image_id(builder: Builder | None, work: Workspace, ref: str, engine: str = "podman"
-              ) -> str:
-    """An image's id in the build storage (or, with no builder, the operator's)."""
+def _image_id(box: BuildBox | None, ref: str, engine: str = "podman") -> str:
+    """An image's id in the build storage (or, with no box, the operator's)."""
     argv = [engine, "image", "inspect", "--format", "{{.Id}}", ref]
-    ident = (_engine(builder, work, argv) if builder else _tool(argv, WHAT)).strip()
+    ident = (box.run(argv) if box else _tool(argv, WHAT)).strip()
     return ident if ident.startswith("sha256:") else f"sha256:{ident}"
 
 
@@ -160,52 +147,38 @@ def base_images(dockerfile: str) -> list[str]:
     return found
 
 
-def _copy_base_images(builder: Builder, work: Workspace, engine: str, named: list[str]
+def _copy_base_images(box: BuildBox, work: Workspace, engine: str, named: list[str]
                       ) -> None:
     """Copy the base images the operator's storage holds into the build storage (saved by
     us with our environment, loaded by the build user), unless it has them already."""
-    if builder.storage is None:
-        return  # the runner builds in its own storage
     for image in named:
         try:
-            theirs = _image_id(None, work, image, engine)
+            theirs = _image_id(None, image, engine)
         except EnvironmentUnavailable:
             continue  # not ours to give; the build pulls it or says it is missing
         with contextlib.suppress(EnvironmentUnavailable):
-            if _image_id(builder, work, image) == theirs:
+            if _image_id(box, image) == theirs:
                 continue
         archive = work.outer / "base.tar"
         try:
             _tool([engine, "save", "-o", str(archive), image], f"{WHAT}: base image {image}")
-            os.chown(archive, builder.uid, builder.gid)
-            _engine(builder, work, ["podman", "load", "-q", "-i", str(archive)])
+            os.chown(archive, box.builder.uid, box.builder.gid)
+            box.run(["podman", "load", "-q", "-i", str(archive)])
         finally:
             archive.unlink(missing_ok=True)
 
 
-def _containers(builder: Builder, work: Workspace) -> set[str]:
-    return set(_engine(builder, work, ["buildah", "containers", "-q"]).split())
-
-
-def _build(builder: Builder, work: Workspace, tag: str, timeout: float) -> None:
-    """`podman build --isolation chroot` in a session of its own; past `timeout` its group
-    is killed, and the working containers it left are removed."""
-    before = _containers(builder, work)
-    argv = [*builder.as_user, "podman", "build", "--isolation", "chroot", "-t", tag,
-            "-f", str(work.context / "Dockerfile"), str(work.context)]
+def _build(box: BuildBox, work: Workspace, tag: str, timeout: float) -> None:
+    """`podman build --isolation chroot` in the build's box, past `timeout` killed. Its id
+    goes in `--cgroup-parent` (recorded by each working container, used by nothing under
+    chroot isolation); `RUN` steps resolve names through slirp's resolver."""
+    argv = ["podman", "build", "--isolation", "chroot", "--cgroup-parent", box.build_id,
+            "--dns", RESOLVER, "-t", tag, "-f", str(work.context / "Dockerfile"),
+            str(work.context)]
     with open(work.outer / "build.log", "w+b") as log:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                   env=builder.env(work.tmp), start_new_session=True)
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            raise EnvironmentUnavailable(f"{WHAT}: podman ran past {timeout:g} s") from None
-        finally:
-            _remove_new_containers(builder, work, before)
-            sweep(builder)
+        code = box.build(argv, log, timeout)
+        if code is None:
+            raise EnvironmentUnavailable(f"{WHAT}: podman ran past {timeout:g} s")
         if code != 0:
             log.seek(0)
             lines = [ln.strip() for ln in log.read().decode(errors="replace").splitlines()
@@ -214,17 +187,10 @@ def _build(builder: Builder, work: Workspace, tag: str, timeout: float) -> None:
             raise EnvironmentUnavailable(f"{WHAT}: {said[-300:]}")
 
 
-def _remove_new_containers(builder: Builder, work: Workspace, before: set[str]) -> None:
-    """`buildah rm` the working containers that appeared since `before`."""
-    with contextlib.suppress(EnvironmentUnavailable):
-        for container in sorted(_containers(builder, work) - before):
-            _engine(builder, work, ["buildah", "rm", container])
-
-
-def _save(builder: Builder, work: Workspace, tag: str) -> Path:
+def _save(box: BuildBox, work: Workspace, tag: str) -> Path:
     """`podman save` as the build user, moved out of its reach (a plain file, or refused)."""
     saved = work.inner / "image.tar"
-    _engine(builder, work, ["podman", "save", "--format", "oci-archive", "-o", str(saved), tag])
+    box.run(["podman", "save", "--format", "oci-archive", "-o", str(saved), tag])
     archive = work.outer / "image.tar"
     os.rename(saved, archive)
     info = os.lstat(archive)

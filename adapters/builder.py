@@ -1,14 +1,13 @@
 """Who builds Dockerfiles (docs/SPEC.md §12): never host root.
 
 A `RUN` step of `podman build --isolation chroot` keeps CAP_SYS_CHROOT and can leave its
-chroot, so a build runs rootless, as a user none of whose ids is privileged on the host:
-- a root runner builds as `trialledger-build`, a system user `trialledger setup` creates
-  (`create_build_user`) with a subordinate range of its own (65,536 ids, far above the
-  session slots) and an engine storage of its own (`/var/lib/trialledger/build`, 0700);
-- a runner that is not root builds as itself, in its own storage, with its own range.
-Inside a `RUN` step root is the build user and every other id one of its range, so an
-escape reaches the host as those ids only; whatever a build leaves running as them is
-killed after it (`sweep`).
+chroot, so a build runs rootless, as `trialledger-build`: a system user `trialledger
+setup` creates (`create_build_user`) with a subordinate range of its own (65,536 ids, far
+above the session slots) and an engine storage of its own (`/var/lib/trialledger/build`,
+0700). Inside a `RUN` step root is the build user and every other id one of its range, so
+an escape reaches the host as those ids only. Only a root runner builds: each build runs
+in a cgroup and a network namespace of its own (`adapters/buildbox.py`), which only root
+can make here.
 """
 
 from __future__ import annotations
@@ -17,9 +16,7 @@ import contextlib
 import grp
 import os
 import pwd
-import signal
 import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +24,8 @@ from pathlib import Path
 from trialledger.adapters.environment import (
     DEFAULT_PATH,
     EnvironmentUnavailable,
-    default_cache_dir,
 )
+from trialledger.adapters.sandbox.hostside import program
 from trialledger.adapters.sandbox.idrange import subid_entries
 
 BUILD_USER = "trialledger-build"
@@ -49,21 +46,18 @@ class Builder:
     uid: int
     gid: int
     name: str
-    storage: Path | None  # the build user's own; None: the runner's, which builds itself
+    storage: Path  # the build user's HOME, XDG folders and engine storage
     lock: Path  # builds into one storage take turns
     scratch: Path  # where each build's private folder is made
 
     @property
     def as_user(self) -> list[str]:
-        """The prefix that runs a command as the build user (nothing: the runner itself)."""
-        if self.storage is None:
-            return []
-        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups", "--"]
+        """The prefix that runs a command as the build user."""
+        return [program("setpriv"), f"--reuid={self.uid}", f"--regid={self.gid}",
+                "--init-groups", "--"]
 
     def env(self, tmp: Path) -> dict[str, str]:
         """The build user's environment: nothing of ours, every folder in its storage."""
-        if self.storage is None:
-            return {**os.environ, "TMPDIR": str(tmp)}
         home = self.storage
         return {"PATH": DEFAULT_PATH, "HOME": str(home), "USER": self.name,
                 "LOGNAME": self.name, "TMPDIR": str(tmp),
@@ -78,21 +72,11 @@ def subordinate_ranges(path: Path, name: str, uid: int) -> list[tuple[int, int]]
 
 
 def build_user() -> Builder:
-    """Who builds: the runner itself when not root (with a range of its own), else the
-    build user `trialledger setup` made — never root."""
+    """The build user `trialledger setup` made (never root); only a root runner builds."""
     if os.geteuid() != 0:
-        uid, gid = os.geteuid(), os.getegid()
-        try:
-            name = pwd.getpwuid(uid).pw_name
-        except KeyError:
-            name = str(uid)
-        if not all(subordinate_ranges(path, name, uid) for path in SUBIDS.values()):
-            raise EnvironmentUnavailable(
-                f"{WHAT}: {name} has no subordinate ids in /etc/subuid and /etc/subgid, which "
-                f"a rootless build needs (add a range, or build as root after `trialledger "
-                f"setup`)")
-        return Builder(uid, gid, name, None, default_cache_dir() / "build.lock",
-                       Path(tempfile.gettempdir()))
+        raise EnvironmentUnavailable(f"{WHAT}: only a root runner builds Dockerfiles (as "
+                                     f"{BUILD_USER}, each build in a cgroup and a network "
+                                     f"namespace of its own)")
     try:
         entry = pwd.getpwnam(BUILD_USER)
     except KeyError:
@@ -186,30 +170,3 @@ def _prepare_storage(uid: int, gid: int) -> None:
     except OSError as error:
         raise EnvironmentUnavailable(f"the build storage {STORAGE}: {error.strerror} "
                                      f"({error.filename})") from None
-
-
-def sweep(builder: Builder) -> None:
-    """Kill whatever still runs as the build user or one of its range: a `RUN` step can
-    leave its group, and nothing of one build may outlive it (never a runner's own)."""
-    if builder.storage is None:
-        return
-    ranges = [(builder.uid, 1), *subordinate_ranges(SUBIDS["subuid"], builder.name,
-                                                    builder.uid)]
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            fd = os.pidfd_open(int(pid))  # the process itself, whatever reuses its pid
-            try:
-                if any(start <= uid < start + count for uid in _uids(pid)
-                       for start, count in ranges):
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-            finally:
-                os.close(fd)
-
-
-def _uids(pid: str) -> list[int]:
-    """A process's real, effective, saved and filesystem uids."""
-    with open(f"/proc/{pid}/status", encoding="utf-8") as status:
-        for line in status:
-            if line.startswith("Uid:"):
-                return [int(field) for field in line.split()[1:]]
-    return []

@@ -13,23 +13,24 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trialledger.adapters.codex.rollout import iter_usage_events
+from trialledger.adapters.codex.zst import Undecodable, decompressed
 from trialledger.adapters.sandbox.agentfiles import (
-    REWARD_LIMIT,
-    ROLLOUT_FILE_LIMIT,
     AgentTree,
     AlreadyRead,
     LongLine,
     Seen,
     UnsafeAgentFile,
+    split_lines,
 )
 from trialledger.core import scrub
 from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
+from trialledger.core.settings import TASK_FILE_MAX_BYTES
 
 ROLLOUTS = "sessions"
 ROLLOUT_PATTERNS = ("rollout-*.jsonl", "rollout-*.jsonl.zst")
@@ -53,9 +54,22 @@ def rollouts(tree: AgentTree, pattern: str) -> tuple[list[str], list[UnsafeAgent
     return files[:MAX_ROLLOUTS], refused
 
 
+class LeftUnscrubbed(UnsafeAgentFile):
+    """A compressed rollout that could not be decoded, so not scrubbed: the archive leaves
+    it out (never archived raw) and records gap `archive_unscrubbed`."""
+
+    def gap(self) -> dict[str, str]:
+        """The `gap.recorded` data for this rollout."""
+        return {"code": "archive_unscrubbed", "detail": f"{self}; left out of the archive"}
+
+
 def _text_lines(tree: AgentTree, path: str, refused: list[UnsafeAgentFile], *,
                 seen: Seen | None = None) -> Iterator[str]:
-    for line in tree.lines(path, seen=seen):
+    """A rollout's lines as text, a `.jsonl.zst` one decompressed on the way (an
+    undecodable one raises `Undecodable` where the decoder stops)."""
+    lines = (split_lines(decompressed(tree.chunks(path, seen=seen), path))
+             if path.endswith(".zst") else tree.lines(path, seen=seen))
+    for line in lines:
         if isinstance(line, LongLine):
             refused.append(UnsafeAgentFile(path, f"a {line.size}-byte line, over the "
                                                  f"1 MiB line cap (skipped)"))
@@ -71,8 +85,13 @@ def refused_lines(path: str, rules: Counter[str]) -> list[UnsafeAgentFile]:
 
 
 def usage_events(tree: AgentTree, *, at: str) -> list[dict[str, Any]]:
-    """`usage.native` (and gap) events from every rollout, read safely."""
-    files, refused = rollouts(tree, ROLLOUT_PATTERNS[0])
+    """`usage.native` (and gap) events from every rollout (plain, then compressed), read
+    safely."""
+    files: list[str] = []
+    refused: list[UnsafeAgentFile] = []
+    for pattern in ROLLOUT_PATTERNS:
+        found, unsafe = rollouts(tree, pattern)
+        files, refused = files + found, refused + unsafe
     events: list[dict[str, Any]] = []
     for path in files:
         rules: Counter[str] = Counter()
@@ -95,34 +114,50 @@ class ArchiveResult:
     refused: list[UnsafeAgentFile] = field(default_factory=list)
 
 
+def archived_name(path: str) -> str:
+    """Where a rollout goes in the archive: a `.jsonl.zst` one is kept decompressed, so
+    under its `.jsonl` name."""
+    return path.removesuffix(".zst")
+
+
 def copy_archive(tree: AgentTree, target: Path, secrets: Sequence[str]) -> ArchiveResult:
     """Copy the rollouts that pass the reading rules into `target` (folders 0700, files
-    0600), each line scrubbed of the session's secrets. Each file (inode) is read and
-    written once: its other names become hard links to that copy in the archive, so one
-    big rollout linked many times costs its bytes once."""
+    0600), each line scrubbed of the session's secrets; a `.jsonl.zst` one decompressed
+    (`archived_name`), or left out when it cannot be decoded (`LeftUnscrubbed`): its
+    bytes are never archived as they are. Each file (inode) is read and written once:
+    its other names become hard links to that copy in the archive, so one big rollout
+    linked many times costs its bytes once."""
     result = ArchiveResult()
     seen: Seen = {}
+    written: set[str] = set()
     for pattern in ROLLOUT_PATTERNS:
         files, refused = rollouts(tree, pattern)
         result.refused += refused
         for path in files:
-            destination = target / path
+            name = archived_name(path)
+            if name in written:  # both `x.jsonl` and `x.jsonl.zst`: the first is kept
+                result.refused.append(UnsafeAgentFile(path, f"another rollout is archived "
+                                                            f"as {name}"))
+                continue
+            destination = target / name
             destination.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             try:
-                if path.endswith(".zst"):  # compressed: bytes as they are (not scrubbable)
-                    data = tree.read(path, ROLLOUT_FILE_LIMIT, seen=seen)
-                else:
-                    data = "\n".join(scrub(line, secrets) for line in _text_lines(
-                        tree, path, result.refused, seen=seen)).encode()
+                size = _write_lines(destination, (scrub(line, secrets) for line in _text_lines(
+                    tree, path, result.refused, seen=seen)))
             except AlreadyRead as again:
-                result.links += _link(target / again.first, destination)
+                if linked := _link(target / archived_name(again.first), destination):
+                    result.links += linked
+                    written.add(name)
+                continue
+            except Undecodable as error:
+                result.refused.append(LeftUnscrubbed(error.path, error.rule))
                 continue
             except UnsafeAgentFile as error:
                 result.refused.append(error)
                 continue
-            write_private(destination, data)
+            written.add(name)
             result.files += 1
-            result.size += len(data)
+            result.size += size
     for folder, _, _ in os.walk(target):
         os.chmod(folder, 0o700)
     return result
@@ -234,6 +269,23 @@ def write_private(destination: Path, data: bytes) -> None:
         handle.write(data)
 
 
+def _write_lines(destination: Path, lines: Iterable[str]) -> int:
+    """`lines` joined by newlines into a new 0600 file, written as they come (one line
+    held at a time, however many a rollout has); the bytes written. A read that fails on
+    the way removes the file: a rollout is archived whole or not at all."""
+    fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    size = 0
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            for index, line in enumerate(lines):
+                size += handle.write(b"\n" if index else b"")
+                size += handle.write(line.encode())
+    except BaseException:
+        destination.unlink(missing_ok=True)
+        raise
+    return size
+
+
 def _link(first: Path, name: Path) -> int:
     """`name` as a hard link to the archived copy `first` (1), or nothing when `first` was
     refused and so never written (0: its refusal is already recorded)."""
@@ -254,23 +306,25 @@ def _number(value: Any) -> float | None:
 
 
 def read_reward(tree: AgentTree, return_code: int | None, timed_out: bool, *,
-                from_exit_code: bool = False) -> list[tuple[str, dict[str, Any]]]:
+                from_exit_code: bool = False, limit: int = TASK_FILE_MAX_BYTES
+                ) -> list[tuple[str, dict[str, Any]]]:
     """What the verifier left, read as Harbor reads it (docs/SPEC.md §15): `reward.json`
     ({name: number}) else `reward.txt` (one number); neither is `no_reward` unless the task
     opted in to its exit code (`from_exit_code`: 0 is 1, anything else 0). An unsafe reward
-    file is a gap and a `bad_reward` (never its content)."""
+    file, or one over `limit` bytes (the `task_file_max_bytes` setting), is a gap and a
+    `bad_reward` (never its content)."""
     if timed_out:
         return [("verification.failed", {"reason": "timeout",
                                          "detail": "the verifier timed out"})]
     for name in ("reward.json", "reward.txt"):
         try:
-            raw = tree.read(name, REWARD_LIMIT)
+            raw = tree.read(name, limit)
         except UnsafeAgentFile as error:
             if error.rule == "missing":
                 continue
             return [("gap.recorded", error.gap()),
                     ("verification.failed", {"reason": "bad_reward", "detail": str(error)})]
-        return [_parse_reward(name, raw)]
+        return [_parse_reward(name, raw, limit)]
     if not from_exit_code:
         return [("verification.failed", {
             "reason": "no_reward",
@@ -283,7 +337,7 @@ def read_reward(tree: AgentTree, return_code: int | None, timed_out: bool, *,
                                        "detail": f"exit code {return_code}"})]
 
 
-def _parse_reward(name: str, raw: bytes) -> tuple[str, dict[str, Any]]:
+def _parse_reward(name: str, raw: bytes, limit: int) -> tuple[str, dict[str, Any]]:
     """A reward file's value; a malformed one is named, never quoted (`reward.json` goes
     through the bounded JSON reader: its depth and numbers are the agent's to choose)."""
     why = ""
@@ -291,7 +345,7 @@ def _parse_reward(name: str, raw: bytes) -> tuple[str, dict[str, Any]]:
         if not raw:
             return "verification.failed", {"reason": "bad_reward", "detail": f"{name} is empty"}
         if name == "reward.json":
-            found = bounded_loads(raw, limit=REWARD_LIMIT)
+            found = bounded_loads(raw, limit=limit)
             if isinstance(found, dict):  # `{}` is a result without names, as in Harbor
                 rewards = {str(key): _number(value) for key, value in found.items()}
                 if None not in rewards.values():

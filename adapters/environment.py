@@ -30,7 +30,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +57,8 @@ class Source:
     value: str  # the REF, or the path relative to the task folder ("Dockerfile")
     folder: Path  # the task folder
     build_timeout_s: float = BUILD_TIMEOUT_S
+    pids: float | None = None  # the task's `pids`: a build's pids.max when above 4,096
+    memory_mb: float | None = None  # the task's `memory_mb`: a build's memory limit
 
     @property
     def path(self) -> Path:
@@ -636,6 +638,14 @@ def _build(source: Source, engine: str, cache: Cache, owner: int | None) -> Envi
 
     _inside_task(source, "environment", "environment/Dockerfile")
     return prepare_dockerfile(source, engine, cache, owner)
+
+
+def with_limits(source: Source | None, limits: Mapping[str, float]) -> Source | None:
+    """`source` with its task's `pids` and `memory_mb`, which bound a build of it (§12)."""
+    if source is None:
+        return None
+    return dataclasses.replace(source, pids=limits.get("pids"),
+                               memory_mb=limits.get("memory_mb"))
 
 
 def prepare(source: Source | None, cache: Cache, *, owner: int | None,

@@ -24,7 +24,13 @@ from typing import Any, TypeVar
 import anyio
 
 from trialledger.adapters.codex.install import find_codex
-from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
+from trialledger.adapters.environment import (
+    Cache,
+    Environment,
+    EnvironmentUnavailable,
+    prepare,
+    with_limits,
+)
 from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.scripted import SCRIPTED, NoSolution, solve_script
@@ -35,9 +41,11 @@ from trialledger.adapters.task import (
     UnsupportedField,
     require_verifier,
 )
+from trialledger.adapters.taskfiles import TaskFileTooLarge, file_limit
 from trialledger.adapters.trial import Lease, Trial, TrialRun
 from trialledger.core.policy import get_policy
 from trialledger.core.seed import validate_seed
+from trialledger.core.settings import TASK_FILE_MAX_BYTES
 from trialledger.core.summary import pass_at_k_for_task
 from trialledger.store import Ledger, StoreUnavailable
 from trialledger.store.jobs import Claim, JobRefused, Jobs
@@ -58,11 +66,13 @@ class TaskSelection:
 
 
 def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
-               exclude: Sequence[str] = ()) -> TaskSelection:
+               exclude: Sequence[str] = (), *, max_bytes: int = TASK_FILE_MAX_BYTES
+               ) -> TaskSelection:
     """Task folders, or dataset folders whose subfolders are tasks; filtered by globs on the
     task name (a folder's base name); two tasks of one name are refused. A dataset's task
-    that asks for a field this runner refuses (`UnsupportedField`, docs/SPEC.md §15) or has
-    no `tests/test.sh` (`NoVerifier`) is skipped with the reason; a task folder named alone
+    that asks for a field this runner refuses (`UnsupportedField`, docs/SPEC.md §15), has
+    no `tests/test.sh` (`NoVerifier`) or a file over `max_bytes` (`TaskFileTooLarge`, the
+    `task_file_max_bytes` setting) is skipped with the reason; a task folder named alone
     is refused."""
     folders: list[tuple[Path, bool]] = []  # (folder, inside a dataset)
     datasets: dict[str, str] = {}  # a dataset's task → the dataset's name (else `adhoc`)
@@ -90,8 +100,8 @@ def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
             raise TaskInvalid(f"two tasks are named {name} ({chosen[name].folder} and "
                               f"{folder.resolve()}); a job's task names must be unique")
         try:
-            chosen[name] = require_verifier(Task.load(folder))
-        except (UnsupportedField, NoVerifier) as error:
+            chosen[name] = require_verifier(Task.load(folder, max_bytes=max_bytes))
+        except (UnsupportedField, NoVerifier, TaskFileTooLarge) as error:
             if not in_dataset:
                 raise
             skipped[name] = str(error)
@@ -242,8 +252,9 @@ class JobRunner:
                     return
             try:
                 env = await anyio.to_thread.run_sync(functools.partial(
-                    prepare, task.source, self.cache, owner=self.owner, engine=self.engine,
-                    pull=self.pull, force_build=self.force_build))
+                    prepare, with_limits(task.source, task.limits), self.cache,
+                    owner=self.owner, engine=self.engine, pull=self.pull,
+                    force_build=self.force_build))
             except EnvironmentUnavailable as error:
                 if not self._own:  # another machine may prepare it: its trials stay queued
                     log.warning("task %s: its environment cannot be prepared on this worker "
@@ -349,12 +360,14 @@ async def worker_runner(ledger: Ledger, name: str, base: RunOptions, *,
                                   overrides=config["settings"],
                                   max_attempts=int(config["max_attempts"]))
     tasks = []
+    max_bytes = file_limit(config["settings"])  # the job's, as its tasks were loaded
     for task, folder in await jobs.task_folders(name):
         if not (Path(folder) / "instruction.md").is_file():
             raise TaskInvalid(f"job {name}: task {task}'s folder {folder} is not on this "
                               f"machine (run the worker where the task folders are)")
         # under the name the job recorded (a job created before names were folder names)
-        tasks.append(dataclasses.replace(Task.load(Path(folder)), name=task))
+        tasks.append(dataclasses.replace(Task.load(Path(folder), max_bytes=max_bytes),
+                                         name=task))
     return JobRunner(ledger, name, tasks, options, k=int(config["k"]), **kwargs)
 
 

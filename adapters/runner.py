@@ -610,7 +610,7 @@ class SessionRunner:
         tree = sandbox.agent_files(run.logs, role="verifier")
         found = await anyio.to_thread.run_sync(functools.partial(
             capture.read_reward, tree, run.return_code, run.timed_out,
-            from_exit_code=self.task.reward_from_exit_code))
+            from_exit_code=self.task.reward_from_exit_code, limit=settings.task_file_max_bytes))
         printed = await anyio.to_thread.run_sync(_printed, tree)
         output = verifier_output(printed, "", secrets)
         files, gaps = await _keep_verifier_files(

@@ -11,6 +11,7 @@
 
 Every path here, and every path `task.toml` names, is resolved (links followed) before it
 is checked to stay inside the folder, so a link never leads a task to a host folder.
+`task.toml`, `instruction.md` and a compose file are read bounded (adapters/taskfiles.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from trialledger.adapters.taskconfig import (
 from trialledger.adapters.taskconfig import TaskInvalid as TaskInvalid
 from trialledger.adapters.taskconfig import UnsupportedField as UnsupportedField
 from trialledger.adapters.taskenv import EnvUnresolved, ResolvedEnv, resolve
+from trialledger.adapters.taskfiles import check_task_file, read_task_text
+from trialledger.core.settings import TASK_FILE_MAX_BYTES
 
 SOURCE_KINDS: dict[str, SourceKind] = {
     "docker_image": "docker_image", "image_archive": "image_archive", "rootfs": "rootfs"}
@@ -88,8 +91,9 @@ class Task:
         return {**self.ignored_fields, **users}
 
     @classmethod
-    def load(cls, folder: Path) -> Task:
-        """Read a task folder."""
+    def load(cls, folder: Path, *, max_bytes: int = TASK_FILE_MAX_BYTES) -> Task:
+        """Read a task folder; a file it reads whole over `max_bytes` (the
+        `task_file_max_bytes` setting) is `TaskFileTooLarge`."""
         folder = folder.resolve()
         if not folder.is_dir():
             raise TaskInvalid(f"{folder}: no such task folder")
@@ -101,9 +105,11 @@ class Task:
         meta: dict[str, Any] = {}
         if (folder / "task.toml").is_file():
             try:
-                meta = tomllib.loads((folder / "task.toml").read_text(encoding="utf-8"))
+                meta = tomllib.loads(read_task_text(folder, "task.toml", max_bytes))
             except tomllib.TOMLDecodeError as error:
                 raise TaskInvalid(f"{folder / 'task.toml'}: {error}") from None
+        prompt = read_task_text(folder, "instruction.md", max_bytes)
+        check_task_file(folder, COMPOSE, max_bytes)  # refused below, by size first
         environment, modes, ignored = _fields(meta, folder)
         settings: dict[str, Any] = {}
         if "timeout_sec" in meta.get("agent", {}):
@@ -129,7 +135,7 @@ class Task:
             name=folder.name,
             declared_name=_declared_name(meta),
             folder=folder,
-            instruction=instruction.read_text(encoding="utf-8"),
+            instruction=prompt,
             workspace=folder / "workspace" if (folder / "workspace").is_dir() else None,
             tests=tests if (tests / "test.sh").is_file() else None,
             settings=settings,

@@ -7,6 +7,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+# The cap on each task file read whole (task.toml, instruction.md, the compose file) and
+# on the verifier's reward file: past it a task is refused by name and a reward is
+# `bad_reward` (SPEC §5), so no such file makes the runner hold it.
+TASK_FILE_MAX_BYTES = 1024 * 1024
 Retries = Annotated[int, Field(ge=0, le=100)]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
@@ -40,6 +44,8 @@ class Settings(BaseModel):
     # The decision policy of every decision of the session (SPEC §3 "Which policy"); the
     # store writes its default here when a seed names none.
     policy: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    # See TASK_FILE_MAX_BYTES; the runner loads a task with the value of the run or job.
+    task_file_max_bytes: Annotated[int, Field(gt=0, le=1 << 30)] = TASK_FILE_MAX_BYTES
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

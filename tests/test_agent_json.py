@@ -126,8 +126,8 @@ def gaps(ran: Any) -> list[tuple[str, str]]:
      "an integer beyond 64 bits"),
     ("head -c 60000 /dev/zero | tr '\\0' '['", "nested deeper than 64 levels"),
     ("echo '{\"reward\": NaN}'", "a non-finite number (NaN)"),
-    # 100,000 `[` are past the 64 KiB reward cap: refused before any parsing
-    ("head -c 100000 /dev/zero | tr '\\0' '['", "100000 bytes, over the 65536-byte cap"),
+    # 1,100,000 `[` are past the 1 MiB reward cap (task_file_max_bytes): refused unparsed
+    ("head -c 1100000 /dev/zero | tr '\\0' '['", "1100000 bytes, over the 1048576-byte cap"),
 ])
 async def test_a_poisoned_reward_json_is_a_bad_reward(tmp_path: Path, poison: str,
                                                       rule: str) -> None:
@@ -138,7 +138,7 @@ async def test_a_poisoned_reward_json_is_a_bad_reward(tmp_path: Path, poison: st
                          [shell(f"{poison} > verdict.json; wc -c verdict.json"), message()])
     failed = next(e for e in ran.view.events if e.type == "verification.failed").data
     assert failed.reason == "bad_reward"
-    if rule.startswith("100000 bytes"):  # a reading rule: also gap unsafe_agent_file
+    if rule.startswith("1100000 bytes"):  # a reading rule: also gap unsafe_agent_file
         assert failed.detail == f"reward.json: {rule}"
         assert ("unsafe_agent_file", f"reward.json: {rule}") in gaps(ran)
     else:

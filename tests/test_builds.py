@@ -1,13 +1,20 @@
 """Dockerfile builds never run as host root (docs/SPEC.md §12): a `RUN` step that leaves its
 chroot reaches the host as the build user only, and a build past its timeout leaves no
-process, working container or scratch folder behind. Real podman, buildah and gcc."""
+process, working container or scratch folder behind. A build is contained: nothing it
+starts outlives it (however it hops from pid to pid), its processes are bounded by its
+own pids.max, its network is its own (the host's loopback out of reach) and it builds
+from any working folder. Real podman, buildah, slirp4netns, cgroups and gcc."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
 import subprocess
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +22,7 @@ import pytest
 from tests import images
 from trialledger.adapters import builder as builders
 from trialledger.adapters.build import base_images
+from trialledger.adapters.buildbox import contained
 from trialledger.adapters.builder import Builder
 from trialledger.adapters.environment import (
     Cache,
@@ -82,6 +90,22 @@ def containers(builder: Builder) -> set[str]:
     return set(done.stdout.split())
 
 
+def compile_static(source: str, target: Path) -> None:
+    """`source` (C) built with gcc -static into `target`."""
+    target.with_suffix(".c").write_text(source)
+    subprocess.run(["gcc", "-static", "-O2", "-o", str(target), str(target.with_suffix(".c"))],
+                   check=True, capture_output=True)
+
+
+def still_running(marker: str, within_s: float = 5.0) -> list[int]:
+    """The processes whose command line holds `marker` once `within_s` has passed (empty as
+    soon as there are none)."""
+    deadline = time.monotonic() + within_s
+    while (found := running(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
 def running(marker: str) -> list[int]:
     """The processes whose command line holds `marker`."""
     found = []
@@ -141,8 +165,18 @@ def tree_text(root: Path) -> str:
     return "\n".join(parts)
 
 
+def as_builder(builder: Builder, *argv: str, check: bool = True) -> str:
+    """A command as the build user in its storage (outside any build); its stdout."""
+    return subprocess.run([*builder.as_user, *argv], check=check, capture_output=True,
+                          env=builder.env(Path("/tmp")), text=True,
+                          cwd=builder.storage).stdout.strip()
+
+
 def test_a_build_past_its_timeout_leaves_no_process_container_or_scratch(
         tmp_path: Path, builder: Builder) -> None:
+    """Its own working container is removed, found by the build's id: another build's,
+    made in the same storage while it ran, is left alone (a before/after listing took
+    it)."""
     marker = f"{3000 + os.getpid() % 1000}.{time.time_ns() % 10**6}"  # sleep's argument
     base = images.podman_image(images.BUSYBOX_REF)
     source = dockerfile_task(tmp_path / "task", f"FROM {base}\nRUN sleep {marker}\n",
@@ -150,11 +184,17 @@ def test_a_build_past_its_timeout_leaves_no_process_container_or_scratch(
     before = containers(builder)
     scratch_before = set(os.listdir(builder.scratch)) if builder.scratch.is_dir() else set()
     seen: set[str] = set()
+    other: list[str] = []
     building = True
 
     def watch() -> None:  # the working container does appear while the step runs
         while building:
-            seen.update(containers(builder) - before)
+            seen.update(containers(builder) - before - set(other))
+            if seen and not other:  # as another build would, in the same storage
+                name = as_builder(builder, "buildah", "from", "--name",
+                                  f"other-build-{marker}", base)
+                other.append(as_builder(builder, "buildah", "inspect", "--type", "container",
+                                        "--format", "{{.ContainerID}}", name))
             time.sleep(0.5)
 
     watcher = threading.Thread(target=watch)
@@ -165,9 +205,14 @@ def test_a_build_past_its_timeout_leaves_no_process_container_or_scratch(
     finally:
         building = False
         watcher.join()
-    assert seen, "no working container appeared during the build"
-    assert containers(builder) == before  # ... and it was removed
-    assert running(f"sleep {marker}") == []  # the RUN step was killed with its group
+    try:
+        assert seen, "no working container appeared during the build"
+        assert other, "the other build's container was not made"
+        assert containers(builder) == before | set(other)  # its own removed, only its own
+    finally:
+        for container in other:
+            as_builder(builder, "buildah", "rm", container, check=False)  # gone: fine
+    assert running(f"sleep {marker}") == []  # the RUN step was killed with its build
     assert set(os.listdir(builder.scratch)) == scratch_before  # TMPDIR and context removed
 
 
@@ -208,3 +253,253 @@ def test_a_context_is_copied_with_links_as_links_and_nothing_but_files_and_folde
     assert (copy / "sub" / "tool").stat().st_mode & 0o777 == 0o750
     assert (copy / "sub").stat().st_mode & 0o777 == 0o555
     assert not os.path.lexists(copy / "pipe")
+
+
+HOPPER_C = r"""
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Leaves its chroot, detaches (double fork, setsid), then hops: each generation forks the
+   next and exits, every 2 ms, so no pid of it lasts. Each one touches HEARTBEAT and plants
+   PLANTED in every layer folder of the build storage holding VICTIM (a file only a later
+   build's step makes), until HEARTBEAT.stop exists. Every generation inherits a shared
+   lock on HEARTBEAT.lock: it is free only once none of them lives.
+   argv: build storage, victim name, planted name, heartbeat file. */
+static void plant(const char *storage, const char *victim, const char *planted) {
+    const char *layouts[][2] = {{"vfs/dir", ""}, {"overlay", "/diff"}};
+    for (int l = 0; l < 2; l++) {
+        char folder[4096], path[4096];
+        snprintf(folder, sizeof folder, "%s/%s", storage, layouts[l][0]);
+        DIR *dir = opendir(folder);
+        struct dirent *entry;
+        while (dir && (entry = readdir(dir)) != NULL) {
+            if (entry->d_name[0] == '.') continue;
+            snprintf(path, sizeof path, "%s/%s%s/%s", folder, entry->d_name, layouts[l][1],
+                     victim);
+            if (access(path, F_OK) != 0) continue;
+            snprintf(path, sizeof path, "%s/%s%s/%s", folder, entry->d_name, layouts[l][1],
+                     planted);
+            int fd = open(path, O_WRONLY | O_CREAT, 0644);
+            if (fd >= 0) close(fd);
+        }
+        if (dir) closedir(dir);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc != 5) return 2;
+    char stop[4096], lock[4096];
+    snprintf(stop, sizeof stop, "%s.stop", argv[4]);
+    snprintf(lock, sizeof lock, "%s.lock", argv[4]);
+    mkdir("/hop-x", 0755);
+    if (chroot("/hop-x") == 0) {
+        for (int i = 0; i < 64; i++) chdir("..");
+        chroot(".");
+    }
+    if (fork() != 0) return 0;  /* the step's process ends: the step is done */
+    setsid();
+    signal(SIGHUP, SIG_IGN);
+    int null = open("/dev/null", O_RDWR);
+    dup2(null, 0), dup2(null, 1), dup2(null, 2);
+    int held = open(lock, O_RDWR | O_CREAT, 0666);
+    if (held < 0 || flock(held, LOCK_SH) != 0) return 1;
+    while (access(stop, F_OK) != 0) {
+        if (fork() > 0) _exit(0);  /* hop: the parent goes, the child carries on */
+        int fd = open(argv[4], O_WRONLY | O_CREAT, 0666);
+        if (fd >= 0) close(fd);
+        plant(argv[1], argv[2], argv[3]);
+        usleep(2000);
+    }
+    return 0;
+}
+"""
+
+
+@pytest.fixture
+def host_temp() -> Iterator[Path]:
+    """A host folder the build user can write (a `RUN` step that left its chroot can)."""
+    folder = Path(tempfile.mkdtemp(prefix="trialledger-hop-"))
+    folder.chmod(0o777)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def held(lock: Path, within_s: float = 5.0) -> bool:
+    """Whether a process still holds `lock` once `within_s` has passed (a hopper cannot
+    hide from this as from a scan of /proc: every generation holds the one lock)."""
+    fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    deadline = time.monotonic() + within_s
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return True
+                time.sleep(0.05)
+    finally:
+        os.close(fd)
+
+
+def test_a_run_step_that_hops_from_pid_to_pid_dies_with_its_build(
+        tmp_path: Path, builder: Builder, host_temp: Path) -> None:
+    """The process a step leaves behind forks a new one and exits every 2 ms: the one-pass
+    sweep by user id after a build never caught it. Killed with the build's frozen cgroup,
+    nothing of it touches the host's temp folder or plants a file in a later build's
+    layer."""
+    mark = f"{os.getpid()}-{time.time_ns()}"
+    heartbeat, victim, planted = host_temp / f"beat-{mark}", f"victim-{mark}", f"planted-{mark}"
+    storage = builder.storage / "data" / "containers" / "storage"
+    base = images.podman_image(images.BUSYBOX_REF)
+    first = dockerfile_task(tmp_path / "first", (
+        f'FROM {base}\nUSER root\nCOPY hopper /hopper\n'
+        f'RUN ["/hopper", "{storage}", "{victim}", "{planted}", "{heartbeat}"]\n'))
+    compile_static(HOPPER_C, first.path / "hopper")
+    later = dockerfile_task(tmp_path / "later", (
+        f"FROM {base}\nUSER root\nRUN touch /{victim} && sleep 3\n"))
+    try:
+        prepare(first, Cache(tmp_path / "cache"), owner=None)
+        assert heartbeat.exists()  # the hopper did run during its build
+        assert not held(host_temp / f"beat-{mark}.lock")  # ... and none of it lives now
+        assert still_running(mark) == []
+        heartbeat.unlink()
+        env = prepare(later, Cache(tmp_path / "cache"), owner=None)
+        assert env.root is not None
+        assert sorted(p.name for p in env.root.iterdir() if mark in p.name) == [victim]
+        assert not heartbeat.exists()  # nothing of the first build ran meanwhile
+    finally:
+        (host_temp / f"beat-{mark}.stop").touch()  # a survivor (the old code's) ends itself
+        still_running(mark)
+
+
+def test_a_fork_bomb_in_a_run_step_stops_at_the_builds_pids_max(
+        tmp_path: Path, builder: Builder) -> None:
+    """A step tries to start 6,000 sleeping processes (bounded: never the machine's
+    32,768): the build's own pids.max (4,096) stops it, and none outlives the build."""
+    mark = f"{3000 + os.getpid() % 1000}.{time.time_ns() % 10**6}"  # sleep's argument
+    base = images.podman_image(images.BUSYBOX_REF)
+    bomb = (f"i=0; while [ $i -lt 6000 ]; do sleep {mark} & i=$((i+1)); echo $i > /count; "
+            f"done")
+    # The bomb runs in a session of its own; once a fork fails it ends, and the step (no
+    # fork needed: builtins only) kills its group and keeps the count.
+    source = dockerfile_task(tmp_path / "task", (
+        f"FROM {base}\nUSER root\n"
+        f"RUN setsid sh -c 'echo $$ > /group; {bomb}'; read g < /group; kill -9 -$g; "
+        f"read n < /count; echo $n > /started\n"))
+    try:
+        env = prepare(source, Cache(tmp_path / "cache"), owner=None)
+        assert env.root is not None
+        started = int((env.root / "started").read_text())
+        assert 0 < started < 4096, started
+    finally:
+        assert still_running(f"sleep {mark}") == []
+
+
+class Listener:
+    """A TCP listener on the host that counts the connections it accepts."""
+
+    def __init__(self, address: str) -> None:
+        self.socket = socket.create_server((address, 0))
+        self.socket.settimeout(0.2)
+        self.address, self.port = address, self.socket.getsockname()[1]
+        self.accepted = 0
+        self.open = True
+        self.thread = threading.Thread(target=self._serve)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while self.open:
+            try:
+                connection, _ = self.socket.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            connection.close()
+
+    def close(self) -> None:
+        self.open = False
+        self.thread.join()
+        self.socket.close()
+
+
+def host_address() -> str | None:
+    """The host's own address on its default route (no packet is sent), if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.123", 9))
+        except OSError:
+            return None
+        address: str = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_a_run_step_cannot_reach_a_service_on_the_hosts_loopback(
+        tmp_path: Path, builder: Builder) -> None:
+    """The build's network is its own (slirp4netns): a listener on the host's 127.0.0.1 is
+    refused, while the host's outward address is reached as any server would be."""
+    loopback = Listener("127.0.0.1")
+    outward_address = host_address()
+    outward = Listener(outward_address) if outward_address else None
+    base = images.podman_image(images.BUSYBOX_REF)
+    steps = [f"RUN (echo probe | nc -w 3 127.0.0.1 {loopback.port} && echo reached || "
+             f"echo refused) > /loopback"]
+    if outward is not None:
+        steps.append(f"RUN (echo probe | nc -w 3 {outward.address} {outward.port} && "
+                     f"echo reached || echo refused) > /outward")
+    source = dockerfile_task(tmp_path / "task", "\n".join(
+        [f"FROM {base}", "USER root", f"RUN echo {time.time_ns()} > /nonce", *steps, ""]))
+    try:
+        env = prepare(source, Cache(tmp_path / "cache"), owner=None)
+    finally:
+        loopback.close()
+        if outward is not None:
+            outward.close()
+    assert env.root is not None
+    assert (env.root / "loopback").read_text().strip() == "refused"
+    assert loopback.accepted == 0
+    if outward is not None:  # downloads still work: the outside is reached
+        assert (env.root / "outward").read_text().strip() == "reached"
+        assert outward.accepted == 1
+
+
+def test_a_build_works_from_a_folder_the_build_user_cannot_enter(
+        tmp_path: Path, builder: Builder, monkeypatch: pytest.MonkeyPatch) -> None:
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)  # root's alone
+    monkeypatch.chdir(private)
+    base = images.podman_image(images.BUSYBOX_REF)
+    source = dockerfile_task(tmp_path / "task", (
+        f"FROM {base}\nUSER root\nRUN echo {time.time_ns()} > /built\n"))
+    env = prepare(source, Cache(tmp_path / "cache"), owner=None)
+    assert env.root is not None and (env.root / "built").is_file()
+
+
+@pytest.mark.parametrize("pids, memory_mb, expected", [
+    (None, None, ("4096", 4096)),  # the floor and the default
+    (100, 512, ("4096", 512)),  # a task's smaller pids never lowers a build's floor
+    (5000, None, ("5000", 4096)),
+])
+def test_a_builds_cgroup_holds_the_tasks_limits(
+        tmp_path: Path, builder: Builder, pids: float | None, memory_mb: float | None,
+        expected: tuple[str, int]) -> None:
+    """Every command of the build runs inside its cgroup, which is gone afterwards."""
+    source = Source("dockerfile", "Dockerfile", tmp_path, pids=pids, memory_mb=memory_mb)
+    with contained(builder, builder.storage, tmp_path, source) as box:
+        inside = box.run(["cat", "/proc/self/cgroup"])
+        paths = box.cgroup.paths
+        assert inside.count(box.build_id) == len(paths)  # in each of its hierarchies
+        files = {name: (path / name).read_text().strip() for path in paths
+                 for name in ("pids.max", "memory.limit_in_bytes", "memory.max")
+                 if (path / name).is_file()}
+        assert files["pids.max"] == expected[0]
+        memory = files.get("memory.limit_in_bytes") or files["memory.max"]
+        assert int(memory) == expected[1] * 1024 * 1024
+    assert not any(path.exists() for path in paths)

@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trialledger.adapters.sandbox import cgroup
+from trialledger.adapters.sandbox.hostside import program
 from trialledger.adapters.sandbox.identity import SandboxUser, ensure_init
 
 
@@ -67,14 +68,19 @@ def test_the_init_joins_the_cgroup_before_anything_starts(tmp_path: Path) -> Non
     me = SandboxUser(os.geteuid(), os.getegid())  # no drop: only the join is tested
     stage = me.staged(ensure_init(), cgroups=[procs])
     assert stage[stage.index("--stage") + 1:][:2] == ["--cgroup", str(procs)]
-    subprocess.run([*stage, "touch", str(ran)], check=True, timeout=10)
+    subprocess.run([*stage, program("touch"), str(ran)], check=True, timeout=10)
     assert procs.read_text() == "0" and ran.exists()  # "0": the writer itself joins
     ran.unlink()
     missing = tmp_path / "none" / "procs"
     done = subprocess.run([*me.staged(ensure_init(), cgroups=[missing]),
-                           "touch", str(ran)], capture_output=True, text=True, timeout=10)
+                           program("touch"), str(ran)], capture_output=True, text=True,
+                          timeout=10)
     assert done.returncode == 125 and "join the cgroup" in done.stderr
     assert not ran.exists()  # a sandbox that cannot be held is not started
+    done = subprocess.run([*stage, "touch", str(ran)], capture_output=True, text=True,
+                          timeout=10)  # never a PATH search on the host side
+    assert done.returncode == 125 and "not an absolute path" in done.stderr
+    assert not ran.exists()
 
 
 def test_without_any_pids_controller_the_shared_limit_is_said(

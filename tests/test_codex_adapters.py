@@ -6,9 +6,14 @@ import json
 import tomllib
 from pathlib import Path
 
+import pytest
+import zstandard
+
+from trialledger.adapters import capture
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
 from trialledger.adapters.codex.rollout import rollout_files, usage_events
 from trialledger.adapters.codex.stream import parse_stream_line
+from trialledger.adapters.sandbox.agentfiles import AgentTree
 from trialledger.core.events import Grant
 from trialledger.core.settings import Settings
 
@@ -145,3 +150,84 @@ def test_defaults_leave_codex_its_own_features_and_retries() -> None:
     assert "model_reasoning_effort" not in config
     provider = config["model_providers"][config["model_provider"]]
     assert "request_max_retries" not in provider and "stream_max_retries" not in provider
+
+
+# --- compressed rollouts: decompressed, scrubbed, bounded (docs/SPEC.md §8) -----------------
+
+SECRET = "sk-zst-Secret-4f9Kq2Lm8Np"
+DAY = "sessions/2026/11/29"
+
+
+def _pieces(secret: str) -> list[bytes]:
+    return [secret[i:i + 8].encode() for i in range(len(secret) - 7)]
+
+
+def _rollout_lines() -> bytes:
+    said = json.dumps({"timestamp": AT, "type": "response_item", "payload": {
+        "type": "function_call_output", "output": f"key={SECRET}\n"}})
+    return f"{_token_count((100, 20, 120))}\n{said}\n".encode()
+
+
+def _codex_home(tmp_path: Path, files: dict[str, bytes]) -> AgentTree:
+    for name, data in files.items():
+        (tmp_path / "home" / DAY).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "home" / DAY / name).write_bytes(data)
+    return AgentTree(tmp_path / "home")
+
+
+def _at_rest(folder: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in folder.rglob("*") if p.is_file())
+
+
+def test_a_compressed_rollout_is_archived_decompressed_and_scrubbed(tmp_path: Path) -> None:
+    # two frames, as a writer that flushes per batch leaves them
+    compressed = b"".join(zstandard.ZstdCompressor().compress(part)
+                          for part in (_rollout_lines(), b'{"type": "later"}\n'))
+    assert SECRET.encode() not in compressed  # what a raw copy would keep, unscrubbable
+    tree = _codex_home(tmp_path, {"rollout-2026-11-29T08-45-41-abc.jsonl.zst": compressed})
+    result = capture.copy_archive(tree, tmp_path / "archive", [SECRET])
+    assert (result.files, result.refused) == (1, [])
+    [kept] = [p for p in (tmp_path / "archive").rglob("*") if p.is_file()]
+    assert kept.relative_to(tmp_path / "archive").as_posix() == (
+        f"{DAY}/rollout-2026-11-29T08-45-41-abc.jsonl")
+    assert kept.stat().st_mode & 0o777 == 0o600
+    text = kept.read_text()
+    assert "key=[redacted]" in text and text.endswith('{"type": "later"}')
+    assert not [piece for piece in _pieces(SECRET) if piece in _at_rest(tmp_path / "archive")]
+    # and its usage is read as a plain rollout's
+    natives = [e for e in capture.usage_events(tree, at=AT) if e["type"] == "usage.native"]
+    assert [n["data"]["total"]["total_tokens"] for n in natives] == [120]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "a bad frame after a good one", "checksum"])
+def test_a_damaged_compressed_rollout_is_left_out_with_a_gap(tmp_path: Path,
+                                                              damage: str) -> None:
+    good = zstandard.ZstdCompressor(write_checksum=True).compress(_rollout_lines())
+    flipped = bytearray(good)
+    flipped[-6] ^= 0xFF  # in the last block: what came before decodes first
+    data = {"garbage": b"not zstd: " + SECRET.encode(),
+            "a bad frame after a good one": good + b"\x28\xb5\x2f\xfd" + b"\xff" * 64,
+            "checksum": bytes(flipped)}[damage]
+    tree = _codex_home(tmp_path, {"rollout-damaged.jsonl.zst": data,
+                                  "rollout-plain.jsonl": _rollout_lines()})
+    result = capture.copy_archive(tree, tmp_path / "archive", [SECRET])
+    assert [e.gap()["code"] for e in result.refused] == ["archive_unscrubbed"]
+    detail = result.refused[0].gap()["detail"]
+    assert detail.startswith(f"{DAY}/rollout-damaged.jsonl.zst: not a zstd stream that can "
+                             f"be decoded") and detail.endswith("left out of the archive")
+    kept = sorted(p.name for p in (tmp_path / "archive").rglob("*") if p.is_file())
+    assert kept == ["rollout-plain.jsonl"] and result.files == 1
+    assert not [piece for piece in _pieces(SECRET) if piece in _at_rest(tmp_path / "archive")]
+
+
+def test_a_compressed_rollout_bomb_stops_at_the_rollout_cap(tmp_path: Path) -> None:
+    bomb = zstandard.ZstdCompressor(level=1).compressobj()
+    zeros = bytes(1024 * 1024)
+    data = b"".join(bomb.compress(zeros) for _ in range(257)) + bomb.flush()
+    assert len(data) < 1024 * 1024  # 257 MiB of zeros (one long line), in a few KiB
+    tree = _codex_home(tmp_path, {"rollout-bomb.jsonl.zst": data})
+    result = capture.copy_archive(tree, tmp_path / "archive", [SECRET])
+    assert [(e.gap()["code"], e.rule) for e in result.refused] == [
+        ("unsafe_agent_file", "decompresses to over the 268435456-byte cap")]
+    assert result.files == 0 and not [p for p in (tmp_path / "archive").rglob("*")
+                                      if p.is_file()]

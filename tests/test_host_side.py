@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sqlite3
 import subprocess
 import tarfile
@@ -30,7 +31,9 @@ from tests.runs import in_process, make_task, run_task
 from trialledger.adapters.demo import samples
 from trialledger.adapters.demo.endpoint import message, shell
 
-SECRET = "tl-task-secret-5c1e9a"
+# new in each run: only this run's processes can hold it (another on the machine may
+# print this file)
+SECRET = f"tl-task-secret-{secrets.token_hex(8)}"
 EVIL_SOURCE = r"""
 #include <fcntl.h>
 #include <stdio.h>
@@ -103,8 +106,8 @@ def evil() -> Iterator[Evil]:
 
 @dataclass
 class Watch:
-    """Host processes sampled while a run goes on: any command line holding the secret,
-    and any process outside the sandboxes (our PID namespace) whose environment does."""
+    """Host-side processes (those of our PID namespace, outside every sandbox) sampled while
+    a run goes on: any whose command line or environment holds the secret."""
 
     found: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -119,11 +122,12 @@ class Watch:
                 if int(pid) == os.getpid():
                     continue
                 try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                        if needle in handle.read():
-                            self.found.append(f"{pid} cmdline")
+                    # (inside a sandbox the task's own commands may name it: `grep "$X"`)
                     if os.readlink(f"/proc/{pid}/ns/pid") != ours:
                         continue
+                    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                        if needle in handle.read():
+                            self.found.append(f"{pid} cmdline: {_comm(pid)}")
                     with open(f"/proc/{pid}/environ", "rb") as handle:
                         if needle in handle.read():
                             self.found.append(f"{pid} environ: {_comm(pid)}")

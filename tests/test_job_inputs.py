@@ -8,6 +8,7 @@ agent) in real stores: SQLite files and the PostgreSQL fixture."""
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -275,3 +276,74 @@ def test_jobs_names_its_tasks_in_the_store(tmp_path: Path) -> None:
     said = anyio.run(go)
     assert said.startswith("JobRefused: job j has no task b"), said
     assert len(store_rows(db, "SELECT trial_id FROM job_queue")) == 1
+
+
+# --- sizes: task files and the reward file are capped by task_file_max_bytes -------------------
+
+CAP_WORDS = "over the 1048576-byte cap on a task file (setting task_file_max_bytes)"
+
+
+def oversized(folder: Path) -> Path:
+    """A task whose instruction.md is 128 MiB (sparse: the file system holds no data)."""
+    task(folder)
+    os.truncate(folder / "instruction.md", 128 * 1024 * 1024)
+    return folder / "instruction.md"
+
+
+def test_run_refuses_an_oversized_instruction_in_one_line(tmp_path: Path) -> None:
+    big = oversized(tmp_path / "huge")
+    db = tmp_path / "t.db"
+    done = in_process("run", str(tmp_path / "huge"), "--db", str(db), *NOP)
+    one_line_refusal(done, f"{big}: 134217728 bytes, {CAP_WORDS}")
+    assert not db.exists()
+
+
+def test_a_datasets_oversized_task_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    task(tmp_path / "data" / "graded")
+    big = oversized(tmp_path / "data" / "huge")
+    db = str(tmp_path / "t.db")
+    done = in_process("job", "run", "bench", str(tmp_path / "data"), "--db", db, *NOP)
+    assert done.returncode == 0, done.stderr
+    assert "skipped task huge" in done.stderr and f"{big}: 134217728 bytes" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert [r["task"] for r in store_rows(db, "SELECT DISTINCT task FROM job_queue")] == [
+        "graded"]
+
+
+def test_task_file_max_bytes_is_a_setting_of_the_run(tmp_path: Path) -> None:
+    task(tmp_path / "alpha")
+    (tmp_path / "alpha" / "instruction.md").write_text("x" * 2000)
+    db = tmp_path / "t.db"
+    for command in (["job", "run", "bench"], ["run"]):
+        lowered = in_process(*command, str(tmp_path / "alpha"), "--db", str(db), *NOP,
+                             "--set", "task_file_max_bytes=1024")
+        one_line_refusal(lowered, "instruction.md: 2000 bytes, over the 1024-byte cap")
+        bad = in_process(*command, str(tmp_path / "alpha"), "--db", str(db), *NOP,
+                         "--set", "task_file_max_bytes=0")
+        one_line_refusal(bad, "task_file_max_bytes")
+        assert not db.exists()
+
+
+@pytest.mark.parametrize(("cap", "code", "outcome"), [(None, 0, "verify reward=1"),
+                                                      ("1500", 1, "unverified")])
+def test_a_reward_file_over_the_cap_is_a_bad_reward(tmp_path: Path, cap: str | None,
+                                                    code: int, outcome: str) -> None:
+    # a valid reward.json of 2013 bytes: past a cap of 1500, within the default 1 MiB
+    writes = ("r=\"$TRIALLEDGER_VERIFIER_DIR/reward.json\"\n"
+              "printf '{\"reward\": 1}' > \"$r\"\n"
+              "head -c 2000 /dev/zero | tr '\\0' ' ' >> \"$r\"\n")
+    task(tmp_path / "alpha", test_sh=writes)
+    db = str(tmp_path / "t.db")
+    extra = ["--set", f"task_file_max_bytes={cap}"] if cap else []
+    done = in_process("run", str(tmp_path / "alpha"), "--db", db, *NOP, *extra)
+    assert done.returncode == code, (done.stdout, done.stderr)
+    assert done.stdout.split(maxsplit=1)[1].strip() == outcome, done.stdout
+    gaps = store_rows(db, "SELECT code, detail FROM gaps")
+    failed = [json.loads(r["data"])["data"] for r in store_rows(
+        db, "SELECT data FROM events WHERE type = 'verification.failed'")]
+    if cap:
+        assert {"code": "unsafe_agent_file",
+                "detail": "reward.json: 2013 bytes, over the 1500-byte cap"} in gaps, gaps
+        assert [f["reason"] for f in failed] == ["bad_reward"], failed
+    else:
+        assert not gaps and not failed, (gaps, failed)

@@ -1,12 +1,16 @@
-"""No piece (8+ characters) of a session's token is found in the database files' bytes."""
+"""No piece (8+ characters) of a session's token is found in the database files' bytes, nor
+in the rollouts it archives."""
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+import zstandard
 from sqlalchemy import text
 
 from tests.scenarios import run_of, seed_data
@@ -121,3 +125,46 @@ def test_scrub_expands_authorization_schemes_itself() -> None:
         assert scrub(f"raw {TOKEN} and cut {TOKEN[:10]}", [header]) == (
             "raw [redacted] and cut [redacted]")
         assert TOKEN[:8] not in redact(f"x {TOKEN}", [header])
+
+
+# --- the archive: a compressed rollout is decompressed and scrubbed, never kept raw --------
+
+
+def _zst_rollout(text: str, *, damaged: bool = False) -> str:
+    """A rollout line holding `text`, zstd-compressed (a frame of garbage after it when
+    `damaged`), base64'd for a shell command: the command itself never holds `text`."""
+    line = json.dumps({"timestamp": "2026-11-29T09:00:00Z", "type": "response_item",
+                       "payload": {"type": "function_call_output", "output": text}})
+    blob = zstandard.ZstdCompressor().compress(f"{line}\n".encode())
+    return base64.b64encode(blob + (b"\x28\xb5\x2f\xfd" + b"\xff" * 64 if damaged else b"")
+                            ).decode()
+
+
+@pytest.mark.anyio
+async def test_a_compressed_rollout_is_archived_without_the_secret(tmp_path: Path) -> None:
+    from tests.runs import make_task, run_task
+    from trialledger.adapters.demo.endpoint import message, shell
+
+    archive = tmp_path / "archive"
+    task = make_task(tmp_path / "task", test_sh="exit 0\n")
+    # Codex may write its rollout as `.jsonl.zst`; the agent plants two beside its own, each
+    # holding the endpoint key it got hold of: one whole, one damaged after its first frame.
+    plant = ("f=$(find $CODEX_HOME/sessions -name 'rollout-*.jsonl' | head -1); "
+             "d=$(dirname $f); "
+             f"echo {_zst_rollout(f'whole key={API_KEY}')} | base64 -d "
+             "> $d/rollout-zz-whole.jsonl.zst; "
+             f"echo {_zst_rollout(f'cut key={API_KEY}', damaged=True)} | base64 -d "
+             "> $d/rollout-zz-damaged.jsonl.zst; echo planted")
+    ran = await run_task(str(tmp_path / "t.db"), task, [shell(plant), message()],
+                         api_key=API_KEY, settings={"sandbox_logs_dir": str(archive)})
+    assert ran.view.outcome == "verify"
+    files = [p for p in archive.rglob("*") if p.is_file()]
+    names = sorted(p.name for p in files if p.name.startswith("rollout-zz"))
+    assert names == ["rollout-zz-whole.jsonl"], names  # decompressed; the damaged one left out
+    whole = next(p for p in files if p.name == "rollout-zz-whole.jsonl").read_text()
+    assert "whole key=[redacted]" in whole and not any(p.suffix == ".zst" for p in files)
+    _files_hold_no_piece(files)  # nor Codex's own rollout, nor the kept verifier files
+    unscrubbed = [e.data.detail or "" for e in ran.view.events
+                  if e.type == "gap.recorded" and e.data.code == "archive_unscrubbed"]
+    assert len(unscrubbed) == 1 and "rollout-zz-damaged.jsonl.zst: not a zstd stream" in (
+        unscrubbed[0]), unscrubbed

@@ -3,6 +3,7 @@ real task folders, `trialledger run` / `job run` in process, real sandboxes."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sqlite3
 import tarfile
@@ -16,6 +17,7 @@ from tests.views import decided
 from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.task import Task, TaskInvalid, UnsupportedField
+from trialledger.adapters.taskfiles import TaskFileTooLarge
 from trialledger.store import Ledger
 
 SOLVE = "#!/bin/sh\necho solved > answer.txt\n"
@@ -292,3 +294,39 @@ async def test_the_solution_env_reaches_solve_sh_over_the_environment_env(tmp_pa
         result = await SessionRunner(ledger, task, RunOptions(agent="oracle")).run_session()
     assert decided(result.view).status == "completed"
     assert result.view.rewards == {"reward": 1.0}
+
+
+# --- sizes: the files the loader reads whole are capped (docs/tasks.md "Sizes") --------------
+
+
+@pytest.mark.parametrize("name", ["instruction.md", "task.toml",
+                                  "environment/docker-compose.yaml"])
+def test_an_oversized_task_file_refuses_the_task_by_name(tmp_path: Path, name: str) -> None:
+    folder = tmp_path / "task"
+    make_task(folder, test_sh=CHECK)
+    big = folder / name
+    big.parent.mkdir(parents=True, exist_ok=True)
+    big.touch()
+    os.truncate(big, 128 * 1024 * 1024)  # the adversary's 128 MiB (sparse: nothing to read)
+    with pytest.raises(TaskFileTooLarge) as refused:
+        Task.load(folder)
+    assert str(refused.value) == (f"{folder / name}: 134217728 bytes, over the 1048576-byte "
+                                  f"cap on a task file (setting task_file_max_bytes)")
+
+
+def test_a_task_file_at_the_cap_loads_and_one_byte_more_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "task"
+    make_task(folder, test_sh=CHECK)
+    (folder / "instruction.md").write_text("x" * 4096)
+    assert Task.load(folder, max_bytes=4096).instruction == "x" * 4096
+    (folder / "task.toml").write_text("#" * 4097)
+    with pytest.raises(TaskFileTooLarge, match=r"task\.toml: 4097 bytes, over the 4096-byte"):
+        Task.load(folder, max_bytes=4096)
+
+
+def test_an_instruction_that_is_not_text_is_one_refusal(tmp_path: Path) -> None:
+    folder = tmp_path / "task"
+    make_task(folder, test_sh=CHECK)
+    (folder / "instruction.md").write_bytes(b"caf\xe9\n")
+    with pytest.raises(TaskInvalid, match=r"instruction.md: not UTF-8 text \(byte 3\)"):
+        Task.load(folder)

@@ -21,7 +21,7 @@ import errno
 import fnmatch
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +29,6 @@ from trialledger.adapters.sandbox.identity import libc
 from trialledger.core.boundedjson import LONE_SURROGATE, as_text
 from trialledger.core.errors import TrialLedgerError
 
-REWARD_LIMIT = 64 * 1024
 ROLLOUT_LINE_LIMIT = 1024 * 1024
 ROLLOUT_FILE_LIMIT = 256 * 1024 * 1024
 MAX_DEPTH = 16
@@ -201,38 +200,26 @@ class AgentTree:
         finally:
             os.close(fd)
 
+    def chunks(self, relative: str, *, file_limit: int = ROLLOUT_FILE_LIMIT,
+               seen: Seen | None = None) -> Iterator[bytes]:
+        """A regular file's bytes, streamed in chunks of at most 64 KiB; stops at
+        `file_limit` bytes even if the file grows while read."""
+        fd = self._open_regular(relative, file_limit, seen)
+        try:
+            total = 0
+            while total < file_limit and (chunk := os.read(fd, min(65536,
+                                                                   file_limit - total))):
+                total += len(chunk)
+                yield chunk
+        finally:
+            os.close(fd)
+
     def lines(self, relative: str, *, line_limit: int = ROLLOUT_LINE_LIMIT,
               file_limit: int = ROLLOUT_FILE_LIMIT, seen: Seen | None = None
               ) -> Iterator[bytes | LongLine]:
         """A regular file's lines (without newlines), streamed; a line over the cap is a
         `LongLine`. Stops at `file_limit` bytes even if the file grows while read."""
-        fd = self._open_regular(relative, file_limit, seen)
-        try:
-            pending, skipping, total = bytearray(), 0, 0
-            while total < file_limit and (chunk := os.read(fd, min(65536,
-                                                                   file_limit - total))):
-                total += len(chunk)
-                start = 0
-                while (end := chunk.find(b"\n", start)) != -1:
-                    piece = chunk[start:end]
-                    if skipping or len(pending) + len(piece) > line_limit:
-                        yield LongLine(skipping + len(pending) + len(piece))
-                    else:
-                        yield bytes(pending + piece)
-                    pending.clear()
-                    skipping, start = 0, end + 1
-                rest = chunk[start:]
-                if skipping or len(pending) + len(rest) > line_limit:
-                    skipping += len(pending) + len(rest)
-                    pending.clear()
-                else:
-                    pending += rest
-            if skipping:
-                yield LongLine(skipping)
-            elif pending:
-                yield bytes(pending)
-        finally:
-            os.close(fd)
+        return split_lines(self.chunks(relative, file_limit=file_limit, seen=seen), line_limit)
 
     def lstat(self, relative: str) -> os.stat_result | None:
         """What a path is, its last component not followed (None: missing); a link or a
@@ -339,6 +326,32 @@ class AgentTree:
             return contextlib.nullcontext()
         return _fs_identity(self.uid, self.gid if self.gid is not None else self.uid)
 
+
+def split_lines(chunks: Iterable[bytes], line_limit: int = ROLLOUT_LINE_LIMIT
+                ) -> Iterator[bytes | LongLine]:
+    """The lines (without newlines) of a stream of chunks; a line over `line_limit` bytes is
+    a `LongLine`, never held whole."""
+    pending, skipping = bytearray(), 0
+    for chunk in chunks:
+        start = 0
+        while (end := chunk.find(b"\n", start)) != -1:
+            piece = chunk[start:end]
+            if skipping or len(pending) + len(piece) > line_limit:
+                yield LongLine(skipping + len(pending) + len(piece))
+            else:
+                yield bytes(pending + piece)
+            pending.clear()
+            skipping, start = 0, end + 1
+        rest = chunk[start:]
+        if skipping or len(pending) + len(rest) > line_limit:
+            skipping += len(pending) + len(rest)
+            pending.clear()
+        else:
+            pending += rest
+    if skipping:
+        yield LongLine(skipping)
+    elif pending:
+        yield bytes(pending)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,10 @@ sandbox stays inside whatever holds the runner). The limits are written before a
 joins; our init joins every one of them before bwrap starts; at the end whatever is left
 inside is killed and the cgroups removed. The runner never moves itself: it embeds in
 other services.
+
+A Dockerfile build gets one too (`BuildCgroup`, SPEC §12 "A build is contained"):
+pids, memory and — in cgroup v1 — the freezer, so that everything it started, however it
+forked, detached or re-parented, is ended at once: frozen, killed, thawed (v2: cgroup.kill).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +37,9 @@ CPU_PERIOD_US = 100_000
 CONTROLLERS = {"cpus": "cpu", "memory_mb": "memory", "pids": "pids"}
 DEFAULT_PIDS = 4096  # a session's processes and threads when its task names no `pids`
 V1_PARENT = "trialledger"
+BUILD_CONTROLLERS = ("pids", "memory", "freezer")  # a build's v1 hierarchies, all needed
+BUILD_PIDS = 4096  # a build's least pids.max (a task's larger `pids` raises it)
+BUILD_MEMORY_MB = 4096.0  # a build's memory when its task names no `memory_mb`
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +122,10 @@ def delegated(environ: Mapping[str, str] = os.environ) -> Path:
     return folder
 
 
-def v1_hierarchies() -> dict[str, Path]:
+def v1_hierarchies(controllers: Collection[str] = tuple(CONTROLLERS.values())
+                   ) -> dict[str, Path]:
     """Controller → the runner's own cgroup folder in each mounted cgroup v1 hierarchy
-    that has one of `CONTROLLERS` (empty when not root: those cgroups are root's)."""
+    that has one of `controllers` (empty when not root: those cgroups are root's)."""
     if os.geteuid() != 0:
         return {}
     own: dict[str, str] = {}
@@ -128,7 +136,7 @@ def v1_hierarchies() -> dict[str, Path]:
                 own[name] = path
     found: dict[str, Path] = {}
     for root, point, kind, options in _mounts():
-        for controller in set(CONTROLLERS.values()) & set(options):
+        for controller in set(controllers) & set(options):
             mine = own.get(controller)
             if kind != "cgroup" or mine is None or controller in found:
                 continue
@@ -282,6 +290,108 @@ def _remove(path: Path, timeout_s: float) -> None:
             return
         except OSError as error:
             if error.errno != errno.EBUSY or time.monotonic() > deadline:
-                log.warning("the session cgroup %s is left behind: %s", path, error.strerror)
+                log.warning("the cgroup %s is left behind: %s", path, error.strerror)
                 return
             time.sleep(0.01)
+
+
+@dataclass(frozen=True)
+class BuildCgroup:
+    """One build's cgroup (a folder per v1 hierarchy of `BUILD_CONTROLLERS`, else one in
+    the delegated v2 folder). Its first process joins before it execs anything, so all
+    the build starts stays inside and `end` kills it whole."""
+
+    paths: tuple[Path, ...]
+    freezer: Path | None  # the v1 freezer folder; None: cgroup v2, ended by cgroup.kill
+
+    @property
+    def name(self) -> str:
+        """The cgroup's own name, unique to the build."""
+        return self.paths[0].name
+
+    @classmethod
+    def create(cls, build_id: str, *, pids: int, memory_mb: float,
+               environ: Mapping[str, str] = os.environ) -> BuildCgroup:
+        """A new cgroup for the build `build_id`, its limits written (LimitsNotEnforced:
+        none can be made here, saying why)."""
+        requested = {"pids": float(pids), "memory_mb": memory_mb}
+        name = f"trialledger-build-{build_id}"
+        try:
+            parent = delegated(environ)
+            _enable(parent, {"pids", "memory"})
+            _make(parent / name, settings(requested))
+            return cls((parent / name,), None)
+        except LimitsNotEnforced as why:
+            reason = str(why)
+        hierarchies = v1_hierarchies(BUILD_CONTROLLERS)
+        if missing := [c for c in BUILD_CONTROLLERS if c not in hierarchies]:
+            raise LimitsNotEnforced(f"{reason}; and no cgroup v1 hierarchy of a root runner "
+                                    f"holds {', '.join(missing)}")
+        files = {**settings_v1(requested), "freezer": {}}
+        made: list[Path] = []
+        try:
+            for controller in BUILD_CONTROLLERS:
+                parent = hierarchies[controller] / V1_PARENT
+                with contextlib.suppress(FileExistsError):
+                    parent.mkdir()
+                _make(parent / name, files[controller])
+                made.append(parent / name)
+        except LimitsNotEnforced:
+            for path in made:
+                _remove(path, 0)
+            raise
+        return cls(tuple(made), made[-1])
+
+    def join(self, pid: int) -> None:
+        """Move `pid` (a process that has started nothing yet) into the cgroup."""
+        for path in self.paths:
+            (path / "cgroup.procs").write_text(str(pid))
+
+    def members(self) -> set[int]:
+        """The processes inside now."""
+        found: set[int] = set()
+        for path in self.paths:
+            with contextlib.suppress(OSError):
+                found.update(int(pid) for pid in (path / "cgroup.procs").read_text().split())
+        return found
+
+    def kill(self, timeout_s: float = 10.0) -> bool:
+        """Kill everything inside at once and wait (up to `timeout_s`) until nothing is
+        left; whether it emptied. v1: frozen first, so nothing forks or exits while each
+        one is sent SIGKILL, then thawed so they die; v2: cgroup.kill."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.freezer is None:
+                with contextlib.suppress(OSError):
+                    (self.paths[0] / "cgroup.kill").write_text("1")
+            else:
+                _freeze(self.freezer, "FROZEN", deadline)
+                for pid in self.members():  # frozen: no pid of these is reused meanwhile
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                _freeze(self.freezer, "THAWED", deadline)
+            settle = min(deadline, time.monotonic() + 1.0)
+            while self.members() and time.monotonic() < settle:
+                time.sleep(0.01)
+            if not self.members():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+
+    def end(self, timeout_s: float = 10.0) -> None:
+        """Kill everything inside, then remove the cgroup (left, with a warning, when it
+        does not empty within `timeout_s`)."""
+        if not self.kill(timeout_s):
+            log.warning("the build cgroup %s still holds %s", self.name,
+                        sorted(self.members()))
+        for path in self.paths:
+            _remove(path, 0)
+
+
+def _freeze(freezer: Path, state: str, deadline: float) -> None:
+    """Write `state` to a v1 freezer and wait (until `deadline`) until it holds."""
+    with contextlib.suppress(OSError):
+        (freezer / "freezer.state").write_text(state)
+        while (freezer / "freezer.state").read_text().strip() != state \
+                and time.monotonic() < deadline:
+            time.sleep(0.005)

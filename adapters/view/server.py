@@ -1,15 +1,18 @@
 """`trialledger view`: the pages served by aiohttp on a loopback port (by default), from a
 store opened read-only; only GET and HEAD, only the package's own files besides the pages,
-each response under a strict Content-Security-Policy."""
+each response under a strict Content-Security-Policy, and only to a request whose `Host` is
+one of its own (`hosts`)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
+from trialledger.adapters.view.hosts import EXPOSED, AllowedHosts, is_loopback
 from trialledger.adapters.view.names import is_plain, slug
 from trialledger.adapters.view.pages import NotFound, Search
 from trialledger.adapters.view.render import CSP_HEADER, STATIC
@@ -24,7 +27,24 @@ HEADERS = {"Content-Security-Policy": CSP_HEADER, "X-Content-Type-Options": "nos
 STATIC_FILES = {"view.css": "text/css", "view.js": "text/javascript",
                 "favicon.svg": "image/svg+xml"}
 
+MISDIRECTED = ("421 Misdirected Request: this server answers only its own address "
+               "(localhost, 127.0.0.1, [::1], the one it is bound to, or an --allowed-host)\n")
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _own_host(hosts: AllowedHosts) -> Middleware:
+    """A middleware answering 421, before anything reads the store, to a request whose
+    `Host` is not one of `hosts` (absent, or sent twice, is not one)."""
+
+    @web.middleware
+    async def own_host(request: web.Request, handler: Handler) -> web.StreamResponse:
+        sent = request.headers.getall("Host", [])
+        if len(sent) == 1 and hosts.allows(sent[0]):
+            return await handler(request)
+        return web.Response(text=MISDIRECTED, status=421, headers=HEADERS)
+
+    return own_host
 
 
 @web.middleware
@@ -105,27 +125,34 @@ def _routes(site: Site) -> list[web.RouteDef]:
             web.get("/static/{name}", static), web.get("/favicon.ico", favicon)]
 
 
-def application(site: Site) -> web.Application:
-    """The aiohttp application serving `site`."""
-    app = web.Application(middlewares=[_guarded])
+def application(site: Site, hosts: AllowedHosts) -> web.Application:
+    """The aiohttp application serving `site` to requests for `hosts`."""
+    app = web.Application(middlewares=[_own_host(hosts), _guarded])
     app["site"] = site
     app.add_routes(_routes(site))
     return app
 
 
-async def serve(db: str, *, host: str, port: int, say: Callable[[str], Any]) -> None:
-    """Serve the store at `db` read-only until cancelled; `say` gets the one line that says
-    where, and that nothing is written."""
+async def serve(db: str, *, host: str, port: int, allowed: Sequence[str] = (),
+                say: Callable[[str], Any], warn: Callable[[str], Any]) -> None:
+    """Serve the store at `db` read-only until cancelled, to requests for its own address or
+    an `allowed` name; `say` gets the one line that says where, and that nothing is written,
+    `warn` the one that says what a bind beyond loopback exposes."""
+    hosts = AllowedHosts(allowed)  # a bad name is refused before the store is opened
     async with await open_read_only(db) as ledger:
-        runner = web.AppRunner(application(Site(ledger)), access_log=None)
+        runner = web.AppRunner(application(Site(ledger), hosts), access_log=None)
         await runner.setup()
         try:
             site = web.TCPSite(runner, host, port)
             await site.start()
-            bound = runner.addresses[0]
-            shown_host = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
+            bound = [(str(a[0]), int(a[1])) for a in runner.addresses]
+            hosts.listening(host, [a for a, _ in bound], [p for _, p in bound])
+            shown_host = f"[{bound[0][0]}]" if ":" in bound[0][0] else bound[0][0]
+            if beyond := sorted({a for a, _ in bound if not is_loopback(a)}):
+                warn(f"trialledger view: warning: listening on {', '.join(beyond)}, beyond "
+                     f"loopback: {EXPOSED}")
             say(f"trialledger view: serving {shown(db)} read-only (nothing is written to the "
-                f"store) at http://{shown_host}:{bound[1]}/")
+                f"store) at http://{shown_host}:{bound[0][1]}/")
             await anyio.sleep_forever()
         finally:
             await runner.cleanup()
