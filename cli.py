@@ -235,13 +235,17 @@ def cmd_recover(args: argparse.Namespace) -> int:
     recovered = on_store(args.db, lambda ledger: ledger.recover(  # journals delivered first
         args.runner, all_runners=args.all, force=args.force, deliver=delivery(ledger)))
     from trialledger.adapters.sandbox.folders import sweep_stale_sessions
+    from trialledger.adapters.sandbox.leftovers import sweep_builds, sweep_session_cgroups
 
     swept = sweep_stale_sessions()  # this machine's folders of dead runners (grant tokens)
+    cgroups, builds = sweep_session_cgroups(), sweep_builds()
     for sid in recovered:
         out.print(plain(sid))
     out.print(f"{len(recovered)} sessions recovered")
-    if swept:
-        out.print(f"{swept} stale session folders removed")
+    for count, what in ((swept, "stale session folders"), (cgroups, "stale session cgroups"),
+                        (builds, "killed builds' leftovers")):
+        if count:
+            out.print(f"{count} {what} removed")
     return EXIT_OK
 
 

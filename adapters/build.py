@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from trialledger.adapters.buildbox import BuildBox, contained
+from trialledger.adapters.buildbox import LOCK_NAME, BuildBox, contained, end_dead_builds
 from trialledger.adapters.builder import WHAT, Builder, build_user
 from trialledger.adapters.environment import (
     Cache,
@@ -32,6 +32,7 @@ from trialledger.adapters.environment import (
     copy_tree,
     prepare_archive,
 )
+from trialledger.adapters.sandbox.cgroup import BUILD_PREFIX
 from trialledger.adapters.sandbox.slirp import RESOLVER
 
 
@@ -45,6 +46,11 @@ class Workspace:
     @property
     def inner(self) -> Path:
         return self.outer / "build"
+
+    @property
+    def build_id(self) -> str:
+        """The build's id: what follows the prefix in its folder's name."""
+        return self.outer.name.removeprefix(BUILD_PREFIX)
 
     @property
     def context(self) -> Path:
@@ -69,8 +75,12 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
     builder = build_user()
     tag = f"localhost/trialledger-build:{context_digest(context)[:32]}"
     dockerfile = (context / "Dockerfile").read_text(encoding="utf-8", errors="replace")
+    _end_dead_builds_once(builder)
     with _workspace(builder) as work:
-        with _locked(builder.lock), contained(builder, work.inner, work.tmp, source) as box:
+        with _locked(builder.lock), contained(builder, work.inner, work.tmp, source,
+                                              build_id=work.build_id) as box:
+            if not _swept:
+                _swept.append(box.remove_dead_builds_containers())
             if not box.succeeds(["podman", "image", "exists", tag]):
                 _stage_context(builder, work, context)
                 _copy_base_images(box, work, engine, base_images(dockerfile))
@@ -82,11 +92,26 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
         return prepare_archive(archive, "Dockerfile", cache, owner, digest=digest)
 
 
+_swept: list[int] = []  # non-empty once this process removed what killed builds left
+
+
+def _end_dead_builds_once(builder: Builder) -> None:
+    """At a process's first build: end the cgroups and folders of builds whose run was
+    killed (their containers go once this build's box exists)."""
+    if not _swept:
+        end_dead_builds(builder)
+
+
 @contextlib.contextmanager
 def _workspace(builder: Builder) -> Iterator[Workspace]:
-    """A fresh private folder with the build user's TMPDIR; removed afterwards."""
+    """A fresh private folder with the build user's TMPDIR, its lock held while the build
+    lives (a sweep takes a folder whose lock is free for a killed run's); removed
+    afterwards, the lock let go last."""
     builder.scratch.mkdir(parents=True, exist_ok=True)
-    work = Workspace(Path(tempfile.mkdtemp(prefix="trialledger-build-", dir=builder.scratch)))
+    work = Workspace(Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=builder.scratch)))
+    lock = os.open(work.outer / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                   0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
     try:
         work.outer.chmod(0o711)
         work.inner.mkdir(mode=0o700)
@@ -95,6 +120,7 @@ def _workspace(builder: Builder) -> Iterator[Workspace]:
         yield work
     finally:
         shutil.rmtree(work.outer, ignore_errors=True)
+        os.close(lock)
 
 
 def _stage_context(builder: Builder, work: Workspace, context: Path) -> None:

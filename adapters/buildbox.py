@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -44,12 +45,16 @@ from trialledger.adapters.environment import TOOL_TIMEOUT_S, EnvironmentUnavaila
 from trialledger.adapters.sandbox.cgroup import (
     BUILD_MEMORY_MB,
     BUILD_PIDS,
+    BUILD_PREFIX,
     BuildCgroup,
     LimitsNotEnforced,
+    build_cgroups,
 )
+from trialledger.adapters.sandbox.folders import STALE_S, remove_tree
 from trialledger.adapters.sandbox.hostside import ProgramMissing, program
 from trialledger.adapters.sandbox.slirp import SlirpFailed, start_slirp
 
+LOCK_NAME = ".build-lock"  # in a build's folder, held by its runner while it lives
 GATE = 'read -r _ && exec "$@"'  # holds the command back until the runner has moved it
 NETNS_WAIT_S = 10.0
 RECORD_MAX_BYTES = 8 << 20  # a working container's buildah.json is a few KiB
@@ -117,17 +122,30 @@ class BuildBox:
         cgroup."""
         self.cgroup.kill()
         with contextlib.suppress(EnvironmentUnavailable):
-            for container in self._working_containers() if self.built else ():
+            for container in self._working_containers(self.build_id.__eq__) \
+                    if self.built else ():
                 self.run(["buildah", "rm", container])
         self.cgroup.end()
 
-    def _working_containers(self) -> list[str]:
-        """The ids of the working containers this build made (its id in their record)."""
+    def remove_dead_builds_containers(self) -> int:
+        """Remove the working containers of builds whose run was killed (their folder gone
+        or its lock free); how many."""
+        dead = self._working_containers(lambda build: build.startswith(BUILD_PREFIX)
+                                        and not build_alive(self.builder, build))
+        for container in dead:
+            with contextlib.suppress(EnvironmentUnavailable):
+                self.run(["buildah", "rm", container])
+        return len(dead)
+
+    def _working_containers(self, build: Callable[[str], bool]) -> list[str]:
+        """The ids of the working containers made by the builds whose id `build` accepts
+        (the id in their record)."""
         graphroot = self.run(["podman", "info", "--format", "{{.Store.GraphRoot}}"]).strip()
         found = []
         for record in Path(graphroot).glob("*-containers/*/userdata/buildah.json"):
             options = _record(record).get("CommonBuildOpts")
-            if isinstance(options, dict) and options.get("CgroupParent") == self.build_id:
+            made = options.get("CgroupParent") if isinstance(options, dict) else None
+            if isinstance(made, str) and build(made):
                 found.append(record.parent.parent.name)
         return sorted(found)
 
@@ -166,13 +184,16 @@ class BuildBox:
 
 
 @contextlib.contextmanager
-def contained(builder: Builder, folder: Path, tmp: Path, source: Source) -> Iterator[BuildBox]:
+def contained(builder: Builder, folder: Path, tmp: Path, source: Source,
+              build_id: str | None = None) -> Iterator[BuildBox]:
     """A build's box: a new cgroup with the task's limits (pids.max at least 4,096, memory
-    `memory_mb` else 4,096 MiB); at the end everything in it is killed and removed."""
+    `memory_mb` else 4,096 MiB), named after `build_id` (the build's folder, whose lock
+    says whether the build lives); at the end everything in it is killed and removed."""
     pids = max(BUILD_PIDS, int(source.pids or 0))
     memory_mb = source.memory_mb or BUILD_MEMORY_MB
     try:
-        cgroup = BuildCgroup.create(uuid.uuid4().hex[:16], pids=pids, memory_mb=memory_mb)
+        cgroup = BuildCgroup.create(build_id or uuid.uuid4().hex[:16], pids=pids,
+                                    memory_mb=memory_mb)
     except LimitsNotEnforced as why:
         raise EnvironmentUnavailable(f"{WHAT}: a build runs in a cgroup of its own and none "
                                      f"can be made here: {why}") from None
@@ -181,6 +202,44 @@ def contained(builder: Builder, folder: Path, tmp: Path, source: Source) -> Iter
         yield box
     finally:
         box.close()
+
+
+def build_alive(builder: Builder, name: str) -> bool:
+    """Whether the build `name` (its folder's and its cgroup's name) still runs: its
+    folder holds a lock its runner keeps until the folder is gone (a folder just being
+    made, its lock not yet there, counts as alive)."""
+    folder = builder.scratch / name
+    try:
+        lock = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        try:
+            return time.time() - folder.lstat().st_mtime < STALE_S
+        except OSError:
+            return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(lock)
+    return False
+
+
+def end_dead_builds(builder: Builder) -> int:
+    """End the cgroups and remove the folders of builds whose run was killed (a build
+    never outlives its runner); how many builds. Their working containers go with the
+    next build's box (`remove_dead_builds_containers`)."""
+    ended = [c for c in build_cgroups() if not build_alive(builder, c.name)]
+    for cgroup in ended:
+        cgroup.end()
+    folders: list[Path] = []
+    with contextlib.suppress(OSError):
+        folders = [f for f in builder.scratch.glob(f"{BUILD_PREFIX}*")
+                   if f.is_dir() and not f.is_symlink() and not build_alive(builder, f.name)]
+        remove_tree(*folders)
+    return len({c.name for c in ended} | {f.name for f in folders})
 
 
 def _run_async(function: Callable[[], Awaitable[T]]) -> T:

@@ -49,6 +49,7 @@ from trialledger.adapters.sandbox.container import survivors_gap
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.folders import sweep_stale_sessions
 from trialledger.adapters.sandbox.identity import cache_dir
+from trialledger.adapters.sandbox.leftovers import sweep_session_cgroups
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
@@ -135,6 +136,7 @@ def _sweep_once() -> None:
     if not _swept:
         _swept = True
         sweep_stale_sessions()
+        sweep_session_cgroups()
 
 
 def agent_env(settings: Settings, task: Task, sandbox: LocalSandbox, api_key: str | None

@@ -28,7 +28,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +37,7 @@ CPU_PERIOD_US = 100_000
 CONTROLLERS = {"cpus": "cpu", "memory_mb": "memory", "pids": "pids"}
 DEFAULT_PIDS = 4096  # a session's processes and threads when its task names no `pids`
 V1_PARENT = "trialledger"
+BUILD_PREFIX = "trialledger-build-"  # a build's cgroup: BUILD_PREFIX + its id
 BUILD_CONTROLLERS = ("pids", "memory", "freezer")  # a build's v1 hierarchies, all needed
 BUILD_PIDS = 4096  # a build's least pids.max (a task's larger `pids` raises it)
 BUILD_MEMORY_MB = 4096.0  # a build's memory when its task names no `memory_mb`
@@ -268,8 +269,16 @@ def hold(requested: Mapping[str, float], session_key: str,
     return cgroup, reason
 
 
-def _name(session_key: str) -> str:
-    return f"trialledger-{session_key[:16]}-{uuid.uuid4().hex[:8]}"
+def _name(owner: str) -> str:
+    """A session's cgroup name: its session folder's name, then 8 hex digits (so a sweep
+    finds whether its runner still holds the folder: adapters/sandbox/leftovers.py)."""
+    return f"{owner}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_cgroup(path: Path, timeout_s: float = 2.0) -> int:
+    """Kill what is left in the cgroup `path` and remove it; 1 when it is gone, else 0."""
+    _remove(path, timeout_s)
+    return 0 if path.exists() else 1
 
 
 def _remove(path: Path, timeout_s: float) -> None:
@@ -315,7 +324,7 @@ class BuildCgroup:
         """A new cgroup for the build `build_id`, its limits written (LimitsNotEnforced:
         none can be made here, saying why)."""
         requested = {"pids": float(pids), "memory_mb": memory_mb}
-        name = f"trialledger-build-{build_id}"
+        name = f"{BUILD_PREFIX}{build_id}"
         try:
             parent = delegated(environ)
             _enable(parent, {"pids", "memory"})
@@ -341,6 +350,12 @@ class BuildCgroup:
                 _remove(path, 0)
             raise
         return cls(tuple(made), made[-1])
+
+    @classmethod
+    def existing(cls, paths: Sequence[Path]) -> BuildCgroup:
+        """A build cgroup made earlier (its folders in each hierarchy), to be ended."""
+        freezer = next((p for p in paths if (p / "freezer.state").exists()), None)
+        return cls(tuple(paths), freezer)
 
     def join(self, pid: int) -> None:
         """Move `pid` (a process that has started nothing yet) into the cgroup."""
@@ -395,3 +410,23 @@ def _freeze(freezer: Path, state: str, deadline: float) -> None:
         while (freezer / "freezer.state").read_text().strip() != state \
                 and time.monotonic() < deadline:
             time.sleep(0.005)
+
+
+def runner_parents() -> Iterator[Path]:
+    """Where this runner's sessions and builds make their cgroups: the delegated v2
+    folder, and a `trialledger` folder in each v1 hierarchy the runner is in."""
+    with contextlib.suppress(LimitsNotEnforced):
+        yield delegated()
+    for hierarchy in v1_hierarchies(("pids", "memory", "cpu", "freezer")).values():
+        yield hierarchy / V1_PARENT
+
+
+def build_cgroups() -> list[BuildCgroup]:
+    """Every build cgroup here, one per build (its folders in each hierarchy)."""
+    found: dict[str, list[Path]] = {}
+    for parent in runner_parents():
+        with contextlib.suppress(OSError):
+            for child in parent.iterdir():
+                if child.name.startswith(BUILD_PREFIX) and child.is_dir():
+                    found.setdefault(child.name, []).append(child)
+    return [BuildCgroup.existing(paths) for paths in found.values()]

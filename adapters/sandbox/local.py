@@ -249,7 +249,7 @@ class LocalSandbox(ContainerPhases):
         try:
             if self.image is not None and self.image.plain:
                 making = self._begin_range()
-            self.cgroup, self.limits_reason = hold(self.limits, self.marker)
+            self.cgroup, self.limits_reason = hold(self.limits, self.root.name)
             if making is not None:
                 self.range, making = self._take_range(making), None
             if isolation == "bwrap" and (problem := bwrap_problem(

@@ -1,0 +1,83 @@
+"""What a killed run left behind on this machine, removed once its owner is provably gone
+(docs/SPEC.md §11 "Leftovers").
+
+A session's cgroups are named after its session folder (`<folder>-<8 hex>`), whose lock
+its runner holds from before the cgroups exist until after they are removed: a cgroup
+whose folder is gone, or whose lock is free, belongs to nobody. A build's cgroup, its
+private folder and its working containers exist only while a build holds the build lock:
+whoever takes that lock finds only dead builds' leftovers. Nothing is ever chosen by user
+id, and nothing of a live runner is touched.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from trialledger.adapters.buildbox import end_dead_builds
+from trialledger.adapters.builder import build_user
+from trialledger.adapters.environment import EnvironmentUnavailable
+from trialledger.adapters.sandbox.cgroup import BUILD_PREFIX, remove_cgroup, runner_parents
+from trialledger.adapters.sandbox.folders import (
+    FOLDER_PREFIX,
+    LOCK,
+    STALE_S,
+    folder_registry,
+)
+
+
+def owner_alive(folder_name: str) -> bool:
+    """Whether the session folder `folder_name` exists with its lock held by a runner."""
+    try:
+        recorded = Path(os.fsdecode((folder_registry() / folder_name).read_bytes()))
+    except OSError:
+        return False  # recorded before the folder is made, forgotten once it is gone
+    if recorded.name != folder_name:
+        return False
+    try:
+        lock = os.open(recorded / LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(lock)
+    return False
+
+
+def sweep_session_cgroups() -> int:
+    """Remove the session cgroups of runners that are gone (killing what is left in them);
+    how many folders were removed."""
+    removed = 0
+    for parent in runner_parents():
+        try:
+            children = [c for c in parent.iterdir() if c.is_dir() and not c.is_symlink()]
+        except OSError:
+            continue
+        for child in children:
+            name = child.name
+            if not name.startswith(FOLDER_PREFIX) or name.startswith(BUILD_PREFIX):
+                continue
+            try:
+                if time.time() - child.stat().st_mtime < STALE_S:
+                    continue  # (an older runner named them otherwise; give it time)
+            except OSError:
+                continue
+            if owner_alive(name.rsplit("-", 1)[0]):
+                continue
+            removed += remove_cgroup(child)
+    return removed
+
+
+def sweep_builds() -> int:
+    """End what killed builds left (cgroups, folders; their working containers with the
+    next build): how many builds. Nothing when there is no build user here."""
+    try:
+        builder = build_user()
+    except EnvironmentUnavailable:
+        return 0
+    return end_dead_builds(builder)
