@@ -505,8 +505,11 @@ class SessionRunner:
         await rec.add("agent.exited", {"return_code": status.return_code, "timed_out": timed_out})
         report = await sandbox.confirm_cleanup(run, max(0.1, min(CLEANUP_LIMIT_S, rec.left())))
         survived = survivors_gap(report.survivors)
+        lost = await sandbox.network_lost()
         await rec.append([
             *([{"type": "gap.recorded", "at": now(), "data": survived}] if survived else []),
+            *([{"type": "gap.recorded", "at": now(),
+                "data": {"code": "network_lost", "detail": lost}}] if lost else []),
             {"type": "cleanup.reported", "at": now(),
              "data": {"confirmed": report.confirmed, "error": report.error}}])
 

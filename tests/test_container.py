@@ -10,7 +10,10 @@ Every attack here is a real Codex tool call over the tests' Debian rootfs in ran
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -401,3 +404,35 @@ async def test_what_the_agent_left_in_the_verifiers_logs_is_gone_before_it_runs(
     failed = [e.data for e in ran.view.events if e.type == "verification.failed"]
     assert [f.reason for f in failed] == ["no_reward"], ran.view.events
     assert ran.view.rewards is None or ran.view.rewards == {}
+
+
+def _kill_our_slirp(stop: threading.Event, killed: list[int]) -> None:
+    """SIGKILL the first slirp4netns this process starts (as an OOM killer might)."""
+    while not stop.wait(0.05) and not killed:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == os.getpid() and \
+                        Path(f"/proc/{pid}/comm").read_text().strip() == "slirp4netns":
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed.append(int(pid))
+
+
+async def test_a_slirp4netns_that_dies_mid_session_is_recorded_and_replaced(
+        tmp_path: Path, servers: tuple[int, str, int]) -> None:
+    _, outside, port = servers
+    stop, killed = threading.Event(), list[int]()
+    killer = threading.Thread(target=_kill_our_slirp, args=(stop, killed))
+    killer.start()
+    try:
+        ran, _ = await _rootfs_run(  # the verifier needs its way out again
+            tmp_path, "", "sleep 4; echo done",
+            test_sh=f"bash -c 'echo > /dev/tcp/{outside}/{port}'\n")
+    finally:
+        stop.set()
+        killer.join(timeout=10)
+    assert killed, "no slirp4netns was seen to kill"
+    (gap,) = [e.data for e in ran.view.events
+              if e.type == "gap.recorded" and e.data.code == "network_lost"]
+    assert gap.detail.startswith("slirp4netns exited during the session")
+    assert ran.view.rewards == {"reward": 1.0}

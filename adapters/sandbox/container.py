@@ -302,6 +302,16 @@ class ContainerPhases(SessionLayout):
         if mode != "no-network" and self.slirp is None:
             await self._connect()
 
+    async def network_lost(self) -> str | None:
+        """Whether the container's way out ended on its own (slirp4netns died), saying
+        which, once: the next phase that needs a way out connects a new one."""
+        if self.slirp is None or self.slirp.running:
+            return None
+        slirp, self.slirp = self.slirp, None
+        why = f"slirp4netns exited during the session ({slirp.stderr_tail(1)})"
+        await slirp.stop()  # (its descriptors closed, its process reaped)
+        return why
+
     async def _open_egress(self, pid: int, net_namespace: int | None) -> None:
         """An allowlist (docs/SPEC.md §15): `ping` opened to every group in the container's
         network, its TCP to non-local addresses redirected by nftables to our egress
