@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import anyio
 from rich.console import Console
 
-from trialledger.adapters.console import plain, printable
+from trialledger.adapters.console import plain, printable, terminal
 from trialledger.adapters.console.harbor import print_agreements
 from trialledger.adapters.console.jobs import (
     print_job,
@@ -222,7 +222,15 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
-    """Close out the sessions a runner left open."""
+    """Close out the sessions a runner left open; `--purge-damaged`: remove the damaged
+    journals kept on this machine (SPEC §8)."""
+    if args.purge_damaged:
+        from trialledger.adapters.journal import journal_dir
+        from trialledger.adapters.journalfile import purge_damaged
+
+        out.print(f"{purge_damaged(journal_dir())} damaged journals removed")
+        if not (args.runner or args.all):
+            return EXIT_OK
     if not (args.runner or args.all):
         raise Refused("recover needs --runner ID, or --all for a single-machine store")
 
@@ -882,7 +890,8 @@ EXAMPLES = {  # each subcommand's --help ends with these
     "demo": ["trialledger demo --db demo.db"],
     "import-harbor": ["trialledger import-harbor --db trials.db jobs/2026-10-20__14-03-05"],
     "recover": ["trialledger recover --db trials.db --runner build-7-41233",
-                "trialledger recover --db trials.db --all"],
+                "trialledger recover --db trials.db --all",
+                "trialledger recover --purge-damaged"],
 }
 
 
@@ -1089,6 +1098,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every runner whose heartbeat is not fresh (a single-machine store)")
     p.add_argument("--force", action="store_true",
                    help="also sessions of runners that still beat (they may be running)")
+    p.add_argument("--purge-damaged", action="store_true",
+                   help="remove the damaged journals this machine kept (*.jsonl.damaged)")
     p.set_defaults(handler=cmd_recover)
     return parser
 
@@ -1096,6 +1107,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `trialledger` console script."""
     args = build_parser().parse_args(argv)
+    if args.handler not in (cmd_run, cmd_job_run, cmd_worker, cmd_demo):
+        return _handle(args)
+    with terminal.watched():  # a terminal that goes away ends no run with sessions open
+        return _handle(args)
+
+
+def _handle(args: argparse.Namespace) -> int:
+    """Run the command; a refusal or an interruption is one line on stderr and its code."""
     handler: Callable[[argparse.Namespace], int | Awaitable[int]] = args.handler
     try:
         code = handler(args)

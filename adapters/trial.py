@@ -30,7 +30,7 @@ from trialledger.adapters.journal import delivery
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.core import SessionView
 from trialledger.store import LeaseLost, Ledger, StoreUnavailable
-from trialledger.store.jobs import Claim, Jobs
+from trialledger.store.jobs import UNCOUNTED_CAP, Claim, Jobs
 from trialledger.store.ledger import RunnerAlive, gone_from_this_host
 from trialledger.store.writer import Fence
 
@@ -40,22 +40,32 @@ if TYPE_CHECKING:  # the runner imports this module: its sessions are run throug
 log = logging.getLogger(__name__)
 
 FINAL = ("verify", "unverified")
-UNCOUNTED_CAP = 3  # harness failures a trial may have beyond max_attempts (SPEC §13)
+HARNESS_CLOSES = ("cancelled", "recovered")  # a session the harness stopped, not the agent
+
+
+def finishes(session: Mapping[str, Any]) -> bool:
+    """Whether a closed session finishes its trial (SPEC §13): a `verification.*` of it is
+    stored — decided `verify`, or `unverified` closed by its runner (its verifier failed).
+    One closed `cancelled` or `recovered` before its verification was recorded finishes
+    nothing (its row's `verified`, `Trial.sessions`, says which): the attempt runs again."""
+    if session["outcome"] == "verify":
+        return True
+    if session["outcome"] != "unverified":
+        return False
+    return session["close_reason"] not in HARNESS_CLOSES or bool(session.get("verified"))
 
 
 def next_attempt(sessions: Sequence[Mapping[str, Any]], max_attempts: int
                  ) -> tuple[int, str | None] | None:
     """A trial's next (attempt, retry_of) from its closed sessions, oldest first; None when
-    its last session ended final (`verify`, or `unverified` not by a crash) or
-    `max_attempts` sessions have counted. A harness failure — closed `cancelled`, or
-    `recovered` after a crash without a verdict — never uses up an attempt, but only the
-    first `UNCOUNTED_CAP` give one: past them the trial ends (so one that fails the same
-    way each time never stays queued)."""
+    its last session finishes it (`finishes`) or `max_attempts` sessions have counted. A
+    harness failure — closed `cancelled`, or `recovered` after a crash, without a verdict —
+    never uses up an attempt, but only the first `UNCOUNTED_CAP` give one: past them the
+    trial ends (so one that fails the same way each time never stays queued)."""
     last = sessions[-1] if sessions else None
-    counted = sum(1 for s in sessions if s["close_reason"] not in ("cancelled", "recovered"))
-    final = last is not None and last["outcome"] in FINAL and not (
-        last["close_reason"] == "recovered" and last["outcome"] != "verify")
-    if final or counted >= max_attempts or len(sessions) - counted > UNCOUNTED_CAP:
+    counted = sum(1 for s in sessions if s["close_reason"] not in HARNESS_CLOSES)
+    if ((last is not None and finishes(last)) or counted >= max_attempts
+            or len(sessions) - counted > UNCOUNTED_CAP):
         return None
     return (int(last["attempt"]) + 1 if last else 1, last["session_id"] if last else None)
 
@@ -153,8 +163,15 @@ class Trial:
         return cls(ledger, fresh_trial_id(task))
 
     async def sessions(self) -> list[dict[str, Any]]:
-        """Its sessions (rows of the `sessions` view), oldest first."""
-        return await self.ledger.sessions(trial_id=self.trial_id)
+        """Its sessions (rows of the `sessions` view), oldest first; the last, when closed
+        `cancelled` or `recovered` after grading, says whether its verification is stored
+        (`verified`: only then does it finish the trial, `finishes`)."""
+        found = await self.ledger.sessions(trial_id=self.trial_id)
+        last = found[-1] if found else None
+        if last is not None and last["close_reason"] in HARNESS_CLOSES \
+                and last["outcome"] == "unverified":
+            last["verified"] = await self.ledger.verified(str(last["session_id"]))
+        return found
 
     async def recover(self, sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Its sessions, those still open first closed `recovered` (their journals delivered
@@ -267,5 +284,5 @@ def _only(error: BaseException, kind: type[BaseException]) -> bool:
     return isinstance(error, kind)
 
 
-__all__ = ["FINAL", "UNCOUNTED_CAP", "Lease", "Trial", "TrialRun", "fresh_trial_id",
-           "next_attempt"]
+__all__ = ["FINAL", "HARNESS_CLOSES", "UNCOUNTED_CAP", "Lease", "Trial", "TrialRun",
+           "finishes", "fresh_trial_id", "next_attempt"]

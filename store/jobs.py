@@ -40,6 +40,7 @@ TASK_COLUMNS = ("job", "dataset", "task", "trials", "open", "scored", "unscored"
                 "mean", "mean_scored", "retries", "interrupted", "total_tokens",
                 "unknown_usage", "wall_s", "mean_reward", "pass_at_k")
 ADHOC = "adhoc"  # Harbor's dataset of the tasks given as task folders
+UNCOUNTED_CAP = 3  # harness failures a trial may have beyond max_attempts (SPEC §13)
 
 
 # Task rows first (by dataset, task), then the overall rows: each dataset's, the job's last.
@@ -53,6 +54,23 @@ _RETRIES_SQL = "SELECT * FROM job_retries WHERE job = :j ORDER BY task, cause_ki
 _TRIALS_SQL = "SELECT * FROM job_trials WHERE job = :j ORDER BY task, k_index"
 _SKIPPED_SQL = "SELECT task, reason FROM job_skipped WHERE job = :j ORDER BY task"
 _FAILURES_SQL = "SELECT DISTINCT task, detail FROM job_queue WHERE job = :j AND state = :s"
+# Trials an earlier version settled `done` on a session cancelled before its verification
+# was recorded (SPEC §13: such a session finishes nothing) are queued again when their job
+# is resumed — but for those an error ended (`detail`), or past the trial rule's limits:
+# `:cap` uncounted sessions, `:m` counted ones (adapters/trial.py `next_attempt`).
+_REOPEN_SQL = """
+UPDATE job_queue SET state = 'queued' WHERE trial_id IN (
+  SELECT q.trial_id FROM sessions f JOIN job_queue q ON q.trial_id = f.trial_id
+  WHERE q.job = :j AND q.state = 'done' AND q.detail IS NULL
+    AND f.close_reason = 'cancelled' AND f.outcome = 'unverified'
+    AND NOT EXISTS (SELECT 1 FROM sessions later
+                    WHERE later.trial_id = f.trial_id AND later.attempt > f.attempt)
+    AND NOT EXISTS (SELECT 1 FROM events e WHERE e.session_id = f.session_id
+                    AND e.type IN ('verification.recorded', 'verification.failed'))
+    AND (SELECT COUNT(*) FROM sessions s WHERE s.trial_id = q.trial_id
+         AND s.close_reason IN ('cancelled', 'recovered')) <= :cap
+    AND (SELECT COUNT(*) FROM sessions s WHERE s.trial_id = q.trial_id
+         AND COALESCE(s.close_reason, '') NOT IN ('cancelled', 'recovered')) < :m)"""
 
 
 def trial_id(job: str, task: str, k_index: int, namespace: uuid.UUID = NS) -> str:
@@ -124,7 +142,9 @@ class Jobs:
         (absent: `adhoc`); `skipped`: a dataset's tasks skipped as invalid → why (SPEC §15;
         listed by `job show`, in no figure); `ignored`: a task → the fields its runner does
         not honour → why (`job_task_fields`; never part of the configuration, so never
-        compared at resume). A refusal writes nothing. Returns whether the job was new."""
+        compared at resume). A resume also queues again the trials an earlier version
+        settled on a session cancelled before its verdict (`_REOPEN_SQL`). A refusal writes
+        nothing. Returns whether the job was new."""
         k, attempts = int(config["k"]), int(config["max_attempts"])
         async with self._engines.writer.begin() as conn:
             row = (await conn.execute(text("SELECT config, k FROM jobs WHERE name = :n"),
@@ -158,6 +178,9 @@ class Jobs:
                         "dataset) VALUES (:t, :j, :task, :i, :d, 'queued', :ds)"),
                         {"t": tid, "j": name, "task": task, "i": index, "d": folder,
                          "ds": (datasets or {}).get(task, ADHOC)})
+            if row is not None:
+                await conn.execute(text(_REOPEN_SQL), {"j": name, "m": attempts,
+                                                       "cap": UNCOUNTED_CAP})
             await self._record_skipped(conn, name, [t for t, _ in tasks], skipped or {},
                                        datasets or {})
             await self._record_fields(conn, name, [t for t, _ in tasks], ignored or {})

@@ -324,8 +324,10 @@ class Ledger:
                               deliver=deliver)
         return [sid for sid, _ in rows]
 
-    async def _verified(self, session_id: str) -> bool:
-        """Whether a verification of the session (its result or its failure) is stored."""
+    @guarded
+    async def verified(self, session_id: str) -> bool:
+        """Whether a verification of the session (its result or its failure) is stored:
+        what finishes a trial (docs/SPEC.md §13)."""
         query = select(EVENTS.c.seq).where(
             EVENTS.c.session_id == session_id,
             EVENTS.c.type.in_(["verification.recorded", "verification.failed"])).limit(1)
@@ -342,7 +344,7 @@ class Ledger:
             if state in LIVE_STATES:
                 events.append({"type": "sandbox.lost", "at": at,
                                "data": {"detail": "harness restarted"}})
-            elif state == "graded" and not await self._verified(sid):  # decided gradable,
+            elif state == "graded" and not await self.verified(sid):  # decided gradable,
                 # but no verdict was recorded (one stored: only the close is missing)
                 events.append({"type": "gap.recorded", "at": at, "data": {
                     "code": "verification_interrupted",

@@ -597,3 +597,46 @@ def test_uncounted_attempts_are_capped(closes: list[str], max_attempts: int,
     sessions = [_session(i + 1, reason, "retry" if reason == "normal" else "interrupted")
                 for i, reason in enumerate(closes)]
     assert (next_attempt(sessions, max_attempts) is not None) is runs_again
+
+
+@pytest.mark.parametrize(("close_reason", "verified", "runs_again"), [
+    ("normal", True, False),  # its verifier failed: `verification.failed` ends the trial
+    ("cancelled", False, True),  # stopped while its verifier ran: it finishes nothing
+    ("recovered", False, True),  # its runner died before the verdict was recorded
+    ("cancelled", True, False),  # stopped after its verdict was recorded
+    ("recovered", True, False),
+])
+def test_only_a_recorded_verification_finishes_a_graded_trial(
+        close_reason: str, verified: bool, runs_again: bool) -> None:
+    from trialledger.adapters.trial import next_attempt
+
+    graded = {**_session(1, close_reason, "unverified"), "verified": verified}
+    assert (next_attempt([graded], 1) is not None) is runs_again
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("verdict", [False, True])
+async def test_a_resume_queues_again_a_trial_settled_on_a_session_cancelled_unverified(
+        db: str, verdict: bool) -> None:
+    """Earlier versions settled `done` a trial whose session was cancelled while its
+    verifier ran; resuming the job queues it again (docs/SPEC.md §13) — but not one whose
+    verification was stored before the cancel, which that verification finished."""
+    from tests.scenarios import claimed_session
+    from trialledger.store import Ledger
+
+    async with await Ledger.open(db) as ledger:
+        jobs, claim, seeded, log = await claimed_session(ledger, "old-version", lease_s=60)
+        at = log.events[-1]["at"]
+        verification = [{"type": "verification.failed", "at": at,
+                         "data": {"reason": "error", "detail": "the verifier broke"}}]
+        await ledger.append(seeded.session_id, [
+            *log.events[1:], *(verification if verdict else []),
+            {"type": "session.closed", "at": at, "data": {"reason": "cancelled"}}],
+            fence=(claim.trial_id, claim.token))
+        assert (await ledger.view(seeded.session_id)).outcome == "unverified"
+        assert await jobs.settle(claim, "done")  # as an earlier version's resume left it
+        config = {"agent": "codex", "model": "m", "settings": {}, "grants": [], "k": 1,
+                  "max_attempts": 1}
+        await jobs.define("f", config, [("t", "/tasks/t")])  # the job resumed
+        (trial,) = await jobs.trials("f")
+    assert trial["state"] == ("done" if verdict else "queued")

@@ -4,6 +4,8 @@ closed `cancelled` with its evidence, its folder (grant tokens) removed, 128+N."
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -214,3 +216,68 @@ def test_run_trial_continues_a_crashed_runners_trial_as_its_next_attempt(
     (first, second) = rows
     assert first[3] == "recovered" and first[4] == "retry"  # sandbox.lost, evidence kept
     assert second[1:] == (2, first[0], "normal", "verify")  # the next attempt, chained
+
+
+SLOW_VERIFIER = """touch /logs/verifier/started
+if [ -f /tests/slow ]; then sleep 60; fi
+exit 0
+"""
+
+
+@pytest.mark.parametrize(("signum", "settled_by_old_version"), [
+    (signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)])
+def test_a_trial_cancelled_while_verified_runs_again_whole_on_resume(
+        tmp_path: Path, reachable_tmp: Path, signum: signal.Signals,
+        settled_by_old_version: bool) -> None:
+    """docs/SPEC.md §13: a session closed `cancelled` before its verification is recorded
+    finishes nothing — the resumed job runs the trial again, agent and verifier, as an
+    uncounted attempt, and scores it. (`settled_by_old_version`: the trial was left `done`
+    on that session, as earlier versions settled it; a resume queues it again.)"""
+    from tests.runs import in_process
+
+    task = make_task(tmp_path / "data" / "judged", instruction="wait for the verdict",
+                     test_sh=SLOW_VERIFIER, solve_sh="#!/bin/sh\necho solved > solved.txt\n")
+    slow = task.folder / "tests" / "slow"  # the first verifier sleeps; the next one does not
+    slow.write_text("")
+    db = tmp_path / "t.db"
+    argv = ["job", "run", "judged", str(task.folder), "--db", str(db), "--agent", "oracle",
+            "--grace", "0.5"]
+    runner = subprocess.Popen([sys.executable, "-m", "trialledger.cli", *argv],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "TMPDIR": str(reachable_tmp)})
+    try:
+        deadline = time.monotonic() + 90
+        while not list(reachable_tmp.glob("trialledger-*/verifier-*/started")):
+            assert time.monotonic() < deadline, "the verifier never started"
+            assert runner.poll() is None, runner.communicate()
+            time.sleep(0.05)
+        runner.send_signal(signum)
+        _, err = runner.communicate(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.communicate()
+    assert runner.returncode == 128 + signum and "Traceback" not in err, err
+    with sqlite3.connect(db) as conn:
+        first = conn.execute("SELECT close_reason, outcome FROM sessions").fetchall()
+        if settled_by_old_version:
+            conn.execute("UPDATE job_queue SET state = 'done'")
+    assert first == [("cancelled", "unverified")]  # graded, stopped before its verdict
+    slow.unlink()
+    resumed = in_process(*argv)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    with sqlite3.connect(db) as conn:
+        sessions = conn.execute("SELECT attempt, close_reason, outcome FROM sessions "
+                                "ORDER BY attempt").fetchall()
+        kinds = [t for (t,) in conn.execute(
+            "SELECT e.type FROM events e JOIN sessions s ON s.session_id = e.session_id "
+            "WHERE s.attempt = 2 ORDER BY e.seq")]
+    assert sessions == [(1, "cancelled", "unverified"), (2, "normal", "verify")]
+    assert "agent.launched" in kinds and "verification.recorded" in kinds  # run whole
+    shown = in_process("job", "show", "judged", "--db", str(db), "--json")
+    summary = json.loads(shown.stdout)
+    (trial,) = summary["trials"]
+    assert (trial["state"], trial["scored"], trial["reward"]) == ("done", 1, 1.0)
+    assert (trial["attempts"], trial["interrupted"]) == (2, 1)  # the cancelled one uncounted
+    total = next(t for t in summary["tasks"] if t["task"] is None)
+    assert (total["scored"], total["unscored"], total["mean"]) == (1, 0, 1.0)
