@@ -50,6 +50,9 @@ def resolve(table: Mapping[str, Any], where: str, *, secret_names: frozenset[str
                                     f"in the runner's environment")
             if SENSITIVE.search(name) or name in secret_names:
                 secrets.append(long_enough(value, f"{where} {name}"))
+        if not name or "=" in name or "\0" in name or "\0" in value:
+            raise EnvUnresolved(f"{where}: {name!r} = {value[:40]!r}: no process can hold "
+                                f"it (an empty name, `=` in a name, or a NUL byte)")
         values[str(name)] = value
     return ResolvedEnv(values, tuple(secrets))
 

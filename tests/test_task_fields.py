@@ -14,6 +14,7 @@ import pytest
 
 from tests.runs import in_process, make_task, run_task
 from tests.views import decided
+from trialledger.adapters.demo import samples
 from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.task import Task, TaskInvalid, UnsupportedField
@@ -330,3 +331,23 @@ def test_an_instruction_that_is_not_text_is_one_refusal(tmp_path: Path) -> None:
     (folder / "instruction.md").write_bytes(b"caf\xe9\n")
     with pytest.raises(TaskInvalid, match=r"instruction.md: not UTF-8 text \(byte 3\)"):
         Task.load(folder)
+
+
+@pytest.mark.parametrize("table", [
+    '[environment]\nenv = { X = "a\\u0000b" }\n', '[environment]\nenv = { "A=B" = "x" }\n',
+    '[environment]\nenv = { "" = "x" }\n', '[solution]\nenv = { "A\\u0000B" = "x" }\n',
+    '[verifier]\nenv = { X = "a\\u0000b" }\n'],
+    ids=["nul-value", "equals-name", "empty-name", "nul-name", "verifier-nul-value"])
+def test_an_env_entry_no_process_can_hold_refuses_the_task_in_one_line(
+        tmp_path: Path, table: str) -> None:
+    """Found by an adversary: these passed the load and ended the session (or, in a
+    verifier's table, the work of the agent before it) on a traceback."""
+    task = tmp_path / "task"
+    task.mkdir()
+    (task / "instruction.md").write_text("say hi")
+    (task / "task.toml").write_text(table)
+    samples.executable(task / "tests" / "test.sh", "exit 0\n")
+    done = in_process("run", str(task), "--agent", "nop", "--db", str(tmp_path / "t.db"))
+    assert done.returncode == 2 and "no process can hold it" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert not (tmp_path / "t.db").exists()

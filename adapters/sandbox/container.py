@@ -398,7 +398,6 @@ class ContainerPhases(SessionLayout):
         container = await self._ensure_container()
         if role in ("agent", "verifier"):
             await self._use_network(role)
-        env_fd = env_file({**env, SUPERVISOR_ENV: self.marker})  # for our init, in there
         status_r, status_w = os.pipe()
         seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
                    if self.range is not None else None)
@@ -414,11 +413,15 @@ class ContainerPhases(SessionLayout):
         if copy is not None:
             argv += ["--copy-in", *(str(part) for part in copy)]
             user = InnerUser(0, 0, ()) if self.range is not None else user
-        # The lease's switch is the container's PID 1's alone: when it fires, the container
-        # ends and every process joined into it with it (two readers would split the
-        # extensions between them).
-        argv += self._init(command, status_w, role, user, env_fd=env_fd, deadline=False)[1:]
+        env_fd = None
         try:
+            env_fd = env_file({**env, SUPERVISOR_ENV: self.marker},  # for our init, in there
+                              first=SUPERVISOR_ENV)
+            # The lease's switch is the container's PID 1's alone: when it fires, the
+            # container ends and every process joined into it with it (two readers would
+            # split the extensions between them).
+            argv += self._init(command, status_w, role, user, env_fd=env_fd,
+                               deadline=False)[1:]
             process = await anyio.open_process(
                 argv, env=host_env(**{SUPERVISOR_ENV: self.marker}),
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,

@@ -48,13 +48,14 @@ def host_env(**extra: str) -> dict[str, str]:
     return {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", **extra}
 
 
-def env_file(env: Mapping[str, str]) -> int:
-    """A 0600 anonymous file holding `env` as NUL-separated `NAME=VALUE` entries, rewound,
-    for our init inside the sandbox to read (`--env-fd`); the caller closes it. Names
-    with `=` or NUL and values with NUL are refused (ValueError): no process could hold
-    them, and a NUL would split one entry into two."""
+def env_file(env: Mapping[str, str], first: str = "") -> int:
+    """A 0600 anonymous file holding `env` as NUL-separated `NAME=VALUE` entries (`first`'s
+    first: a reader of /proc/PID/environ's head finds it), rewound, for our init inside
+    the sandbox to read (`--env-fd`); the caller closes it. Names with `=` or NUL and
+    values with NUL are refused (ValueError): no process could hold them, and a NUL would
+    split one entry into two. (Task.load refuses them first.)"""
     entries = []
-    for name, value in env.items():
+    for name, value in sorted(env.items(), key=lambda item: item[0] != first):
         if not name or "=" in name or "\0" in name or "\0" in value:
             raise ValueError(f"an environment variable no process can hold: {name!r}")
         entries.append(f"{name}={value}\0".encode("utf-8", "surrogateescape"))

@@ -511,8 +511,6 @@ class LocalSandbox(ContainerPhases):
         if self.lifetime == "harbor" and role != "container":
             return await self._spawn_joined(command, env=env, role=role, stdin=stdin,
                                             copy=copy)
-        # The task's variables go to our init inside the sandbox alone (hostside.py)
-        env_fd = env_file({**env, SUPERVISOR_ENV: self.marker})
         bwrap = self.isolation == "bwrap"
         status_r, status_w = os.pipe()
         info_r, info_w = os.pipe() if bwrap else (None, None)
@@ -528,8 +526,11 @@ class LocalSandbox(ContainerPhases):
         seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
                    if self.range is not None else None)
         userns = self.range.userns_fd if self.range is not None else None
-        inner = self._init(command, status_w, role, env_fd=env_fd)
+        env_fd = None
         try:
+            # The task's variables go to our init inside the sandbox alone (hostside.py)
+            env_fd = env_file({**env, SUPERVISOR_ENV: self.marker}, first=SUPERVISOR_ENV)
+            inner = self._init(command, status_w, role, env_fd=env_fd)
             argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, phase=phase,
                                 verifier_logs=verifier_logs, block_fd=block_r,
                                 seccomp_fd=seccomp)
