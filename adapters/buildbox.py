@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -50,7 +49,7 @@ from trialledger.adapters.sandbox.cgroup import (
     LimitsNotEnforced,
     build_cgroups,
 )
-from trialledger.adapters.sandbox.folders import STALE_S, remove_tree
+from trialledger.adapters.sandbox.folders import STALE_S, lock_held, remove_tree
 from trialledger.adapters.sandbox.hostside import ProgramMissing, program
 from trialledger.adapters.sandbox.slirp import SlirpFailed, start_slirp
 
@@ -209,22 +208,12 @@ def build_alive(builder: Builder, name: str) -> bool:
     folder holds a lock its runner keeps until the folder is gone (a folder just being
     made, its lock not yet there, counts as alive)."""
     folder = builder.scratch / name
+    if (held := lock_held(folder / LOCK_NAME)) is not None:
+        return held
     try:
-        lock = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        try:
-            return time.time() - folder.lstat().st_mtime < STALE_S
-        except OSError:
-            return False
+        return time.time() - folder.lstat().st_mtime < STALE_S
     except OSError:
         return False
-    try:
-        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(lock)
-    return False
 
 
 def end_dead_builds(builder: Builder) -> int:

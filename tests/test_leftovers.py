@@ -19,6 +19,7 @@ from tests import images
 from tests.runs import in_process
 from tests.test_builds import builder, containers, dockerfile_task, running, still_running
 from trialledger.adapters import build
+from trialledger.adapters.buildbox import build_alive
 from trialledger.adapters.builder import Builder
 from trialledger.adapters.environment import Cache, prepare
 from trialledger.adapters.sandbox import leftovers
@@ -80,14 +81,15 @@ def test_a_build_killed_with_its_runner_is_ended_by_the_next_recover(
     time.sleep(1)
     assert running(f"sleep {marker}"), "nothing was left to clean up"
     dead = [c for c in build_cgroups() if c.members()]
-    folders = set(os.listdir(builder.scratch))
+    killed = {f for f in os.listdir(builder.scratch)  # (another test may be building)
+              if f.startswith("trialledger-build-") and not build_alive(builder, f)}
+    assert killed
     done = in_process("recover", "--all", "--db", str(tmp_path / "t.db"))
     assert done.returncode == 0, done.stderr
     assert "killed builds' leftovers removed" in done.stdout
     assert still_running(f"sleep {marker}", within_s=10) == []
     assert not any(path.exists() for c in dead for path in c.paths)
-    assert not {f for f in folders if f.startswith("trialledger-build-")} \
-        & set(os.listdir(builder.scratch))
+    assert not killed & set(os.listdir(builder.scratch))
     # its working container goes with the next build (the first of a new process)
     monkeypatch.setattr(build, "_swept", [])
     made = containers(builder) - before

@@ -168,6 +168,24 @@ def remove_lock_last(root: Path) -> None:
             root.rmdir()
 
 
+def lock_held(lock: Path) -> bool | None:
+    """Whether some process holds the file lock `lock` (a runner, for what it made); None
+    when there is no such file. Never follows a link."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def forget_session_folder(root: Path) -> None:
     """Drop a folder's registry entry (once the folder is gone)."""
     with contextlib.suppress(OSError):

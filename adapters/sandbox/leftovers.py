@@ -11,7 +11,6 @@ by user id, and nothing of a live runner is touched.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from trialledger.adapters.sandbox.folders import (
     LOCK,
     STALE_S,
     folder_registry,
+    lock_held,
 )
 
 
@@ -34,19 +34,7 @@ def owner_alive(folder_name: str) -> bool:
         recorded = Path(os.fsdecode((folder_registry() / folder_name).read_bytes()))
     except OSError:
         return False  # recorded before the folder is made, forgotten once it is gone
-    if recorded.name != folder_name:
-        return False
-    try:
-        lock = os.open(recorded / LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(lock)
-    return False
+    return recorded.name == folder_name and lock_held(recorded / LOCK) is True
 
 
 def sweep_session_cgroups() -> int:
