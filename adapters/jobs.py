@@ -41,6 +41,7 @@ from trialledger.adapters.task import (
     UnsupportedField,
     require_verifier,
 )
+from trialledger.adapters.taskconfig import WrongType
 from trialledger.adapters.taskfiles import TaskFileTooLarge, file_limit
 from trialledger.adapters.trial import Lease, Trial, TrialRun
 from trialledger.core.policy import get_policy
@@ -71,9 +72,9 @@ def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
     """Task folders, or dataset folders whose subfolders are tasks; filtered by globs on the
     task name (a folder's base name); two tasks of one name are refused. A dataset's task
     that asks for a field this runner refuses (`UnsupportedField`, docs/SPEC.md §15), has
-    no `tests/test.sh` (`NoVerifier`) or a file over `max_bytes` (`TaskFileTooLarge`, the
-    `task_file_max_bytes` setting) is skipped with the reason; a task folder named alone
-    is refused."""
+    no `tests/test.sh` (`NoVerifier`), a file over `max_bytes` (`TaskFileTooLarge`, the
+    `task_file_max_bytes` setting) or a task.toml value of the wrong type (`WrongType`) is
+    skipped with the reason; a task folder named alone is refused."""
     folders: list[tuple[Path, bool]] = []  # (folder, inside a dataset)
     datasets: dict[str, str] = {}  # a dataset's task → the dataset's name (else `adhoc`)
     for path in paths:
@@ -101,7 +102,7 @@ def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
                               f"{folder.resolve()}); a job's task names must be unique")
         try:
             chosen[name] = require_verifier(Task.load(folder, max_bytes=max_bytes))
-        except (UnsupportedField, NoVerifier, TaskFileTooLarge) as error:
+        except (UnsupportedField, NoVerifier, TaskFileTooLarge, WrongType) as error:
             if not in_dataset:
                 raise
             skipped[name] = str(error)

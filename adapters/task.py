@@ -36,6 +36,7 @@ from trialledger.adapters.taskconfig import (
     legacy_sizes,
     network_modes,
     review,
+    wrong_type,
 )
 from trialledger.adapters.taskconfig import TaskInvalid as TaskInvalid
 from trialledger.adapters.taskconfig import UnsupportedField as UnsupportedField
@@ -111,13 +112,7 @@ class Task:
         prompt = read_task_text(folder, "instruction.md", max_bytes)
         check_task_file(folder, COMPOSE, max_bytes)  # refused below, by size first
         environment, modes, ignored = _fields(meta, folder)
-        settings: dict[str, Any] = {}
-        if "timeout_sec" in meta.get("agent", {}):
-            settings["timeout_s"] = float(meta["agent"]["timeout_sec"])
-        if "timeout_sec" in meta.get("verifier", {}):
-            settings["verifier_timeout_s"] = float(meta["verifier"]["timeout_sec"])
-        if "workdir" in environment:
-            settings["workdir"] = str(environment["workdir"])
+        settings = _settings(meta, environment, folder)
         tests = folder / "tests"
         tables = _env_tables(meta, folder)
         servers = parse_mcp_servers(environment.get("mcp_servers", []),
@@ -157,6 +152,23 @@ class Task:
         )
 
 
+def _settings(meta: dict[str, Any], environment: dict[str, Any], folder: Path
+              ) -> dict[str, Any]:
+    """The phases' `timeout_sec` and `[environment] workdir` as settings (§5)."""
+    settings: dict[str, Any] = {}
+    for phase, setting in (("agent", "timeout_s"), ("verifier", "verifier_timeout_s")):
+        if "timeout_sec" in meta.get(phase, {}):
+            settings[setting] = float(_positive(meta[phase]["timeout_sec"],
+                                                f"[{phase}] timeout_sec", folder))
+    if "workdir" in environment:
+        workdir = environment["workdir"]
+        if not isinstance(workdir, str):
+            raise wrong_type(str(folder / "task.toml"), "[environment] workdir", workdir,
+                             "a string (an absolute path)")
+        settings["workdir"] = workdir
+    return settings
+
+
 def _users(meta: dict[str, Any], folder: Path) -> dict[str, str]:
     """Each phase's `user`, as Harbor types it (a string or an int)."""
     found = {}
@@ -165,8 +177,8 @@ def _users(meta: dict[str, Any], folder: Path) -> dict[str, str]:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
-            raise TaskInvalid(f"{folder / 'task.toml'}: [{phase}] user = {value!r}: expected "
-                              f"a user name, a uid, uid:gid or name:group")
+            raise wrong_type(str(folder / "task.toml"), f"[{phase}] user", value,
+                             "a user name, a uid, uid:gid or name:group")
         found[phase] = str(value)
     return found
 
@@ -212,7 +224,12 @@ def _env_tables(meta: dict[str, Any], folder: Path) -> dict[str, ResolvedEnv]:
     for phase in ("environment", "verifier", "solution"):
         table = meta.get(phase, {}).get("env", {})
         if not isinstance(table, dict):
-            raise TaskInvalid(f"{folder / 'task.toml'}: [{phase}] env must be a table")
+            raise wrong_type(str(folder / "task.toml"), f"[{phase}] env", table,
+                             "a table of strings")
+        for name, value in table.items():
+            if not isinstance(value, (str, int, float, bool)):
+                raise wrong_type(str(folder / "task.toml"), f"[{phase}] env {name}", value,
+                                 "a string")
         try:
             tables[phase] = resolve(table, f"{folder / 'task.toml'}: [{phase}] env")
         except EnvUnresolved as error:
@@ -224,7 +241,8 @@ def _flag(table: dict[str, Any], key: str, folder: Path, *, default: bool = True
           table_name: str = "environment") -> bool:
     value = table.get(key, default)
     if not isinstance(value, bool):
-        raise TaskInvalid(f"{folder / 'task.toml'}: [{table_name}] {key} must be true or false")
+        raise wrong_type(str(folder / "task.toml"), f"[{table_name}] {key}", value,
+                         "true or false")
     return value
 
 
@@ -236,15 +254,14 @@ def _source(table: dict[str, Any], folder: Path) -> Source | None:
         raise TaskInvalid(f"{folder / 'task.toml'}: [environment] names {' and '.join(named)}; "
                           f"a task has at most one environment source")
     timeout = table.get("build_timeout_sec", BUILD_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise TaskInvalid(f"{folder / 'task.toml'}: [environment] build_timeout_sec must be "
-                          f"a positive number")
+    timeout = _positive(timeout, "[environment] build_timeout_sec", folder)
     if not named:
         return Source("dockerfile", "Dockerfile", folder, float(timeout)) if dockerfile else None
     kind = named[0]
     value = table[kind]
     if not isinstance(value, str) or not value:
-        raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {kind} must be a string")
+        raise wrong_type(str(folder / "task.toml"), f"[environment] {kind}", value,
+                         "a non-empty string")
     source = Source(SOURCE_KINDS[kind], value, folder, float(timeout))
     if kind != "docker_image":
         _inside(folder, value, f"task.toml [environment] {kind} {value!r}")
@@ -254,7 +271,7 @@ def _source(table: dict[str, Any], folder: Path) -> Source | None:
 def _inside(folder: Path, relative: str, named: str) -> None:
     """Refuse a path the task names that leaves its folder, through a link anywhere on the
     way too (resolved before the check, so no host folder is packed or mounted)."""
-    if within(folder, relative) is None:
+    if "\x00" in relative or within(folder, relative) is None:  # (no path holds a NUL)
         raise TaskInvalid(f"{folder}: {named} must be a path inside the task folder (an "
                           f"absolute path, '..' or a symbolic link on the way leads out)")
 
@@ -263,18 +280,20 @@ def _limits(table: dict[str, Any], folder: Path) -> dict[str, float]:
     limits = {}
     for key in LIMITS:
         if key in table:
-            limits[key] = _positive(table[key], key, folder)
+            limits[key] = _positive(table[key], f"[environment] {key}", folder)
     return limits
 
 
 def _storage_mb(table: dict[str, Any], folder: Path) -> float | None:
     """`storage_mb` (or the legacy `storage`): recorded, never enforced (§12)."""
-    return _positive(table["storage_mb"], "storage_mb", folder) if "storage_mb" in table else None
+    if "storage_mb" not in table:
+        return None
+    return _positive(table["storage_mb"], "[environment] storage_mb", folder)
 
 
-def _positive(value: Any, key: str, folder: Path) -> float:
+def _positive(value: Any, name: str, folder: Path) -> float:
+    """`value`, or `WrongType` naming `name` when it is not a finite number above 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
             0 < value < math.inf):
-        raise TaskInvalid(f"{folder / 'task.toml'}: [environment] {key} must be a positive "
-                          f"number")
+        raise wrong_type(str(folder / "task.toml"), name, value, "a positive number")
     return value

@@ -32,6 +32,21 @@ class UnsupportedField(TaskInvalid):
     the field); in a dataset such a task is skipped, not the whole job refused."""
 
 
+class WrongType(TaskInvalid):
+    """A task.toml value of the wrong type (the message names the key and the type expected);
+    in a dataset such a task is skipped, not the whole job refused."""
+
+
+SHOWN = 60  # characters of a wrong value in the message
+
+
+def wrong_type(where: str, name: str, value: Any, expected: str) -> WrongType:
+    """`WrongType` for `name = value` in `where`: one line naming the key and `expected`."""
+    shown = repr(value)
+    shown = shown if len(shown) <= SHOWN else f"{shown[:SHOWN]}…"
+    return WrongType(f"{where}: {name} = {shown}: expected {expected}")
+
+
 def _nothing(value: Any) -> bool:
     return bool(value in ([], {}, "") or (value == 0 and not isinstance(value, bool)))
 
@@ -144,7 +159,7 @@ def _walk(table: Mapping[str, Any], prefix: Path, where: str, ignored: dict[str,
         path = (*prefix, key)
         if path in TABLES:
             if not isinstance(value, dict):
-                raise TaskInvalid(f"{where}: {field_name(path)} must be a table")
+                raise wrong_type(where, field_name(path), value, "a table")
             _walk(value, path, where, ignored)
             continue
         rule = FIELDS.get(path) or FIELDS.get((*prefix, "*")) or UNKNOWN
@@ -170,7 +185,7 @@ def network_modes(meta: Mapping[str, Any], where: str
     baseline = _mode(environment, "environment", where) or "public"
     if (legacy := environment.get("allow_internet")) is not None:
         if not isinstance(legacy, bool):
-            raise TaskInvalid(f"{where}: [environment] allow_internet must be true or false")
+            raise wrong_type(where, "[environment] allow_internet", legacy, "true or false")
         explicit = [key for key in ("network_mode", "allowed_hosts") if key in environment]
         if explicit:  # Harbor's _apply_legacy_allow_internet: the explicit field wins
             ignored["[environment] allow_internet"] = (
@@ -187,6 +202,9 @@ def _mode(table: Mapping[str, Any], name: str, where: str) -> str | None:
     value = table.get("network_mode")
     if value is None:
         return None
+    if not isinstance(value, str):
+        raise wrong_type(where, f"[{name}] network_mode", value,
+                         f"a string, one of {', '.join(NETWORK_MODES)}")
     if value not in NETWORK_MODES:
         raise TaskInvalid(f"{where}: [{name}] network_mode must be one of "
                           f"{', '.join(NETWORK_MODES)}, not {value!r}")
@@ -202,6 +220,10 @@ def allowed_entries(meta: Mapping[str, Any], modes: Mapping[str, str], where: st
     Harbor's model refuses it."""
     environment = meta.get("environment", {})
     for name, table in (("environment", environment), *((p, meta.get(p, {})) for p in PHASES)):
+        hosts = table.get("allowed_hosts")
+        if hosts is not None and not isinstance(hosts, str) and not (
+                isinstance(hosts, list) and all(isinstance(host, str) for host in hosts)):
+            raise wrong_type(where, f"[{name}] allowed_hosts", hosts, "a list of strings")
         mode = modes[name] if "network_mode" in table or name == "environment" else None
         if table.get("allowed_hosts") and mode not in (None, "allowlist"):
             raise TaskInvalid(f"{where}: [{name}] allowed_hosts is only valid when "

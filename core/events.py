@@ -213,6 +213,9 @@ LATER_LAUNCH_FIELDS = ("environment", "limits", "model_proxy", "identity", "jour
 # What the proxy answers itself (SPEC §14): such a call never reached the endpoint, so it
 # is never an upstream failure and never the call a claim is weighed against.
 PROXY_REFUSALS = frozenset({"refused_path", "refused_size", "refused_concurrency"})
+# A call the proxy ended because it was not completed `model_call_max_s` after its request
+# was sent (schema 2 of `model.call`): the endpoint's failure, not the proxy's refusal.
+DEADLINE = "deadline"
 
 
 class ModelCallData(_Data):
@@ -224,7 +227,8 @@ class ModelCallData(_Data):
     started_at: Timestamp
     ended_at: Timestamp | None = None  # the event's `at`
     http_status: int | None = None
-    error: str | None = None  # upstream transport error, `client_closed`, or a refusal
+    error: str | None = None  # upstream transport error, `deadline`, `client_closed`, or
+    # a refusal
     completed: bool = False  # the stream reached `response.completed`
     last_byte_at: Timestamp | None = None  # when the endpoint last sent anything
     response_id: str | None = None
@@ -566,6 +570,7 @@ CODEX_STREAM_TYPES = frozenset(
 # written by newer code: it is refused, never read as if it were ours (core/parsing.py).
 SCHEMA_VERSION: dict[str, int] = {
     **dict.fromkeys(EVENT_TYPES, 1),
+    "model.call": 2,  # 2: `last_byte_at`, and `error` may be `deadline` (older: neither)
     "agent.launched": 4,  # 2: model_proxy, environment, limits; 3: identity; 4: journal
     "verification.recorded": 3,  # 2: stdout_tail, stderr_tail; 3: files
     "verification.failed": 3,

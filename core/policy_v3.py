@@ -8,7 +8,9 @@ own record of every request, which the agent cannot write. v3 is v2 plus, for `P
   `response.completed`), with the same status code when the claim names one; an
   unconfirmed claim is probed (R9a) whatever the opt-in says, with gap
   `endpoint_claim_unconfirmed`;
-- a timeout while the last call sent nothing for 60 s is the endpoint's (R5b);
+- a timeout while the last call sent nothing for 60 s is the endpoint's (R5b), and so is a
+  session whose last call the proxy ended at its deadline (`model_call_max_s`: an endpoint
+  dripping bytes never goes silent);
 - a reroute is believed only when a call's model differs from the one asked for;
 - usage is the calls' sum (a non-2xx call counts zero, a 2xx call without
   `response.completed` makes it unknown), with gap `usage_mismatch` when Codex's native
@@ -24,6 +26,7 @@ from dataclasses import replace
 from datetime import datetime
 
 from trialledger.core.events import (
+    DEADLINE,
     MAX_TOKENS,
     Event,
     Gap,
@@ -87,6 +90,12 @@ def hung(facts: Facts) -> bool:
     return _seconds(last.ended_at) - _seconds(quiet_since) >= HUNG_S
 
 
+def past_deadline(facts: Facts) -> bool:
+    """The last call was ended by the proxy at its deadline: the endpoint never finished
+    it, however often it sent a byte."""
+    return bool(facts.calls) and facts.calls[-1].error == DEADLINE
+
+
 def unconfirmed_claim(facts: Facts) -> str | None:
     """The endpoint claim v3 does not believe (None: none, or it is confirmed)."""
     if not facts.model_proxy or facts.ending_kind not in CLAIMED_KINDS:
@@ -111,6 +120,8 @@ def _reroute_error(facts: Facts) -> str | None:
 
 
 def _endpoint_unreachable(facts: Facts) -> bool:
+    if facts.model_proxy and past_deadline(facts):  # as a timeout with the call open
+        return True
     if not facts.timed_out:
         return False
     if not facts.model_proxy:
@@ -123,6 +134,9 @@ def _unreachable_error(facts: Facts) -> str | None:
     if facts.reconnecting is not None and (not facts.model_proxy
                                            or confirmed(facts, facts.reconnecting)):
         return facts.reconnecting
+    if past_deadline(facts):
+        return (f"the model endpoint did not complete call {facts.calls[-1].call} before "
+                f"the proxy's deadline (model_call_max_s)")
     return f"the model endpoint sent nothing for {HUNG_S:g} s before the timeout"
 
 

@@ -25,6 +25,9 @@ class Settings(BaseModel):
     session_close_timeout_s: PositiveSeconds = 60.0
     verifier_timeout_s: PositiveSeconds = 600.0
     mcp_tool_timeout_s: PositiveSeconds | None = None
+    # A model call not completed this long after its request was sent is ended by the
+    # proxy (`error: deadline`, SPEC §14): a dripping endpoint never goes silent for R5b.
+    model_call_max_s: PositiveSeconds = 900.0
     workdir: str = "/app"
     inherit_sandbox_environment: bool = False
     raise_oom_score_adj: bool = False

@@ -4,7 +4,7 @@
 Each `POST /v1/responses` takes the next reply of the script (the last one repeats):
 a streamed assistant message, a `function_call` (so Codex runs a real shell command), an
 HTTP error status, a stream cut before `response.completed`, a reply that hangs (before
-its headers, or after them: a stall); a
+its headers, or after them: a stall), one that drips a byte a second and never ends; a
 request with `"stream": false` gets the reply as one whole response object instead.
 Every request body is kept in `requests`, and every request's method and path in `seen`
 (any other method is answered 501, as the standard library's server does).
@@ -25,7 +25,7 @@ from typing import Any
 class Reply:
     """One scripted answer."""
 
-    kind: str  # message | function_call | status | cut | hang | stall
+    kind: str  # message | function_call | status | cut | hang | stall | drip
     text: str = ""
     status: int = 200
     body: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +71,13 @@ def stall(seconds: float) -> Reply:
     """A streamed reply that sends its headers and `response.created`, then nothing for a
     while (an endpoint hung mid-answer), then ends without `response.completed`."""
     return Reply("stall", seconds=seconds)
+
+
+def drip(seconds: float) -> Reply:
+    """A streamed reply that sends its headers and `response.created`, then one byte (a
+    blank line, which no SSE reader acts on) a second for `seconds`, then ends without
+    `response.completed`: never silent, never done."""
+    return Reply("drip", seconds=seconds)
 
 
 def _usage(u: tuple[int, int, int, int]) -> dict[str, Any]:
@@ -215,6 +222,12 @@ class ScriptedEndpoint:
                 handler.wfile.flush()
                 if reply.kind == "stall":  # after response.created: silence, then an end
                     time.sleep(reply.seconds)
+                    break
+                if reply.kind == "drip":  # after response.created: a byte a second
+                    for _ in range(int(reply.seconds)):
+                        handler.wfile.write(b"\n")
+                        handler.wfile.flush()
+                        time.sleep(1.0)
                     break
         except (BrokenPipeError, ConnectionResetError):
             pass
