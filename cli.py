@@ -245,8 +245,9 @@ def cmd_recover(args: argparse.Namespace) -> int:
     from trialledger.adapters.sandbox.folders import sweep_stale_sessions
     from trialledger.adapters.sandbox.leftovers import sweep_builds, sweep_session_cgroups
 
+    cgroups = sweep_session_cgroups()  # (first: a cgroup's owner is known by its folder)
     swept = sweep_stale_sessions()  # this machine's folders of dead runners (grant tokens)
-    cgroups, builds = sweep_session_cgroups(), sweep_builds()
+    builds = sweep_builds()
     for sid in recovered:
         out.print(plain(sid))
     out.print(f"{len(recovered)} sessions recovered")

@@ -135,8 +135,18 @@ def _sweep_once() -> None:
     global _swept
     if not _swept:
         _swept = True
+        sweep_session_cgroups()  # (first: a cgroup's owner is known by its folder)
         sweep_stale_sessions()
-        sweep_session_cgroups()
+
+
+def _call_max_s(raw: Mapping[str, Any]) -> float:
+    """The proxy's deadline per model call (`model_call_max_s`, SPEC §14): a value that is
+    no positive number refuses the seed before Codex starts, so the default serves then."""
+    default: float = Settings.model_fields["model_call_max_s"].default
+    value = raw.get("model_call_max_s", default)
+    valid = (isinstance(value, int | float) and not isinstance(value, bool)
+             and 0 < value < float("inf"))
+    return float(value) if valid else default
 
 
 def agent_env(settings: Settings, task: Task, sandbox: LocalSandbox, api_key: str | None

@@ -3,7 +3,7 @@
 
 A session's cgroups are named after its session folder (`<folder>-<8 hex>`), whose lock
 its runner holds from before the cgroups exist until after they are removed: a cgroup
-whose folder is gone, or whose lock is free, belongs to nobody. A build's cgroup and its
+whose recorded folder's lock is free belongs to nobody (swept before the folders are). A build's cgroup and its
 working containers carry its private folder's name, and that folder a lock its runner
 holds while the build lives (adapters/buildbox.py, `build_alive`). Nothing is ever chosen
 by user id, and nothing of a live runner is touched.
@@ -28,13 +28,16 @@ from trialledger.adapters.sandbox.folders import (
 )
 
 
-def owner_alive(folder_name: str) -> bool:
-    """Whether the session folder `folder_name` exists with its lock held by a runner."""
+def owner_gone(folder_name: str) -> bool:
+    """Whether the session folder `folder_name` is recorded here and no runner holds its
+    lock. A cgroup of a folder no longer recorded is left alone: whose it is cannot be
+    known (a runner of an older version names its cgroups otherwise), so sessions' cgroups
+    are swept before their folders are."""
     try:
         recorded = Path(os.fsdecode((folder_registry() / folder_name).read_bytes()))
     except OSError:
-        return False  # recorded before the folder is made, forgotten once it is gone
-    return recorded.name == folder_name and lock_held(recorded / LOCK) is True
+        return False
+    return recorded.name == folder_name and lock_held(recorded / LOCK) is not True
 
 
 def sweep_session_cgroups() -> int:
@@ -55,7 +58,7 @@ def sweep_session_cgroups() -> int:
                     continue  # (an older runner named them otherwise; give it time)
             except OSError:
                 continue
-            if owner_alive(name.rsplit("-", 1)[0]):
+            if not owner_gone(name.rsplit("-", 1)[0]):
                 continue
             removed += remove_cgroup(child)
     return removed
