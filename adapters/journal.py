@@ -7,12 +7,15 @@ the session's log had when an append first failed; each further line is one appe
 batch, all or nothing), scrubbed and fsynced before the runner goes on. It is delivered in
 order — by its runner when the store returns, else by `recover` or a job's next holder on
 the same machine — and removed once the store holds all of it. A batch whose append failed
-may still have committed (its answer lost): delivery skips what the log already holds.
+may still have committed (its answer lost, or abandoned): its events carry their ids, so
+delivering it again is a no-op (SPEC §2). Lines carry their place and sha256; a damaged
+part becomes a gap (the format and its checks: journalfile.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -22,19 +25,25 @@ from pathlib import Path
 from typing import Any
 
 from trialledger.adapters.environment import default_cache_dir
-from trialledger.core.errors import TrialLedgerError
-from trialledger.core.parsing import parse_events
+from trialledger.adapters.journalfile import (
+    FORMAT,
+    Batch,
+    Damage,
+    JournalRefused,
+    already_stored,
+    damaged_gap,
+    digest,
+    keep_damaged,
+    read_journal,
+)
+from trialledger.core.errors import ConcurrencyConflict, EventIdConflict
 from trialledger.core.redact import scrub_data
 from trialledger.store import Ledger, StoredEvent
 from trialledger.store.ledger import Deliver
 from trialledger.store.writer import Fence, now
 
-Batch = list[dict[str, Any]]
-
-
-class JournalRefused(TrialLedgerError):
-    """A journal folder or file that is not this user's own (a link, another owner, open
-    to others): never read, never written."""
+__all__ = ["Batch", "Journal", "JournalRefused", "deliver_journal", "delivery",
+           "journal_dir", "journal_path", "journal_record", "read_journal"]
 
 
 def journal_dir() -> Path:
@@ -71,6 +80,7 @@ class Journal:
         self.path = journal_path(session_id)
         self.secrets = tuple(secrets)
         self.pending = False  # it holds batches the store has not been seen to take
+        self.batches = 0  # lines written after its header: the next one's `n` follows
 
     def begin(self, after_seq: int) -> None:
         """Start the journal: the store's head (`after_seq`) before the first failed append."""
@@ -78,7 +88,8 @@ class Journal:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
                      | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, _line({"session_id": self.session_id, "after_seq": after_seq}))
+            os.write(fd, _line({"format": FORMAT, "session_id": self.session_id,
+                                "after_seq": after_seq}))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -87,17 +98,21 @@ class Journal:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        self.pending = True
+        self.pending, self.batches = True, 0
 
     def add(self, events: Sequence[Mapping[str, Any]]) -> None:
-        """Append one batch (scrubbed), on disk before this returns."""
+        """Append one batch (scrubbed), with its place and sha256, on disk before this
+        returns."""
         batch = [scrub_data(dict(event), self.secrets) for event in events]
+        line = _line({"n": self.batches + 1, "sha256": digest(batch), "events": batch})
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            os.write(fd, _line({"events": batch}))
+            if os.write(fd, line) != len(line):
+                raise OSError(errno.ENOSPC, "the journal line was written only in part")
             os.fsync(fd)
         finally:
             os.close(fd)
+        self.batches += 1
 
     def delivered(self) -> None:
         """The store holds all of it: the file goes."""
@@ -110,63 +125,53 @@ def _line(obj: Mapping[str, Any]) -> bytes:
     return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 
 
-def read_journal(path: Path) -> tuple[int, list[Batch]] | None:
-    """A journal's head and batches, or None when there is none. A last line cut short (a
-    crash while writing it) was never acknowledged to anyone: it is left out."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid()
-                or info.st_mode & 0o077):
-            raise JournalRefused(f"journal {path} is not this user's own 0600 file")
-        lines = handle.read().split(b"\n")
-    try:
-        header = json.loads(lines[0])
-        after_seq = int(header["after_seq"])
-    except (ValueError, KeyError, TypeError):
-        return None  # cut before its header was whole: nothing in it was written
-    batches: list[Batch] = []
-    for raw in lines[1:]:
-        try:
-            batches.append(list(json.loads(raw)["events"]))
-        except (ValueError, KeyError, TypeError):
-            break
-    return after_seq, batches
-
-
-def _undelivered(stored: Sequence[StoredEvent], batches: Sequence[Batch]) -> list[Batch]:
-    """The batches the log does not hold yet: the log after the journal's head holds a
-    prefix of them (in order, with the machine's decisions between)."""
-    ours = [(e.type, e.at) for e in (s.event for s in stored) if e.type != "outcome.decided"]
-    taken = 0
-    for count, batch in enumerate(batches):
-        keys = [(e.type, e.at) for e in parse_events(batch)]
-        if ours[taken:taken + len(keys)] != keys:
-            return list(batches[count:])
-        taken += len(keys)
-    return []
-
-
 async def deliver_journal(ledger: Ledger, session_id: str, path: Path, *,
                           fence: Fence | None = None) -> list[StoredEvent] | None:
-    """Append what a journal holds and the store does not, in order, then remove it;
-    return the session's stored events after the journal's head (None: no journal)."""
-    found = read_journal(path)
+    """Append what a journal holds and the store does not, in order — a damaged part as
+    gap `evidence_damaged` in its place — then remove it (a damaged one is kept, renamed
+    `.damaged`); return the session's stored events after its head (None: no journal)."""
+    found = read_journal(path, session_id)
     if found is None:
         return None
-    after_seq, batches = found
-    stored = await ledger.events(session_id, after_seq=after_seq)
-    head = stored[-1].event.seq or after_seq if stored else after_seq
-    for batch in _undelivered(stored, batches):
-        got = await ledger.append(session_id, batch, expected_seq=head, fence=fence)
+    stored = await ledger.events(session_id, after_seq=found.after_seq or 0)
+    head = (stored[-1].event.seq or 0) if stored else (found.after_seq or 0)
+    skip = already_stored(stored, found)
+    for item in found.items:
+        if isinstance(item, Damage):
+            events = [damaged_gap(session_id, path, item)]
+        elif skip:
+            skip -= 1
+            continue
+        else:
+            events = item
+        got = await _append(ledger, session_id, events, head, fence)
         stored += got
-        head = got[-1].event.seq or head
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        head = max([head, *(s.event.seq or 0 for s in got)])
+    if found.damaged:
+        keep_damaged(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     return stored
+
+
+async def _append(ledger: Ledger, session_id: str, events: Batch, head: int,
+                  fence: Fence | None) -> list[StoredEvent]:
+    """One journalled batch appended after `head`. A batch whose events all carry their
+    ids is idempotent (SPEC §2): the log moving on meanwhile (an abandoned append that did
+    commit) is followed, once; a damage gap stored before is stored already."""
+    try:
+        return await ledger.append(session_id, events, expected_seq=head, fence=fence)
+    except EventIdConflict:
+        if events[0].get("type") == "gap.recorded":  # the same gap, from an earlier delivery
+            return []
+        raise
+    except ConcurrencyConflict:
+        if not all(e.get("event_id") for e in events):
+            raise
+        later = await ledger.events(session_id, after_seq=head)
+        head = (later[-1].event.seq or head) if later else head
+        return later + await ledger.append(session_id, events, expected_seq=head, fence=fence)
 
 
 def delivery(ledger: Ledger) -> Deliver:

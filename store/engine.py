@@ -21,7 +21,7 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -95,6 +95,19 @@ class Engines:
     url: str
     sync_writer: Engine | None = None
     sync_reader: Engine | None = None
+    writing: InUse = field(default_factory=lambda: InUse())  # the writer's connections out
+
+    def __post_init__(self) -> None:
+        if self.sync_writer is not None:  # SQLite: a statement is interrupted, then rolled back
+            self.writing.watch(self.sync_writer, lambda dbapi: dbapi.interrupt())
+        else:  # asyncpg: the socket is closed at once (the server rolls the transaction back)
+            self.writing.watch(self.writer.sync_engine,
+                               lambda dbapi: dbapi.driver_connection.terminate())
+
+    def abandon_writes(self) -> int:
+        """Cut every write connection in use (a stalled append's): its statement fails at
+        once and its transaction is rolled back. Returns how many were cut."""
+        return self.writing.cut_all()
 
     @property
     def dialect(self) -> str:
@@ -180,6 +193,34 @@ class Engines:
         for engine in (self.sync_writer, self.sync_reader):
             if engine is not None:
                 engine.dispose()
+
+
+class InUse:
+    """The connections an engine has checked out, each with how to cut it: a stalled one
+    is abandoned (SPEC §8, capture never waits on the store), never waited for."""
+
+    def __init__(self) -> None:
+        self._cut: dict[int, Callable[[], None]] = {}
+
+    def watch(self, engine: Engine, cut: Callable[[Any], None]) -> None:
+        """Follow `engine`'s pool (listened to before any ping at checkout, so a ping that
+        hangs can be cut too)."""
+
+        @event.listens_for(engine.pool, "checkout", insert=True)
+        def _out(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+            self._cut[id(record)] = lambda: cut(dbapi_connection)
+
+        @event.listens_for(engine.pool, "checkin")
+        def _in(_dbapi_connection: Any, record: Any) -> None:
+            self._cut.pop(id(record), None)
+
+    def cut_all(self) -> int:
+        """Cut every connection out now (one already gone is skipped)."""
+        cuts = list(self._cut.values())
+        for cut in cuts:
+            with contextlib.suppress(Exception):
+                cut()
+        return len(cuts)
 
 
 def _call(conn: Connection, work: Callable[[Connection], T]) -> T:

@@ -178,6 +178,12 @@ class Ledger:
         """`sqlite` or `postgresql`."""
         return self._engines.dialect
 
+    def abandon(self) -> int:
+        """Cut the write connections in use: an append that stalled (a server stopped, not
+        gone) fails now, its transaction rolled back; what it carried is the caller's to
+        journal (SPEC §8). Returns how many were cut."""
+        return self._engines.abandon_writes()
+
     # --- writing ---------------------------------------------------------------------------
 
     @guarded
