@@ -61,9 +61,11 @@ async def in_store(db: str, work: Callable[[Ledger], Awaitable[T]], *,
     """`work` on the store at `db`, opened for it and closed after (`create`: build a
     missing database; read-only commands refuse one instead)."""
     from trialledger.store import Ledger
+    from trialledger.store.newfile import removed_if_unused
 
-    async with await Ledger.open(db, create=create) as ledger:
-        return await work(ledger)
+    with removed_if_unused(db) if create else contextlib.nullcontext():  # refused: no file
+        async with await Ledger.open(db, create=create) as ledger:
+            return await work(ledger)
 
 
 def on_store(db: str, work: Callable[[Ledger], Awaitable[T]], *, create: bool = True) -> T:
@@ -299,6 +301,7 @@ def _run_options(args: argparse.Namespace) -> Any:
         codex_bin=args.codex_bin, max_attempts=getattr(args, "max_attempts", 1),
         sandbox_uid=args.sandbox_uid, isolation=args.isolation,
         protected_paths=_store_files(args.db),
+        task_mcp_hosts=tuple(getattr(args, "task_mcp_host", None) or ()),
         **({"runner_id": args.runner_id} if args.runner_id else {}),
     )
 
@@ -780,6 +783,10 @@ def _with_run_options(p: argparse.ArgumentParser, *, json_help: str, of_job: boo
     p.add_argument("--api-key-env", metavar="NAME", help="environment variable with the API key")
     p.add_argument("--grants", metavar="FILE.json", help="a JSON list of tool grants (a "
                    "worker's must match its job's)")
+    p.add_argument("--task-mcp-host", action="append", metavar="HOST",
+                   help="a host a task's own HTTP MCP servers may be at though it is no "
+                        "public address (127.0.0.1, localhost, a private name); repeatable; "
+                        "this runner's own, not the job's")
     if of_job:
         p.add_argument("--model", help="the model name to ask for (needed with --agent codex)")
         p.add_argument("--max-attempts", type=_positive, default=1,

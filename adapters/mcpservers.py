@@ -12,7 +12,11 @@ from the runner's environment when the task is loaded: an unset variable without
 default refuses the task, naming it.
 
 What the runner does with them: an HTTP server becomes an optional MCP grant (SPEC §6),
-whose header values are secrets (§7), so each must be long enough to scrub; a stdio
+whose header values are secrets (§7), so each must be long enough to scrub — unless its
+URL names a host that is no public one (an address literal that is not globally
+routable, or `localhost`) and the operator did not allow that host (`--task-mcp-host`):
+then it is left out, as a `mcp_server_skipped` gap; a name is checked where it resolves,
+by the sandbox's forwarder (`proxy.PublicResolver`). A stdio
 server becomes a `[mcp_servers.<name>]` `command`/`args` entry of Codex's config, run by
 Codex inside the sandbox. A server whose name Codex cannot start is warned and left out.
 """
@@ -21,11 +25,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from trialledger.adapters.sandbox.allowlist import as_address, routable
 from trialledger.adapters.taskconfig import TaskInvalid
 from trialledger.adapters.taskenv import SENSITIVE, EnvUnresolved, long_enough
 from trialledger.core.redact import header_secrets
@@ -72,18 +77,55 @@ class McpServers:
     secrets: tuple[str, ...] = ()
     ignored: dict[str, str] = field(default_factory=dict)  # field name → why
 
-    def grants(self, operator: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """The HTTP servers as grants, but none that an operator's grant names: the
-        operator's wins, as in Harbor (`trial/trial.py:1321-1323`)."""
+    def grants(self, operator: Sequence[Mapping[str, Any]], hosts: Collection[str] = ()
+               ) -> list[dict[str, Any]]:
+        """The HTTP servers as grants, but none that an operator's grant names (the
+        operator's wins, as in Harbor: `trial/trial.py:1321-1323`) nor one `refused`."""
         taken = {grant.get("name") for grant in operator}
-        return [s.grant() for s in self.servers
-                if s.transport != "stdio" and s.name not in taken]
+        return [s.grant() for s in self.servers if s.transport != "stdio"
+                and s.name not in taken and refused_host(str(s.url), hosts) is None]
+
+    def refused(self, operator: Sequence[Mapping[str, Any]], hosts: Collection[str] = ()
+                ) -> dict[str, str]:
+        """The HTTP servers left out for their URL's host (name → why); `hosts`: those the
+        operator allows (`--task-mcp-host`)."""
+        taken = {grant.get("name") for grant in operator}
+        found = {s.name: refused_host(str(s.url), hosts) for s in self.servers
+                 if s.transport != "stdio" and s.name not in taken}
+        return {name: why for name, why in found.items() if why is not None}
 
     def stdio(self, operator: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
         """The stdio servers (name → command and args), but none an operator's grant names."""
         taken = {grant.get("name") for grant in operator}
         return {s.name: [s.command or "", *s.args] for s in self.servers
                 if s.transport == "stdio" and s.name not in taken}
+
+
+def host_key(host: str) -> str:
+    """A host as `--task-mcp-host` and a URL's host are compared: lowercase, without
+    brackets or a trailing dot, an address in its compressed form."""
+    text = host.strip().strip("[]").rstrip(".").lower()
+    address = as_address(text)
+    return text if address is None else address.compressed
+
+
+def operator_allows(url: str, hosts: Collection[str]) -> bool:
+    """Whether the operator allowed `url`'s host for a task's MCP server."""
+    return host_key(urlsplit(url).hostname or "") in {host_key(h) for h in hosts}
+
+
+def refused_host(url: str, hosts: Collection[str] = ()) -> str | None:
+    """Why a task's MCP server at `url` is left out, or None: its host is an address that
+    is not globally routable, or `localhost`, and not one of `hosts`."""
+    host = host_key(urlsplit(url).hostname or "")
+    if operator_allows(url, hosts):
+        return None
+    if (as_address(host) is not None and not routable(host)) or host == "localhost" \
+            or host.endswith(".localhost"):
+        return (f"its URL's host {host} is not a public address: a task's MCP server is "
+                f"reached only at globally routable ones (the operator may allow it with "
+                f"--task-mcp-host {host})")
+    return None
 
 
 def parse(value: Any, where: str, environ: Mapping[str, str] = os.environ) -> McpServers:
@@ -147,8 +189,11 @@ def _server(entry: Mapping[str, Any], where: str, ignored: dict[str, str]) -> Mc
 
 
 def _http_url(url: str) -> bool:
-    parts = urlsplit(url)
-    return parts.scheme in ("http", "https") and bool(parts.hostname)
+    try:
+        parts = urlsplit(url)
+        return parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:  # an unclosed `[` of an IPv6 host: no URL at all
+        return False
 
 
 def _text(entry: Mapping[str, Any], key: str, named: str) -> str | None:

@@ -13,7 +13,10 @@ leaves it. A call still open when Codex goes away or the proxy closes is `client
 whatever stage it was in. It forwards only the routes Codex uses (`MODEL_ROUTES`); what it
 refuses itself — another route (403), a body over `REQUEST_LIMIT` (413), more than
 `CONCURRENT_LIMIT` calls at once (503) — is recorded with an error of
-`core.events.PROXY_REFUSALS`, which no policy reads as the endpoint's failure. Request
+`core.events.PROXY_REFUSALS`, which no policy reads as the endpoint's failure. A call not
+completed `Upstream.call_max_s` after it was forwarded (the `model_call_max_s` setting) is
+ended by the proxy, `deadline`, and shown to Codex as a dropped connection: an endpoint
+that drips a byte now and then is never silent long enough to look hung. Request
 bodies stream upstream as they arrive (never buffered whole), and each proxy has its own
 upstream connection pool. No HTTP is parsed by hand here.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import hmac
 import logging
@@ -36,9 +40,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import ResolveResult
+from aiohttp.resolver import ThreadedResolver
 
+from trialledger.adapters.sandbox.allowlist import as_address, routable
 from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
-from trialledger.core.events import MAX_TOKENS
+from trialledger.core.events import DEADLINE, MAX_TOKENS
 from trialledger.core.usage import token_count
 
 REQUEST_LIMIT = 256 * 2**20  # bytes of one request body
@@ -182,6 +189,10 @@ class Upstream:
     extra_headers: Mapping[str, str] = field(default_factory=dict)
     routes: frozenset[tuple[str, str]] | None = None  # (method, path under the base path)
     # forwarded, e.g. MODEL_ROUTES; None: every request
+    call_max_s: float | None = None  # a call still open this long after it was forwarded
+    # is ended, `deadline`; None: no deadline
+    public_only: bool = False  # connect only to globally routable addresses (a task's MCP
+    # server, docs/SPEC.md §15): the name is resolved, checked, and the checked address used
 
     def admits(self, method: str, raw_target: str) -> bool:
         """Whether a request (its method and target exactly as sent) is forwarded. The raw
@@ -196,6 +207,26 @@ class Upstream:
         """The upstream URL of a request path as the client sent it."""
         base = urlsplit(self.base_url)
         return urlunsplit(base._replace(path="", query="", fragment="")) + path_qs
+
+    def unreachable(self) -> bool:
+        """Whether the upstream is an address literal `public_only` forbids (a name is
+        checked when it resolves: `PublicResolver`)."""
+        host = urlsplit(self.base_url).hostname or ""
+        return self.public_only and as_address(host) is not None and not routable(host)
+
+
+class PublicResolver(ThreadedResolver):
+    """The system's resolver keeping only globally routable addresses: the connector
+    connects to an address checked here, so a name cannot rebind between check and use."""
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        """`host`'s routable addresses; OSError (connection refused) when there are none."""
+        found = [r for r in await super().resolve(host, port, family) if routable(r["host"])]
+        if not found:
+            raise OSError(errno.ECONNREFUSED, f"{host} resolves to no globally routable "
+                          "address")
+        return found
 
 
 CallSink = Callable[[str, dict[str, Any]], Awaitable[None]]  # (ended_at, model.call data)
@@ -284,7 +315,9 @@ class SessionProxy:
         self._client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(ssl=trust(os.environ.get("SSL_CERT_FILE"),
                                                      os.environ.get("SSL_CERT_DIR")),
-                                           limit=CONCURRENT_LIMIT),
+                                           limit=CONCURRENT_LIMIT,
+                                           resolver=(PublicResolver()
+                                                     if self.upstream.public_only else None)),
             auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None, connect=30))
         return self.port
 
@@ -309,8 +342,14 @@ class SessionProxy:
             self._report(call, observer)
             return _refusal(status, text)
         self._open += 1
+        answered: list[web.StreamResponse] = []  # the answer, once its headers went out
         try:
-            return await self._relay(request, call, observer)
+            async with asyncio.timeout(self.upstream.call_max_s):
+                return await self._relay(request, call, observer, answered)
+        except TimeoutError:  # the deadline: the endpoint's, shown as it breaking off
+            call["error"] = call["error"] or DEADLINE
+            _drop(request)
+            return answered[0] if answered else web.Response(status=504)
         except asyncio.CancelledError:
             call["error"] = call["error"] or "client_closed"
             raise
@@ -349,7 +388,8 @@ class SessionProxy:
             yield chunk
 
     async def _relay(self, request: web.BaseRequest, call: dict[str, Any],
-                     observer: StreamObserver) -> web.StreamResponse:
+                     observer: StreamObserver, answered: list[web.StreamResponse]
+                     ) -> web.StreamResponse:
         assert self._client is not None
         # With a session token, the client's Authorization is that token: never upstream.
         private = DROPPED | {"authorization"} if self.upstream.token is not None else DROPPED
@@ -360,6 +400,10 @@ class SessionProxy:
         headers.update(self.upstream.extra_headers)
         if request.content_length is not None:
             headers["Content-Length"] = str(request.content_length)
+        if self.upstream.unreachable():  # as an upstream that refuses the connection
+            call["error"] = "refused"
+            _drop(request)
+            return web.Response(status=502)
         body = self._body(request, call) if request.body_exists else None
         try:
             upstream = await self._client.request(
@@ -380,6 +424,7 @@ class SessionProxy:
                 if key.lower() not in DROPPED:
                     answer.headers.add(key, value)
             await answer.prepare(request)
+            answered.append(answer)
             while True:
                 try:
                     chunk = await upstream.content.readany()

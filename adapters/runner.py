@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import secrets as tokens
@@ -40,6 +41,7 @@ from trialledger.adapters.codex.stream import stream_events
 from trialledger.adapters.environment import HOST, Environment, resolve_inside
 from trialledger.adapters.healthcheck import run_healthcheck
 from trialledger.adapters.journal import journal_dir, journal_record
+from trialledger.adapters.mcpservers import operator_allows
 from trialledger.adapters.preflight import check_store_room
 from trialledger.adapters.proxy import MODEL_ROUTES, Upstream
 from trialledger.adapters.recorder import STORE_RETRY_S, Recorder
@@ -58,7 +60,7 @@ from trialledger.adapters.trial import Trial
 from trialledger.adapters.trial import next_attempt as next_attempt  # its old home
 from trialledger.core import SessionView, redact, scrub
 from trialledger.core.events import SCHEMA_VERSION, SessionSeeded
-from trialledger.core.seed import ValidSeed, validate_seed
+from trialledger.core.seed import SkippedGrant, ValidSeed, validate_seed
 from trialledger.core.settings import Settings
 from trialledger.store import LeaseLost, Ledger
 from trialledger.store.ledger import HEARTBEAT_S, StoreUnavailable
@@ -92,6 +94,8 @@ class RunOptions:
     store_retry_s: float = STORE_RETRY_S  # appends retry this long through a store's blink
     agent: str = "codex"  # or oracle / nop (SPEC §15): no model, no proxy, no grants
     switch: DeadManSwitch | None = None  # a job trial's lease, kept by the sandbox too
+    task_mcp_hosts: Sequence[str] = ()  # hosts a task's MCP servers may be at though not
+    # public (`--task-mcp-host`, docs/SPEC.md §15); an operator's grants are trusted anyway
 
 
 @dataclass(frozen=True)
@@ -210,13 +214,31 @@ class SessionRunner:
         root = self.environment.root
         resolve = ((lambda path: resolve_inside(root, path)) if root is not None
                    else os.path.realpath)
-        return validate_seed(seed, private_roots=sandbox.private_roots,
-                             resolve=resolve, api_key=self.options.api_key)
+        valid = validate_seed(seed, private_roots=sandbox.private_roots,
+                              resolve=resolve, api_key=self.options.api_key)
+        refused = ({} if self.scripted else self.task.mcp_servers.refused(
+            self.options.grants, self.options.task_mcp_hosts))
+        return dataclasses.replace(valid, skipped=(
+            *valid.skipped, *(SkippedGrant(name, why) for name, why in refused.items())))
+
+    def _task_grants(self) -> list[dict[str, Any]]:
+        """The task's HTTP MCP servers as optional grants: none an operator's grant names
+        (the operator's wins), none at a host that is no public one unless the operator
+        allows it (docs/SPEC.md §15)."""
+        return self.task.mcp_servers.grants(self.options.grants, self.options.task_mcp_hosts)
 
     def _grants(self) -> list[Mapping[str, Any]]:
-        """The operator's grants, then the task's HTTP MCP servers as optional grants (but
-        none an operator's grant names: the operator's wins; docs/SPEC.md §15)."""
-        return [*self.options.grants, *self.task.mcp_servers.grants(self.options.grants)]
+        """The operator's grants, then the task's (`_task_grants`)."""
+        return [*self.options.grants, *self._task_grants()]
+
+    def _grant_upstreams(self) -> list[Upstream]:
+        """Where the sandbox's MCP forwarders lead: an operator's grant anywhere, a task's
+        server only to public addresses unless the operator allowed its host."""
+        return [*(Upstream(str(g["url"])) for g in self.options.grants
+                  if g.get("kind") == "mcp" and g.get("url")),
+                *(Upstream(str(g["url"]), public_only=not operator_allows(
+                    str(g["url"]), self.options.task_mcp_hosts))
+                  for g in self._task_grants())]
 
     def _settings(self) -> dict[str, Any]:
         """The task's settings under the caller's, with the workdir made explicit: an
@@ -286,9 +308,8 @@ class SessionRunner:
                 self.options.model_base_url, token=token,
                 authorization=(f"Bearer {self.options.api_key}"
                                if self.options.api_key else None),
-                routes=MODEL_ROUTES),
-            [] if self.scripted else [str(g["url"]) for g in self._grants()
-                                      if g.get("kind") == "mcp" and g.get("url")],
+                routes=MODEL_ROUTES, call_max_s=_call_max_s(settings_raw)),
+            [] if self.scripted else self._grant_upstreams(),
             # An image's sandbox has a network of its own: private, or (public) connected
             # outward by slirp4netns (docs/SPEC.md §15); a host task's public is the host's.
             isolated=(not self.task.allow_internet or self.environment.root is not None),
@@ -455,7 +476,8 @@ class SessionRunner:
         assert network is not None
 
         async def record_call(at: str, data: dict[str, Any]) -> None:
-            await rec.capture([{"type": "model.call", "at": at, "data": data}])
+            await rec.capture([{"type": "model.call", "at": at, "data": data,
+                                "schema": SCHEMA_VERSION["model.call"]}])
 
         network.model_sink = record_call
         if not network.isolated:

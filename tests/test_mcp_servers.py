@@ -67,7 +67,7 @@ async def test_a_task_http_server_is_a_grant_codex_calls_with_its_resolved_heade
         ran = await run_task(db, task, [
             tool("lookup", {"query": "overlay"}, namespace="mcp__gym"),
             shell('cat "$CODEX_HOME/config.toml"'), message("ok")],
-            settings={"mcp_tool_timeout_s": 30})
+            settings={"mcp_tool_timeout_s": 30}, task_mcp_hosts=["127.0.0.1"])
     assert tools.calls == ["overlay"]  # the call reached the task's server
     assert any(h.get("authorization") == f"Bearer {TOKEN}" for h in tools.headers)
     (grant,) = seeded(ran.view).grants
@@ -103,7 +103,7 @@ async def test_an_operator_grant_of_the_same_name_wins(tmp_path: Path) -> None:
         ran = await run_task(db, task, [
             tool("lookup", {"query": "from-gym"}, namespace="mcp__gym"),
             tool("lookup", {"query": "from-docs"}, namespace="mcp__docs"), message("ok")],
-            grants=grants, settings={"mcp_tool_timeout_s": 30})
+            grants=grants, settings={"mcp_tool_timeout_s": 30}, task_mcp_hosts=["127.0.0.1"])
     assert ours.calls == ["from-gym"] and theirs.calls == ["from-docs"]
     assert {g.name: g.url for g in seeded(ran.view).grants} == {
         "gym": ours.url, "docs": theirs.url}
@@ -185,7 +185,8 @@ async def test_an_sse_server_is_an_optional_grant_codex_reaches_only_over_stream
     with ToolServer(transport="sse") as tools:
         task = make_task(tmp_path / "task", test_sh="exit 0\n", toml=server(
             "legacy", tools.url).replace('transport = "http"\n', ""))
-        ran = await run_task(str(tmp_path / "trials.db"), task, [message("ok")])
+        ran = await run_task(str(tmp_path / "trials.db"), task, [message("ok")],
+                             task_mcp_hosts=["127.0.0.1"])
     (grant,) = seeded(ran.view).grants
     assert (grant.name, grant.url, grant.required) == ("legacy", tools.url, False)
     assert tools.headers  # Codex tried it

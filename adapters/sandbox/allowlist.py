@@ -134,12 +134,19 @@ class AllowList:
             address.version)
 
     def may_connect(self, ip: str | Address) -> bool:
-        """Whether the proxy may connect to `ip` for an allowed name: not loopback,
-        link-local, unspecified, multicast, private, CGNAT or ULA — unless an IP/CIDR entry
-        holds it."""
+        """Whether the proxy may connect to `ip` for an allowed name: a `routable` address,
+        or one an IP/CIDR entry holds."""
         address = as_address(ip)
-        if address is None:
-            return False
-        unrouted = any(address in network for network in UNROUTED
-                       if network.version == address.version)
-        return not unrouted or self.allows_address(address)
+        return address is not None and (routable(address) or self.allows_address(address))
+
+
+def routable(ip: str | Address) -> bool:
+    """Whether `ip` may be routed beyond this machine and its networks: not loopback,
+    link-local, unspecified, multicast, private, CGNAT, ULA, nor reserved (`240.0.0.0/4`;
+    for IPv6, outside the unicast and ULA blocks). Documentation ranges pass: a test
+    network's resolver may hand them out as public addresses."""
+    address = as_address(ip)
+    if address is None or address.is_multicast or address.is_reserved:
+        return False
+    return not any(address in network for network in UNROUTED
+                   if network.version == address.version)

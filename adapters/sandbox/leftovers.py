@@ -3,10 +3,11 @@
 
 A session's cgroups are named after its session folder (`<folder>-<8 hex>`), whose lock
 its runner holds from before the cgroups exist until after they are removed: a cgroup
-whose recorded folder's lock is free belongs to nobody (swept before the folders are). A build's cgroup and its
-working containers carry its private folder's name, and that folder a lock its runner
-holds while the build lives (adapters/buildbox.py, `build_alive`). Nothing is ever chosen
-by user id, and nothing of a live runner is touched.
+whose recorded folder's lock is free belongs to nobody (swept before the folders are).
+A build's cgroup and its working containers carry its private folder's name, and that
+folder a lock its runner holds while the build lives (adapters/buildbox.py,
+`build_alive`). Nothing is ever chosen by user id, and nothing of a live runner is
+touched.
 """
 
 from __future__ import annotations

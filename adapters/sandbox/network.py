@@ -41,7 +41,7 @@ class Network:
     network namespace where those proxies, and one per MCP grant, are all there is. Without
     a `model` (an oracle or nop session, SPEC §15) there is no proxy at all."""
 
-    def __init__(self, model: Upstream | None, grant_urls: Sequence[str] = (), *,
+    def __init__(self, model: Upstream | None, grants: Sequence[Upstream] = (), *,
                  isolated: bool = False, outward: bool = False) -> None:
         self.isolated = isolated
         # A private namespace connected outward by slirp4netns (`public` for an image's
@@ -51,8 +51,8 @@ class Network:
         self._ports: dict[tuple[str, int], int] = {}
         if model is not None:
             self._add(model)
-        for url in grant_urls if isolated else ():
-            self._add(Upstream(url))
+        for grant in grants if isolated else ():  # shared: Codex reaches them itself
+            self._add(grant)
         self._proxies: list[SessionProxy] = []
         self.model_sink: CallSink | None = None  # records the model's calls (SPEC §14)
 
