@@ -54,6 +54,7 @@ from trialledger.adapters.sandbox.layout import SessionLayout
 from trialledger.adapters.sandbox.network import Network, listen_inside
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import pids_in_namespace
+from trialledger.adapters.sandbox.runc import RuncContainer
 from trialledger.adapters.sandbox.slirp import Slirp, injected_files, start_slirp
 
 # The capability numbers of linux/capability.h for the names range mode grants.
@@ -198,6 +199,8 @@ class ContainerPhases(SessionLayout):
     task_env: dict[str, str]  # [environment] env, for the container's PID 1
     marker: str
     tests: Path | None
+    no_new_privileges: bool  # (runc) a task's `[metadata.trialledger]` asks for it
+    _runc: RuncContainer | None  # the container's runc, when it runs under runc
 
     if TYPE_CHECKING:  # LocalSandbox's: spawning, and the verifier's parts
         def owner(self, role: Role = "agent") -> tuple[int, int]: ...
@@ -222,6 +225,9 @@ class ContainerPhases(SessionLayout):
         async def _agent_gone(self) -> bool: ...
 
         def _copy_tests(self, target: Path) -> None: ...
+
+        @property
+        def on_runc(self) -> bool: ...
 
     def _container_env(self) -> dict[str, str]:
         """PID 1's environment, as Harbor's compose service gets it: the image's `Env` and
@@ -397,6 +403,8 @@ class ContainerPhases(SessionLayout):
             argv += ["--cgroup", str(procs)]
         if self.range is not None:
             argv += ["--caps", caps_mask(self.caps), "--seccomp-fd", str(seccomp)]
+        if self.on_runc and not self.no_new_privileges:  # as the container's PID 1 (runc.py)
+            argv.append("--new-privs")
         elif self._nproc:
             argv += ["--nproc", str(self._nproc)]
         argv += ["--chdir", self.workdir]
@@ -431,6 +439,8 @@ class ContainerPhases(SessionLayout):
         await self._disconnect()
         if self.container is not None:
             await self.container.stop()
+        if self._runc is not None:  # a runc killed at the end leaves its container
+            await anyio.to_thread.run_sync(self._runc.delete)
 
     async def _disconnect(self) -> None:
         """The egress proxy and slirp4netns stopped (idempotent)."""

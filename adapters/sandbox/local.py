@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -47,6 +48,7 @@ import anyio
 
 from trialledger.adapters.codex.install import CodexInstall
 from trialledger.adapters.environment import HOST, Environment, resolve_inside
+from trialledger.adapters.sandbox import runc as runtimes
 from trialledger.adapters.sandbox.agentfiles import AgentTree
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.base import (
@@ -66,7 +68,7 @@ from trialledger.adapters.sandbox.bwrap import (
     bwrap_argv,
     mounts,
 )
-from trialledger.adapters.sandbox.cgroup import CONTROLLERS, SessionCgroup, hold
+from trialledger.adapters.sandbox.cgroup import CONTROLLERS, DEFAULT_PIDS, SessionCgroup, hold
 from trialledger.adapters.sandbox.container import NETWORK_PHASES, Container, ContainerPhases
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.egress import EgressProxy, egress_problem
@@ -85,6 +87,7 @@ from trialledger.adapters.sandbox.identity import (
 )
 from trialledger.adapters.sandbox.idrange import (
     DOCKER_CAPS,
+    SLOT,
     InnerUser,
     Slot,
     UsernsMaker,
@@ -94,8 +97,11 @@ from trialledger.adapters.sandbox.idrange import (
 )
 from trialledger.adapters.sandbox.layout import check_granted_paths, chown_tree, clear_planted
 from trialledger.adapters.sandbox.network import Network
+from trialledger.adapters.sandbox.oci import DOCKER_NET_SYSCTL, ContainerSpec, container_config
+from trialledger.adapters.sandbox.ociruntime import host_nofile, host_seccomp
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import kill_marked, pids_in_namespace
+from trialledger.adapters.sandbox.runc import RuncContainer, oci_mounts, runner_fd_path
 from trialledger.adapters.sandbox.slirp import RESOLVER, Slirp, hostname_of, slirp_problem
 
 log = logging.getLogger(__name__)
@@ -106,6 +112,7 @@ ISOLATIONS = ("bwrap", "process-group")
 LIFETIMES = ("harbor", "strict")  # verifier_isolation (docs/SPEC.md §15)
 RECHECK_AFTER_S = 0.2
 HOST_RESOLVER = "/etc/resolv.conf"
+RUNC_READY_S = 10.0  # how long runc may take to name the container's PID 1
 
 
 def bwrap_problem(user: SandboxUser, cgroups: Sequence[Path] = (),
@@ -141,6 +148,7 @@ class RangeIds:
     slot: Slot
     userns_fd: int
     users: Mapping[str, InnerUser]  # each role's user inside (agent, probe, verifier)
+    netns_fd: int | None = None  # (runc) the network namespace made inside the user one
 
     @property
     def runs_as(self) -> SandboxUser:
@@ -176,6 +184,8 @@ class LocalSandbox(ContainerPhases):
         task_env: Mapping[str, str] | None = None,
         allowed_hosts: AllowList | None = None,
         network_modes: Mapping[str, str] | None = None,
+        runtime: str | None = None,
+        no_new_privileges: bool = False,
     ) -> None:
         self.workdir = workdir
         self.environment = environment
@@ -183,6 +193,14 @@ class LocalSandbox(ContainerPhases):
         if isolation not in ISOLATIONS:
             raise SandboxRefused(f"isolation {isolation!r}: expected bwrap or process-group")
         self.isolation = isolation
+        # What starts a range-mode container (harbor); strict sessions, single-id mode and
+        # host tasks always run under bwrap (docs/SPEC.md §16).
+        try:
+            self.runtime = runtimes.check_runtime(runtime or runtimes.DEFAULT_RUNTIME)
+        except runtimes.RuntimeUnknown as error:
+            raise SandboxRefused(str(error)) from None
+        self.no_new_privileges = no_new_privileges  # [metadata.trialledger] (runc only)
+        self._runc: RuncContainer | None = None
         self.user = sandbox_user(sandbox_uid)  # never host root, in either isolation
         self.overlay = workdir == "/" or self.image is not None
         self.network = network
@@ -252,7 +270,10 @@ class LocalSandbox(ContainerPhases):
             self.cgroup, self.limits_reason = hold(self.limits, self.marker)
             if making is not None:
                 self.range, making = self._take_range(making), None
-            if isolation == "bwrap" and (problem := bwrap_problem(
+            if self.on_runc and not has_program("runc"):
+                raise SandboxRefused("--runtime runc: runc is not installed (apt-get "
+                                     "install runc)")
+            if isolation == "bwrap" and not self.on_runc and (problem := bwrap_problem(
                     self.runs_as, self._cgroup_procs, self._nproc,
                     self.range.userns_fd if self.range else None)) is not None:
                 raise SandboxRefused(f"{problem} (refusing to run the agent unconfined; "
@@ -323,7 +344,7 @@ class LocalSandbox(ContainerPhases):
                                  "mode), which needs a root runner after `trialledger setup`")
         slot = Slot.acquire(ids)
         try:
-            return UsernsMaker(self.init, slot)
+            return UsernsMaker(self.init, slot, net=self._wants_runc)
         except BaseException:
             slot.release()
             raise
@@ -342,7 +363,25 @@ class LocalSandbox(ContainerPhases):
         resolved = {spec: resolve_user(self.image.root, spec, image_user)  # each read once
                     for spec in set(specs.values())}
         users = {role: resolved[spec] for role, spec in specs.items()}
-        return RangeIds(making.slot, making.finish(), users)
+        userns = making.finish()
+        return RangeIds(making.slot, userns, users, making.net_fd)
+
+    @property
+    def _wants_runc(self) -> bool:
+        """Whether the session's container is to start under runc, if range mode holds."""
+        return (self.runtime == "runc" and self.lifetime == "harbor"
+                and self.isolation == "bwrap")
+
+    @property
+    def on_runc(self) -> bool:
+        """Whether the session's container starts under runc (range mode, harbor)."""
+        return self._wants_runc and self.range is not None
+
+    @property
+    def launched_isolation(self) -> str:
+        """`agent.launched.isolation`: what confines the agent (runc, bwrap,
+        process-group)."""
+        return "runc" if self.on_runc else self.isolation
 
     @property
     def runs_as(self) -> SandboxUser:
@@ -511,6 +550,8 @@ class LocalSandbox(ContainerPhases):
         if self.lifetime == "harbor" and role != "container":
             return await self._spawn_joined(command, env=env, role=role, stdin=stdin,
                                             copy=copy)
+        if role == "container" and self.on_runc:
+            return await self._spawn_runc(command, env=env, verifier_logs=verifier_logs)
         # The task's variables go to our init inside the sandbox alone (hostside.py)
         env_fd = env_file({**env, SUPERVISOR_ENV: self.marker})
         bwrap = self.isolation == "bwrap"
@@ -586,6 +627,99 @@ class LocalSandbox(ContainerPhases):
             raise
         finally:
             os.close(block_w)
+
+    # --- the container under runc (docs/SPEC.md §16; runc.py) -------------------------------
+
+    async def _spawn_runc(self, command: Sequence[str], *, env: Mapping[str, str],
+                          verifier_logs: Path | None) -> LocalRun:
+        """The session's container started by `runc run` from a `config.json` of ours, our
+        init its PID 1 running `command` as the container's user; returned once runc has
+        named PID 1 (OSError: it did not, with runc's last words)."""
+        assert self.range is not None and self.image is not None
+        runc = self._runc = RuncContainer.new(self.root, self.marker)
+        spawn = self._spawn_plan("container", "agent", info_fd=0,
+                                 verifier_logs=verifier_logs, block_fd=None)
+        staged: list[tuple[Path, Path]] = []
+        placed = [dataclasses.replace(m, source=str(self._stage(Path(m.source), staged)))
+                  if m.staged and m.source is not None else m for m in mounts(spawn)]
+        self._clear_mount_points(placed, "container")
+        binds, tmpfs = oci_mounts(placed)
+        user = self.range.users["container"]
+        pid1 = [INIT_INSIDE]
+        if self.oom_score_adj is not None:
+            pid1 += ["--oom-score-adj", str(self.oom_score_adj)]
+        if self.switch is not None:  # handed over as descriptor 3 (runc --preserve-fds)
+            pid1 += ["--deadline-fd", "3", "--deadline-ms", str(self.switch.remaining_ms())]
+        pid1 += ["--user", str(user.uid), str(user.gid),
+                 ",".join(str(g) for g in user.groups) or "-", "--", *command]
+        netns = self.range.netns_fd if self._own_network("container", "agent") else None
+        limits = {"pids": float(DEFAULT_PIDS),
+                  **{key: value for key, value in self.limits.items() if key in CONTROLLERS}}
+        config = container_config(ContainerSpec(
+            root=str(self.root / "merged"), args=tuple(pid1),
+            env={**env, SUPERVISOR_ENV: self.marker},  # in config.json alone (0600, 0700)
+            seccomp=host_seccomp(list(self.caps)), ids=(self.range.slot.start, SLOT),
+            cwd=self.workdir, caps=self.caps, no_new_privileges=self.no_new_privileges,
+            hostname=hostname_of(self.marker),
+            userns=runner_fd_path(self.range.userns_fd),
+            netns=runner_fd_path(netns) if netns is not None else None,
+            host_network=netns is None, cgroups_path=runc.cgroup_name, limits=limits,
+            binds=binds, tmpfs=tmpfs, nofile=host_nofile(),
+            sysctl=DOCKER_NET_SYSCTL if netns is not None else {}))
+        fd = os.open(runc.bundle / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "w", encoding="utf-8") as handle:
+            json.dump(config, handle)
+        argv = [*self._runc_prefix(staged),
+                *runc.run_argv(preserve_fds=1 if self.switch is not None else 0)]
+        process = await anyio.open_process(
+            argv, env=host_env(**{SUPERVISOR_ENV: self.marker}), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # PID 1's output: nobody
+            # would drain it for the whole session
+            pass_fds=tuple(fd for fd in (self.range.userns_fd,
+                                         self.switch.read_fd if self.switch else None)
+                           if fd is not None),
+            start_new_session=True)
+        status_r, status_w = os.pipe()  # PID 1 reports to nobody: its end is runc's exit
+        os.close(status_w)
+        run = LocalRun(process, status_fd=status_r, info_fd=None, isolation="runc",
+                       marker=self.marker)
+        try:
+            pid = None
+            with anyio.move_on_after(RUNC_READY_S):
+                while (pid := runc.started_pid()) is None and process.returncode is None:
+                    await anyio.sleep(0.005)
+            if pid is None:
+                raise OSError(f"runc could not start the container: "
+                              f"{runc.log_tail() or 'it said nothing'}")
+            run.know({"child-pid": pid,
+                      "pid-namespace": os.stat(f"/proc/{pid}/ns/pid").st_ino,
+                      **({"net-namespace": os.fstat(netns).st_ino} if netns is not None
+                         else {})})
+            if netns is not None and self.network is not None and self.network.isolated:
+                await self.network.open_inside(pid)  # before any phase joins
+        except BaseException:
+            await run.aclose()
+            await anyio.to_thread.run_sync(runc.delete)
+            raise
+        return run
+
+    def _runc_prefix(self, staged: Sequence[tuple[Path, Path]]) -> list[str]:
+        """What runs runc: our init, in the session's cgroups, in a private mount
+        namespace where the image is mounted idmapped and the overlay over it (setuid bits
+        working: they are the slot's) and the staged sources bound; runc stays root (it
+        drops into the slot itself); a lease's descriptor moved to 3."""
+        assert self.range is not None and self.image is not None
+        overlays, idmap = self._stage_mounts("container")
+        assert idmap is not None
+        argv = [str(self.init), "--stage"]
+        if self.switch is not None:
+            argv += ["--fd3", str(self.switch.read_fd)]
+        for procs in self._cgroup_procs:
+            argv += ["--cgroup", str(procs)]
+        argv += ["--mount-ns", "--exec-suid", "--idmap", *(str(part) for part in idmap),
+                 *overlays, "--", *(str(path) for pair in staged for path in pair), "--"]
+        return argv
 
     # --- the Sandbox protocol ---------------------------------------------------------------
 
@@ -777,6 +911,8 @@ class LocalSandbox(ContainerPhases):
                     self.container.run.process.kill()  # `close` was not awaited: bwrap's
                     # PID 1 dies with it, and the cgroup's removal below takes what is left
                 self.container.release()
+            if self._runc is not None:  # runc's container outlives a killed runc
+                self._runc.delete()
             if self.cgroup is not None:
                 self.cgroup.remove()
                 self.cgroup = None
@@ -788,8 +924,10 @@ class LocalSandbox(ContainerPhases):
             forget_session_folder(self.root)
         finally:
             if self.range is not None:  # the slot is free once the folder is gone
-                with contextlib.suppress(OSError):
-                    os.close(self.range.userns_fd)
+                for fd in (self.range.userns_fd, self.range.netns_fd):
+                    if fd is not None:
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
                 self.range.slot.release()
                 self.range = None
 

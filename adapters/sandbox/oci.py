@@ -212,6 +212,8 @@ class ContainerSpec:
     cgroups_path: str | None = None
     limits: Mapping[str, float] = field(default_factory=dict)
     binds: tuple[Bind, ...] = ()
+    tmpfs: tuple[str, ...] = ()  # private tmpfs mount points, after the binds
+    host_network: bool = False  # no network namespace of the container's own
     nofile: tuple[int, int] | None = None
     sysctl: Mapping[str, str] = field(default_factory=dict)
 
@@ -252,7 +254,8 @@ def _namespaces(spec: ContainerSpec) -> list[Json]:
     joined = {"user": spec.userns, "network": spec.netns}
     made: list[Json] = [{"type": kind} for kind in ("pid", "ipc", "uts", "mount")]
     return made + [{"type": kind, "path": path} if path else {"type": kind}
-                   for kind, path in joined.items()]
+                   for kind, path in joined.items()
+                   if not (kind == "network" and spec.host_network)]
 
 
 def _bind(bind: Bind) -> Json:
@@ -293,5 +296,8 @@ def container_config(spec: ContainerSpec) -> Json:
     return {
         "ociVersion": OCI_VERSION, "process": process,
         "root": {"path": spec.root, "readonly": False}, "hostname": spec.hostname,
-        "mounts": docker_mounts() + [_bind(bind) for bind in spec.binds], "linux": linux,
+        "mounts": docker_mounts() + [_bind(bind) for bind in spec.binds]
+        + [{"destination": point, "type": "tmpfs", "source": "tmpfs",
+            "options": ["nosuid", "nodev", "mode=755"]} for point in spec.tmpfs],
+        "linux": linux,
     }
