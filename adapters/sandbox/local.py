@@ -69,7 +69,12 @@ from trialledger.adapters.sandbox.bwrap import (
     mounts,
 )
 from trialledger.adapters.sandbox.cgroup import CONTROLLERS, DEFAULT_PIDS, SessionCgroup, hold
-from trialledger.adapters.sandbox.container import NETWORK_PHASES, Container, ContainerPhases
+from trialledger.adapters.sandbox.container import (
+    NETWORK_PHASES,
+    Container,
+    ContainerFailed,
+    ContainerPhases,
+)
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.egress import EgressProxy, egress_problem
 from trialledger.adapters.sandbox.folders import (
@@ -692,8 +697,11 @@ class LocalSandbox(ContainerPhases):
             if pid is None:
                 raise OSError(f"runc could not start the container: "
                               f"{runc.log_tail() or 'it said nothing'}")
-            run.know({"child-pid": pid,
-                      "pid-namespace": os.stat(f"/proc/{pid}/ns/pid").st_ino,
+            try:
+                namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
+            except FileNotFoundError:  # an ENTRYPOINT that exits at once
+                raise ContainerFailed("the container stopped as it started") from None
+            run.know({"child-pid": pid, "pid-namespace": namespace,
                       **({"net-namespace": os.fstat(netns).st_ino} if netns is not None
                          else {})})
             if netns is not None and self.network is not None and self.network.isolated:

@@ -1,0 +1,168 @@
+"""Range mode on the OCI runtime runc (SPEC §16): `--runtime runc` starts a session's
+container with `runc run` from the runner's own `config.json`, without `no_new_privs`, so a
+setuid-root helper of the image works for a non-root `USER` as under Docker — and a
+setuid file is setuid only to the session's slot, never to a host id outside it.
+
+CI installs runc and runs `trialledger setup`: these tests fail (never skip) where runc
+cannot start a container. (The rest of the range-mode suite runs under runc with
+TRIALLEDGER_TEST_RUNTIME=runc, tests/conftest.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import images
+from tests.test_range_mode import SECRET, _as_root, run_oracle
+from trialledger.adapters.sandbox.idrange import SLOT, range_problem
+from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.sandbox.ociruntime import runtime_problem
+
+SETUID_IMAGE = "localhost/tl-busybox:setuid-helper"
+HELPER = "/usr/local/bin/rootcat"
+# A static `cat` that, setuid root, reads what only root may; with --setuid-copy it writes
+# a copy of itself, inner root's and setuid, at DEST.
+HELPER_SOURCE = r"""
+#include <fcntl.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    char buffer[4096];
+    ssize_t n;
+    if (argc == 3 && strcmp(argv[1], "--setuid-copy") == 0) {
+        int in = open("/proc/self/exe", O_RDONLY);
+        int out = open(argv[2], O_WRONLY | O_CREAT | O_EXCL, 0755);
+        if (in < 0 || out < 0)
+            return 2;
+        while ((n = read(in, buffer, sizeof buffer)) > 0)
+            if (write(out, buffer, (size_t)n) != n)
+                return 3;
+        return fchmod(out, 04755) == 0 ? 0 : 4;
+    }
+    int fd = argc == 2 ? open(argv[1], O_RDONLY) : -1;
+    if (fd < 0)
+        return 1;
+    while ((n = read(fd, buffer, sizeof buffer)) > 0)
+        if (write(1, buffer, (size_t)n) != n)
+            return 3;
+    return 0;
+}
+"""
+SOLVE = f"""#!/bin/sh
+id -u > /work/solver-uid
+{HELPER} /root-only > /work/answer
+{HELPER} --setuid-copy /work/setuid-copy
+"""
+TEST = """#!/bin/sh
+if [ "$(cat /work/answer)" = "{secret}" ] && [ "$(cat /work/solver-uid)" = 1000 ]; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _runc_available() -> None:
+    assert range_problem() is None, f"range mode must be available here: {range_problem()}"
+    assert runtime_problem("runc") is None, runtime_problem("runc")
+
+
+@pytest.fixture
+def private_storage(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONTAINERS_STORAGE_CONF", str(images.storage_conf()))
+
+
+def setuid_image() -> str:
+    """busybox with `USER agent`, a root-only file (0600 root) and a setuid-root static
+    reader (4755 root:root)."""
+    if images._podman("image", "exists", SETUID_IMAGE).returncode == 0:
+        return SETUID_IMAGE
+    with tempfile.TemporaryDirectory() as scratch:
+        source, helper = Path(scratch) / "rootcat.c", Path(scratch) / "rootcat"
+        source.write_text(HELPER_SOURCE)
+        subprocess.run(["gcc", "-static", "-O2", "-o", str(helper), str(source)], check=True,
+                       capture_output=True)
+        tarball = images.IMAGES / "busybox-setuid-helper.tar"
+        with tarfile.open(tarball, "w") as archive:
+            archive.add(images.busybox_root(), arcname=".", filter=_as_root)
+            for name, path, mode in (("./root-only", None, 0o600),
+                                     (f".{HELPER}", helper, 0o4755)):
+                if path is None:
+                    path = Path(scratch) / "secret"
+                    path.write_text(SECRET)
+                info = archive.gettarinfo(str(path), arcname=name)
+                info.uid = info.gid = 0
+                info.mode = mode
+                with path.open("rb") as handle:
+                    archive.addfile(info, handle)
+    done = images._podman("import", "--change", "USER agent", "--change", "WORKDIR /work",
+                          str(tarball), SETUID_IMAGE)
+    assert done.returncode == 0, done.stderr
+    return SETUID_IMAGE
+
+
+def setuid_task(folder: Path, *, metadata: str = "") -> Path:
+    """An oracle task over the image: its solution, as the non-root USER, reads the
+    root-only file through the setuid helper."""
+    for sub in ("solution", "tests"):
+        (folder / sub).mkdir(parents=True)
+    (folder / "task.toml").write_text(f'version = "1.0"\n[environment]\ndocker_image = '
+                                      f'"{setuid_image()}"\n{metadata}')
+    (folder / "instruction.md").write_text("Read /root-only.\n")
+    for path, text in ((folder / "solution" / "solve.sh", SOLVE),
+                       (folder / "tests" / "test.sh", TEST.format(secret=SECRET))):
+        path.write_text(text)
+        path.chmod(0o755)
+    return folder
+
+
+def _outcome(events: list[Any]) -> tuple[str, Any]:
+    launched = next(e for e in events if e.type == "agent.launched")
+    verdict = next(e for e in events if e.type.startswith("verification."))
+    assert verdict.type == "verification.recorded", verdict.data
+    return launched.data.isolation, verdict.data.rewards
+
+
+def test_a_setuid_root_helper_works_under_runc_and_is_setuid_only_to_the_slot(
+        tmp_path: Path, private_storage: None, kept: list[LocalSandbox]) -> None:
+    task = setuid_task(tmp_path / "task")
+    code, events = run_oracle(task, tmp_path / "runc.db", "--runtime", "runc",
+                              "--cache-dir", str(tmp_path / "cache"))
+    assert code == 0
+    assert _outcome(events) == ("runc", {"reward": 1.0})
+    sandbox = kept[-1]
+    assert sandbox.range is not None
+    start = sandbox.range.slot.start
+    # The copy the helper wrote as inner root (its group the USER's: setuid keeps the gid)
+    # is setuid to the slot's first id on the host, never to host root.
+    made = os.lstat(sandbox.root / "upper" / "work" / "setuid-copy")
+    assert made.st_mode & stat.S_ISUID, oct(made.st_mode)
+    assert (made.st_uid, made.st_gid) == (start, start + 1000) and start >= SLOT
+
+
+def test_under_bwrap_the_same_helper_does_not_raise_privileges(
+        tmp_path: Path, private_storage: None) -> None:
+    # bwrap always sets no_new_privs: the helper runs as the USER, and the answer is empty.
+    task = setuid_task(tmp_path / "task")
+    _, events = run_oracle(task, tmp_path / "bwrap.db", "--runtime", "bwrap",
+                           "--cache-dir", str(tmp_path / "cache"))
+    assert _outcome(events) == ("bwrap", {"reward": 0.0})
+
+
+def test_a_task_that_asks_for_no_new_privileges_gets_it_under_runc(
+        tmp_path: Path, private_storage: None) -> None:
+    task = setuid_task(tmp_path / "task",
+                       metadata="[metadata.trialledger]\nno_new_privileges = true\n")
+    _, events = run_oracle(task, tmp_path / "nnp.db", "--runtime", "runc",
+                           "--cache-dir", str(tmp_path / "cache"))
+    assert _outcome(events) == ("runc", {"reward": 0.0})
