@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from tests import images
@@ -166,3 +167,34 @@ def test_a_task_that_asks_for_no_new_privileges_gets_it_under_runc(
     _, events = run_oracle(task, tmp_path / "nnp.db", "--runtime", "runc",
                            "--cache-dir", str(tmp_path / "cache"))
     assert _outcome(events) == ("runc", {"reward": 0.0})
+
+
+@pytest.mark.anyio
+async def test_a_leases_extensions_reach_the_runc_containers_pid_1(
+        tmp_path: Path, private_storage: None) -> None:
+    """A job trial's lease (SPEC §13) holds the container under runc as under bwrap: its
+    extensions reach PID 1 (descriptor 3, `--preserve-fds`), and a lapse ends it."""
+    import uuid
+
+    from trialledger.adapters.environment import Cache, prepare
+    from trialledger.adapters.sandbox.deadline import DeadManSwitch
+    from trialledger.adapters.task import Task
+
+    task = Task.load(setuid_task(tmp_path / "task"))
+    assert task.source is not None
+    env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
+    switch = DeadManSwitch(1.0)
+    sandbox = LocalSandbox(session_key=str(uuid.uuid4()), workdir="/work", environment=env,
+                           lifetime="harbor", runtime="runc", switch=switch)
+    try:
+        await sandbox._ensure_container()
+        assert sandbox.launched_isolation == "runc"
+        switch.extend(120)
+        await anyio.sleep(2.0)  # past the first deadline: only an extension heard keeps it
+        assert sandbox.container_lost() is None
+        switch.extend(0.05)  # the lease lapses: PID 1's command is killed, it ends
+        assert await sandbox.container_ended(30) is not None
+    finally:
+        await sandbox.close()
+        sandbox.discard()
+        switch.close()

@@ -657,7 +657,11 @@ class LocalSandbox(ContainerPhases):
             pid1 += ["--deadline-fd", "3", "--deadline-ms", str(self.switch.remaining_ms())]
         pid1 += ["--user", str(user.uid), str(user.gid),
                  ",".join(str(g) for g in user.groups) or "-", "--", *command]
-        netns = self.range.netns_fd if self._own_network("container", "agent") else None
+        # Always a network namespace of the container's own (the runner's, inside the
+        # slot's user namespace): sysfs cannot be mounted in a user namespace that does not
+        # own the network namespace, so the host's is never shared under runc.
+        netns = self.range.netns_fd
+        assert netns is not None
         limits = {"pids": float(DEFAULT_PIDS),
                   **{key: value for key, value in self.limits.items() if key in CONTROLLERS}}
         config = container_config(ContainerSpec(
@@ -666,11 +670,9 @@ class LocalSandbox(ContainerPhases):
             seccomp=host_seccomp(list(self.caps)), ids=(self.range.slot.start, SLOT),
             cwd=self.workdir, caps=self.caps, no_new_privileges=self.no_new_privileges,
             hostname=hostname_of(self.marker),
-            userns=runner_fd_path(self.range.userns_fd),
-            netns=runner_fd_path(netns) if netns is not None else None,
-            host_network=netns is None, cgroups_path=runc.cgroup_name, limits=limits,
-            binds=binds, tmpfs=tmpfs, nofile=host_nofile(),
-            sysctl=DOCKER_NET_SYSCTL if netns is not None else {}))
+            userns=runner_fd_path(self.range.userns_fd), netns=runner_fd_path(netns),
+            cgroups_path=runc.cgroup_name, limits=limits, binds=binds, tmpfs=tmpfs,
+            nofile=host_nofile(), sysctl=DOCKER_NET_SYSCTL))
         fd = os.open(runc.bundle / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL
                      | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with open(fd, "w", encoding="utf-8") as handle:
@@ -702,9 +704,8 @@ class LocalSandbox(ContainerPhases):
             except FileNotFoundError:  # an ENTRYPOINT that exits at once
                 raise ContainerFailed("the container stopped as it started") from None
             run.know({"child-pid": pid, "pid-namespace": namespace,
-                      **({"net-namespace": os.fstat(netns).st_ino} if netns is not None
-                         else {})})
-            if netns is not None and self.network is not None and self.network.isolated:
+                      "net-namespace": os.fstat(netns).st_ino})
+            if self.network is not None and self.network.isolated:
                 await self.network.open_inside(pid)  # before any phase joins
         except BaseException:
             await run.aclose()

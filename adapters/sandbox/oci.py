@@ -213,7 +213,6 @@ class ContainerSpec:
     limits: Mapping[str, float] = field(default_factory=dict)
     binds: tuple[Bind, ...] = ()
     tmpfs: tuple[str, ...] = ()  # private tmpfs mount points, after the binds
-    host_network: bool = False  # no network namespace of the container's own
     nofile: tuple[int, int] | None = None
     sysctl: Mapping[str, str] = field(default_factory=dict)
 
@@ -254,8 +253,7 @@ def _namespaces(spec: ContainerSpec) -> list[Json]:
     joined = {"user": spec.userns, "network": spec.netns}
     made: list[Json] = [{"type": kind} for kind in ("pid", "ipc", "uts", "mount")]
     return made + [{"type": kind, "path": path} if path else {"type": kind}
-                   for kind, path in joined.items()
-                   if not (kind == "network" and spec.host_network)]
+                   for kind, path in joined.items()]
 
 
 def _bind(bind: Bind) -> Json:
