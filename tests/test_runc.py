@@ -27,13 +27,15 @@ from trialledger.adapters.sandbox.idrange import SLOT, range_problem
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.ociruntime import runtime_problem
 
-SETUID_IMAGE = "localhost/tl-busybox:setuid-helper"
+SETUID_IMAGE = "localhost/tl-busybox:setuid-helper-2"
 HELPER = "/usr/local/bin/rootcat"
 # A static `cat` that, setuid root, reads what only root may; with --setuid-copy it writes
-# a copy of itself, inner root's and setuid, at DEST.
+# a copy of itself, inner root's and setuid, at DEST; with --no-randomize it asks for what
+# `setarch -R` does, which Docker's seccomp profile refuses (exit 7).
 HELPER_SOURCE = r"""
 #include <fcntl.h>
 #include <string.h>
+#include <sys/personality.h>
 #include <sys/stat.h>
 #include <unistd.h>
 int main(int argc, char **argv) {
@@ -49,6 +51,8 @@ int main(int argc, char **argv) {
                 return 3;
         return fchmod(out, 04755) == 0 ? 0 : 4;
     }
+    if (argc == 2 && strcmp(argv[1], "--no-randomize") == 0)
+        return personality(ADDR_NO_RANDOMIZE) == -1 ? 7 : 0;
     int fd = argc == 2 ? open(argv[1], O_RDONLY) : -1;
     if (fd < 0)
         return 1;
@@ -62,6 +66,7 @@ SOLVE = f"""#!/bin/sh
 id -u > /work/solver-uid
 {HELPER} /root-only > /work/answer
 {HELPER} --setuid-copy /work/setuid-copy
+{HELPER} --no-randomize; echo $? > /work/no-randomize
 """
 TEST = """#!/bin/sh
 if [ "$(cat /work/answer)" = "{secret}" ] && [ "$(cat /work/solver-uid)" = 1000 ]; then
@@ -149,15 +154,21 @@ def test_a_setuid_root_helper_works_under_runc_and_is_setuid_only_to_the_slot(
     made = os.lstat(sandbox.root / "upper" / "work" / "setuid-copy")
     assert made.st_mode & stat.S_ISUID, oct(made.st_mode)
     assert (made.st_uid, made.st_gid) == (start, start + 1000) and start >= SLOT
+    # The phase's process has the container's seccomp profile: Docker's whole one.
+    refused = (sandbox.root / "upper" / "work" / "no-randomize").read_text()
+    assert refused == "7\n", refused
 
 
 def test_under_bwrap_the_same_helper_does_not_raise_privileges(
-        tmp_path: Path, private_storage: None) -> None:
+        tmp_path: Path, private_storage: None, kept: list[LocalSandbox]) -> None:
     # bwrap always sets no_new_privs: the helper runs as the USER, and the answer is empty.
     task = setuid_task(tmp_path / "task")
     _, events = run_oracle(task, tmp_path / "bwrap.db", "--runtime", "bwrap",
                            "--cache-dir", str(tmp_path / "cache"))
     assert _outcome(events) == ("bwrap", {"reward": 0.0})
+    # bwrap's filter is the list of §15's refusals, not Docker's whole profile.
+    allowed = (kept[-1].root / "upper" / "work" / "no-randomize").read_text()
+    assert allowed == "0\n", allowed
 
 
 def test_a_task_that_asks_for_no_new_privileges_gets_it_under_runc(

@@ -5,9 +5,11 @@ Our init is its PID 1 for the whole session, running the image's `ENTRYPOINT` (w
 "sleep infinity"`), else idling itself. Each phase's process — the agent, the probe, the
 verifier, the copy of the tests — joins it as `docker exec` joins a container (`init
 --join`): the session's cgroups, then the container's namespaces, then what the
-container's own processes hold (the phase's user, Docker's capabilities for inner root
-only, no new privileges, the seccomp filter). When a phase's process ends its process
-group is killed; what it detached (a daemon) keeps running into the next phase.
+container's own processes hold: the phase's user, Docker's capabilities for inner root
+only, and the container's seccomp filter — under bwrap our list of Docker's refusals with
+no new privileges; under runc (runc.py) Docker's whole profile (`ocifilter.py`) with new
+privileges allowed, as in Docker. When a phase's process ends its process group is
+killed; what it detached (a daemon) keeps running into the next phase.
 
 `Container` is the running container; `ContainerPhases`, a part of `LocalSandbox`
 (local.py), starts it in the session's layer (Docker's injected files, `/logs`), joins each
@@ -52,6 +54,7 @@ from trialledger.adapters.sandbox.hostside import env_file, host_env
 from trialledger.adapters.sandbox.idrange import InnerUser, ensure_filter
 from trialledger.adapters.sandbox.layout import SessionLayout
 from trialledger.adapters.sandbox.network import Network, listen_inside
+from trialledger.adapters.sandbox.ocifilter import docker_filter
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import pids_in_namespace
 from trialledger.adapters.sandbox.runc import RuncContainer
@@ -396,7 +399,10 @@ class ContainerPhases(SessionLayout):
             await self._use_network(role)
         env_fd = env_file({**env, SUPERVISOR_ENV: self.marker})  # for our init, in there
         status_r, status_w = os.pipe()
-        seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
+        # Under runc, Docker's profile, as the container's PID 1 has it; else (bwrap) our
+        # list of Docker's refusals, as bwrap's PID 1 has it.
+        program = docker_filter(self.caps) if self.on_runc else ensure_filter()
+        seccomp = (os.open(program, os.O_RDONLY | os.O_CLOEXEC)
                    if self.range is not None else None)
         argv = [str(self.init), "--join-fds", container.join_arg()]
         for procs in self._cgroup_procs:

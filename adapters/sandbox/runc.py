@@ -23,10 +23,10 @@ harbor`) with `runc run` where bwrap started it before; everything else of the s
   container in a child of its own there (a relative `cgroupsPath`): the session's limits
   hold it, and `runc delete` removes the child.
 - **Phases.** Each phase's process still joins with `init --join-fds` (status report,
-  process-group kill, deadline as before), without `no_new_privs` (`--new-privs`), and
-  loads our own seccomp list (`seccomp.c`, the refusals of §15), not Docker's whole
-  profile: a phase's process may make the calls Docker's profile refuses beyond that
-  list and §15's (a gap, said in docs/security.md).
+  process-group kill, deadline as before), without `no_new_privs` (`--new-privs`), with
+  Docker's profile compiled to BPF by `ocifilter.py` from the same conversion PID 1's
+  `config.json` holds (runc's own compilation differs in one way: runc makes a syscall
+  newer than its libseccomp knows fail with ENOSYS, ours with the default EPERM).
 """
 
 from __future__ import annotations
