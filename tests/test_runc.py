@@ -209,3 +209,80 @@ async def test_a_leases_extensions_reach_the_runc_containers_pid_1(
         await sandbox.close()
         sandbox.discard()
         switch.close()
+
+
+def test_a_runtime_setup_found_unable_is_refused_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from tests.runs import make_task
+    from trialledger import cli
+    from trialledger.adapters.sandbox import ociruntime
+
+    monkeypatch.setattr(ociruntime, "_record_path",
+                        lambda runtime: tmp_path / f"runtime-{runtime}.json")
+    (tmp_path / "runtime-runc.json").write_text(json.dumps(
+        {"runtime": "runc", "problem": "runc cannot start a container here: no cgroups"}))
+    task = make_task(tmp_path / "task", test_sh="exit 0\n", solve_sh="#!/bin/sh\n")
+    code = cli.main(["run", str(task.folder), "--agent", "oracle", "--db",
+                     str(tmp_path / "t.db"), "--runtime", "runc"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--runtime runc: runc cannot start a container here: no cgroups" in err, err
+    assert "Traceback" not in err
+
+
+def _running(marker: str) -> list[int]:
+    """The pids of processes whose command line is `sleep <marker>`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().split(b"\0")[:2] == [
+                        b"sleep", marker.encode()]:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_crashed_runners_container_ends_and_its_sweep_deletes_it(
+        tmp_path: Path, private_storage: None) -> None:
+    """runc's container does not die with runc (bwrap's did, `--die-with-parent`): our
+    init, its PID 1, ends it when the runner's lifeline closes; the next sweep of session
+    folders deletes runc's state."""
+    import signal
+    import sys
+    import time
+
+    from trialledger.adapters.sandbox import folders
+    from trialledger.adapters.sandbox.runc import STATE
+
+    marker = "31.4159"
+    ours = set(Path(tempfile.gettempdir()).glob(f"{folders.FOLDER_PREFIX}*"))
+    task = setuid_task(tmp_path / "task")
+    (task / "solution" / "solve.sh").write_text(f"#!/bin/sh\nsleep {marker}\n")
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "trialledger.cli", "run", str(task), "--agent", "oracle",
+         "--db", str(tmp_path / "t.db"), "--runtime", "runc", "--cache-dir",
+         str(tmp_path / "cache")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not _running(marker):
+            assert time.monotonic() < deadline, "the oracle never started"
+            assert runner.poll() is None, runner.communicate()
+            time.sleep(0.05)
+        left = [folder for folder in Path(tempfile.gettempdir()).glob(
+            f"{folders.FOLDER_PREFIX}*") if folder not in ours and (folder / STATE).is_dir()]
+        runner.send_signal(signal.SIGKILL)  # a crash: nothing of ours stops the container
+        runner.wait(timeout=30)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    deadline = time.monotonic() + 30
+    while _running(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(marker), "the container outlived its runner"
+    assert left and folders.sweep_stale_sessions() >= 1
+    assert not [folder for folder in left if folder.exists()]

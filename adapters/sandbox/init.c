@@ -15,6 +15,11 @@
  * variables are handed over inside the sandbox, never to a program on the host side
  * (bwrap is dynamic: a task's LD_PRELOAD would run there), never on a command line.
  *
+ * With --lifeline-fd FD (the container's PID 1 under runc, SPEC §16) FD is the read end
+ * of a pipe only the runner holds open for writing: when it reads end-of-file the runner
+ * is gone, and the command's group is SIGKILLed -- as bwrap's --die-with-parent ends a
+ * sandbox whose runner died (runc's container does not die with runc).
+ *
  * With --deadline-fd it is a dead man's switch (a job trial's lease, SPEC §13): it SIGKILLs
  * the command's group MS milliseconds from its start unless the runner extends the
  * deadline first, by writing "<milliseconds>\n" (from now) to FD. A runner that is paused,
@@ -45,10 +50,10 @@
  *
  * For an OCI runtime (SPEC §16) --exec-suid (before --idmap) leaves setuid bits working
  * on the idmapped image and its overlay (they are setuid only to the slot's ids: never
- * nosuid on the image's files), and --fd3 FD puts FD at descriptor 3 just before the
- * exec (what `runc run --preserve-fds 1` hands to the container's PID 1):
+ * nosuid on the image's files), and --fds A[,B] puts A at descriptor 3 (B at 4) just
+ * before the exec (what `runc run --preserve-fds N` hands to the container's PID 1):
  *
- *     init --stage [--fd3 FD] [--cgroup PROCS]... [--mount-ns [--exec-suid] [--idmap ...]] ...
+ *     init --stage [--fds A[,B]] [--cgroup PROCS]... [--mount-ns [--exec-suid] [--idmap ...]] ...
  *
  * And it makes a session's user namespace (range mode): as ID (the slot's first host id,
  * so the namespace belongs to it and bwrap, running as ID, may join it), it unshares a
@@ -123,6 +128,7 @@
 
 static volatile sig_atomic_t child_pid = 0;
 static volatile sig_atomic_t deadline_fd = -1;
+static volatile sig_atomic_t lifeline_fd = -1;
 
 /* The deadline passed: the command's whole group goes. */
 static void deadline_passed(int signum) {
@@ -168,6 +174,21 @@ static void deadline_extended(int signum) {
     }
     if (whole)
         set_deadline(last);
+    errno = saved;
+}
+
+/* SIGIO: the lifeline's writer (the runner) may be gone: end-of-file ends the command. */
+static void lifeline_checked(void) {
+    char byte;
+    if (lifeline_fd >= 0 && read(lifeline_fd, &byte, 1) == 0 && child_pid > 0)
+        kill(-child_pid, SIGKILL);
+}
+
+static void io_ready(int signum) {
+    int saved = errno;
+    if (deadline_fd >= 0)
+        deadline_extended(signum);
+    lifeline_checked();
     errno = saved;
 }
 
@@ -323,10 +344,15 @@ static int become(const char *uid_text, const char *gid_text, const char *groups
 /* [--cgroup PROCS]... [--mount-ns] [--drop UID GID NPROC], overlays (mount options, target) up to "--", then
  * read-only binds (source, target) up to "--", then exec the command. */
 static int stage(int argc, char **argv) {
-    int i = 2, failed, fd3 = -1, exec_suid = 0;
+    int i = 2, failed, exec_suid = 0, passed[2] = {-1, -1}, count = 0;
     char **user = NULL;
-    if (i + 1 < argc && strcmp(argv[i], "--fd3") == 0) {
-        fd3 = atoi(argv[i + 1]);
+    if (i + 1 < argc && strcmp(argv[i], "--fds") == 0) {
+        char *at = argv[i + 1];
+        while (count < 2 && *at != '\0') {
+            passed[count++] = (int)strtol(at, &at, 10);
+            if (*at == ',')
+                at++;
+        }
         i += 2;
     }
     while (i + 1 < argc && strcmp(argv[i], "--cgroup") == 0) {
@@ -376,10 +402,12 @@ static int stage(int argc, char **argv) {
         errno = EINVAL;
         return stage_failed("exec (not an absolute path)", argv[i]);
     }
-    if (fd3 >= 0 && fd3 != 3 && dup2(fd3, 3) != 3) /* dup2 clears close-on-exec */
-        return stage_failed("dup2 to 3", argv[i]);
-    if (fd3 == 3)
-        fcntl(3, F_SETFD, 0);
+    for (int n = 0; n < count; n++) /* out of the way of 3 and 4 first */
+        if ((passed[n] = fcntl(passed[n], F_DUPFD_CLOEXEC, 10)) < 0)
+            return stage_failed("move the descriptor for", argv[i]);
+    for (int n = 0; n < count; n++) /* dup2 clears close-on-exec */
+        if (dup2(passed[n], 3 + n) != 3 + n)
+            return stage_failed("place the descriptor for", argv[i]);
     execv(argv[i], argv + i);
     return stage_failed("exec", argv[i]);
 }
@@ -652,6 +680,8 @@ int main(int argc, char **argv) {
             i += 3;
         } else if (strcmp(argv[i], "--deadline-fd") == 0 && i + 1 < argc)
             deadline_fd = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--lifeline-fd") == 0 && i + 1 < argc)
+            lifeline_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "--deadline-ms") == 0 && i + 1 < argc)
             deadline_ms = strtoul(argv[++i], NULL, 10);
         else if (strcmp(argv[i], "--env-fd") == 0 && i + 1 < argc)
@@ -692,6 +722,8 @@ int main(int argc, char **argv) {
         fcntl(status_fd, F_SETFD, FD_CLOEXEC);
     if (deadline_fd >= 0) /* the runner's alone: never the command's */
         fcntl(deadline_fd, F_SETFD, FD_CLOEXEC);
+    if (lifeline_fd >= 0)
+        fcntl(lifeline_fd, F_SETFD, FD_CLOEXEC);
     if (env_fd >= 0 && (env = read_env(env_fd)) == NULL) {
         char line[128];
         snprintf(line, sizeof line, "{\"spawn_error\": \"the environment: %s\"}\n",
@@ -775,18 +807,23 @@ int main(int argc, char **argv) {
     sigaction(SIGINT, &action, NULL);
     sigaction(SIGHUP, &action, NULL);
     sigaction(SIGUSR1, &action, NULL);
+    if (deadline_fd >= 0 || lifeline_fd >= 0) {
+        action.sa_handler = io_ready;
+        sigaction(SIGIO, &action, NULL);
+    }
+    if (lifeline_fd >= 0) {
+        fcntl(lifeline_fd, F_SETOWN, getpid());
+        fcntl(lifeline_fd, F_SETFL, O_NONBLOCK | O_ASYNC);
+    }
     if (deadline_fd >= 0) {
         action.sa_handler = deadline_passed;
         sigaction(SIGALRM, &action, NULL);
-        action.sa_handler = deadline_extended;
-        sigaction(SIGIO, &action, NULL);
         fcntl(deadline_fd, F_SETOWN, getpid());
         fcntl(deadline_fd, F_SETFL, O_NONBLOCK | O_ASYNC);
         set_deadline(deadline_ms);
     }
     sigprocmask(SIG_SETMASK, &old, NULL);
-    if (deadline_fd >= 0)
-        deadline_extended(SIGIO); /* what was written before O_ASYNC took effect */
+    io_ready(SIGIO); /* what was written (or closed) before O_ASYNC took effect */
 
     int error = 0;
     ssize_t got;

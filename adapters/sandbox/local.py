@@ -206,6 +206,7 @@ class LocalSandbox(ContainerPhases):
             raise SandboxRefused(str(error)) from None
         self.no_new_privileges = no_new_privileges  # [metadata.trialledger] (runc only)
         self._runc: RuncContainer | None = None
+        self._lifeline: int | None = None  # (runc) closed: the container's PID 1 ends it
         self.user = sandbox_user(sandbox_uid)  # never host root, in either isolation
         self.overlay = workdir == "/" or self.image is not None
         self.network = network
@@ -650,11 +651,13 @@ class LocalSandbox(ContainerPhases):
         self._clear_mount_points(placed, "container")
         binds, tmpfs = oci_mounts(placed)
         user = self.range.users["container"]
-        pid1 = [INIT_INSIDE]
+        # Handed over as descriptors 3 and 4 (runc --preserve-fds): the lifeline (runc's
+        # container does not die with the runner, bwrap's did) and a lease's switch.
+        pid1 = [INIT_INSIDE, "--lifeline-fd", "3"]
         if self.oom_score_adj is not None:
             pid1 += ["--oom-score-adj", str(self.oom_score_adj)]
-        if self.switch is not None:  # handed over as descriptor 3 (runc --preserve-fds)
-            pid1 += ["--deadline-fd", "3", "--deadline-ms", str(self.switch.remaining_ms())]
+        if self.switch is not None:
+            pid1 += ["--deadline-fd", "4", "--deadline-ms", str(self.switch.remaining_ms())]
         pid1 += ["--user", str(user.uid), str(user.gid),
                  ",".join(str(g) for g in user.groups) or "-", "--", *command]
         # Always a network namespace of the container's own (the runner's, inside the
@@ -677,16 +680,17 @@ class LocalSandbox(ContainerPhases):
                      | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with open(fd, "w", encoding="utf-8") as handle:
             json.dump(config, handle)
-        argv = [*self._runc_prefix(staged),
-                *runc.run_argv(preserve_fds=1 if self.switch is not None else 0)]
-        process = await anyio.open_process(
-            argv, env=host_env(**{SUPERVISOR_ENV: self.marker}), stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # PID 1's output: nobody
-            # would drain it for the whole session
-            pass_fds=tuple(fd for fd in (self.range.userns_fd,
-                                         self.switch.read_fd if self.switch else None)
-                           if fd is not None),
-            start_new_session=True)
+        lifeline, self._lifeline = os.pipe()  # its write end is the runner's alone
+        passed = [lifeline, *([self.switch.read_fd] if self.switch is not None else [])]
+        argv = [*self._runc_prefix(staged, passed), *runc.run_argv(preserve_fds=len(passed))]
+        try:
+            process = await anyio.open_process(
+                argv, env=host_env(**{SUPERVISOR_ENV: self.marker}), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # PID 1's output:
+                # nobody would drain it for the whole session
+                pass_fds=(self.range.userns_fd, *passed), start_new_session=True)
+        finally:
+            os.close(lifeline)
         status_r, status_w = os.pipe()  # PID 1 reports to nobody: its end is runc's exit
         os.close(status_w)
         run = LocalRun(process, status_fd=status_r, info_fd=None, isolation="runc",
@@ -710,20 +714,21 @@ class LocalSandbox(ContainerPhases):
         except BaseException:
             await run.aclose()
             await anyio.to_thread.run_sync(runc.delete)
+            os.close(self._lifeline)
+            self._lifeline = None
             raise
         return run
 
-    def _runc_prefix(self, staged: Sequence[tuple[Path, Path]]) -> list[str]:
+    def _runc_prefix(self, staged: Sequence[tuple[Path, Path]], passed: Sequence[int]
+                     ) -> list[str]:
         """What runs runc: our init, in the session's cgroups, in a private mount
         namespace where the image is mounted idmapped and the overlay over it (setuid bits
         working: they are the slot's) and the staged sources bound; runc stays root (it
-        drops into the slot itself); a lease's descriptor moved to 3."""
+        drops into the slot itself); the `passed` descriptors moved to 3 and on."""
         assert self.range is not None and self.image is not None
         overlays, idmap = self._stage_mounts("container")
         assert idmap is not None
-        argv = [str(self.init), "--stage"]
-        if self.switch is not None:
-            argv += ["--fd3", str(self.switch.read_fd)]
+        argv = [str(self.init), "--stage", "--fds", ",".join(str(fd) for fd in passed)]
         for procs in self._cgroup_procs:
             argv += ["--cgroup", str(procs)]
         argv += ["--mount-ns", "--exec-suid", "--idmap", *(str(part) for part in idmap),
@@ -922,6 +927,10 @@ class LocalSandbox(ContainerPhases):
                 self.container.release()
             if self._runc is not None:  # runc's container outlives a killed runc
                 self._runc.delete()
+            if self._lifeline is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._lifeline)
+                self._lifeline = None
             if self.cgroup is not None:
                 self.cgroup.remove()
                 self.cgroup = None

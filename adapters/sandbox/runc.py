@@ -17,8 +17,11 @@ harbor`) with `runc run` where bwrap started it before; everything else of the s
   (runc 1.1 wants them).
 - **Process.** PID 1 is our init as inner root, switching the ENTRYPOINT's process to its
   user; Docker's capabilities, Docker's seccomp profile (`oci.docker_seccomp`), no
-  `no_new_privs`; its environment only in `config.json` (0600, in a 0700 bundle). A
-  job's lease reaches it as descriptor 3 (`--preserve-fds 1`).
+  `no_new_privs`; its environment only in `config.json` (0600, in a 0700 bundle). Two
+  pipes reach it (`--preserve-fds`): a lifeline only the runner writes to (descriptor 3;
+  at its end-of-file PID 1 ends the container: runc's container does not die with its
+  runner as bwrap's `--die-with-parent` sandbox did) and a job's lease (4). A crashed
+  runner's containers are deleted by the sweep of its session folders (`delete_left`).
 - **cgroups.** runc runs in the session's cgroups (our init joins them first) and puts the
   container in a child of its own there (a relative `cgroupsPath`): the session's limits
   hold it, and `runc delete` removes the child.
@@ -40,11 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trialledger.adapters.sandbox.bwrap import Mount
-from trialledger.adapters.sandbox.hostside import host_env, program
+from trialledger.adapters.sandbox.hostside import find, host_env, program
 from trialledger.adapters.sandbox.oci import Bind
 
 RUNTIMES = ("bwrap", "runc")  # what starts a range-mode session's container
 DEFAULT_RUNTIME = "bwrap"
+STATE = "runc-state"  # runc's `--root`, in the session folder
 DELETE_S = 10.0
 LOG_TAIL = 300
 
@@ -91,10 +95,10 @@ class RuncContainer:
     def new(cls, session_root: Path, marker: str) -> RuncContainer:
         """A container named after the session, its state and bundle in the session
         folder (0700: the config holds the environment)."""
-        bundle = session_root / "bundle"
-        bundle.mkdir(mode=0o700)
         name = re.sub(r"[^\w.+-]", "_", f"trialledger-{marker[:24]}-{secrets.token_hex(4)}")
-        return cls(program("runc"), session_root / "runc-state", name, bundle)
+        bundle = session_root / f"bundle-{name}"
+        bundle.mkdir(mode=0o700)
+        return cls(program("runc"), session_root / STATE, name, bundle)
 
     @property
     def pid_file(self) -> Path:
@@ -147,3 +151,16 @@ class RuncContainer:
 def runner_fd_path(fd: int) -> str:
     """A namespace the runner holds open, as a path runc can join."""
     return f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def delete_left(session_root: Path) -> None:
+    """Delete the containers a crashed runner left in its session folder (its PID 1 ended
+    with the runner; runc's state and cgroups remain until this)."""
+    state = session_root / STATE
+    if not state.is_dir() or (binary := find("runc")) is None:
+        return
+    for entry in state.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            subprocess.run([binary, "--root", str(state), "delete", "--force", entry.name],
+                           stdin=subprocess.DEVNULL, capture_output=True, env=host_env(),
+                           timeout=DELETE_S, check=False)
