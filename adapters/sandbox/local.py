@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -68,12 +67,10 @@ from trialledger.adapters.sandbox.bwrap import (
     bwrap_argv,
     mounts,
 )
-from trialledger.adapters.sandbox.cgroup import CONTROLLERS, DEFAULT_PIDS, SessionCgroup, hold
+from trialledger.adapters.sandbox.cgroup import CONTROLLERS, SessionCgroup, hold
 from trialledger.adapters.sandbox.container import (
     NETWORK_PHASES,
     Container,
-    ContainerFailed,
-    ContainerPhases,
 )
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.egress import EgressProxy, egress_problem
@@ -92,7 +89,6 @@ from trialledger.adapters.sandbox.identity import (
 )
 from trialledger.adapters.sandbox.idrange import (
     DOCKER_CAPS,
-    SLOT,
     InnerUser,
     Slot,
     UsernsMaker,
@@ -102,11 +98,10 @@ from trialledger.adapters.sandbox.idrange import (
 )
 from trialledger.adapters.sandbox.layout import check_granted_paths, chown_tree, clear_planted
 from trialledger.adapters.sandbox.network import Network
-from trialledger.adapters.sandbox.oci import DOCKER_NET_SYSCTL, ContainerSpec, container_config
-from trialledger.adapters.sandbox.ociruntime import host_nofile, host_seccomp
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import kill_marked, pids_in_namespace
-from trialledger.adapters.sandbox.runc import RuncContainer, oci_mounts, runner_fd_path
+from trialledger.adapters.sandbox.runc import RuncContainer
+from trialledger.adapters.sandbox.runclaunch import RuncLaunch
 from trialledger.adapters.sandbox.slirp import RESOLVER, Slirp, hostname_of, slirp_problem
 
 log = logging.getLogger(__name__)
@@ -117,7 +112,6 @@ ISOLATIONS = ("bwrap", "process-group")
 LIFETIMES = ("harbor", "strict")  # verifier_isolation (docs/SPEC.md §15)
 RECHECK_AFTER_S = 0.2
 HOST_RESOLVER = "/etc/resolv.conf"
-RUNC_READY_S = 10.0  # how long runc may take to name the container's PID 1
 
 
 def bwrap_problem(user: SandboxUser, cgroups: Sequence[Path] = (),
@@ -161,10 +155,11 @@ class RangeIds:
         return SandboxUser(self.slot.start, self.slot.start)
 
 
-class LocalSandbox(ContainerPhases):
+class LocalSandbox(RuncLaunch):
     """One session's sandbox on this machine: its construction, the bwrap command line,
     spawning and the Sandbox protocol; its session folder's layout is `SessionLayout`'s
-    (layout.py), its container's phases (harbor) `ContainerPhases`' (container.py)."""
+    (layout.py), its container's phases (harbor) `ContainerPhases`' (container.py), its
+    container under runc `RuncLaunch`'s (runclaunch.py)."""
 
     def __init__(
         self,
@@ -633,107 +628,6 @@ class LocalSandbox(ContainerPhases):
             raise
         finally:
             os.close(block_w)
-
-    # --- the container under runc (docs/SPEC.md §16; runc.py) -------------------------------
-
-    async def _spawn_runc(self, command: Sequence[str], *, env: Mapping[str, str],
-                          verifier_logs: Path | None) -> LocalRun:
-        """The session's container started by `runc run` from a `config.json` of ours, our
-        init its PID 1 running `command` as the container's user; returned once runc has
-        named PID 1 (OSError: it did not, with runc's last words)."""
-        assert self.range is not None and self.image is not None
-        runc = self._runc = RuncContainer.new(self.root, self.marker)
-        spawn = self._spawn_plan("container", "agent", info_fd=0,
-                                 verifier_logs=verifier_logs, block_fd=None)
-        staged: list[tuple[Path, Path]] = []
-        placed = [dataclasses.replace(m, source=str(self._stage(Path(m.source), staged)))
-                  if m.staged and m.source is not None else m for m in mounts(spawn)]
-        self._clear_mount_points(placed, "container")
-        binds, tmpfs = oci_mounts(placed)
-        user = self.range.users["container"]
-        # Handed over as descriptors 3 and 4 (runc --preserve-fds): the lifeline (runc's
-        # container does not die with the runner, bwrap's did) and a lease's switch.
-        pid1 = [INIT_INSIDE, "--lifeline-fd", "3"]
-        if self.oom_score_adj is not None:
-            pid1 += ["--oom-score-adj", str(self.oom_score_adj)]
-        if self.switch is not None:
-            pid1 += ["--deadline-fd", "4", "--deadline-ms", str(self.switch.remaining_ms())]
-        pid1 += ["--user", str(user.uid), str(user.gid),
-                 ",".join(str(g) for g in user.groups) or "-", "--", *command]
-        # Always a network namespace of the container's own (the runner's, inside the
-        # slot's user namespace): sysfs cannot be mounted in a user namespace that does not
-        # own the network namespace, so the host's is never shared under runc.
-        netns = self.range.netns_fd
-        assert netns is not None
-        limits = {"pids": float(DEFAULT_PIDS),
-                  **{key: value for key, value in self.limits.items() if key in CONTROLLERS}}
-        config = container_config(ContainerSpec(
-            root=str(self.root / "merged"), args=tuple(pid1),
-            env={**env, SUPERVISOR_ENV: self.marker},  # in config.json alone (0600, 0700)
-            seccomp=host_seccomp(list(self.caps)), ids=(self.range.slot.start, SLOT),
-            cwd=self.workdir, caps=self.caps, no_new_privileges=self.no_new_privileges,
-            hostname=hostname_of(self.marker),
-            userns=runner_fd_path(self.range.userns_fd), netns=runner_fd_path(netns),
-            cgroups_path=runc.cgroup_name, limits=limits, binds=binds, tmpfs=tmpfs,
-            nofile=host_nofile(), sysctl=DOCKER_NET_SYSCTL))
-        fd = os.open(runc.bundle / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with open(fd, "w", encoding="utf-8") as handle:
-            json.dump(config, handle)
-        lifeline, self._lifeline = os.pipe()  # its write end is the runner's alone
-        passed = [lifeline, *([self.switch.read_fd] if self.switch is not None else [])]
-        argv = [*self._runc_prefix(staged, passed), *runc.run_argv(preserve_fds=len(passed))]
-        try:
-            process = await anyio.open_process(
-                argv, env=host_env(**{SUPERVISOR_ENV: self.marker}), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # PID 1's output:
-                # nobody would drain it for the whole session
-                pass_fds=(self.range.userns_fd, *passed), start_new_session=True)
-        finally:
-            os.close(lifeline)
-        status_r, status_w = os.pipe()  # PID 1 reports to nobody: its end is runc's exit
-        os.close(status_w)
-        run = LocalRun(process, status_fd=status_r, info_fd=None, isolation="runc",
-                       marker=self.marker)
-        try:
-            pid = None
-            with anyio.move_on_after(RUNC_READY_S):
-                while (pid := runc.started_pid()) is None and process.returncode is None:
-                    await anyio.sleep(0.005)
-            if pid is None:
-                raise OSError(f"runc could not start the container: "
-                              f"{runc.log_tail() or 'it said nothing'}")
-            try:
-                namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
-            except FileNotFoundError:  # an ENTRYPOINT that exits at once
-                raise ContainerFailed("the container stopped as it started") from None
-            run.know({"child-pid": pid, "pid-namespace": namespace,
-                      "net-namespace": os.fstat(netns).st_ino})
-            if self.network is not None and self.network.isolated:
-                await self.network.open_inside(pid)  # before any phase joins
-        except BaseException:
-            await run.aclose()
-            await anyio.to_thread.run_sync(runc.delete)
-            os.close(self._lifeline)
-            self._lifeline = None
-            raise
-        return run
-
-    def _runc_prefix(self, staged: Sequence[tuple[Path, Path]], passed: Sequence[int]
-                     ) -> list[str]:
-        """What runs runc: our init, in the session's cgroups, in a private mount
-        namespace where the image is mounted idmapped and the overlay over it (setuid bits
-        working: they are the slot's) and the staged sources bound; runc stays root (it
-        drops into the slot itself); the `passed` descriptors moved to 3 and on."""
-        assert self.range is not None and self.image is not None
-        overlays, idmap = self._stage_mounts("container")
-        assert idmap is not None
-        argv = [str(self.init), "--stage", "--fds", ",".join(str(fd) for fd in passed)]
-        for procs in self._cgroup_procs:
-            argv += ["--cgroup", str(procs)]
-        argv += ["--mount-ns", "--exec-suid", "--idmap", *(str(part) for part in idmap),
-                 *overlays, "--", *(str(path) for pair in staged for path in pair), "--"]
-        return argv
 
     # --- the Sandbox protocol ---------------------------------------------------------------
 
