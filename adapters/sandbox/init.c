@@ -8,7 +8,7 @@
  * nothing of ours needs a program inside the sandbox.
  *
  *     init --status-fd N [--oom-score-adj K] [--user UID GID GROUPS] [--env-fd FD]
- *          [--deadline-fd FD --deadline-ms MS] -- COMMAND ARGS...
+ *          [--deadline-fd FD --deadline-ms MS] [--lifeline-fd FD] -- COMMAND ARGS...
  *
  * With --env-fd the command's whole environment is read from FD (NUL-separated
  * NAME=VALUE entries, at most ENV_MAX bytes) and nothing of init's own is kept: the task's
