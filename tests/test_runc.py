@@ -286,3 +286,36 @@ def test_a_crashed_runners_container_ends_and_its_sweep_deletes_it(
     assert not _running(marker), "the container outlived its runner"
     assert left and folders.sweep_stale_sessions() >= 1
     assert not [folder for folder in left if folder.exists()]
+
+
+def test_a_containers_bwrap_mounts_become_oci_binds_and_tmpfs() -> None:
+    from trialledger.adapters.sandbox.bwrap import Mount
+    from trialledger.adapters.sandbox.oci import Bind
+    from trialledger.adapters.sandbox.runc import oci_mounts
+
+    placed = [Mount("--proc", None, "/proc"), Mount("--ro-bind", "/proc/sys", "/proc/sys"),
+              Mount("--dev", None, "/dev"), Mount("--ro-bind", "/c/init", "/run/t/init"),
+              Mount("--bind", "/s/home", "/s/home"), Mount("--tmpfs", None, "/s/home/skills")]
+    # /proc, /dev and a read-only /proc/sys are Docker's own mounts there
+    assert oci_mounts(placed) == ((Bind("/c/init", "/run/t/init", read_only=True),
+                                   Bind("/s/home", "/s/home", read_only=False)),
+                                  ("/s/home/skills",))
+    with pytest.raises(ValueError, match="--symlink"):
+        oci_mounts([Mount("--symlink", "usr/bin", "/bin")])
+
+
+def test_dockers_profile_in_the_filter_compilers_line_form() -> None:
+    from trialledger.adapters.sandbox.ocifilter import filter_text
+
+    text = filter_text({
+        "defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": 1,
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X32"],
+        "syscalls": [{"names": ["read", "write"], "action": "SCMP_ACT_ALLOW"},
+                     {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
+                     {"names": ["clone"], "action": "SCMP_ACT_ALLOW",
+                      "args": [{"index": 0, "value": 2114060288, "valueTwo": 0,
+                                "op": "SCMP_CMP_MASKED_EQ"}]}]})
+    assert text.splitlines() == [
+        "default ERRNO 1", "arch x86_64", "arch x32", "rule ALLOW 1 read 0",
+        "rule ALLOW 1 write 0", "rule ERRNO 38 clone3 0",
+        "rule ALLOW 1 clone 1 0 MASKED_EQ 2114060288 0"]
