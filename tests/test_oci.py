@@ -259,6 +259,8 @@ def test_a_config_leaves_out_what_the_spec_does_not_ask_for() -> None:
     assert set(config["linux"]["resources"]) == {"devices"}
     assert "additionalGids" not in config["process"]["user"]
     assert config["process"]["noNewPrivileges"] is True
+    unaccounted = oci.container_config(spec(swap_accounted=False))
+    assert unaccounted["linux"]["resources"]["memory"] == {"limit": 512 << 20}
 
 
 @pytest.mark.parametrize(("changes", "says"), [

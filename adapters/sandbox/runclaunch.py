@@ -18,7 +18,7 @@ import anyio
 
 from trialledger.adapters.sandbox.base import SUPERVISOR_ENV
 from trialledger.adapters.sandbox.bwrap import INIT_INSIDE, Role, Spawn, mounts
-from trialledger.adapters.sandbox.cgroup import CONTROLLERS, DEFAULT_PIDS
+from trialledger.adapters.sandbox.cgroup import CONTROLLERS, DEFAULT_PIDS, v1_hierarchies
 from trialledger.adapters.sandbox.container import ContainerFailed, ContainerPhases
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.hostside import host_env
@@ -30,6 +30,14 @@ from trialledger.adapters.sandbox.runc import RuncContainer, oci_mounts, runner_
 from trialledger.adapters.sandbox.slirp import hostname_of
 
 RUNC_READY_S = 10.0  # how long runc may take to name the container's PID 1
+MEMSW = "memory.memsw.limit_in_bytes"
+
+
+def swap_accounted() -> bool:
+    """Whether this kernel accounts swap in the cgroup v1 memory controller (runc writes
+    memory+swap only where it does, as cgroup.py's own writes)."""
+    memory = v1_hierarchies().get("memory")
+    return memory is not None and (memory / MEMSW).exists()
 
 
 class RuncLaunch(ContainerPhases):
@@ -84,7 +92,7 @@ class RuncLaunch(ContainerPhases):
             hostname=hostname_of(self.marker),
             userns=runner_fd_path(self.range.userns_fd), netns=runner_fd_path(netns),
             cgroups_path=runc.cgroup_name, limits=limits, binds=binds, tmpfs=tmpfs,
-            nofile=host_nofile(), sysctl=DOCKER_NET_SYSCTL))
+            nofile=host_nofile(), sysctl=DOCKER_NET_SYSCTL, swap_accounted=swap_accounted()))
         fd = os.open(runc.bundle / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL
                      | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with open(fd, "w", encoding="utf-8") as handle:
