@@ -300,6 +300,7 @@ def _run_options(args: argparse.Namespace) -> Any:
         api_key=api_key, grants=grants, overrides=_parse_set(getattr(args, "set", None) or []),
         codex_bin=args.codex_bin, max_attempts=getattr(args, "max_attempts", 1),
         sandbox_uid=args.sandbox_uid, isolation=args.isolation,
+        runtime=_runtime(getattr(args, "runtime", None)),
         protected_paths=_store_files(args.db),
         task_mcp_hosts=tuple(getattr(args, "task_mcp_host", None) or ()),
         **({"runner_id": args.runner_id} if args.runner_id else {}),
@@ -376,6 +377,15 @@ def _prepared(task: Any, args: argparse.Namespace) -> Any:
     owner = sandbox_user(args.sandbox_uid).uid if os.geteuid() == 0 else None
     return prepare(with_limits(task.source, task.limits), _cache(args), owner=owner,
                    engine=args.engine, pull=args.pull, force_build=args.force_build)
+
+
+def _runtime(asked: str | None) -> str | None:
+    """`--runtime`, refused (one line) where `setup` found it cannot start a container."""
+    from trialledger.adapters.sandbox.ociruntime import recorded_problem
+
+    if asked not in (None, "bwrap") and (problem := recorded_problem(asked)) is not None:
+        raise Refused(f"--runtime {asked}: {problem}")
+    return asked
 
 
 def _range_mode(args: argparse.Namespace) -> bool:
@@ -691,6 +701,13 @@ def cmd_setup(args: argparse.Namespace) -> int:
                       f"{builder.storage}) {'created' if made else 'already exists'}")
     except (SandboxRefused, EnvironmentUnavailable) as error:
         raise Refused(str(error)) from None
+    if os.geteuid() == 0 and args.sandbox_uid is None:
+        from trialledger.adapters.sandbox.ociruntime import record_runtime
+
+        said = record_runtime("runc")
+        out.print("oci runtime: runc starts range-mode containers (--runtime runc)"
+                  if said is None else f"oci runtime: runc cannot start a container here "
+                                       f"({said})")
     problem = bwrap_problem(user)
     if problem is not None:
         out.print(f"isolation: bwrap cannot sandbox here ({problem}); runs are refused "
@@ -800,6 +817,10 @@ def _with_run_options(p: argparse.ArgumentParser, *, json_help: str, of_job: boo
     p.add_argument("--isolation", choices=("bwrap", "process-group"), default="bwrap",
                    help="bwrap (default; a bwrap that cannot sandbox refuses the run) or "
                         "process-group: the agent runs unconfined, as the sandbox uid")
+    p.add_argument("--runtime", choices=("bwrap", "runc"), default=None,
+                   help="what starts a range-mode container (image and rootfs tasks under "
+                        "verifier_isolation = harbor): bwrap (default) or the OCI runtime "
+                        "runc, which honours setuid files inside (docs/SPEC.md §16)")
     _with_cache(p)
     p.add_argument("--engine", choices=("podman", "docker"),
                    help="the container engine for docker_image and Dockerfile tasks "

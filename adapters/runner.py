@@ -87,6 +87,7 @@ class RunOptions:
     runner_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     readonly_paths: Sequence[Path] = ()  # granted read-only (never the store, task, home)
     isolation: str = "bwrap"  # or "process-group": unconfined, only when asked for
+    runtime: str | None = None  # what starts a range-mode container: bwrap or runc (§16)
     sandbox_uid: int | None = None  # when root: the agent's uid (default trialledger-sandbox)
     protected_paths: Sequence[Path] = ()  # never mounted (the store's file, say)
     grace_s: float = 5.0
@@ -324,6 +325,8 @@ class SessionRunner:
             readonly_paths=self.options.readonly_paths,
             protected_paths=[self.task.folder, *self.options.protected_paths, journal_dir()],
             isolation=self.options.isolation,
+            runtime=self.options.runtime,
+            no_new_privileges=self.task.no_new_privileges,
             raise_oom_score_adj=bool(settings_raw.get("raise_oom_score_adj", False)),
             verifier_root=str(settings_raw.get("verifier_root", "agent")),
             sandbox_uid=self.options.sandbox_uid,
@@ -443,7 +446,8 @@ class SessionRunner:
                 "schema": SCHEMA_VERSION["agent.launched"], "data": {
                     "argv": launch.argv, "workdir": settings.workdir,
                     "env_keys": sorted(launch.env), "config_sha256": launch.config_sha256,
-                    "oom_score_adj": sandbox.oom_score_adj, "isolation": sandbox.isolation,
+                    "oom_score_adj": sandbox.oom_score_adj,
+                    "isolation": sandbox.launched_isolation,
                     "runner_id": self.options.runner_id,
                     "environment": self.environment.record(),
                     "limits": sandbox.limits_record(), "model_proxy": launch.model_proxy,

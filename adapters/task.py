@@ -4,7 +4,7 @@
     task.toml        optional, Harbor 0.25's: every key is honoured, refused or warned by
                      name (adapters/taskconfig.py's table, docs/SPEC.md §15); ours besides:
                      [environment] one of docker_image / image_archive / rootfs (§12),
-                     pids, [metadata.trialledger] reward_from_exit_code
+                     pids, [metadata.trialledger] reward_from_exit_code, no_new_privileges
     environment/Dockerfile  optional: the task's image, built when no source is named
     workspace/       optional: copied into a fresh workdir
     tests/test.sh    the verifier
@@ -70,6 +70,7 @@ class Task:
     source: Source | None = None  # None: the host environment
     limits: dict[str, float] = field(default_factory=dict)  # requested cpus/memory_mb/pids
     reward_from_exit_code: bool = False  # [metadata.trialledger]: no reward file → exit code
+    no_new_privileges: bool = False  # [metadata.trialledger]: as Docker's option (runc, §16)
     verifier_env: dict[str, str] = field(default_factory=dict)  # [verifier] env, resolved
     solution_env: dict[str, str] = field(default_factory=dict)  # [solution] env, the oracle's
     secrets: tuple[str, ...] = ()  # resolved `${VAR}` values with sensitive names
@@ -149,6 +150,9 @@ class Task:
             reward_from_exit_code=_flag(meta.get("metadata", {}).get("trialledger", {}),
                                         "reward_from_exit_code", folder, default=False,
                                         table_name="metadata.trialledger"),
+            no_new_privileges=_flag(meta.get("metadata", {}).get("trialledger", {}),
+                                    "no_new_privileges", folder, default=False,
+                                    table_name="metadata.trialledger"),
         )
 
 

@@ -84,6 +84,7 @@ FIELDS: dict[Path, Key] = {
     ("task",): INFORMATION,  # [task] name, version, description, authors, keywords
     ("metadata", "*"): INFORMATION,
     ("metadata", "trialledger", "reward_from_exit_code"): HONOURED,
+    ("metadata", "trialledger", "no_new_privileges"): HONOURED,
     ("multi_step_reward_strategy",): INFORMATION,  # only multi-step tasks use it
     ("steps",): Key("refused", "multi-step tasks are not supported here", _nothing),
     ("artifacts",): HONOURED,  # adapters/taskartifacts.py (a non-main service refused below)

@@ -180,7 +180,9 @@ class AgentLaunchedData(_Data):
     env_keys: list[str]
     config_sha256: str
     oom_score_adj: int | None = None
-    isolation: Literal["bwrap", "process-group", "external"]  # external: an imported run
+    # external: an imported run; runc, crun (schema 5, SPEC §16): a range-mode container
+    # started by that OCI runtime
+    isolation: Literal["bwrap", "process-group", "external", "runc", "crun"]
     runner_id: str
     # Schema 2 (SPEC §12, §14); absent from a schema-1 event, which then dumps as written.
     environment: dict[str, Any] | None = None  # {kind: host|image|rootfs, ref, digest}
@@ -571,7 +573,9 @@ CODEX_STREAM_TYPES = frozenset(
 SCHEMA_VERSION: dict[str, int] = {
     **dict.fromkeys(EVENT_TYPES, 1),
     "model.call": 2,  # 2: `last_byte_at`, and `error` may be `deadline` (older: neither)
-    "agent.launched": 4,  # 2: model_proxy, environment, limits; 3: identity; 4: journal
+    # 2: model_proxy, environment, limits; 3: identity; 4: journal; 5: isolation runc and
+    # crun (values an older event never holds: it folds unchanged, no upcaster)
+    "agent.launched": 5,
     "verification.recorded": 3,  # 2: stdout_tail, stderr_tail; 3: files
     "verification.failed": 3,
 }

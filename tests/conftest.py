@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -65,6 +66,20 @@ def _artifacts_in_tmp(tmp_path_factory: pytest.TempPathFactory,
 
     cache = tmp_path_factory.mktemp("cache")
     monkeypatch.setattr(artifacts, "default_cache_dir", lambda: cache)
+
+
+RUNTIME_ENV = "TRIALLEDGER_TEST_RUNTIME"  # runc: range-mode containers start under runc
+
+
+@pytest.fixture(autouse=True)
+def _runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite over range mode on an OCI runtime (docs/SPEC.md §16): with
+    TRIALLEDGER_TEST_RUNTIME=runc every session that has no `--runtime` of its own starts
+    its range-mode container under runc instead of bwrap."""
+    from trialledger.adapters.sandbox import runc
+
+    if (runtime := os.environ.get(RUNTIME_ENV)) is not None:
+        monkeypatch.setattr(runc, "DEFAULT_RUNTIME", runc.check_runtime(runtime))
 
 
 @pytest.fixture

@@ -201,6 +201,7 @@ def spec(**changes: Any) -> oci.ContainerSpec:
         "limits": {"pids": 64, "memory_mb": 512, "cpus": 1.5},
         "binds": (oci.Bind("/opt/codex", "/opt/codex", True),
                   oci.Bind("/var/tmp/s1/logs", "/logs/agent", False)),
+        "tmpfs": ("/var/tmp/s1/home/skills",),  # after the binds: one may lie in a bind
         "nofile": (1024, 524_288)}
     return oci.ContainerSpec(**{**fields, **changes})
 
@@ -243,6 +244,8 @@ def test_a_config_is_an_oci_1_0_2_document_of_the_spec() -> None:
     assert [(m["source"], m["destination"], "ro" in m["options"]) for m in binds] == [
         ("/opt/codex", "/opt/codex", True), ("/var/tmp/s1/logs", "/logs/agent", False)]
     assert all({"nosuid", "nodev"} <= set(m["options"]) for m in binds)
+    assert config["mounts"][-1] == {"destination": "/var/tmp/s1/home/skills", "type": "tmpfs",
+                                    "source": "tmpfs", "options": ["nosuid", "nodev", "mode=755"]}
     # The environment's values are only in process.env, never in a command line.
     assert not any("s3cret" in arg for arg in process["args"])
 
@@ -256,6 +259,8 @@ def test_a_config_leaves_out_what_the_spec_does_not_ask_for() -> None:
     assert set(config["linux"]["resources"]) == {"devices"}
     assert "additionalGids" not in config["process"]["user"]
     assert config["process"]["noNewPrivileges"] is True
+    unaccounted = oci.container_config(spec(swap_accounted=False))
+    assert unaccounted["linux"]["resources"]["memory"] == {"limit": 512 << 20}
 
 
 @pytest.mark.parametrize(("changes", "says"), [

@@ -5,9 +5,11 @@ Our init is its PID 1 for the whole session, running the image's `ENTRYPOINT` (w
 "sleep infinity"`), else idling itself. Each phase's process — the agent, the probe, the
 verifier, the copy of the tests — joins it as `docker exec` joins a container (`init
 --join`): the session's cgroups, then the container's namespaces, then what the
-container's own processes hold (the phase's user, Docker's capabilities for inner root
-only, no new privileges, the seccomp filter). When a phase's process ends its process
-group is killed; what it detached (a daemon) keeps running into the next phase.
+container's own processes hold: the phase's user, Docker's capabilities for inner root
+only, and the container's seccomp filter — under bwrap our list of Docker's refusals with
+no new privileges; under runc (runc.py) Docker's whole profile (`ocifilter.py`) with new
+privileges allowed, as in Docker. When a phase's process ends its process group is
+killed; what it detached (a daemon) keeps running into the next phase.
 
 `Container` is the running container; `ContainerPhases`, a part of `LocalSandbox`
 (local.py), starts it in the session's layer (Docker's injected files, `/logs`), joins each
@@ -52,8 +54,10 @@ from trialledger.adapters.sandbox.hostside import env_file, host_env
 from trialledger.adapters.sandbox.idrange import InnerUser, ensure_filter
 from trialledger.adapters.sandbox.layout import SessionLayout
 from trialledger.adapters.sandbox.network import Network, listen_inside
+from trialledger.adapters.sandbox.ocifilter import docker_filter
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import pids_in_namespace
+from trialledger.adapters.sandbox.runc import RuncContainer
 from trialledger.adapters.sandbox.slirp import Slirp, injected_files, start_slirp
 
 # The capability numbers of linux/capability.h for the names range mode grants.
@@ -198,6 +202,8 @@ class ContainerPhases(SessionLayout):
     task_env: dict[str, str]  # [environment] env, for the container's PID 1
     marker: str
     tests: Path | None
+    no_new_privileges: bool  # (runc) a task's `[metadata.trialledger]` asks for it
+    _runc: RuncContainer | None  # the container's runc, when it runs under runc
 
     if TYPE_CHECKING:  # LocalSandbox's: spawning, and the verifier's parts
         def owner(self, role: Role = "agent") -> tuple[int, int]: ...
@@ -222,6 +228,9 @@ class ContainerPhases(SessionLayout):
         async def _agent_gone(self) -> bool: ...
 
         def _copy_tests(self, target: Path) -> None: ...
+
+        @property
+        def on_runc(self) -> bool: ...
 
     def _container_env(self) -> dict[str, str]:
         """PID 1's environment, as Harbor's compose service gets it: the image's `Env` and
@@ -399,13 +408,18 @@ class ContainerPhases(SessionLayout):
         if role in ("agent", "verifier"):
             await self._use_network(role)
         status_r, status_w = os.pipe()
-        seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
+        # Under runc, Docker's profile, as the container's PID 1 has it; else (bwrap) our
+        # list of Docker's refusals, as bwrap's PID 1 has it.
+        program = docker_filter(self.caps) if self.on_runc else ensure_filter()
+        seccomp = (os.open(program, os.O_RDONLY | os.O_CLOEXEC)
                    if self.range is not None else None)
         argv = [str(self.init), "--join-fds", container.join_arg()]
         for procs in self._cgroup_procs:
             argv += ["--cgroup", str(procs)]
         if self.range is not None:
             argv += ["--caps", caps_mask(self.caps), "--seccomp-fd", str(seccomp)]
+        if self.on_runc and not self.no_new_privileges:  # as the container's PID 1 (runc.py)
+            argv.append("--new-privs")
         elif self._nproc:
             argv += ["--nproc", str(self._nproc)]
         argv += ["--chdir", self.workdir]
@@ -444,6 +458,8 @@ class ContainerPhases(SessionLayout):
         await self._disconnect()
         if self.container is not None:
             await self.container.stop()
+        if self._runc is not None:  # a runc killed at the end leaves its container
+            await anyio.to_thread.run_sync(self._runc.delete)
 
     async def _disconnect(self) -> None:
         """The egress proxy and slirp4netns stopped (idempotent)."""

@@ -216,6 +216,9 @@ def _sweep_folder(folder: Path, *, recorded: bool) -> bool:
         os.close(lock)
         return False  # a live session
     try:
+        from trialledger.adapters.sandbox.runc import delete_left  # (runc's state there)
+
+        delete_left(folder)
         remove_lock_last(folder)  # holding the lock: no other sweep takes it meanwhile
     finally:
         os.close(lock)

@@ -263,15 +263,19 @@ class UsernsMaker:
     before the session's other preparation (its cgroup, its users read from the image),
     so that the process starts while the runner does that work."""
 
-    def __init__(self, init: Path, slot: Slot) -> None:
+    def __init__(self, init: Path, slot: Slot, *, net: bool = False) -> None:
         self.slot = slot
-        self._holder = subprocess.Popen([str(init), "--userns", str(slot.start)],
+        self.net_fd: int | None = None  # with `net`: the network namespace made inside it
+        self._net = net  # (an OCI runtime joins both by path, docs/SPEC.md §16)
+        self._holder = subprocess.Popen([str(init), "--userns", str(slot.start),
+                                         *(["--net"] if net else [])],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, env=host_env())
 
     def finish(self) -> int:
         """The namespace (an fd), owned by the slot's first id, mapping inner 0–65535
-        onto the slot, with nested user namespaces forbidden inside."""
+        onto the slot, with nested user namespaces forbidden inside (and, with `net`,
+        `net_fd` its network namespace)."""
         holder = self._holder
         assert holder.stdin is not None and holder.stdout is not None
         try:
@@ -283,7 +287,15 @@ class UsernsMaker:
             for name in ("uid_map", "gid_map"):
                 with open(f"/proc/{holder.pid}/{name}", "w", encoding="ascii") as handle:
                     handle.write(f"0 {self.slot.start} {SLOT}\n")
-            return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+            userns = os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+            if self._net:
+                try:
+                    self.net_fd = os.open(f"/proc/{holder.pid}/ns/net",
+                                          os.O_RDONLY | os.O_CLOEXEC)
+                except BaseException:
+                    os.close(userns)
+                    raise
+            return userns
         finally:
             self.abandon()
 

@@ -8,12 +8,17 @@
  * nothing of ours needs a program inside the sandbox.
  *
  *     init --status-fd N [--oom-score-adj K] [--user UID GID GROUPS] [--env-fd FD]
- *          [--deadline-fd FD --deadline-ms MS] -- COMMAND ARGS...
+ *          [--deadline-fd FD --deadline-ms MS] [--lifeline-fd FD] -- COMMAND ARGS...
  *
  * With --env-fd the command's whole environment is read from FD (NUL-separated
  * NAME=VALUE entries, at most ENV_MAX bytes) and nothing of init's own is kept: the task's
  * variables are handed over inside the sandbox, never to a program on the host side
  * (bwrap is dynamic: a task's LD_PRELOAD would run there), never on a command line.
+ *
+ * With --lifeline-fd FD (the container's PID 1 under runc, SPEC §16) FD is the read end
+ * of a pipe only the runner holds open for writing: when it reads end-of-file the runner
+ * is gone, and the command's group is SIGKILLed -- as bwrap's --die-with-parent ends a
+ * sandbox whose runner died (runc's container does not die with runc).
  *
  * With --deadline-fd it is a dead man's switch (a job trial's lease, SPEC §13): it SIGKILLs
  * the command's group MS milliseconds from its start unless the runner extends the
@@ -43,13 +48,23 @@
  *
  *     init --stage [--cgroup PROCS]... [--mount-ns [--idmap USERNS_FD SOURCE TARGET]] ...
  *
+ * For an OCI runtime (SPEC §16) --exec-suid (before --idmap) leaves setuid bits working
+ * on the idmapped image and its overlay (they are setuid only to the slot's ids: never
+ * nosuid on the image's files), and --fds A[,B] puts A at descriptor 3 (B at 4) just
+ * before the exec (what `runc run --preserve-fds N` hands to the container's PID 1):
+ *
+ *     init --stage [--fds A[,B]] [--cgroup PROCS]... [--mount-ns [--exec-suid] [--idmap ...]] ...
+ *
  * And it makes a session's user namespace (range mode): as ID (the slot's first host id,
  * so the namespace belongs to it and bwrap, running as ID, may join it), it unshares a
  * user namespace, forbids nested ones in it (user.max_user_namespaces = 0), prints
  * "ready", and waits for its stdin to close -- meanwhile the runner writes the id maps and
  * opens /proc/PID/ns/user:
  *
- *     init --userns ID
+ *     init --userns ID [--net]
+ *
+ * With --net (range mode on an OCI runtime, SPEC §16) it also makes the session's network
+ * namespace inside that user namespace, its loopback up, for the runtime to join by path.
  *
  * And it starts one phase's process in a running sandbox (SPEC §15, `verifier_isolation =
  * harbor`), as `docker exec` does: it joins the session's cgroups, then the namespaces of
@@ -66,7 +81,14 @@
  * UID:GID, instead of running a command (whatever is at DEST is moved aside first):
  *
  *     init --join-fds FDS [--cgroup PROCS]... [--caps MASK] [--seccomp-fd FD] [--nproc N]
- *          [--chdir DIR] [--copy-in SRC_FD DEST UID GID] --status-fd N [--user ...] -- COMMAND
+ *          [--chdir DIR] [--copy-in SRC_FD DEST UID GID] [--new-privs] --status-fd N
+ *          [--user ...] -- COMMAND
+ *
+ * With --new-privs (a container on an OCI runtime, whose processes have no_new_privs off
+ * as Docker's do, SPEC §16) no_new_privs is not set: the seccomp program is then loaded
+ * while the process is still inner root with its capabilities (the kernel asks for
+ * CAP_SYS_ADMIN in the namespace to load one without no_new_privs), before the switch to
+ * its user -- as runc itself orders it.
  *
  * `init --idle` sleeps until killed: PID 1's command in a container whose image has no
  * ENTRYPOINT, as `sleep infinity` is Harbor's.
@@ -97,6 +119,8 @@
 #include <linux/filter.h>
 #include <linux/nsfs.h>
 #include <linux/seccomp.h>
+#include <net/if.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #define ENV_MAX (4 << 20)
@@ -104,6 +128,7 @@
 
 static volatile sig_atomic_t child_pid = 0;
 static volatile sig_atomic_t deadline_fd = -1;
+static volatile sig_atomic_t lifeline_fd = -1;
 
 /* The deadline passed: the command's whole group goes. */
 static void deadline_passed(int signum) {
@@ -149,6 +174,21 @@ static void deadline_extended(int signum) {
     }
     if (whole)
         set_deadline(last);
+    errno = saved;
+}
+
+/* SIGIO: the lifeline's writer (the runner) may be gone: end-of-file ends the command. */
+static void lifeline_checked(void) {
+    char byte;
+    if (lifeline_fd >= 0 && read(lifeline_fd, &byte, 1) == 0 && child_pid > 0)
+        kill(-child_pid, SIGKILL);
+}
+
+static void io_ready(int signum) {
+    int saved = errno;
+    if (deadline_fd >= 0)
+        deadline_extended(signum);
+    lifeline_checked();
     errno = saved;
 }
 
@@ -215,14 +255,16 @@ static int drop(const char *uid_text, const char *gid_text, const char *nproc_te
     return 0;
 }
 
-/* SOURCE mounted at TARGET read-only, nodev, nosuid, its ids seen through USERNS_FD. */
-static int idmapped(int userns_fd, const char *source, const char *target) {
+/* SOURCE mounted at TARGET read-only, nodev, nosuid unless EXEC_SUID, its ids seen
+ * through USERNS_FD. */
+static int idmapped(int userns_fd, const char *source, const char *target, int exec_suid) {
     int tree = open_tree(AT_FDCWD, source, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
     if (tree < 0)
         return -1;
     struct mount_attr attr;
     memset(&attr, 0, sizeof attr);
-    attr.attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID;
+    attr.attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV |
+                    (exec_suid ? 0 : MOUNT_ATTR_NOSUID);
     attr.userns_fd = (unsigned long long)userns_fd;
     int failed = mount_setattr(tree, "", AT_EMPTY_PATH, &attr, sizeof attr) != 0 ||
                  move_mount(tree, "", AT_FDCWD, target, MOVE_MOUNT_F_EMPTY_PATH) != 0;
@@ -232,8 +274,24 @@ static int idmapped(int userns_fd, const char *source, const char *target) {
     return failed ? -1 : 0;
 }
 
-/* The session's user namespace, owned by ID (see the top of this file). */
-static int make_userns(const char *id_text) {
+/* The loopback of the network namespace we are in, up (as a new one starts down). */
+static int loopback_up(void) {
+    struct ifreq request;
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0), failed;
+    if (fd < 0)
+        return -1;
+    memset(&request, 0, sizeof request);
+    strcpy(request.ifr_name, "lo");
+    failed = ioctl(fd, SIOCGIFFLAGS, &request) != 0;
+    request.ifr_flags |= IFF_UP;
+    failed = failed || ioctl(fd, SIOCSIFFLAGS, &request) != 0;
+    close(fd);
+    return failed ? -1 : 0;
+}
+
+/* The session's user namespace, owned by ID (see the top of this file); with NET, its
+ * network namespace too. */
+static int make_userns(const char *id_text, int net) {
     uid_t id = (uid_t)strtoul(id_text, NULL, 10);
     if (id == 0)
         return stage_failed("--userns as uid", "0");
@@ -245,6 +303,10 @@ static int make_userns(const char *id_text) {
     if (fd < 0 || write(fd, "0", 1) != 1)
         return stage_failed("write 0 to", "user.max_user_namespaces");
     close(fd);
+    if (net && unshare(CLONE_NEWNET) != 0)
+        return stage_failed("unshare", "CLONE_NEWNET");
+    if (net && loopback_up() != 0)
+        return stage_failed("bring up", "lo");
     if (write(1, "ready\n", 6) != 6)
         return 125;
     char byte;
@@ -282,8 +344,17 @@ static int become(const char *uid_text, const char *gid_text, const char *groups
 /* [--cgroup PROCS]... [--mount-ns] [--drop UID GID NPROC], overlays (mount options, target) up to "--", then
  * read-only binds (source, target) up to "--", then exec the command. */
 static int stage(int argc, char **argv) {
-    int i = 2, failed;
+    int i = 2, failed, exec_suid = 0, passed[2] = {-1, -1}, count = 0;
     char **user = NULL;
+    if (i + 1 < argc && strcmp(argv[i], "--fds") == 0) {
+        char *at = argv[i + 1];
+        while (count < 2 && *at != '\0') {
+            passed[count++] = (int)strtol(at, &at, 10);
+            if (*at == ',')
+                at++;
+        }
+        i += 2;
+    }
     while (i + 1 < argc && strcmp(argv[i], "--cgroup") == 0) {
         int fd = open(argv[i + 1], O_WRONLY | O_CLOEXEC);
         if (fd < 0 || write(fd, "0", 1) != 1)
@@ -297,8 +368,12 @@ static int stage(int argc, char **argv) {
         if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
             return stage_failed("mount --make-rprivate", "/");
         i++;
+        if (i < argc && strcmp(argv[i], "--exec-suid") == 0) {
+            exec_suid = 1;
+            i++;
+        }
         if (i + 3 < argc && strcmp(argv[i], "--idmap") == 0) {
-            if (idmapped(atoi(argv[i + 1]), argv[i + 2], argv[i + 3]) != 0)
+            if (idmapped(atoi(argv[i + 1]), argv[i + 2], argv[i + 3], exec_suid) != 0)
                 return stage_failed("mount idmapped on", argv[i + 3]);
             i += 4;
         }
@@ -308,7 +383,8 @@ static int stage(int argc, char **argv) {
         i += 4;
     }
     for (; i + 1 < argc && strcmp(argv[i], "--") != 0; i += 2)
-        if (mount("overlay", argv[i + 1], "overlay", MS_NODEV | MS_NOSUID, argv[i]) != 0)
+        if (mount("overlay", argv[i + 1], "overlay", MS_NODEV | (exec_suid ? 0 : MS_NOSUID),
+                  argv[i]) != 0)
             return stage_failed("mount -t overlay on", argv[i + 1]);
     for (i++; i + 1 < argc && strcmp(argv[i], "--") != 0; i += 2)
         if (mount(argv[i], argv[i + 1], NULL, MS_BIND, NULL) != 0 ||
@@ -326,6 +402,12 @@ static int stage(int argc, char **argv) {
         errno = EINVAL;
         return stage_failed("exec (not an absolute path)", argv[i]);
     }
+    for (int n = 0; n < count; n++) /* out of the way of 3 and 4 first */
+        if ((passed[n] = fcntl(passed[n], F_DUPFD_CLOEXEC, 10)) < 0)
+            return stage_failed("move the descriptor for", argv[i]);
+    for (int n = 0; n < count; n++) /* dup2 clears close-on-exec */
+        if (dup2(passed[n], 3 + n) != 3 + n)
+            return stage_failed("place the descriptor for", argv[i]);
     execv(argv[i], argv + i);
     return stage_failed("exec", argv[i]);
 }
@@ -570,13 +652,15 @@ int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "--stage") == 0)
         return stage(argc, argv);
     if (argc == 3 && strcmp(argv[1], "--userns") == 0)
-        return make_userns(argv[2]);
+        return make_userns(argv[2], 0);
+    if (argc == 4 && strcmp(argv[1], "--userns") == 0 && strcmp(argv[3], "--net") == 0)
+        return make_userns(argv[2], 1);
     const char *oom = NULL;
     char **user = NULL;
     unsigned long deadline_ms = 0;
     char **command = NULL;
     const char *join_fds = NULL, *chdir_to = NULL, *cgroups[8];
-    int cgroup_count = 0, seccomp_fd = -1, copy_src = -1, env_fd = -1;
+    int cgroup_count = 0, seccomp_fd = -1, copy_src = -1, env_fd = -1, new_privs = 0;
     char **env = NULL;
     unsigned long long caps = 0;
     unsigned long nproc = 0;
@@ -596,6 +680,8 @@ int main(int argc, char **argv) {
             i += 3;
         } else if (strcmp(argv[i], "--deadline-fd") == 0 && i + 1 < argc)
             deadline_fd = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--lifeline-fd") == 0 && i + 1 < argc)
+            lifeline_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "--deadline-ms") == 0 && i + 1 < argc)
             deadline_ms = strtoul(argv[++i], NULL, 10);
         else if (strcmp(argv[i], "--env-fd") == 0 && i + 1 < argc)
@@ -612,6 +698,8 @@ int main(int argc, char **argv) {
             nproc = strtoul(argv[++i], NULL, 10);
         else if (strcmp(argv[i], "--chdir") == 0 && i + 1 < argc)
             chdir_to = argv[++i];
+        else if (strcmp(argv[i], "--new-privs") == 0)
+            new_privs = 1;
         else if (strcmp(argv[i], "--copy-in") == 0 && i + 4 < argc) {
             copy_src = atoi(argv[i + 1]);
             copy = argv + i + 2;
@@ -634,6 +722,8 @@ int main(int argc, char **argv) {
         fcntl(status_fd, F_SETFD, FD_CLOEXEC);
     if (deadline_fd >= 0) /* the runner's alone: never the command's */
         fcntl(deadline_fd, F_SETFD, FD_CLOEXEC);
+    if (lifeline_fd >= 0)
+        fcntl(lifeline_fd, F_SETFD, FD_CLOEXEC);
     if (env_fd >= 0 && (env = read_env(env_fd)) == NULL) {
         char line[128];
         snprintf(line, sizeof line, "{\"spawn_error\": \"the environment: %s\"}\n",
@@ -684,17 +774,20 @@ int main(int argc, char **argv) {
         if (join_fds != NULL) /* in the sandbox's PID namespace: out of its processes' reach */
             prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
         struct rlimit limit = {nproc, nproc};
+        int early = join_fds != NULL && new_privs; /* the filter while we hold CAP_SYS_ADMIN */
         if ((join_fds == NULL || drop_bounding(caps) == 0) &&
+            (!early || copy != NULL || load_seccomp() == 0) &&
             (user == NULL || become(user[0], user[1], user[2]) == 0) &&
             (join_fds == NULL ||
-             (keep_caps(caps) == 0 && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 &&
+             (keep_caps(caps) == 0 &&
+              (new_privs || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0) &&
               (nproc == 0 || setrlimit(RLIMIT_NPROC, &limit) == 0) &&
               (chdir_to == NULL || chdir(chdir_to) == 0)))) {
             if (copy != NULL)
                 _exit(copy_in(copy_src, copy[0], copy[1], copy[2]) == 0 ? 0 : 1);
             if (env != NULL) /* the command's PATH finds it, as in a container */
                 environ = env;
-            if (load_seccomp() == 0)
+            if (early || load_seccomp() == 0)
                 execvp(command[0], command);
         }
         int error = errno;
@@ -714,18 +807,23 @@ int main(int argc, char **argv) {
     sigaction(SIGINT, &action, NULL);
     sigaction(SIGHUP, &action, NULL);
     sigaction(SIGUSR1, &action, NULL);
+    if (deadline_fd >= 0 || lifeline_fd >= 0) {
+        action.sa_handler = io_ready;
+        sigaction(SIGIO, &action, NULL);
+    }
+    if (lifeline_fd >= 0) {
+        fcntl(lifeline_fd, F_SETOWN, getpid());
+        fcntl(lifeline_fd, F_SETFL, O_NONBLOCK | O_ASYNC);
+    }
     if (deadline_fd >= 0) {
         action.sa_handler = deadline_passed;
         sigaction(SIGALRM, &action, NULL);
-        action.sa_handler = deadline_extended;
-        sigaction(SIGIO, &action, NULL);
         fcntl(deadline_fd, F_SETOWN, getpid());
         fcntl(deadline_fd, F_SETFL, O_NONBLOCK | O_ASYNC);
         set_deadline(deadline_ms);
     }
     sigprocmask(SIG_SETMASK, &old, NULL);
-    if (deadline_fd >= 0)
-        deadline_extended(SIGIO); /* what was written before O_ASYNC took effect */
+    io_ready(SIGIO); /* what was written (or closed) before O_ASYNC took effect */
 
     int error = 0;
     ssize_t got;

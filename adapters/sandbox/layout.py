@@ -212,6 +212,14 @@ class SessionLayout:
         and binds each staged source read-only onto its mount point in a private mount
         namespace, drops to the sandbox user, then execs bwrap. In range mode the image's
         entry is first mounted idmapped onto the slot, and the overlays lie on that."""
+        overlays, idmap = self._stage_mounts(role)
+        return self.runs_as.staged(self.init, overlays,
+                                   [str(p) for pair in staged for p in pair],
+                                   self._cgroup_procs, self._nproc, idmap)
+
+    def _stage_mounts(self, role: Role) -> tuple[list[str], tuple[int, Path, Path] | None]:
+        """The overlays (options, target) our init mounts for a spawn of `role`, and (range
+        mode) the idmapped mount of the image they lie on."""
         overlays: list[str] = []
         idmap = None
         if self.range is not None:
@@ -228,9 +236,7 @@ class SessionLayout:
             assert self.image is not None and self.image.root is not None
             overlays += self._overlay(self.root / "lower" if idmap is not None
                                       else self.image.root, f"pristine-{self._verifications}")
-        return self.runs_as.staged(self.init, overlays,
-                                   [str(p) for pair in staged for p in pair],
-                                   self._cgroup_procs, self._nproc, idmap)
+        return overlays, idmap
 
     def _stage(self, source: Path, staged: list[tuple[Path, Path]]) -> Path:
         """Where bwrap takes `source` from: itself, or (root) a staged read-only bind."""

@@ -47,6 +47,7 @@ import anyio
 
 from trialledger.adapters.codex.install import CodexInstall
 from trialledger.adapters.environment import HOST, Environment, resolve_inside
+from trialledger.adapters.sandbox import runc as runtimes
 from trialledger.adapters.sandbox.agentfiles import AgentTree
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.base import (
@@ -67,7 +68,10 @@ from trialledger.adapters.sandbox.bwrap import (
     mounts,
 )
 from trialledger.adapters.sandbox.cgroup import CONTROLLERS, SessionCgroup, hold
-from trialledger.adapters.sandbox.container import NETWORK_PHASES, Container, ContainerPhases
+from trialledger.adapters.sandbox.container import (
+    NETWORK_PHASES,
+    Container,
+)
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.egress import EgressProxy, egress_problem
 from trialledger.adapters.sandbox.folders import (
@@ -96,6 +100,8 @@ from trialledger.adapters.sandbox.layout import check_granted_paths, chown_tree,
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import kill_marked, pids_in_namespace
+from trialledger.adapters.sandbox.runc import RuncContainer
+from trialledger.adapters.sandbox.runclaunch import RuncLaunch
 from trialledger.adapters.sandbox.slirp import RESOLVER, Slirp, hostname_of, slirp_problem
 
 log = logging.getLogger(__name__)
@@ -141,6 +147,7 @@ class RangeIds:
     slot: Slot
     userns_fd: int
     users: Mapping[str, InnerUser]  # each role's user inside (agent, probe, verifier)
+    netns_fd: int | None = None  # (runc) the network namespace made inside the user one
 
     @property
     def runs_as(self) -> SandboxUser:
@@ -148,10 +155,11 @@ class RangeIds:
         return SandboxUser(self.slot.start, self.slot.start)
 
 
-class LocalSandbox(ContainerPhases):
+class LocalSandbox(RuncLaunch):
     """One session's sandbox on this machine: its construction, the bwrap command line,
     spawning and the Sandbox protocol; its session folder's layout is `SessionLayout`'s
-    (layout.py), its container's phases (harbor) `ContainerPhases`' (container.py)."""
+    (layout.py), its container's phases (harbor) `ContainerPhases`' (container.py), its
+    container under runc `RuncLaunch`'s (runclaunch.py)."""
 
     def __init__(
         self,
@@ -176,6 +184,8 @@ class LocalSandbox(ContainerPhases):
         task_env: Mapping[str, str] | None = None,
         allowed_hosts: AllowList | None = None,
         network_modes: Mapping[str, str] | None = None,
+        runtime: str | None = None,
+        no_new_privileges: bool = False,
     ) -> None:
         self.workdir = workdir
         self.environment = environment
@@ -183,6 +193,15 @@ class LocalSandbox(ContainerPhases):
         if isolation not in ISOLATIONS:
             raise SandboxRefused(f"isolation {isolation!r}: expected bwrap or process-group")
         self.isolation = isolation
+        # What starts a range-mode container (harbor); strict sessions, single-id mode and
+        # host tasks always run under bwrap (docs/SPEC.md §16).
+        try:
+            self.runtime = runtimes.check_runtime(runtime or runtimes.DEFAULT_RUNTIME)
+        except runtimes.RuntimeUnknown as error:
+            raise SandboxRefused(str(error)) from None
+        self.no_new_privileges = no_new_privileges  # [metadata.trialledger] (runc only)
+        self._runc: RuncContainer | None = None
+        self._lifeline: int | None = None  # (runc) closed: the container's PID 1 ends it
         self.user = sandbox_user(sandbox_uid)  # never host root, in either isolation
         self.overlay = workdir == "/" or self.image is not None
         self.network = network
@@ -252,7 +271,10 @@ class LocalSandbox(ContainerPhases):
             self.cgroup, self.limits_reason = hold(self.limits, self.root.name)
             if making is not None:
                 self.range, making = self._take_range(making), None
-            if isolation == "bwrap" and (problem := bwrap_problem(
+            if self.on_runc and not has_program("runc"):
+                raise SandboxRefused("--runtime runc: runc is not installed (apt-get "
+                                     "install runc)")
+            if isolation == "bwrap" and not self.on_runc and (problem := bwrap_problem(
                     self.runs_as, self._cgroup_procs, self._nproc,
                     self.range.userns_fd if self.range else None)) is not None:
                 raise SandboxRefused(f"{problem} (refusing to run the agent unconfined; "
@@ -323,7 +345,7 @@ class LocalSandbox(ContainerPhases):
                                  "mode), which needs a root runner after `trialledger setup`")
         slot = Slot.acquire(ids)
         try:
-            return UsernsMaker(self.init, slot)
+            return UsernsMaker(self.init, slot, net=self._wants_runc)
         except BaseException:
             slot.release()
             raise
@@ -342,7 +364,25 @@ class LocalSandbox(ContainerPhases):
         resolved = {spec: resolve_user(self.image.root, spec, image_user)  # each read once
                     for spec in set(specs.values())}
         users = {role: resolved[spec] for role, spec in specs.items()}
-        return RangeIds(making.slot, making.finish(), users)
+        userns = making.finish()
+        return RangeIds(making.slot, userns, users, making.net_fd)
+
+    @property
+    def _wants_runc(self) -> bool:
+        """Whether the session's container is to start under runc, if range mode holds."""
+        return (self.runtime == "runc" and self.lifetime == "harbor"
+                and self.isolation == "bwrap")
+
+    @property
+    def on_runc(self) -> bool:
+        """Whether the session's container starts under runc (range mode, harbor)."""
+        return self._wants_runc and self.range is not None
+
+    @property
+    def launched_isolation(self) -> str:
+        """`agent.launched.isolation`: what confines the agent (runc, bwrap,
+        process-group)."""
+        return "runc" if self.on_runc else self.isolation
 
     @property
     def runs_as(self) -> SandboxUser:
@@ -511,6 +551,8 @@ class LocalSandbox(ContainerPhases):
         if self.lifetime == "harbor" and role != "container":
             return await self._spawn_joined(command, env=env, role=role, stdin=stdin,
                                             copy=copy)
+        if role == "container" and self.on_runc:
+            return await self._spawn_runc(command, env=env, verifier_logs=verifier_logs)
         bwrap = self.isolation == "bwrap"
         status_r, status_w = os.pipe()
         info_r, info_w = os.pipe() if bwrap else (None, None)
@@ -778,6 +820,12 @@ class LocalSandbox(ContainerPhases):
                     self.container.run.process.kill()  # `close` was not awaited: bwrap's
                     # PID 1 dies with it, and the cgroup's removal below takes what is left
                 self.container.release()
+            if self._runc is not None:  # runc's container outlives a killed runc
+                self._runc.delete()
+            if self._lifeline is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._lifeline)
+                self._lifeline = None
             if self.cgroup is not None:
                 self.cgroup.remove()
                 self.cgroup = None
@@ -789,8 +837,10 @@ class LocalSandbox(ContainerPhases):
             forget_session_folder(self.root)
         finally:
             if self.range is not None:  # the slot is free once the folder is gone
-                with contextlib.suppress(OSError):
-                    os.close(self.range.userns_fd)
+                for fd in (self.range.userns_fd, self.range.netns_fd):
+                    if fd is not None:
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
                 self.range.slot.release()
                 self.range = None
 

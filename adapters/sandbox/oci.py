@@ -212,8 +212,11 @@ class ContainerSpec:
     cgroups_path: str | None = None
     limits: Mapping[str, float] = field(default_factory=dict)
     binds: tuple[Bind, ...] = ()
+    tmpfs: tuple[str, ...] = ()  # private tmpfs mount points, after the binds
     nofile: tuple[int, int] | None = None
     sysctl: Mapping[str, str] = field(default_factory=dict)
+    swap_accounted: bool = True  # False: no memory+swap limit (the kernel keeps no such
+    # file; as cgroup.py, nothing escapes through a swap that is not accounted)
 
 
 def _check(spec: ContainerSpec) -> None:
@@ -232,7 +235,7 @@ def _check(spec: ContainerSpec) -> None:
         raise ConfigRejected(f"an id map needs a first id and a count: {spec.ids}")
 
 
-def _resources(limits: Mapping[str, float]) -> Json:
+def _resources(limits: Mapping[str, float], swap_accounted: bool) -> Json:
     """`linux.resources`: Docker's device rules and the session's limits, with the
     values the runner's own cgroup writes use (`cgroup.settings_v1`)."""
     files = settings_v1(limits)
@@ -241,7 +244,7 @@ def _resources(limits: Mapping[str, float]) -> Json:
         resources["pids"] = {"limit": int(files["pids"]["pids.max"])}
     if "memory" in files:  # memory+swap equal to memory: no swap, as §12 enforces
         limit = int(files["memory"]["memory.limit_in_bytes"])
-        resources["memory"] = {"limit": limit, "swap": limit}
+        resources["memory"] = {"limit": limit, **({"swap": limit} if swap_accounted else {})}
     if "cpu" in files:
         resources["cpu"] = {"quota": int(files["cpu"]["cpu.cfs_quota_us"]),
                             "period": int(files["cpu"]["cpu.cfs_period_us"])}
@@ -282,7 +285,7 @@ def container_config(spec: ContainerSpec) -> Json:
     linux: Json = {
         "namespaces": _namespaces(spec),
         "uidMappings": id_map, "gidMappings": copy.deepcopy(id_map),
-        "resources": _resources(spec.limits),
+        "resources": _resources(spec.limits, spec.swap_accounted),
         "seccomp": copy.deepcopy(spec.seccomp),
         "maskedPaths": list(MASKED_PATHS), "readonlyPaths": list(READONLY_PATHS),
     }
@@ -293,5 +296,8 @@ def container_config(spec: ContainerSpec) -> Json:
     return {
         "ociVersion": OCI_VERSION, "process": process,
         "root": {"path": spec.root, "readonly": False}, "hostname": spec.hostname,
-        "mounts": docker_mounts() + [_bind(bind) for bind in spec.binds], "linux": linux,
+        "mounts": docker_mounts() + [_bind(bind) for bind in spec.binds]
+        + [{"destination": point, "type": "tmpfs", "source": "tmpfs",
+            "options": ["nosuid", "nodev", "mode=755"]} for point in spec.tmpfs],
+        "linux": linux,
     }

@@ -1,5 +1,6 @@
 """Starting a container with an OCI runtime (SPEC §16): `run_once`, and `runtime_problem`,
-`setup`'s check of which runtime can start a container here. Not yet wired into setup.
+`setup`'s check of which runtime can start a container here, which `setup` records
+(`record_runtime`) and `--runtime` reads back (`recorded_problem`).
 
 The probe runs what a range-mode session will: Docker's defaults (`oci.py`) in a user
 namespace on a slot of the sandbox user's range (held, so no live session shares its ids),
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from trialledger.adapters.sandbox.cgroup import V1_PARENT
 from trialledger.adapters.sandbox.hostside import SYSTEM_PATH, has_program, host_env, program
-from trialledger.adapters.sandbox.identity import SANDBOX_USER
+from trialledger.adapters.sandbox.identity import SANDBOX_USER, cache_dir
 from trialledger.adapters.sandbox.idrange import SLOT, Slot, reserved_range
 from trialledger.adapters.sandbox.oci import (
     Bind,
@@ -120,3 +121,30 @@ def runtime_problem(runtime: str) -> str | None:
         said = done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}"
         return f"{runtime} cannot start a container here: {said}"
     return None
+
+
+def _record_path(runtime: str) -> Path:
+    return cache_dir() / f"runtime-{runtime}.json"
+
+
+def record_runtime(runtime: str) -> str | None:
+    """`setup`'s check of `runtime`, recorded for later runs; why it cannot start a
+    container here (None: it can)."""
+    problem = runtime_problem(runtime)
+    path = _record_path(runtime)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    scratch = path.with_suffix(f".{secrets.token_hex(4)}")
+    scratch.write_text(json.dumps({"runtime": runtime, "problem": problem}), encoding="utf-8")
+    os.replace(scratch, path)
+    return problem
+
+
+def recorded_problem(runtime: str) -> str | None:
+    """Why `setup` found `runtime` unable to start a container here (None: it found it
+    able, or never checked it: the session then says why if it fails)."""
+    try:
+        recorded = json.loads(_record_path(runtime).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    problem = recorded.get("problem") if isinstance(recorded, dict) else None
+    return str(problem) if problem else None

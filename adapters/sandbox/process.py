@@ -76,7 +76,7 @@ class LineSplitter:
 
 class LocalRun:
     """A launched agent (under bwrap, joined into a session's container, or in a process
-    group)."""
+    group), or a session's container itself (under bwrap or runc)."""
 
     def __init__(self, process: Process, *, status_fd: int, info_fd: int | None,
                  isolation: str, marker: str) -> None:
@@ -107,10 +107,14 @@ class LocalRun:
             self._info = parsed if isinstance(parsed, dict) else {}
         return self._info or {}
 
+    def know(self, info: dict[str, Any]) -> None:
+        """What a runtime without bwrap's `--info-fd` (runc) found out: the same keys."""
+        self._info = dict(info)
+
     @property
     def init_pid(self) -> int:
         """The host pid of the init that runs the agent."""
-        if self.isolation == "bwrap":
+        if self.isolation in ("bwrap", "runc"):
             pid = self.info().get("child-pid")
             return pid if isinstance(pid, int) else self.process.pid
         return self.process.pid

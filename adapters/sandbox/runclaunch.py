@@ -1,0 +1,153 @@
+"""Starting a range-mode session's container with runc (docs/SPEC.md §16; the design is
+runc.py's): `RuncLaunch`, a part of `LocalSandbox` (local.py), writes the container's
+`config.json` from the session's mounts, ids and limits, starts `runc run` under our init's
+staging and returns once runc has named PID 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+
+from trialledger.adapters.sandbox.base import SUPERVISOR_ENV
+from trialledger.adapters.sandbox.bwrap import INIT_INSIDE, Role, Spawn, mounts
+from trialledger.adapters.sandbox.cgroup import CONTROLLERS, DEFAULT_PIDS, v1_hierarchies
+from trialledger.adapters.sandbox.container import ContainerFailed, ContainerPhases
+from trialledger.adapters.sandbox.deadline import DeadManSwitch
+from trialledger.adapters.sandbox.hostside import host_env
+from trialledger.adapters.sandbox.idrange import SLOT
+from trialledger.adapters.sandbox.oci import DOCKER_NET_SYSCTL, ContainerSpec, container_config
+from trialledger.adapters.sandbox.ociruntime import host_nofile, host_seccomp
+from trialledger.adapters.sandbox.process import LocalRun
+from trialledger.adapters.sandbox.runc import RuncContainer, oci_mounts, runner_fd_path
+from trialledger.adapters.sandbox.slirp import hostname_of
+
+RUNC_READY_S = 10.0  # how long runc may take to name the container's PID 1
+MEMSW = "memory.memsw.limit_in_bytes"
+
+
+def swap_accounted() -> bool:
+    """Whether this kernel accounts swap in the cgroup v1 memory controller (runc writes
+    memory+swap only where it does, as cgroup.py's own writes)."""
+    memory = v1_hierarchies().get("memory")
+    return memory is not None and (memory / MEMSW).exists()
+
+
+class RuncLaunch(ContainerPhases):
+    """The session's container under runc (a part of `LocalSandbox`)."""
+
+    # Set by LocalSandbox's construction
+    switch: DeadManSwitch | None  # a job trial's lease
+    oom_score_adj: int | None
+    limits: dict[str, float]
+    _lifeline: int | None  # (runc) its write end: closed, the container's PID 1 ends it
+
+    if TYPE_CHECKING:  # LocalSandbox's: what a spawn of a role mounts
+        def _spawn_plan(self, role: Role, phase: str, *, info_fd: int,
+                        verifier_logs: Path | None, block_fd: int | None) -> Spawn: ...
+
+    async def _spawn_runc(self, command: Sequence[str], *, env: Mapping[str, str],
+                          verifier_logs: Path | None) -> LocalRun:
+        """The session's container started by `runc run` from a `config.json` of ours, our
+        init its PID 1 running `command` as the container's user; returned once runc has
+        named PID 1 (OSError: it did not, with runc's last words)."""
+        assert self.range is not None and self.image is not None
+        runc = self._runc = RuncContainer.new(self.root, self.marker)
+        spawn = self._spawn_plan("container", "agent", info_fd=0,
+                                 verifier_logs=verifier_logs, block_fd=None)
+        staged: list[tuple[Path, Path]] = []
+        placed = [dataclasses.replace(m, source=str(self._stage(Path(m.source), staged)))
+                  if m.staged and m.source is not None else m for m in mounts(spawn)]
+        self._clear_mount_points(placed, "container")
+        binds, tmpfs = oci_mounts(placed)
+        user = self.range.users["container"]
+        # Handed over as descriptors 3 and 4 (runc --preserve-fds): the lifeline (runc's
+        # container does not die with the runner, bwrap's did) and a lease's switch.
+        pid1 = [INIT_INSIDE, "--lifeline-fd", "3"]
+        if self.oom_score_adj is not None:
+            pid1 += ["--oom-score-adj", str(self.oom_score_adj)]
+        if self.switch is not None:
+            pid1 += ["--deadline-fd", "4", "--deadline-ms", str(self.switch.remaining_ms())]
+        pid1 += ["--user", str(user.uid), str(user.gid),
+                 ",".join(str(g) for g in user.groups) or "-", "--", *command]
+        # Always a network namespace of the container's own (the runner's, inside the
+        # slot's user namespace): sysfs cannot be mounted in a user namespace that does not
+        # own the network namespace, so the host's is never shared under runc.
+        netns = self.range.netns_fd
+        assert netns is not None
+        limits = {"pids": float(DEFAULT_PIDS),
+                  **{key: value for key, value in self.limits.items() if key in CONTROLLERS}}
+        config = container_config(ContainerSpec(
+            root=str(self.root / "merged"), args=tuple(pid1),
+            env={**env, SUPERVISOR_ENV: self.marker},  # in config.json alone (0600, 0700)
+            seccomp=host_seccomp(list(self.caps)), ids=(self.range.slot.start, SLOT),
+            cwd=self.workdir, caps=self.caps, no_new_privileges=self.no_new_privileges,
+            hostname=hostname_of(self.marker),
+            userns=runner_fd_path(self.range.userns_fd), netns=runner_fd_path(netns),
+            cgroups_path=runc.cgroup_name, limits=limits, binds=binds, tmpfs=tmpfs,
+            nofile=host_nofile(), sysctl=DOCKER_NET_SYSCTL, swap_accounted=swap_accounted()))
+        fd = os.open(runc.bundle / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "w", encoding="utf-8") as handle:
+            json.dump(config, handle)
+        lifeline, self._lifeline = os.pipe()  # its write end is the runner's alone
+        passed = [lifeline, *([self.switch.read_fd] if self.switch is not None else [])]
+        argv = [*self._runc_prefix(staged, passed), *runc.run_argv(preserve_fds=len(passed))]
+        try:
+            process = await anyio.open_process(
+                argv, env=host_env(**{SUPERVISOR_ENV: self.marker}), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # PID 1's output:
+                # nobody would drain it for the whole session
+                pass_fds=(self.range.userns_fd, *passed), start_new_session=True)
+        finally:
+            os.close(lifeline)
+        status_r, status_w = os.pipe()  # PID 1 reports to nobody: its end is runc's exit
+        os.close(status_w)
+        run = LocalRun(process, status_fd=status_r, info_fd=None, isolation="runc",
+                       marker=self.marker)
+        try:
+            pid = None
+            with anyio.move_on_after(RUNC_READY_S):
+                while (pid := runc.started_pid()) is None and process.returncode is None:
+                    await anyio.sleep(0.005)
+            if pid is None:
+                raise OSError(f"runc could not start the container: "
+                              f"{runc.log_tail() or 'it said nothing'}")
+            try:
+                namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
+            except FileNotFoundError:  # an ENTRYPOINT that exits at once
+                raise ContainerFailed("the container stopped as it started") from None
+            run.know({"child-pid": pid, "pid-namespace": namespace,
+                      "net-namespace": os.fstat(netns).st_ino})
+            if self.network is not None and self.network.isolated:
+                await self.network.open_inside(pid)  # before any phase joins
+        except BaseException:
+            await run.aclose()
+            await anyio.to_thread.run_sync(runc.delete)
+            os.close(self._lifeline)
+            self._lifeline = None
+            raise
+        return run
+
+    def _runc_prefix(self, staged: Sequence[tuple[Path, Path]], passed: Sequence[int]
+                     ) -> list[str]:
+        """What runs runc: our init, in the session's cgroups, in a private mount
+        namespace where the image is mounted idmapped and the overlay over it (setuid bits
+        working: they are the slot's) and the staged sources bound; runc stays root (it
+        drops into the slot itself); the `passed` descriptors moved to 3 and on."""
+        assert self.range is not None and self.image is not None
+        overlays, idmap = self._stage_mounts("container")
+        assert idmap is not None
+        argv = [str(self.init), "--stage", "--fds", ",".join(str(fd) for fd in passed)]
+        for procs in self._cgroup_procs:
+            argv += ["--cgroup", str(procs)]
+        argv += ["--mount-ns", "--exec-suid", "--idmap", *(str(part) for part in idmap),
+                 *overlays, "--", *(str(path) for pair in staged for path in pair), "--"]
+        return argv
