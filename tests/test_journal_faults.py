@@ -153,18 +153,20 @@ def _damage(path: Path) -> None:
     path.write_bytes(b"\n".join(lines[:7]))  # no newline after the cut last line
 
 
+async def _left_open(db: str) -> str:
+    """A session of runner `gone-1` left open after its launch (seq 2)."""
+    async with await Ledger.open(db) as ledger:
+        seeded = await ledger.seed(seed_data(runner_id="gone-1"))
+        await ledger.append(seeded.session_id, [_launched(seeded.session_id)],
+                            expected_seq=1)
+        return seeded.session_id
+
+
 def test_a_damaged_journal_is_a_gap_in_place_later_batches_delivered_the_file_kept(
         tmp_path: Path, cache: Path) -> None:
     db = str(tmp_path / "t.db")
 
-    async def left_open() -> str:
-        async with await Ledger.open(db) as ledger:
-            seeded = await ledger.seed(seed_data(runner_id="gone-1"))
-            await ledger.append(seeded.session_id, [_launched(seeded.session_id)],
-                                expected_seq=1)
-            return seeded.session_id
-
-    session_id = anyio.run(left_open)
+    session_id = anyio.run(_left_open, db)
     journal = Journal(session_id)
     journal.begin(2)
     for batch in BATCHES:
@@ -197,14 +199,7 @@ def test_a_damaged_journal_is_a_gap_in_place_later_batches_delivered_the_file_ke
 def test_an_old_format_journal_is_still_delivered(tmp_path: Path, cache: Path) -> None:
     db = str(tmp_path / "t.db")
 
-    async def left_open() -> str:
-        async with await Ledger.open(db) as ledger:
-            seeded = await ledger.seed(seed_data(runner_id="gone-1"))
-            await ledger.append(seeded.session_id, [_launched(seeded.session_id)],
-                                expected_seq=1)
-            return seeded.session_id
-
-    session_id = anyio.run(left_open)
+    session_id = anyio.run(_left_open, db)
     path = journal_path(session_id)
     path.parent.mkdir(parents=True, mode=0o700)
     lines = [{"session_id": session_id, "after_seq": 2}] + [{"events": [b]} for b in BATCHES]

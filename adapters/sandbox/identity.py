@@ -147,9 +147,31 @@ def init_path() -> Path:
 
 def ensure_init() -> Path:
     """The static init, built now if it is missing (gcc -static)."""
-    target = init_path()
+    return built_static(INIT_SOURCE, init_path(), "the sandbox init")
+
+
+def built_static(source: Path, target: Path, what: str, libs: Sequence[str] = ()) -> Path:
+    """`source` (C) compiled with `gcc -static` into `target`, unless it is there already
+    (the target's name carries the source's digest); atomic, so concurrent builders agree.
+    `SandboxRefused` names `what` when there is no compiler or the build fails."""
     if target.is_file():
         return target
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    needs = "gcc libc6-dev" + (" libseccomp-dev" if libs else "")
+    if compiler is None:
+        raise SandboxRefused(f"{what} needs building once and no C compiler is installed: "
+                             f"apt-get install {needs}, then trialledger setup")
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        done = subprocess.run([compiler, "-static", "-O2", "-o", str(built), str(source),
+                               *libs], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SandboxRefused(f"building {what} failed (it needs {needs}): "
+                                 f"{done.stderr.strip().splitlines()[-1:]}")
+        built.chmod(0o755)
+        os.replace(built, target)
+    return target
     compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise SandboxRefused("the sandbox init needs building once and no C compiler is "

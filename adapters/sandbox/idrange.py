@@ -23,7 +23,6 @@ import grp
 import hashlib
 import os
 import pwd
-import shutil
 import stat
 import subprocess
 import tempfile
@@ -36,7 +35,12 @@ from trialledger.adapters.environment import resolve_inside
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.cgroup import LimitsNotEnforced, delegated, v1_hierarchies
 from trialledger.adapters.sandbox.hostside import host_env
-from trialledger.adapters.sandbox.identity import SANDBOX_USER, cache_dir, ensure_init
+from trialledger.adapters.sandbox.identity import (
+    SANDBOX_USER,
+    built_static,
+    cache_dir,
+    ensure_init,
+)
 
 SLOT = 65_536
 DEFAULT_SLOTS = 64
@@ -145,19 +149,9 @@ def ensure_filter() -> Path:
     target = filter_path()
     if target.is_file():
         return target
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise SandboxRefused("the seccomp filter needs a C compiler (apt-get install gcc)")
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    program = built_static(FILTER_SOURCE, target.with_name(f"{target.name}-writer"),
+                           "the seccomp filter", libs=("-lseccomp",))
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        program = Path(scratch) / "seccomp"
-        done = subprocess.run([compiler, "-static", "-O2", "-o", str(program),
-                               str(FILTER_SOURCE), "-lseccomp"],
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise SandboxRefused("building the seccomp filter failed (it needs Debian's "
-                                 "libseccomp-dev): "
-                                 f"{done.stderr.strip().splitlines()[-1:]}")
         built = Path(scratch) / "filter.bpf"
         with built.open("wb") as out:
             made = subprocess.run([str(program)], stdout=out, stderr=subprocess.PIPE,

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from trialledger.adapters.sandbox.base import SandboxRefused
-from trialledger.adapters.sandbox.identity import cache_dir
+from trialledger.adapters.sandbox.identity import built_static, cache_dir
 from trialledger.adapters.sandbox.oci import Json
 from trialledger.adapters.sandbox.ociruntime import host_seccomp
 
@@ -48,23 +47,8 @@ def filter_text(seccomp: Json) -> str:
 def _compiler() -> Path:
     """`ocifilter.c` built (once per source) beside the init."""
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    target = cache_dir() / f"ocifilter-{digest}"
-    if target.is_file():
-        return target
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise SandboxRefused("Docker's seccomp filter needs a C compiler (apt-get install gcc)")
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / "ocifilter"
-        done = subprocess.run([compiler, "-static", "-O2", "-o", str(built), str(SOURCE),
-                               "-lseccomp"], capture_output=True, text=True, check=False,
-                              timeout=BUILD_S)
-        if done.returncode != 0:
-            raise SandboxRefused("building Docker's seccomp filter failed (it needs Debian's "
-                                 f"libseccomp-dev): {done.stderr.strip().splitlines()[-1:]}")
-        os.replace(built, target)
-    return target
+    return built_static(SOURCE, cache_dir() / f"ocifilter-{digest}",
+                        "Docker's seccomp filter", libs=("-lseccomp",))
 
 
 def docker_filter(caps: Sequence[str]) -> Path:
