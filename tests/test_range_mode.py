@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,22 +157,29 @@ USER_IMAGE = "localhost/tl-busybox:root-only-file"
 
 def user_image() -> str:
     """The busybox image with `USER agent` and a root-only file (0600 root) in it."""
-    if images._podman("image", "exists", USER_IMAGE).returncode == 0:
-        return USER_IMAGE
-    tarball = images.IMAGES / "busybox-root-only.tar"
+    secret = images.IMAGES / "root-only-secret"
+    secret.write_text(SECRET)
+    return busybox_with(USER_IMAGE, [("./root-only", secret, 0o600)])
+
+
+def busybox_with(ref: str, files: Sequence[tuple[str, Path, int]]) -> str:
+    """The busybox image with `USER agent`, `WORKDIR /work` and `files` (name in the
+    image, source, mode; owned by root), imported once as `ref`."""
+    if images._podman("image", "exists", ref).returncode == 0:
+        return ref
+    tarball = images.IMAGES / f"{ref.rsplit(':', 1)[-1]}.tar"
     with tarfile.open(tarball, "w") as archive:
         archive.add(images.busybox_root(), arcname=".", filter=_as_root)
-        secret = images.IMAGES / "root-only-secret"
-        secret.write_text(SECRET)
-        info = archive.gettarinfo(str(secret), arcname="./root-only")
-        info.uid = info.gid = 0
-        info.mode = 0o600
-        with secret.open("rb") as handle:
-            archive.addfile(info, handle)
+        for name, source, mode in files:
+            info = archive.gettarinfo(str(source), arcname=name)
+            info.uid = info.gid = 0
+            info.mode = mode
+            with source.open("rb") as handle:
+                archive.addfile(info, handle)
     done = images._podman("import", "--change", "USER agent", "--change", "WORKDIR /work",
-                          str(tarball), USER_IMAGE)
+                          str(tarball), ref)
     assert done.returncode == 0, done.stderr
-    return USER_IMAGE
+    return ref
 
 
 def _as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import anyio
 import pytest
 
 from tests import images
-from tests.test_range_mode import SECRET, _as_root, run_oracle
+from tests.test_range_mode import SECRET, busybox_with, run_oracle
 from trialledger.adapters.sandbox.idrange import SLOT, range_problem
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.ociruntime import runtime_problem
@@ -91,30 +90,15 @@ def private_storage(monkeypatch: pytest.MonkeyPatch) -> None:
 def setuid_image() -> str:
     """busybox with `USER agent`, a root-only file (0600 root) and a setuid-root static
     reader (4755 root:root)."""
-    if images._podman("image", "exists", SETUID_IMAGE).returncode == 0:
-        return SETUID_IMAGE
     with tempfile.TemporaryDirectory() as scratch:
         source, helper = Path(scratch) / "rootcat.c", Path(scratch) / "rootcat"
         source.write_text(HELPER_SOURCE)
         subprocess.run(["gcc", "-static", "-O2", "-o", str(helper), str(source)], check=True,
                        capture_output=True)
-        tarball = images.IMAGES / "busybox-setuid-helper.tar"
-        with tarfile.open(tarball, "w") as archive:
-            archive.add(images.busybox_root(), arcname=".", filter=_as_root)
-            for name, path, mode in (("./root-only", None, 0o600),
-                                     (f".{HELPER}", helper, 0o4755)):
-                if path is None:
-                    path = Path(scratch) / "secret"
-                    path.write_text(SECRET)
-                info = archive.gettarinfo(str(path), arcname=name)
-                info.uid = info.gid = 0
-                info.mode = mode
-                with path.open("rb") as handle:
-                    archive.addfile(info, handle)
-    done = images._podman("import", "--change", "USER agent", "--change", "WORKDIR /work",
-                          str(tarball), SETUID_IMAGE)
-    assert done.returncode == 0, done.stderr
-    return SETUID_IMAGE
+        secret = Path(scratch) / "secret"
+        secret.write_text(SECRET)
+        return busybox_with(SETUID_IMAGE, [("./root-only", secret, 0o600),
+                                           (f".{HELPER}", helper, 0o4755)])
 
 
 def setuid_task(folder: Path, *, metadata: str = "") -> Path:
