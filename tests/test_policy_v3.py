@@ -170,3 +170,32 @@ def test_a_schema_1_launch_is_stored_as_written() -> None:
     view = replay(log)
     launched = view.events[1].model_dump(mode="json")
     assert "model_proxy" not in launched["data"] and launched["schema"] == 1
+
+
+USAGE = {"input_tokens": 10, "cached_input_tokens": 4, "output_tokens": 5,
+         "reasoning_output_tokens": 1, "total_tokens": 15}
+
+
+@pytest.mark.parametrize(("quiet_since", "rule"), [
+    ("2026-11-29T08:00:30Z", "endpoint_unreachable"),  # exactly 60 s quiet: the endpoint's
+    ("2026-11-29T08:00:31Z", "incomplete"),  # 59 s: it was still talking
+])
+def test_the_hung_boundary_is_sixty_seconds_of_quiet(quiet_since: str, rule: str) -> None:
+    open_call = call(1, http_status=200, completed=False, error="client_closed",
+                     started_at="2026-11-29T08:00:03Z", ended_at="2026-11-29T08:01:30Z",
+                     last_byte_at=quiet_since)
+    assert session(STARTED, [open_call], rc=-15, timed_out=True).decision.rule == rule
+
+
+def test_usage_counts_post_responses_calls_only() -> None:
+    others = [call(2, method="GET", path="/v1/responses", usage=USAGE),
+              call(3, path="/v1/chat/completions", usage=USAGE),
+              call(4, path="/v1/responses/r1/cancel", usage=USAGE)]
+    view = session([*STARTED, MESSAGE, DONE], [call(1, usage=USAGE), *others], rc=0)
+    assert view.usage is not None and view.usage.model_dump() == USAGE
+
+
+def test_an_incomplete_2xx_call_makes_usage_null_even_with_a_usage_it_reported() -> None:
+    calls = [call(1, usage=USAGE), call(2, completed=False, usage=USAGE)]
+    view = session([*STARTED, MESSAGE, DONE], calls, rc=0)
+    assert view.usage is None and "partial_model_usage_unavailable" in gaps(view)
