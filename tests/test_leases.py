@@ -204,6 +204,25 @@ async def test_a_new_holders_recovery_is_fenced_by_its_lease(db: str) -> None:
         assert (await ledger.view(seeded.session_id)).state == "closed"
 
 
+@pytest.mark.anyio
+async def test_a_taken_over_holder_cannot_renew_its_lease(db: str) -> None:
+    """Renewal goes by the lease's token: once another worker took the trial over, the old
+    holder's renewals fail (so it stops its sandbox) and never push the new lease out."""
+    from tests.scenarios import claimed_session
+    from trialledger.store import Ledger
+
+    async with await Ledger.open(db) as ledger:
+        jobs, first, _, _ = await claimed_session(ledger, "first")
+        await anyio.sleep(0.5)  # the 0.2 s lease expired
+        second = await jobs.claim("f", "second", 0.5)
+        assert second is not None and second.trial_id == first.trial_id
+        assert not await jobs.renew(first, 3600)
+        await anyio.sleep(1.0)  # past the second holder's own lease: it was not renewed
+        third = await jobs.claim("f", "third", 60)
+        assert third is not None and third.trial_id == first.trial_id
+        assert not await jobs.renew(second, 60) and await jobs.renew(third, 60)
+
+
 
 def test_a_paused_worker_s_sandbox_stops_itself_before_the_lease_expires(
         tmp_path: Path, reachable_tmp: Path) -> None:
