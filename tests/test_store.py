@@ -323,6 +323,21 @@ async def test_audit_names_a_column_altered_outside_the_hash(
         assert f"{sid}: event at seq 3: its {column} column" in report.fault
 
 
+@pytest.mark.parametrize("tamper", [
+    "DELETE FROM events WHERE seq = (SELECT max(seq) FROM events); "
+    "UPDATE sessions SET head_seq = head_seq - 1",  # the last event cut, its head moved back
+    "UPDATE sessions SET head_hash = '" + "0" * 64 + "'",  # the head's hash alone altered
+])
+async def test_audit_compares_the_heads_hash_not_only_its_seq(db: str, tamper: str) -> None:
+    async with await Ledger.open(db) as ledger:
+        sid = (await ledger.seed(seed_data())).session_id
+        await ledger.append(sid, run_of("clean"))
+        for statement in tamper.split(";"):
+            await raw(ledger, statement)
+        report = await ledger.audit()
+        assert report.fault is not None and f"session {sid}: head" in report.fault
+
+
 async def test_audit_detects_an_inserted_event(db: str) -> None:
     async with await Ledger.open(db) as ledger:
         sid = (await ledger.seed(seed_data())).session_id
