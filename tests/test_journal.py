@@ -24,6 +24,7 @@ from tests.test_signals import running
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, message, shell
 
 BUDGET_S = 5  # session_close_timeout_s: the store stays away twice as long
+SECRET = "sk-journal-0123456789abcdef"
 
 
 @pytest.fixture
@@ -71,14 +72,16 @@ def kinds_of(db: Path) -> list[str]:
 
 
 def test_a_store_away_past_the_capture_budget_when_codex_finishes_loses_nothing(
-        tmp_path: Path, cache: Path) -> None:
+        tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The store is locked while Codex runs its last turn and stays locked for twice the
     # capture budget after Codex has exited: its final message and turn.completed wait in
-    # the journal, and once the store is back the session is decided on all of it.
+    # the journal (scrubbed: the message echoes the API key), and once the store is back
+    # the session is decided on all of it.
+    monkeypatch.setenv("TL_JOURNAL_KEY", SECRET)
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     db = tmp_path / "t.db"
-    with ScriptedEndpoint([shell("sleep 2; echo worked"), message("all done")]) as endpoint, \
-            running(db, task.folder, endpoint.url, "--set",
+    with ScriptedEndpoint([shell("sleep 2; echo worked"), message(f"all done {SECRET}")]) as endpoint, \
+            running(db, task.folder, endpoint.url, "--api-key-env", "TL_JOURNAL_KEY", "--set",
                     f"session_close_timeout_s={BUDGET_S}") as runner:
         with store_locked(db):
             deadline = time.monotonic() + 60
@@ -91,11 +94,13 @@ def test_a_store_away_past_the_capture_budget_when_codex_finishes_loses_nothing(
             modes = (None if journal is None else
                      (stat.S_IMODE(journal.stat().st_mode),
                       stat.S_IMODE(journal.parent.stat().st_mode)))
+            held = "" if journal is None else journal.read_text(errors="replace")
             time.sleep(2 * BUDGET_S)
         out, err = runner.communicate(timeout=180)
     assert runner.returncode == 0, (err, kinds_of(db), decisions(db))
     assert out.split()[1] == "verify", out
     assert journal is not None and modes == (0o600, 0o700)
+    assert "all done" in held and SECRET not in held  # at rest, as in the store: scrubbed
     kinds = kinds_of(db)
     assert kinds.index("turn.completed") < kinds.index("agent.exited")  # decided from it
     assert kinds.count("turn.completed") == 1 and kinds.count("model.call") == 2  # once each
