@@ -96,6 +96,11 @@ class Environment:
         """The image's PATH (the default one when its Env has none)."""
         return dict(self.env).get("PATH", DEFAULT_PATH)
 
+    def phase_env(self) -> dict[str, str]:
+        """What every phase over the image starts from (docs/SPEC.md §15): its `Env`, and
+        `HOME` its Env's, else the image's home — the one place this rule lives."""
+        return {**dict(self.env), "HOME": self.home}
+
     def has(self, program: str) -> bool:
         """Whether the pristine root has `/usr/bin/<program>` or `/bin/<program>`."""
         assert self.root is not None

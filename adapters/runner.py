@@ -162,8 +162,7 @@ def agent_env(settings: Settings, task: Task, sandbox: LocalSandbox, api_key: st
     env["HOME"] = str(sandbox.session_dir)
     if settings.inherit_sandbox_environment:
         if (image := sandbox.image) is not None:
-            env.update(dict(image.env))
-            env["HOME"] = image.home
+            env.update(image.phase_env())
         env.update(task.env)  # the variables the task declares; never the harness's own
     if (helpers := sandbox.codex_path_dir) is not None:
         env["PATH"] = f"{env.get('PATH', '/usr/bin:/bin')}:{helpers}"
@@ -699,10 +698,7 @@ def _egress_gaps(rec: Recorder) -> Callable[[str], Awaitable[None]]:
 def phase_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
     """docs/SPEC.md §15: the image's `Env` < `[environment] env`, and `HOME`, unless a
     table sets it, the image's (its `Env`'s, else its user's home)."""
-    env: dict[str, str] = {}
-    if (image := sandbox.image) is not None:
-        env.update(dict(image.env))
-        env.setdefault("HOME", image.home)
+    env = sandbox.image.phase_env() if sandbox.image is not None else {}
     return {**env, **task.env}
 
 

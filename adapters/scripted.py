@@ -102,8 +102,7 @@ def oracle_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
     env = sandbox.base_env()
     env["HOME"] = str(sandbox.session_dir)
     if (image := sandbox.image) is not None:
-        env.update(dict(image.env))
-        env["HOME"] = image.home
+        env.update(image.phase_env())
     return {**env, **task.env, "DEBIAN_FRONTEND": "noninteractive", **task.solution_env}
 
 

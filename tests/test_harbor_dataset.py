@@ -31,7 +31,7 @@ TASKS: dict[str, dict[str, str]] = {
     "apt-and-users": {"solve": ROOT_SOLUTION, "test": ROOT_TEST},
     "verifier-env": {
         "toml": '[verifier.env]\nEXTRA = "from-the-verifier"\n',
-        "solve": DONE,
+        "solve": '#!/bin/bash\n[ "$HOME" = /root ] && mkdir -p /app && echo done > /app/ok\n',
         "test": '#!/bin/bash\n[ -f /app/ok ] && [ "$HOME" = /root ] && '
                 '[ "$EXTRA" = from-the-verifier ] && echo 1 > /logs/verifier/reward.txt '
                 '|| echo 0 > /logs/verifier/reward.txt\n'},

@@ -80,7 +80,8 @@ def test_a_store_away_past_the_capture_budget_when_codex_finishes_loses_nothing(
     monkeypatch.setenv("TL_JOURNAL_KEY", SECRET)
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     db = tmp_path / "t.db"
-    with ScriptedEndpoint([shell("sleep 2; echo worked"), message(f"all done {SECRET}")]) as endpoint, \
+    turns = [shell("sleep 2; echo worked"), message(f"all done {SECRET}")]
+    with ScriptedEndpoint(turns) as endpoint, \
             running(db, task.folder, endpoint.url, "--api-key-env", "TL_JOURNAL_KEY", "--set",
                     f"session_close_timeout_s={BUDGET_S}") as runner:
         with store_locked(db):

@@ -236,9 +236,7 @@ class ContainerPhases(SessionLayout):
         """PID 1's environment, as Harbor's compose service gets it: the image's `Env` and
         `HOME`, then `[environment] env`."""
         assert self.image is not None
-        env = {**self.base_env(), **dict(self.image.env)}
-        env.setdefault("HOME", self.image.home)
-        return {**env, **self.task_env}
+        return {**self.base_env(), **self.image.phase_env(), **self.task_env}
 
     async def _ensure_container(self) -> Container:
         """The session's container, started on first use (OSError: it could not be, or
