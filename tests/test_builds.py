@@ -7,7 +7,9 @@ from any working folder. Real podman, buildah, slirp4netns, cgroups and gcc."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import json
 import os
 import socket
 import subprocess
@@ -31,6 +33,7 @@ from trialledger.adapters.environment import (
     copy_tree,
     prepare,
 )
+from trialledger.adapters.sandbox.cgroup import BUILD_PREFIX
 
 ESCAPE_C = r"""
 #include <errno.h>
@@ -88,6 +91,30 @@ def containers(builder: Builder) -> set[str]:
     done = subprocess.run([*builder.as_user, "buildah", "containers", "-q"], check=True,
                           env=builder.env(Path("/tmp")), capture_output=True, text=True)
     return set(done.stdout.split())
+
+
+def build_of(pid: int) -> str | None:
+    """The build (its cgroup's name) a process runs in, if any."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    names = {line.rsplit("/", 1)[-1] for line in lines}
+    return next((n for n in names if n.startswith(BUILD_PREFIX)), None)
+
+
+def made_by(builder: Builder, build: str) -> set[str]:
+    """The working containers a build made (its id in their record), whatever other
+    builds share the storage."""
+    graphroot = as_builder(builder, "podman", "info", "--format", "{{.Store.GraphRoot}}")
+    found = set()
+    for record in Path(graphroot).glob("*-containers/*/userdata/buildah.json"):
+        with contextlib.suppress(OSError, ValueError):
+            options = json.loads(record.read_text()).get("CommonBuildOpts") or {}
+            if options.get("CgroupParent") == build:
+                found.add(record.parent.parent.name)
+    return found
 
 
 def compile_static(source: str, target: Path) -> None:
@@ -176,20 +203,25 @@ def test_a_build_past_its_timeout_leaves_no_process_container_or_scratch(
         tmp_path: Path, builder: Builder) -> None:
     """Its own working container is removed, found by the build's id: another build's,
     made in the same storage while it ran, is left alone (a before/after listing took
-    it)."""
+    it). Other builds may use the machine's build storage meanwhile: the test looks at
+    its own build's containers only (its RUN step's cgroup names the build)."""
     marker = f"{3000 + os.getpid() % 1000}.{time.time_ns() % 10**6}"  # sleep's argument
     base = images.podman_image(images.BUSYBOX_REF)
     source = dockerfile_task(tmp_path / "task", f"FROM {base}\nRUN sleep {marker}\n",
                              timeout=15)
-    before = containers(builder)
     scratch_before = set(os.listdir(builder.scratch)) if builder.scratch.is_dir() else set()
     seen: set[str] = set()
     other: list[str] = []
+    builds: list[str] = []
     building = True
 
     def watch() -> None:  # the working container does appear while the step runs
         while building:
-            seen.update(containers(builder) - before - set(other))
+            if not builds:
+                builds.extend(b for pid in running(f"sleep {marker}")
+                              if (b := build_of(pid)) is not None)
+            if builds:
+                seen.update(made_by(builder, builds[0]))
             if seen and not other:  # as another build would, in the same storage
                 name = as_builder(builder, "buildah", "from", "--name",
                                   f"other-build-{marker}", base)
@@ -208,7 +240,9 @@ def test_a_build_past_its_timeout_leaves_no_process_container_or_scratch(
     try:
         assert seen, "no working container appeared during the build"
         assert other, "the other build's container was not made"
-        assert containers(builder) == before | set(other)  # its own removed, only its own
+        assert builds, "the build's RUN step was never seen in its cgroup"
+        assert made_by(builder, builds[0]) == set()  # its own removed...
+        assert set(other) <= containers(builder)  # ...and only its own
     finally:
         for container in other:
             as_builder(builder, "buildah", "rm", container, check=False)  # gone: fine

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -152,7 +153,8 @@ async def test_environment_allowlist_or_inherited_task_environment(
     env = dict(line.split("=", 1) for line in call.output.splitlines() if "=" in line)
     assert "HARNESS_ONLY_SECRET" not in env
     assert ("TASK_DECLARED" in env) is inherit
-    assert env["CODEX_HOME"] == env["HOME"] and env["CODEX_HOME"].startswith("/tmp/trialledger-")
+    assert env["CODEX_HOME"] == env["HOME"] and env["CODEX_HOME"].startswith(
+        os.path.join(tempfile.gettempdir(), "trialledger-"))
     assert env["TRIALLEDGER_SUPERVISOR"] == ran.view.session_id
     launched = next(e for e in ran.view.events if e.type == "agent.launched").data
     assert "TRIALLEDGER_MODEL_API_KEY" in launched.env_keys
