@@ -95,7 +95,11 @@ def _located(path: Path, lines: list[int], error: BadEvent | IllegalTransition) 
 
 
 def _load_policy_file(path: str | None) -> None:
-    """Run a Python file that registers policy versions (`core.register_policy`)."""
+    """Register the installed packages' policy versions, then run a Python file that
+    registers more (`core.register_policy`)."""
+    from trialledger.store.policies import load_installed_policies
+
+    load_installed_policies()
     if path is None:
         return
     import runpy

@@ -48,6 +48,7 @@ from trialledger.store.errors import disk_full as disk_full
 from trialledger.store.errors import guarded, store_error
 from trialledger.store.log import EVENTS
 from trialledger.store.migrate import ensure_current
+from trialledger.store.policies import load_installed_policies
 from trialledger.store.projections import SESSION_COLUMNS
 from trialledger.store.rederive import Difference
 from trialledger.store.rederive import divergences as every_divergence
@@ -147,6 +148,7 @@ class Ledger:
         `policy` is written into every seed that names none (SPEC §3 "Which policy"); each
         session is then decided under its seed's policy, whatever store reads it later.
         """
+        load_installed_policies()  # before any seed or fold names one of them
         path = sqlite_path(db)
         if not create and path is not None and not os.path.isfile(path):
             raise NoDatabase(f"no database at {path} (a new one is made by `trialledger db "
