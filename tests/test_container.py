@@ -23,7 +23,7 @@ import pytest
 from tests import images
 from tests.runs import make_task, run_task
 from tests.test_range_mode import DOCKER_CAP_MASK, _debian_into, private_storage
-from trialledger.adapters.demo.endpoint import message, shell
+from trialledger.adapters.demo.endpoint import message, shell, tool
 from trialledger.adapters.environment import Cache, prepare
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.local import LocalSandbox
@@ -71,16 +71,20 @@ PROBE = (
 
 async def _rootfs_run(tmp_path: Path, environment: str, command: str, *,
                       test_sh: str = "exit 0\n",
-                      settings: dict[str, Any] | None = None) -> tuple[Any, str]:
+                      settings: dict[str, Any] | None = None,
+                      yield_ms: int | None = None) -> tuple[Any, str]:
     """A tool call running `command` over the tests' Debian rootfs (range mode), the task's
-    `[environment]` table holding `environment` too; the run and the call's output."""
+    `[environment]` table holding `environment` too; the run and the call's output (Codex
+    returns it after `yield_ms`, default its own 10 s)."""
     task_dir = tmp_path / "task"
     task_dir.mkdir()
     _debian_into(task_dir)
     task = make_task(task_dir, test_sh=test_sh,
                      toml=f'[environment]\nrootfs = "rootfs.tar"\n{environment}')
     env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
-    ran = await run_task(str(tmp_path / "t.db"), task, [shell(command), message()],
+    reply = shell(command) if yield_ms is None else tool(
+        "exec_command", {"cmd": command, "yield_time_ms": yield_ms})
+    ran = await run_task(str(tmp_path / "t.db"), task, [reply, message()],
                          environment=env, settings=settings)
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)
     assert out.strip().endswith("done"), out
@@ -311,10 +315,13 @@ async def test_an_allowlist_admits_a_host_by_name(
     name, is admitted — the proxy connecting to the address it resolved itself; the same
     address asked for another name is refused (403, gap `egress_refused` naming it)."""
     get = ('exec 3<>/dev/tcp/deb.debian.org/80 && printf "HEAD /debian/ HTTP/1.1\\r\\n'
-           'Connection: close\\r\\nHost: %s\\r\\n\\r\\n" "$0" >&3 && timeout 20 head -1 <&3')
+           'Connection: close\\r\\nHost: %s\\r\\n\\r\\n" "$0" >&3 && head -1 <&3')
+    # The mirror can be slow: each request has 12 s, and the tool call waits up to 30 s for
+    # the output (exec_command's default, 10 s, once returned an empty output in CI).
     ran, out = await _rootfs_run(
         tmp_path, 'network_mode = "allowlist"\nallowed_hosts = ["deb.debian.org"]\n',
-        f"exec 2>&1; bash -c '{get}' deb.debian.org; bash -c '{get}' example.com; echo done")
+        f"exec 2>&1; timeout 12 bash -c '{get}' deb.debian.org; "
+        f"timeout 12 bash -c '{get}' example.com; echo done", yield_ms=30_000)
     lines = [line for line in out.splitlines() if line.startswith("HTTP/")]
     assert len(lines) == 2 and " 200 " in lines[0] and " 403 " in lines[1], out
     refused = [e.data.detail for e in ran.view.events
