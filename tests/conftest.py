@@ -90,3 +90,12 @@ def reachable_tmp() -> Iterator[Path]:
     folder.chmod(0o755)
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with the real parts it needs (tests/tiers.py)."""
+    from tests.tiers import needs
+
+    for item in items:
+        for tier in sorted(needs(item)):
+            item.add_marker(tier)
