@@ -4,8 +4,9 @@ setuid-root helper of the image works for a non-root `USER` as under Docker — 
 setuid file is setuid only to the session's slot, never to a host id outside it.
 
 CI installs runc and runs `trialledger setup`: these tests fail (never skip) where runc
-cannot start a container. (The rest of the range-mode suite runs under runc with
-TRIALLEDGER_TEST_RUNTIME=runc, tests/conftest.py.)
+cannot start a container. (The rest of the range-mode suite runs under runc too, the
+runtime `setup` finds able here; under bwrap with TRIALLEDGER_TEST_RUNTIME=bwrap,
+tests/conftest.py.)
 """
 
 from __future__ import annotations
@@ -204,8 +205,7 @@ def test_a_runtime_setup_found_unable_is_refused_in_one_line(
     from trialledger import cli
     from trialledger.adapters.sandbox import ociruntime
 
-    monkeypatch.setattr(ociruntime, "_record_path",
-                        lambda runtime: tmp_path / f"runtime-{runtime}.json")
+    monkeypatch.setattr(ociruntime, "records_dir", lambda: tmp_path)
     (tmp_path / "runtime-runc.json").write_text(json.dumps(
         {"runtime": "runc", "problem": "runc cannot start a container here: no cgroups"}))
     task = make_task(tmp_path / "task", test_sh="exit 0\n", solve_sh="#!/bin/sh\n")
