@@ -398,12 +398,14 @@ def _runtime(asked: str | None) -> str | None:
 
 
 def _range_mode(args: argparse.Namespace) -> bool:
-    """Whether image and rootfs sessions run in range mode (docs/SPEC.md §15): a root
-    runner after `setup`, the default sandbox user, bwrap."""
+    """Whether image and rootfs sessions run in range mode (docs/SPEC.md §15, §16): a root
+    runner after `setup`, the default sandbox user, bwrap, a runtime that can start a
+    container here (else single-id mode, said once naming why)."""
     from trialledger.adapters.sandbox.idrange import range_problem
 
     return (getattr(args, "sandbox_uid", None) is None
-            and getattr(args, "isolation", "bwrap") == "bwrap" and range_problem() is None)
+            and getattr(args, "isolation", "bwrap") == "bwrap"
+            and range_problem(getattr(args, "runtime", None)) is None)
 
 
 def _cache(args: argparse.Namespace) -> Any:
