@@ -127,8 +127,8 @@ def _outcome(events: list[Any]) -> tuple[str, Any]:
 def test_a_setuid_root_helper_works_under_runc_and_is_setuid_only_to_the_slot(
         tmp_path: Path, private_storage: None, kept: list[LocalSandbox]) -> None:
     task = setuid_task(tmp_path / "task")
-    code, events = run_oracle(task, tmp_path / "runc.db", "--runtime", "runc",
-                              "--cache-dir", str(tmp_path / "cache"))
+    # No --runtime: the runtime `setup` found able, runc here (recorded as `isolation`)
+    code, events = run_oracle(task, tmp_path / "runc.db", "--cache-dir", str(tmp_path / "cache"))
     assert code == 0
     assert _outcome(events) == ("runc", {"reward": 1.0})
     sandbox = kept[-1]
