@@ -680,7 +680,8 @@ def _store_files(db: str) -> list[Path]:
 
 def cmd_setup(args: argparse.Namespace) -> int:
     """Prepare this machine for sandboxed runs: the sandbox user and the build user (as
-    root), the static init, and a check that bwrap can sandbox here."""
+    root), the static init, a check that bwrap can sandbox here, and (as root) which OCI
+    runtime can start a range-mode container, recorded."""
     from trialledger.adapters.builder import BUILD_USER, create_build_user
     from trialledger.adapters.environment import EnvironmentUnavailable
     from trialledger.adapters.sandbox.base import SandboxRefused
@@ -1080,7 +1081,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(commands, "setup", help="create the sandbox and build users (as root), "
                                           "build the sandbox init, check that bwrap can "
-                                          "sandbox")
+                                          "sandbox and which OCI runtime can start a "
+                                          "range-mode container")
     _with_sandbox_uid(p)
     p.add_argument("--subids", metavar="START:COUNT",
                    help="the sandbox user's subordinate ids for range mode (COUNT a multiple "
