@@ -384,21 +384,28 @@ def _prepared(task: Any, args: argparse.Namespace) -> Any:
 
 
 def _runtime(asked: str | None) -> str | None:
-    """`--runtime`, refused (one line) where `setup` found it cannot start a container."""
+    """`--runtime`, refused (one line) where `setup` found it cannot start a container;
+    without it, the runtime `setup` found able (None: none can, and range mode is
+    unavailable: `_range_mode` says why)."""
     from trialledger.adapters.sandbox.ociruntime import recorded_problem
+    from trialledger.adapters.sandbox.runc import default_runtime
 
-    if asked not in (None, "bwrap") and (problem := recorded_problem(asked)) is not None:
+    if asked is None:
+        return default_runtime()
+    if asked != "bwrap" and (problem := recorded_problem(asked)) is not None:
         raise Refused(f"--runtime {asked}: {problem}")
     return asked
 
 
 def _range_mode(args: argparse.Namespace) -> bool:
-    """Whether image and rootfs sessions run in range mode (docs/SPEC.md §15): a root
-    runner after `setup`, the default sandbox user, bwrap."""
+    """Whether image and rootfs sessions run in range mode (docs/SPEC.md §15, §16): a root
+    runner after `setup`, the default sandbox user, bwrap, a runtime that can start a
+    container here (else single-id mode, said once naming why)."""
     from trialledger.adapters.sandbox.idrange import range_problem
 
     return (getattr(args, "sandbox_uid", None) is None
-            and getattr(args, "isolation", "bwrap") == "bwrap" and range_problem() is None)
+            and getattr(args, "isolation", "bwrap") == "bwrap"
+            and range_problem(getattr(args, "runtime", None)) is None)
 
 
 def _cache(args: argparse.Namespace) -> Any:
@@ -673,7 +680,8 @@ def _store_files(db: str) -> list[Path]:
 
 def cmd_setup(args: argparse.Namespace) -> int:
     """Prepare this machine for sandboxed runs: the sandbox user and the build user (as
-    root), the static init, and a check that bwrap can sandbox here."""
+    root), the static init, a check that bwrap can sandbox here, and (as root) which OCI
+    runtime can start a range-mode container, recorded."""
     from trialledger.adapters.builder import BUILD_USER, create_build_user
     from trialledger.adapters.environment import EnvironmentUnavailable
     from trialledger.adapters.sandbox.base import SandboxRefused
@@ -706,12 +714,16 @@ def cmd_setup(args: argparse.Namespace) -> int:
     except (SandboxRefused, EnvironmentUnavailable) as error:
         raise Refused(str(error)) from None
     if os.geteuid() == 0 and args.sandbox_uid is None:
-        from trialledger.adapters.sandbox.ociruntime import record_runtime
+        from trialledger.adapters.sandbox.ociruntime import choose_runtime
 
-        said = record_runtime("runc")
-        out.print("oci runtime: runc starts range-mode containers (--runtime runc)"
-                  if said is None else f"oci runtime: runc cannot start a container here "
-                                       f"({said})")
+        found = choose_runtime(args.runtime)
+        for runtime, said in found.items():
+            out.print(f"oci runtime: {said}" if said is not None
+                      else f"oci runtime: {runtime} can start range-mode containers")
+        chosen = next((runtime for runtime, said in found.items() if said is None), None)
+        out.print(f"range mode runs on {chosen}" if chosen is not None else
+                  "range mode is unavailable: no OCI runtime can start a container here; "
+                  "image and rootfs sessions run in single-id mode")
     problem = bwrap_problem(user)
     if problem is not None:
         out.print(f"isolation: bwrap cannot sandbox here ({problem}); runs are refused "
@@ -821,10 +833,11 @@ def _with_run_options(p: argparse.ArgumentParser, *, json_help: str, of_job: boo
     p.add_argument("--isolation", choices=("bwrap", "process-group"), default="bwrap",
                    help="bwrap (default; a bwrap that cannot sandbox refuses the run) or "
                         "process-group: the agent runs unconfined, as the sandbox uid")
-    p.add_argument("--runtime", choices=("bwrap", "runc"), default=None,
+    p.add_argument("--runtime", choices=("runc", "crun", "bwrap"), default=None,
                    help="what starts a range-mode container (image and rootfs tasks under "
-                        "verifier_isolation = harbor): bwrap (default) or the OCI runtime "
-                        "runc, which honours setuid files inside (docs/SPEC.md §16)")
+                        "verifier_isolation = harbor): the OCI runtime runc or crun, which "
+                        "honour setuid files inside, or bwrap, which does not (default: "
+                        "the runtime `setup` found able; docs/SPEC.md §16)")
     _with_cache(p)
     p.add_argument("--engine", choices=("podman", "docker"),
                    help="the container engine for docker_image and Dockerfile tasks "
@@ -1068,12 +1081,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(commands, "setup", help="create the sandbox and build users (as root), "
                                           "build the sandbox init, check that bwrap can "
-                                          "sandbox")
+                                          "sandbox and which OCI runtime can start a "
+                                          "range-mode container")
     _with_sandbox_uid(p)
     p.add_argument("--subids", metavar="START:COUNT",
                    help="the sandbox user's subordinate ids for range mode (COUNT a multiple "
                         "of 65536; default 64 slots from the first free start at or above "
                         "2^20); an existing range is kept")
+    p.add_argument("--runtime", choices=("runc", "crun"), default=None,
+                   help="the OCI runtime to check and record for range mode (default: "
+                        "runc, else crun: the first that can start a container here)")
     p.set_defaults(handler=cmd_setup)
 
     p = _command(commands, "ls", help="list sessions with state, outcome and tokens")

@@ -68,18 +68,20 @@ def _artifacts_in_tmp(tmp_path_factory: pytest.TempPathFactory,
     monkeypatch.setattr(artifacts, "default_cache_dir", lambda: cache)
 
 
-RUNTIME_ENV = "TRIALLEDGER_TEST_RUNTIME"  # runc: range-mode containers start under runc
+RUNTIME_ENV = "TRIALLEDGER_TEST_RUNTIME"  # bwrap: range-mode containers start under bwrap
 
 
 @pytest.fixture(autouse=True)
 def _runtime(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite over range mode on an OCI runtime (docs/SPEC.md §16): with
-    TRIALLEDGER_TEST_RUNTIME=runc every session that has no `--runtime` of its own starts
-    its range-mode container under runc instead of bwrap."""
+    """The suite over range mode on another runtime than `setup`'s (docs/SPEC.md §16):
+    with TRIALLEDGER_TEST_RUNTIME=bwrap (or crun) every session that has no `--runtime` of
+    its own starts its range-mode container under it instead of the OCI runtime `setup`
+    found able (runc on these machines)."""
     from trialledger.adapters.sandbox import runc
 
     if (runtime := os.environ.get(RUNTIME_ENV)) is not None:
-        monkeypatch.setattr(runc, "DEFAULT_RUNTIME", runc.check_runtime(runtime))
+        chosen = runc.check_runtime(runtime)
+        monkeypatch.setattr(runc, "default_runtime", lambda: chosen)
 
 
 @pytest.fixture

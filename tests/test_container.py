@@ -211,8 +211,9 @@ def entry_image(ref: str, entrypoint: str) -> str:
     if images._podman("image", "exists", ref).returncode == 0:
         return ref
     tarball = images.IMAGES / f"busybox-{images._key(images.busybox_root())}.tar"
-    if not tarball.exists():
-        images.podman_image(images.BUSYBOX_REF)  # makes the tarball
+    if not tarball.exists():  # (podman_image makes it only with the image: its name
+        # follows the folder's path, so a clone elsewhere sharing .images has none)
+        images._run(["tar", "-C", str(images.busybox_root()), "-cf", str(tarball), "."])
     done = images._podman("import", "--change", entrypoint, str(tarball), ref)
     assert done.returncode == 0, done.stderr
     return ref

@@ -331,3 +331,33 @@ def test_runc_runs_a_busybox_container_as_docker_would(slot: Slot) -> None:
 def test_setup_finds_that_runc_starts_a_container_here() -> None:
     assert runtime_problem("runc") is None
     assert "unknown OCI runtime" in (runtime_problem("docker") or "")
+
+
+def test_setup_records_the_first_runtime_that_starts_a_container_and_runs_use_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`setup` checks runc, then crun, and records the first able one as range mode's
+    runtime; a run naming a runtime it found unable is refused in one line (exit 2)."""
+    from tests.runs import make_task
+    from trialledger import cli
+    from trialledger.adapters.sandbox import ociruntime
+    from trialledger.adapters.sandbox.runc import default_runtime
+
+    monkeypatch.setattr(ociruntime, "records_dir", lambda: tmp_path / "records")
+    # Never recorded (a `setup` from before the choice): the first not recorded unable.
+    assert ociruntime.chosen_runtime() == ("runc", None)
+    found = ociruntime.choose_runtime(None)
+    assert list(found) == ["runc", "crun"] and found["runc"] is None, found
+    # crun 1.8 refuses these machines' hybrid cgroups (where it is installed at all).
+    said = found["crun"]
+    assert said is not None and said.startswith("crun "), said
+    assert ociruntime.chosen_runtime() == ("runc", None) and default_runtime() == "runc"
+    task = make_task(tmp_path / "task", test_sh="exit 0\n", solve_sh="#!/bin/sh\n")
+    code = cli.main(["run", str(task.folder), "--agent", "oracle", "--db",
+                     str(tmp_path / "t.db"), "--runtime", "crun"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--runtime crun: {said}" in err, err
+    # Asked for crun alone, setup records that no runtime can start a container here.
+    assert ociruntime.choose_runtime("crun") == {"crun": said}
+    assert ociruntime.chosen_runtime() == (None, said) and default_runtime() is None

@@ -24,6 +24,7 @@ from tests.runs import make_task, run_task
 from trialledger import cli
 from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.environment import Cache, prepare
+from trialledger.adapters.sandbox import runc
 from trialledger.adapters.sandbox.idrange import DOCKER_CAPS, SLOT, range_problem, reserved_range
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.store.ledger import Ledger
@@ -208,8 +209,15 @@ ATTACK = (
     "touch /work/made-by-agent /tmp/made-by-agent; echo done")
 
 
+# Range mode's default runtime (`setup`'s: runc here, docs/SPEC.md §16) and bwrap, still
+# a `--runtime`
+RUNTIMES = [None, "bwrap"]
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES, ids=["runc", "bwrap"])
 async def test_range_mode_escape_suite_through_a_codex_tool_call(
-        tmp_path: Path, private_storage: None, kept: list[LocalSandbox]) -> None:
+        tmp_path: Path, private_storage: None, kept: list[LocalSandbox],
+        runtime: str | None) -> None:
     """A non-root image user in range mode: its own slot's ids, no capability, no root-only
     file, no nested namespace, no mount, `/proc/sys` read-only, its files in its slot."""
     ref = user_image()
@@ -219,9 +227,10 @@ async def test_range_mode_escape_suite_through_a_codex_tool_call(
     env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
     assert env.plain and env.uid == 1000
     ran = await run_task(str(tmp_path / "t.db"), task, [shell(ATTACK), message()],
-                         environment=env)
+                         environment=env, runtime=runtime)
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)
     assert "done" in out, [e.model_dump_json()[:600] for e in ran.view.events]
+    assert ran.view.events[1].data.isolation == (runtime or runc.default_runtime())
     for attack in ("READ", "WRITABLE", "NESTED", "MOUNTED", "MKNOD"):
         assert attack not in out, out
     assert SECRET not in "\n".join(e.model_dump_json() for e in ran.view.events)
@@ -243,16 +252,18 @@ async def test_range_mode_escape_suite_through_a_codex_tool_call(
     assert (os.lstat(made).st_uid, os.lstat(made).st_gid) == (start + 1000, start + 1000)
 
 
+@pytest.mark.parametrize("runtime", RUNTIMES, ids=["runc", "bwrap"])
 async def test_inner_root_has_exactly_dockers_capabilities(
-        tmp_path: Path, kept: list[LocalSandbox]) -> None:
+        tmp_path: Path, kept: list[LocalSandbox], runtime: str | None) -> None:
     task_dir = tmp_path / "task"
     task_dir.mkdir()
     _debian_into(task_dir)
     task = make_task(task_dir, test_sh="exit 0\n", toml='[environment]\nrootfs = "rootfs.tar"\n')
     env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
     ran = await run_task(str(tmp_path / "t.db"), task, [shell(ATTACK), message()],
-                         environment=env)
+                         environment=env, runtime=runtime)
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)
+    assert ran.view.events[1].data.isolation == (runtime or runc.default_runtime())
     assert "UID 0" in out and f"CapEff:\t{DOCKER_CAP_MASK}" in out, out
     for attack in ("WRITABLE", "NESTED", "MOUNTED", "MKNOD"):
         assert attack not in out, out

@@ -4,8 +4,9 @@ setuid-root helper of the image works for a non-root `USER` as under Docker — 
 setuid file is setuid only to the session's slot, never to a host id outside it.
 
 CI installs runc and runs `trialledger setup`: these tests fail (never skip) where runc
-cannot start a container. (The rest of the range-mode suite runs under runc with
-TRIALLEDGER_TEST_RUNTIME=runc, tests/conftest.py.)
+cannot start a container. (The rest of the range-mode suite runs under runc too, the
+runtime `setup` finds able here; under bwrap with TRIALLEDGER_TEST_RUNTIME=bwrap,
+tests/conftest.py.)
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ def _outcome(events: list[Any]) -> tuple[str, Any]:
 def test_a_setuid_root_helper_works_under_runc_and_is_setuid_only_to_the_slot(
         tmp_path: Path, private_storage: None, kept: list[LocalSandbox]) -> None:
     task = setuid_task(tmp_path / "task")
-    code, events = run_oracle(task, tmp_path / "runc.db", "--runtime", "runc",
-                              "--cache-dir", str(tmp_path / "cache"))
+    # No --runtime: the runtime `setup` found able, runc here (recorded as `isolation`)
+    code, events = run_oracle(task, tmp_path / "runc.db", "--cache-dir", str(tmp_path / "cache"))
     assert code == 0
     assert _outcome(events) == ("runc", {"reward": 1.0})
     sandbox = kept[-1]
@@ -204,8 +205,7 @@ def test_a_runtime_setup_found_unable_is_refused_in_one_line(
     from trialledger import cli
     from trialledger.adapters.sandbox import ociruntime
 
-    monkeypatch.setattr(ociruntime, "_record_path",
-                        lambda runtime: tmp_path / f"runtime-{runtime}.json")
+    monkeypatch.setattr(ociruntime, "records_dir", lambda: tmp_path)
     (tmp_path / "runtime-runc.json").write_text(json.dumps(
         {"runtime": "runc", "problem": "runc cannot start a container here: no cgroups"}))
     task = make_task(tmp_path / "task", test_sh="exit 0\n", solve_sh="#!/bin/sh\n")
@@ -303,3 +303,38 @@ def test_dockers_profile_in_the_filter_compilers_line_form() -> None:
         "default ERRNO 1", "arch x86_64", "arch x32", "rule ALLOW 1 read 0",
         "rule ALLOW 1 write 0", "rule ERRNO 38 clone3 0",
         "rule ALLOW 1 clone 1 0 MASKED_EQ 2114060288 0"]
+
+
+def test_where_no_runtime_can_start_a_container_range_mode_falls_back_saying_why_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`setup` found no OCI runtime able (its record, in a temporary folder): an image
+    task runs in single-id mode under bwrap, and the run says why once."""
+    import json
+    import logging
+
+    from tests.runs import make_task
+    from trialledger.adapters.sandbox import ociruntime
+
+    why = f"runc cannot start a container here: {tmp_path.name}"  # (said once per process)
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "runtime.json").write_text(
+        json.dumps({"runtime": None, "problem": why}))
+    monkeypatch.setattr(ociruntime, "records_dir", lambda: tmp_path / "records")
+    folder = tmp_path / "task"
+    folder.mkdir()
+    subprocess.run(["tar", "-C", str(images.busybox_root()), "-cf", str(folder / "rootfs.tar"),
+                    "."], check=True)
+    make_task(folder, test_sh="exit 0\n", toml='[environment]\nrootfs = "rootfs.tar"\n',
+              solve_sh="#!/bin/sh\nid -u\n")
+    with caplog.at_level(logging.WARNING):
+        code, events = run_oracle(folder, tmp_path / "t.db", "--cache-dir",
+                                  str(tmp_path / "cache"))
+    launched = next(e for e in events if e.type == "agent.launched")
+    assert launched.data.isolation == "bwrap", launched.data
+    assert launched.data.identity is not None and launched.data.identity["mode"] == "single"
+    said = [record.getMessage() for record in caplog.records if why in record.getMessage()]
+    assert len(said) == 1, said
+    assert "no OCI runtime can start a container here" in said[0], said
+    assert "single-id mode" in said[0], said
+    assert code == 0

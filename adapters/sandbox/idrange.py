@@ -180,8 +180,21 @@ def _problem_once(problem: str) -> None:
         "(gap root_emulated)", problem)
 
 
-def range_problem() -> str | None:
-    """Why image sessions cannot run in range mode here (None: they can). Said once."""
+def _runtime_problem(runtime: str | None) -> str | None:
+    """Why `runtime` (None: range mode's default) cannot start range-mode containers, as
+    `setup` recorded (None: it found it able, or never checked it)."""
+    from trialledger.adapters.sandbox.ociruntime import chosen_runtime, recorded_problem
+
+    if runtime is not None:
+        return recorded_problem(runtime)
+    chosen, why = chosen_runtime()
+    return None if chosen is not None else f"no OCI runtime can start a container here ({why})"
+
+
+def range_problem(runtime: str | None = None) -> str | None:
+    """Why image sessions cannot run in range mode here (None: they can) with `runtime`
+    starting their containers (None: the OCI runtime `setup` found able; bwrap needs
+    none). Said once."""
     problem = None
     if os.geteuid() != 0:
         problem = "the runner is not root"
@@ -195,6 +208,8 @@ def range_problem() -> str | None:
             ensure_init()
         except SandboxRefused as error:
             problem = str(error)
+    if problem is None and runtime != "bwrap":
+        problem = _runtime_problem(runtime)
     if problem is not None:
         _problem_once(problem)
     return problem

@@ -193,10 +193,12 @@ class LocalSandbox(RuncLaunch):
         if isolation not in ISOLATIONS:
             raise SandboxRefused(f"isolation {isolation!r}: expected bwrap or process-group")
         self.isolation = isolation
-        # What starts a range-mode container (harbor); strict sessions, single-id mode and
-        # host tasks always run under bwrap (docs/SPEC.md §16).
+        # What starts a range-mode container (harbor): the OCI runtime `setup` found able
+        # unless one is named (None: none can); strict sessions, single-id mode and host
+        # tasks always run under bwrap (docs/SPEC.md §16).
         try:
-            self.runtime = runtimes.check_runtime(runtime or runtimes.DEFAULT_RUNTIME)
+            self.runtime = (runtimes.check_runtime(runtime) if runtime
+                            else runtimes.default_runtime())
         except runtimes.RuntimeUnknown as error:
             raise SandboxRefused(str(error)) from None
         self.no_new_privileges = no_new_privileges  # [metadata.trialledger] (runc only)
@@ -271,9 +273,9 @@ class LocalSandbox(RuncLaunch):
             self.cgroup, self.limits_reason = hold(self.limits, self.root.name)
             if making is not None:
                 self.range, making = self._take_range(making), None
-            if self.on_runc and not has_program("runc"):
-                raise SandboxRefused("--runtime runc: runc is not installed (apt-get "
-                                     "install runc)")
+            if self.on_runc and not has_program(self.runtime or ""):
+                raise SandboxRefused(f"--runtime {self.runtime}: {self.runtime} is not "
+                                     f"installed (apt-get install {self.runtime})")
             if isolation == "bwrap" and not self.on_runc and (problem := bwrap_problem(
                     self.runs_as, self._cgroup_procs, self._nproc,
                     self.range.userns_fd if self.range else None)) is not None:
@@ -343,6 +345,10 @@ class LocalSandbox(RuncLaunch):
         if os.geteuid() != 0 or ids is None:
             raise SandboxRefused("this image's cache entry keeps its own ownership (range "
                                  "mode), which needs a root runner after `trialledger setup`")
+        if self.runtime is None:
+            raise SandboxRefused(f"this image's cache entry keeps its own ownership (range "
+                                 f"mode), which needs a runtime that can start a container "
+                                 f"here: {runtimes.range_unavailable()}")
         slot = Slot.acquire(ids)
         try:
             return UsernsMaker(self.init, slot, net=self._wants_runc)
@@ -369,20 +375,22 @@ class LocalSandbox(RuncLaunch):
 
     @property
     def _wants_runc(self) -> bool:
-        """Whether the session's container is to start under runc, if range mode holds."""
-        return (self.runtime == "runc" and self.lifetime == "harbor"
+        """Whether the session's container is to start under an OCI runtime (runc, crun),
+        if range mode holds."""
+        return (self.runtime in runtimes.OCI and self.lifetime == "harbor"
                 and self.isolation == "bwrap")
 
     @property
     def on_runc(self) -> bool:
-        """Whether the session's container starts under runc (range mode, harbor)."""
+        """Whether the session's container starts under an OCI runtime (range mode,
+        harbor)."""
         return self._wants_runc and self.range is not None
 
     @property
     def launched_isolation(self) -> str:
-        """`agent.launched.isolation`: what confines the agent (runc, bwrap,
+        """`agent.launched.isolation`: what confines the agent (runc, crun, bwrap,
         process-group)."""
-        return "runc" if self.on_runc else self.isolation
+        return self.runtime if self.on_runc and self.runtime else self.isolation
 
     @property
     def runs_as(self) -> SandboxUser:

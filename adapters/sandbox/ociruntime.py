@@ -1,6 +1,8 @@
 """Starting a container with an OCI runtime (SPEC §16): `run_once`, and `runtime_problem`,
-`setup`'s check of which runtime can start a container here, which `setup` records
-(`record_runtime`) and `--runtime` reads back (`recorded_problem`).
+`setup`'s check of which runtime can start a container here. `setup` records each runtime
+it checked (`record_runtime`; a `--runtime` setup found unable is refused,
+`recorded_problem`) and the first able one as range mode's runtime (`choose_runtime`),
+which a run without `--runtime` uses (`chosen_runtime`; none: range mode is unavailable).
 
 The probe runs what a range-mode session will: Docker's defaults (`oci.py`) in a user
 namespace on a slot of the sandbox user's range (held, so no live session shares its ids),
@@ -123,20 +125,62 @@ def runtime_problem(runtime: str) -> str | None:
     return None
 
 
+def records_dir() -> Path:
+    """Where `setup` records what it found about the runtimes (root's cache folder)."""
+    return cache_dir()
+
+
 def _record_path(runtime: str) -> Path:
-    return cache_dir() / f"runtime-{runtime}.json"
+    return records_dir() / f"runtime-{runtime}.json"
+
+
+def _choice_path() -> Path:
+    return records_dir() / "runtime.json"
+
+
+def _write_record(path: Path, record: Json) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    scratch = path.with_suffix(f".{secrets.token_hex(4)}")
+    scratch.write_text(json.dumps(record), encoding="utf-8")
+    os.replace(scratch, path)
 
 
 def record_runtime(runtime: str) -> str | None:
     """`setup`'s check of `runtime`, recorded for later runs; why it cannot start a
     container here (None: it can)."""
     problem = runtime_problem(runtime)
-    path = _record_path(runtime)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    scratch = path.with_suffix(f".{secrets.token_hex(4)}")
-    scratch.write_text(json.dumps({"runtime": runtime, "problem": problem}), encoding="utf-8")
-    os.replace(scratch, path)
+    _write_record(_record_path(runtime), {"runtime": runtime, "problem": problem})
     return problem
+
+
+def choose_runtime(asked: str | None) -> dict[str, str | None]:
+    """`setup`'s choice of range mode's runtime: `asked` (else runc, then crun) checked
+    and recorded, the first able one recorded as the runtime of runs without `--runtime`
+    (none: why, for them to say). Each runtime checked → why it cannot (None: it can)."""
+    found = {runtime: record_runtime(runtime) for runtime in ((asked,) if asked else RUNTIMES)}
+    chosen = next((runtime for runtime, problem in found.items() if problem is None), None)
+    _write_record(_choice_path(), {"runtime": chosen, "problem": None if chosen else
+                                   "; ".join(str(problem) for problem in found.values())})
+    return found
+
+
+def chosen_runtime() -> tuple[str | None, str | None]:
+    """Range mode's runtime when a run names none: (the one `setup` chose, None), or
+    (None, why no runtime can start a container here). A `setup` from before the choice
+    was recorded: the first runtime not recorded unable."""
+    try:
+        recorded = json.loads(_choice_path().read_text(encoding="utf-8"))
+        runtime, problem = recorded["runtime"], recorded["problem"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    else:
+        if runtime in RUNTIMES:
+            return str(runtime), None
+        if runtime is None and isinstance(problem, str) and problem:
+            return None, problem
+    problems = {runtime: recorded_problem(runtime) for runtime in RUNTIMES}
+    able = [runtime for runtime, problem in problems.items() if problem is None]
+    return (able[0], None) if able else (None, "; ".join(str(p) for p in problems.values()))
 
 
 def recorded_problem(runtime: str) -> str | None:

@@ -108,13 +108,13 @@ class LocalRun:
         return self._info or {}
 
     def know(self, info: dict[str, Any]) -> None:
-        """What a runtime without bwrap's `--info-fd` (runc) found out: the same keys."""
+        """What a runtime without bwrap's `--info-fd` (runc, crun) found out: the same keys."""
         self._info = dict(info)
 
     @property
     def init_pid(self) -> int:
         """The host pid of the init that runs the agent."""
-        if self.isolation in ("bwrap", "runc"):
+        if self.isolation in ("bwrap", "runc", "crun"):
             pid = self.info().get("child-pid")
             return pid if isinstance(pid, int) else self.process.pid
         return self.process.pid

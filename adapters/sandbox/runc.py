@@ -1,8 +1,11 @@
-"""A range-mode session's container on the OCI runtime runc (docs/SPEC.md §16).
+"""A range-mode session's container on an OCI runtime, runc (docs/SPEC.md §16).
 
-`--runtime runc` starts the container of an image or rootfs session (`verifier_isolation =
-harbor`) with `runc run` where bwrap started it before; everything else of the session
-(its slot, cgroup, layer, phases) is as under bwrap. How it is put together:
+The OCI runtime `setup` found able (runc, else crun; `--runtime` names one) starts the
+container of an image or rootfs session (`verifier_isolation = harbor`) with `runc run`
+(crun takes the same command line), where bwrap started it before (`--runtime bwrap`
+still does); everything else of the session (its slot, cgroup, layer, phases) is as under
+bwrap. How it is put together (written and tested for runc: crun cannot start a
+container on these machines):
 - **Root.** runc itself is started by our init (`init --stage --mount-ns --exec-suid
   --idmap ...`): in a private mount namespace of its own the image's cache entry is
   mounted idmapped onto the slot and the session's overlay over it, both without `nosuid`
@@ -46,9 +49,10 @@ from trialledger.adapters.sandbox.bwrap import Mount
 from trialledger.adapters.sandbox.hostside import find, host_env, program
 from trialledger.adapters.sandbox.oci import Bind
 
-RUNTIMES = ("bwrap", "runc")  # what starts a range-mode session's container
-DEFAULT_RUNTIME = "bwrap"
+RUNTIMES = ("runc", "crun", "bwrap")  # what starts a range-mode session's container
+OCI = ("runc", "crun")  # of those, the OCI runtimes (`ociruntime.RUNTIMES`)
 STATE = "runc-state"  # runc's `--root`, in the session folder
+STATES = {"runc": STATE, "crun": "crun-state"}
 DELETE_S = 10.0
 LOG_TAIL = 300
 
@@ -62,6 +66,21 @@ def check_runtime(runtime: str) -> str:
     if runtime not in RUNTIMES:
         raise RuntimeUnknown(f"--runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
     return runtime
+
+
+def default_runtime() -> str | None:
+    """What starts a range-mode container when no `--runtime` is given: the OCI runtime
+    `setup` found able to start one here (None: none can; range mode is unavailable)."""
+    from trialledger.adapters.sandbox.ociruntime import chosen_runtime
+
+    return chosen_runtime()[0]
+
+
+def range_unavailable() -> str:
+    """Why no OCI runtime can start a container here, as `setup` found."""
+    from trialledger.adapters.sandbox.ociruntime import chosen_runtime
+
+    return chosen_runtime()[1] or "no OCI runtime was found able"
 
 
 def oci_mounts(placed: Sequence[Mount]) -> tuple[tuple[Bind, ...], tuple[str, ...]]:
@@ -84,7 +103,8 @@ def oci_mounts(placed: Sequence[Mount]) -> tuple[tuple[Bind, ...], tuple[str, ..
 
 @dataclass(frozen=True)
 class RuncContainer:
-    """One container's runc: its binary, state folder, name, bundle and log."""
+    """One container's OCI runtime (runc, crun): its binary, state folder, name, bundle
+    and log."""
 
     binary: str
     state: Path
@@ -92,13 +112,13 @@ class RuncContainer:
     bundle: Path
 
     @classmethod
-    def new(cls, session_root: Path, marker: str) -> RuncContainer:
-        """A container named after the session, its state and bundle in the session
-        folder (0700: the config holds the environment)."""
+    def new(cls, session_root: Path, marker: str, runtime: str = "runc") -> RuncContainer:
+        """A container of `runtime` named after the session, its state and bundle in the
+        session folder (0700: the config holds the environment)."""
         name = re.sub(r"[^\w.+-]", "_", f"trialledger-{marker[:24]}-{secrets.token_hex(4)}")
         bundle = session_root / f"bundle-{name}"
         bundle.mkdir(mode=0o700)
-        return cls(program("runc"), session_root / STATE, name, bundle)
+        return cls(program(runtime), session_root / STATES[runtime], name, bundle)
 
     @property
     def pid_file(self) -> Path:
@@ -155,12 +175,13 @@ def runner_fd_path(fd: int) -> str:
 
 def delete_left(session_root: Path) -> None:
     """Delete the containers a crashed runner left in its session folder (its PID 1 ended
-    with the runner; runc's state and cgroups remain until this)."""
-    state = session_root / STATE
-    if not state.is_dir() or (binary := find("runc")) is None:
-        return
-    for entry in state.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            subprocess.run([binary, "--root", str(state), "delete", "--force", entry.name],
-                           stdin=subprocess.DEVNULL, capture_output=True, env=host_env(),
-                           timeout=DELETE_S, check=False)
+    with the runner; the runtime's state and cgroups remain until this)."""
+    for runtime, folder in STATES.items():
+        state = session_root / folder
+        if not state.is_dir() or (binary := find(runtime)) is None:
+            continue
+        for entry in state.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                subprocess.run([binary, "--root", str(state), "delete", "--force",
+                                entry.name], stdin=subprocess.DEVNULL, capture_output=True,
+                               env=host_env(), timeout=DELETE_S, check=False)

@@ -47,6 +47,7 @@ class RuncLaunch(ContainerPhases):
     switch: DeadManSwitch | None  # a job trial's lease
     oom_score_adj: int | None
     limits: dict[str, float]
+    runtime: str | None  # the OCI runtime (runc, crun) when the container starts on one
     _lifeline: int | None  # (runc) its write end: closed, the container's PID 1 ends it
 
     if TYPE_CHECKING:  # LocalSandbox's: what a spawn of a role mounts
@@ -58,8 +59,8 @@ class RuncLaunch(ContainerPhases):
         """The session's container started by `runc run` from a `config.json` of ours, our
         init its PID 1 running `command` as the container's user; returned once runc has
         named PID 1 (OSError: it did not, with runc's last words)."""
-        assert self.range is not None and self.image is not None
-        runc = self._runc = RuncContainer.new(self.root, self.marker)
+        assert self.range is not None and self.image is not None and self.runtime
+        runc = self._runc = RuncContainer.new(self.root, self.marker, self.runtime)
         spawn = self._spawn_plan("container", "agent", info_fd=0,
                                  verifier_logs=verifier_logs, block_fd=None)
         staged: list[tuple[Path, Path]] = []
@@ -110,7 +111,7 @@ class RuncLaunch(ContainerPhases):
             os.close(lifeline)
         status_r, status_w = os.pipe()  # PID 1 reports to nobody: its end is runc's exit
         os.close(status_w)
-        run = LocalRun(process, status_fd=status_r, info_fd=None, isolation="runc",
+        run = LocalRun(process, status_fd=status_r, info_fd=None, isolation=self.runtime,
                        marker=self.marker)
         try:
             pid = None
@@ -118,7 +119,7 @@ class RuncLaunch(ContainerPhases):
                 while (pid := runc.started_pid()) is None and process.returncode is None:
                     await anyio.sleep(0.005)
             if pid is None:
-                raise OSError(f"runc could not start the container: "
+                raise OSError(f"{self.runtime} could not start the container: "
                               f"{runc.log_tail() or 'it said nothing'}")
             try:
                 namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
