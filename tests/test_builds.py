@@ -18,14 +18,16 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests import images
+from trialledger.adapters import build as build_module
 from trialledger.adapters import builder as builders
-from trialledger.adapters.build import base_images
 from trialledger.adapters.buildbox import contained
 from trialledger.adapters.builder import Builder
+from trialledger.adapters.dockerfile import BaseImage, base_images, platform_args
 from trialledger.adapters.environment import (
     Cache,
     EnvironmentUnavailable,
@@ -260,15 +262,24 @@ def test_a_root_runner_without_the_build_user_is_refused(
         prepare(source, Cache(tmp_path / "cache"), owner=None)
 
 
-@pytest.mark.parametrize("dockerfile, named", [
-    ("FROM a/b:1\nRUN x\n", ["a/b:1"]),
-    ("from --platform=linux/amd64 a AS build\nFROM build\nFROM scratch\nFROM c as d\n",
-     ["a", "c"]),
-    ("ARG V=1\nFROM base:$V\nFROM a\nFROM a\n", ["a"]),
+@pytest.mark.parametrize("dockerfile, args, named", [
+    ("FROM a/b:1\nRUN x\n", {}, [BaseImage("a/b:1")]),
+    ("from --platform=linux/amd64 a AS build\nFROM build\nFROM scratch\nFROM c as d\n"
+     "FROM D\n", {}, [BaseImage("a", "linux/amd64"), BaseImage("c")]),
+    ("ARG V=1\nFROM base:$V\nFROM a\nFROM a\n", {}, [BaseImage("base:1"), BaseImage("a")]),
+    ("ARG V=1\nARG R=reg/${V}x\nFROM ${R}:${V}\n", {"V": "2"}, [BaseImage("reg/2x:2")]),
+    ("ARG V\nFROM img${V:-:7}\nFROM img${V:+:9}\nARG W=late\nFROM $W\n", {},
+     [BaseImage("img:7"), BaseImage("img")]),
+    ("# escape=`\nFROM `\n  --platform=$BUILDPLATFORM `\n# a comment\n  multi:line\n", {},
+     [BaseImage("multi:line", platform_args()["BUILDPLATFORM"])]),
+    ("FROM a\nRUN echo \\\n  FROM b\n", {}, [BaseImage("a")]),
 ])
-def test_base_images_are_the_from_images_but_stages_scratch_and_args(
-        dockerfile: str, named: list[str]) -> None:
-    assert base_images(dockerfile) == named
+def test_the_from_images_are_resolved_as_the_engine_resolves_them(
+        dockerfile: str, args: dict[str, str], named: list[BaseImage]) -> None:
+    """Stages and `scratch` are no image; global ARGs (defaults, then the build's
+    arguments; an ARG after the first FROM is not global) and the automatic platform
+    arguments are substituted; continuation lines are joined, comments dropped."""
+    assert base_images(dockerfile, args) == named
 
 
 def test_a_context_is_copied_with_links_as_links_and_nothing_but_files_and_folders(
@@ -537,3 +548,43 @@ def test_a_builds_cgroup_holds_the_tasks_limits(
         memory = files.get("memory.limit_in_bytes") or files["memory.max"]
         assert int(memory) == expected[1] * 1024 * 1024
     assert not any(path.exists() for path in paths)
+
+
+def test_a_build_is_keyed_by_its_from_images_ids_as_dockers_cache_is(
+        tmp_path: Path, builder: Builder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same context over another image under its `FROM` name (re-tagged in the build
+    storage) is built again, into another image; over the same image it is not built
+    again (each `podman build` counted as it runs)."""
+    built: list[str] = []
+    real_build = build_module._build
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        built.append(args[2])  # the tag
+        real_build(*args, **kwargs)
+
+    monkeypatch.setattr(build_module, "_build", counted)
+    nonce = f"{os.getpid()}-{time.time_ns()}"
+    base = f"localhost/tl-buildkey-{nonce}:base"
+    busybox = images.podman_image(images.BUSYBOX_REF)
+    cache = Cache(tmp_path / "cache")
+    other = prepare(dockerfile_task(tmp_path / "other", (
+        f"FROM {busybox}\nUSER root\nRUN echo {nonce} > /other-base\n")), cache, owner=None)
+    assert other.digest is not None
+    busybox_id = as_builder(builder, "podman", "image", "inspect", "--format", "{{.Id}}",
+                            busybox)
+    task = dockerfile_task(tmp_path / "task", f"FROM {base}\nUSER root\nRUN touch /built\n")
+    try:
+        as_builder(builder, "podman", "tag", busybox_id, base)
+        first = prepare(task, cache, owner=None)
+        assert len(built) == 2
+        assert prepare(task, cache, owner=None).digest == first.digest
+        assert len(built) == 2  # the same base: not built again
+        as_builder(builder, "podman", "tag", other.digest, base)  # the name, another image
+        second = prepare(task, cache, owner=None)
+        assert len(built) == 3 and built[2] != built[1]
+        assert second.digest != first.digest
+        assert second.root is not None and (second.root / "other-base").is_file()
+        assert prepare(task, cache, owner=None).digest == second.digest
+        assert len(built) == 3
+    finally:
+        as_builder(builder, "podman", "untag", base, check=False)
