@@ -831,7 +831,9 @@ def _with_run_options(p: argparse.ArgumentParser, *, json_help: str, of_job: boo
                         "(default: podman when installed, else docker)")
     p.add_argument("--pull", action="store_true",
                    help="pull a docker_image missing from the engine's local storage "
-                        "(default: build it from environment/Dockerfile, else refuse)")
+                        "(default: build it from environment/Dockerfile, else refuse), and a "
+                        "Dockerfile's FROM image missing from the build storage (default: "
+                        "refuse the task, naming it)")
     p.add_argument("--force-build", action="store_true",
                    help="build a docker_image task from its environment/Dockerfile even when "
                         "the image is present")
