@@ -45,6 +45,7 @@ from trialledger.adapters.sandbox.cgroup import BUILD_PREFIX
 from trialledger.adapters.sandbox.slirp import RESOLVER
 
 TAG = "localhost/trialledger-build"
+FROM_LOCK = "from-images.lock"  # copying FROM images into the build storage: one at a time
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,7 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
     bases = base_images(dockerfile, args)
     _end_dead_builds_once(builder)
     with _workspace(builder) as work:
-        with _locked(builder.lock), contained(builder, work.inner, work.tmp, source,
-                                              build_id=work.build_id) as box:
+        with contained(builder, work.inner, work.tmp, source, build_id=work.build_id) as box:
             if not _swept:
                 _swept.append(box.remove_dead_builds_containers())
             _copy_base_images(box, work, engine, [b.ref for b in bases])
@@ -103,8 +103,10 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
                 return found
             tag = f"{TAG}:{key[:32]}"
             if not box.succeeds(["podman", "image", "exists", tag]):
-                _stage_context(builder, work, context)
-                _build(box, work, tag, source.build_timeout_s, args)
+                with _locked(builder.locks / f"{key}.lock"):
+                    if not box.succeeds(["podman", "image", "exists", tag]):  # built meanwhile?
+                        _stage_context(builder, work, context)
+                        _build(box, work, tag, source.build_timeout_s, args)
             digest = _image_id(box, tag)
             cache.remember(f"build-{key}", digest)
             if (found := cache.lookup(digest)) is not None:
@@ -158,7 +160,9 @@ def _platform_image(box: BuildBox, base: BaseImage) -> str | None:
 
 @contextlib.contextmanager
 def _locked(lock: Path) -> Iterator[None]:
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    """A lock of the build storage's: one build key's (held while that image builds: other
+    keys build meanwhile), or the FROM copy's (held while a FROM image is copied in)."""
+    lock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -222,22 +226,35 @@ def _image_id(box: BuildBox | None, ref: str, engine: str = "podman") -> str:
 def _copy_base_images(box: BuildBox, work: Workspace, engine: str, named: list[str]
                       ) -> None:
     """Copy the base images the operator's storage holds into the build storage (saved by
-    us with our environment, loaded by the build user), unless it has them already."""
+    us with our environment, loaded by the build user), unless it has them already. Only
+    a copy takes a lock (one copy at a time, checked again under it): a build whose bases
+    are in place waits on no one."""
     for image in named:
         try:
             theirs = _image_id(None, image, engine)
         except EnvironmentUnavailable:
-            continue  # not ours to give; the build pulls it or says it is missing
-        with contextlib.suppress(EnvironmentUnavailable):
-            if _image_id(box, image) == theirs:
-                continue
-        archive = work.outer / "base.tar"
-        try:
-            _tool([engine, "save", "-o", str(archive), image], f"{WHAT}: base image {image}")
-            os.chown(archive, box.builder.uid, box.builder.gid)
-            box.run(["podman", "load", "-q", "-i", str(archive)])
-        finally:
-            archive.unlink(missing_ok=True)
+            continue  # not ours to give: pulled with --pull, else the task is refused
+        if _has(box, image, theirs):
+            continue
+        with _locked(box.builder.locks / FROM_LOCK):
+            if _has(box, image, theirs):
+                continue  # another build copied it meanwhile
+            archive = work.outer / "base.tar"
+            try:
+                _tool([engine, "save", "-o", str(archive), image],
+                      f"{WHAT}: base image {image}")
+                os.chown(archive, box.builder.uid, box.builder.gid)
+                box.run(["podman", "load", "-q", "-i", str(archive)])
+            finally:
+                archive.unlink(missing_ok=True)
+
+
+def _has(box: BuildBox, image: str, ident: str) -> bool:
+    """Whether the build storage holds `image` with the id `ident`."""
+    try:
+        return _image_id(box, image) == ident
+    except EnvironmentUnavailable:
+        return False
 
 
 def _build(box: BuildBox, work: Workspace, tag: str, timeout: float,

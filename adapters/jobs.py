@@ -226,8 +226,8 @@ class JobRunner:
         return await self.jobs.tasks(self.name)
 
     async def prepare_environments(self) -> None:
-        """Every task's environment, `concurrency` at a time (builds take turns under the
-        build lock); a task's trials are claimable as soon as its own is ready."""
+        """Every task's environment, `concurrency` at a time (builds of different images
+        run at once, §12); a task's trials are claimable as soon as its own is ready."""
         limiter = anyio.CapacityLimiter(max(1, self.concurrency))
         try:
             async with anyio.create_task_group() as tg:

@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from trialledger.adapters.builder import Builder
 from trialledger.adapters.dockerfile import BaseImage, base_images, platform_args
 from trialledger.adapters.environment import (
     Cache,
+    Environment,
     EnvironmentUnavailable,
     Source,
     copy_tree,
@@ -588,3 +589,74 @@ def test_a_build_is_keyed_by_its_from_images_ids_as_dockers_cache_is(
         assert len(built) == 3
     finally:
         as_builder(builder, "podman", "untag", base, check=False)
+
+
+def step_marker(builder: Builder, name: str) -> Path | None:
+    """The root folder of the working container whose `RUN` step made `/name` (vfs: the
+    container's own folder; overlay: its upper layer), if any yet."""
+    storage = builder.storage / "data" / "containers" / "storage"
+    for pattern in (f"vfs/dir/*/{name}", f"overlay/*/diff/{name}"):
+        for found in storage.glob(pattern):
+            return found.parent
+    return None
+
+
+def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """`call()` in a thread of its own; its result (or exception) lands in the list."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as error:  # reported by the test, not lost in the thread
+            result.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_different_images_build_at_once_and_a_built_one_is_found_meanwhile(
+        tmp_path: Path, builder: Builder) -> None:
+    """One build is held mid-way (its `RUN` step waits for a file the test makes in its
+    working container): meanwhile another task's image builds and is prepared, and an
+    image built already is prepared, neither waiting for the held build."""
+    nonce = f"{os.getpid()}-{time.time_ns()}"
+    base = images.podman_image(images.BUSYBOX_REF)
+    cache = Cache(tmp_path / "cache")
+    built = dockerfile_task(tmp_path / "built", (
+        f"FROM {base}\nUSER root\nRUN echo {nonce} > /built\n"))
+    prepare(built, cache, owner=None)
+    waiting, go = f"waiting-{nonce}", f"go-{nonce}"
+    held = dockerfile_task(tmp_path / "held", (
+        f"FROM {base}\nUSER root\nRUN touch /{waiting}; i=0; "
+        f"while [ ! -e /{go} ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i+1)); done; "
+        f"[ -e /{go} ]\n"), timeout=300)
+    other = dockerfile_task(tmp_path / "other", (
+        f"FROM {base}\nUSER root\nRUN echo {nonce} > /other\n"))
+    holder, held_result = in_thread(lambda: prepare(held, cache, owner=None))
+    released = False
+    try:
+        deadline = time.monotonic() + 120
+        while (folder := step_marker(builder, waiting)) is None and holder.is_alive() \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert folder is not None, f"the held build's step never started: {held_result}"
+        again, again_result = in_thread(lambda: prepare(built, cache, owner=None))
+        building, built_result = in_thread(lambda: prepare(other, cache, owner=None))
+        deadline = time.monotonic() + 120
+        for thread in (again, building):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert holder.is_alive() and not (folder / go).exists()  # still held meanwhile
+        assert again_result and isinstance(again_result[0], Environment), again_result
+        assert built_result and isinstance(built_result[0], Environment), built_result
+        made = built_result[0]
+        assert made.root is not None and (made.root / "other").read_text().strip() == nonce
+        (folder / go).touch()
+        released = True
+        holder.join(timeout=120)
+        assert held_result and isinstance(held_result[0], Environment), held_result
+    finally:
+        if not released and (found := step_marker(builder, waiting)) is not None:
+            (found / go).touch()
+        holder.join(timeout=120)
