@@ -461,7 +461,8 @@ def cmd_job_run(args: argparse.Namespace) -> int:
             lease_s=args.lease_s, cache=_cache(args), engine=args.engine,
             pull=args.pull, force_build=args.force_build, owner=_owner(args), on_trial=said)
         holder.append(runner)
-        await with_live(ledger, args.name, not args.json, runner.run)
+        await with_live(ledger, args.name, not args.json, runner.run,
+                        waits=runner.waits)
         return await _job_summary(ledger, args.name)
 
     async def go() -> dict[str, Any]:
@@ -508,7 +509,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             check_inputs(runner.tasks, runner.options)  # e.g. no Codex here: one line
             holder[:] = [runner]
             await with_live(ledger, name, not args.json,
-                            functools.partial(runner.run, define=False))
+                            functools.partial(runner.run, define=False),
+                            waits=runner.waits)
         return len(names)
 
     async def go() -> int:

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,7 @@ from trialledger.adapters.environment import (
     Cache,
     Environment,
     EnvironmentUnavailable,
+    Progress,
     Source,
     _tool,
     context_digest,
@@ -46,6 +50,8 @@ from trialledger.adapters.sandbox.slirp import RESOLVER
 
 TAG = "localhost/trialledger-build"
 FROM_LOCK = "from-images.lock"  # copying FROM images into the build storage: one at a time
+STEP = re.compile(rb"^(?:\[\d+/\d+\] )?STEP (\d+)/(\d+):", re.MULTILINE)  # podman's output
+FOLLOW_S = 0.25  # how often a build's output is read for its step
 
 
 @dataclass(frozen=True)
@@ -74,11 +80,12 @@ class Workspace:
 
 
 def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | None, *,
-                       pull: bool = False, build_args: Mapping[str, str] | None = None
-                       ) -> Environment:
+                       pull: bool = False, progress: Progress | None = None,
+                       build_args: Mapping[str, str] | None = None) -> Environment:
     """Build `environment/Dockerfile` as the build user once per build key (context,
     `FROM` image ids, build arguments), then read the image from the build storage into
-    the cache."""
+    the cache. `progress` hears that the build waits for another build of its image, and
+    which step it is at."""
     context = source.path
     if context.is_symlink() or not context.is_dir():
         raise EnvironmentUnavailable(f"{WHAT}: environment/ must be a folder, not a link")
@@ -103,10 +110,11 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
                 return found
             tag = f"{TAG}:{key[:32]}"
             if not box.succeeds(["podman", "image", "exists", tag]):
-                with _locked(builder.locks / f"{key}.lock"):
+                waiting = functools.partial(progress, "waiting", None) if progress else None
+                with _locked(builder.locks / f"{key}.lock", waiting):
                     if not box.succeeds(["podman", "image", "exists", tag]):  # built meanwhile?
                         _stage_context(builder, work, context)
-                        _build(box, work, tag, source.build_timeout_s, args)
+                        _build(box, work, tag, source.build_timeout_s, args, progress)
             digest = _image_id(box, tag)
             cache.remember(f"build-{key}", digest)
             if (found := cache.lookup(digest)) is not None:
@@ -159,13 +167,19 @@ def _platform_image(box: BuildBox, base: BaseImage) -> str | None:
 
 
 @contextlib.contextmanager
-def _locked(lock: Path) -> Iterator[None]:
+def _locked(lock: Path, waiting: Callable[[], None] | None = None) -> Iterator[None]:
     """A lock of the build storage's: one build key's (held while that image builds: other
-    keys build meanwhile), or the FROM copy's (held while a FROM image is copied in)."""
+    keys build meanwhile), or the FROM copy's (held while a FROM image is copied in).
+    `waiting` is told when another holds it (then it is waited for)."""
     lock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
@@ -258,17 +272,18 @@ def _has(box: BuildBox, image: str, ident: str) -> bool:
 
 
 def _build(box: BuildBox, work: Workspace, tag: str, timeout: float,
-           build_args: Mapping[str, str]) -> None:
+           build_args: Mapping[str, str], progress: Progress | None = None) -> None:
     """`podman build --isolation chroot` in the build's box, past `timeout` killed. Its id
     goes in `--cgroup-parent` (recorded by each working container, used by nothing under
     chroot isolation); `RUN` steps resolve names through slirp's resolver. It never pulls:
-    its `FROM` images are the ones its key names, in the build storage already."""
+    its `FROM` images are the ones its key names, in the build storage already. `progress`
+    hears each `STEP n/m` podman prints as it gets there."""
     args = [a for name, value in sorted(build_args.items())
             for a in ("--build-arg", f"{name}={value}")]
     argv = ["podman", "build", "--isolation", "chroot", "--cgroup-parent", box.build_id,
             "--pull=never", "--dns", RESOLVER, *args, "-t", tag,
             "-f", str(work.context / "Dockerfile"), str(work.context)]
-    with open(work.outer / "build.log", "w+b") as log:
+    with open(work.outer / "build.log", "w+b") as log, _following(log.name, progress):
         code = box.build(argv, log, timeout)
         if code is None:
             raise EnvironmentUnavailable(f"{WHAT}: podman ran past {timeout:g} s")
@@ -278,6 +293,37 @@ def _build(box: BuildBox, work: Workspace, tag: str, timeout: float,
                      if ln.strip()]
             said = lines[-1] if lines else f"exit {code}"
             raise EnvironmentUnavailable(f"{WHAT}: {said[-300:]}")
+
+
+@contextlib.contextmanager
+def _following(log: str, progress: Progress | None) -> Iterator[None]:
+    """While the block runs, a thread reads the build's output as it grows and tells
+    `progress` each new step (`STEP n/m:`, a stage's `[i/k] ` before it)."""
+    if progress is None:
+        yield
+        return
+    progress("building", None)
+    done = threading.Event()
+
+    def follow() -> None:
+        seen: tuple[int, int] | None = None
+        with open(log, "rb") as handle:
+            tail = b""
+            while not done.wait(FOLLOW_S):
+                tail += handle.read()
+                complete, _, tail = tail.rpartition(b"\n")
+                steps = STEP.findall(complete)
+                if steps and (step := (int(steps[-1][0]), int(steps[-1][1]))) != seen:
+                    seen = step
+                    progress("building", step)
+
+    thread = threading.Thread(target=follow, name="build-steps", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _save(box: BuildBox, work: Workspace, tag: str) -> Path:

@@ -11,8 +11,11 @@ import contextlib
 import fcntl
 import json
 import os
+import re
+import select
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -660,3 +663,75 @@ def test_different_images_build_at_once_and_a_built_one_is_found_meanwhile(
         if not released and (found := step_marker(builder, waiting)) is not None:
             (found / go).touch()
         holder.join(timeout=120)
+
+
+def test_job_run_shows_what_each_task_waits_for_while_its_image_builds(
+        tmp_path: Path, builder: Builder) -> None:
+    """Two tasks of one image, `-n 2`, on a real pseudo-terminal: while the build is held
+    at its last step (its `RUN` waits for a file the test makes once the screen said so),
+    the live display says which task builds at which step and that the other waits for
+    its image's build; then the image is built once and both run over it."""
+    import pty
+    import sqlite3
+
+    from tests.runs import make_task
+
+    nonce = f"{os.getpid()}-{time.time_ns()}"
+    base = images.podman_image(images.BUSYBOX_REF)
+    waiting, go = f"waiting-{nonce}", f"go-{nonce}"
+    dockerfile = (f"FROM {base}\nUSER root\nRUN echo {nonce} > /nonce\n"
+                  f"RUN touch /{waiting}; i=0; while [ ! -e /{go} ] && [ $i -lt 1800 ]; "
+                  f"do sleep 0.1; i=$((i+1)); done; [ -e /{go} ]\n")
+    data = tmp_path / "data"
+    for name in ("alpha", "beta"):
+        (data / name / "environment").mkdir(parents=True)
+        (data / name / "environment" / "Dockerfile").write_text(dockerfile)
+        make_task(data / name, test_sh="exit 0\n", solve_sh="#!/bin/sh\necho solved\n")
+    db = tmp_path / "jobs.db"
+    argv = [sys.executable, "-m", "trialledger.cli", "job", "run", "waits", str(data),
+            "--agent", "oracle", "-n", "2", "--db", str(db),
+            "--cache-dir", str(tmp_path / "cache")]
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+                            env={**os.environ, "TERM": "xterm", "COLUMNS": "200"})
+    os.close(follower)
+    shown, released = b"", False
+    building = re.compile(rb"building (alpha|beta) \(step 4/4\)")
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not released:
+            ready, _, _ = select.select([leader], [], [], 1.0)
+            if ready:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            seen = building.search(shown)
+            if seen and b"waiting for build of " + (b"beta" if seen[1] == b"alpha"
+                                                    else b"alpha") in shown:
+                folder = step_marker(builder, waiting)
+                assert folder is not None
+                (folder / go).touch()
+                released = True
+        assert released, shown.decode(errors="replace")[-3000:]
+        while True:  # the rest of the run's output, until it exits
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+        assert proc.wait(timeout=180) == 0
+    finally:
+        if not released and (found := step_marker(builder, waiting)) is not None:
+            (found / go).touch()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=180)
+        os.close(leader)
+    with sqlite3.connect(db) as conn:
+        digests = {task: digest for task, digest in conn.execute(
+            "SELECT task, environment_digest FROM sessions")}
+    assert set(digests) == {"alpha", "beta"} and digests["alpha"] == digests["beta"]
