@@ -100,8 +100,9 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
     _end_dead_builds_once(builder)
     with _workspace(builder) as work:
         with contained(builder, work.inner, work.tmp, source, build_id=work.build_id) as box:
-            if not _swept:
-                _swept.append(box.remove_dead_builds_containers())
+            with _sweeping:  # one thread of the process sweeps, the others go on after
+                if not _swept:
+                    _swept.append(box.remove_dead_builds_containers())
             _copy_base_images(box, work, engine, [b.ref for b in bases])
             ids = [resolve_base(box, base, engine, pull=pull) for base in bases]
             key = build_key(context_digest(context), bases, ids, args)
@@ -186,13 +187,15 @@ def _locked(lock: Path, waiting: Callable[[], None] | None = None) -> Iterator[N
 
 
 _swept: list[int] = []  # non-empty once this process removed what killed builds left
+_sweeping = threading.Lock()  # a process's builds start at once (a job's -n): one sweeps
 
 
 def _end_dead_builds_once(builder: Builder) -> None:
     """At a process's first build: end the cgroups and folders of builds whose run was
     killed (their containers go once this build's box exists)."""
-    if not _swept:
-        end_dead_builds(builder)
+    with _sweeping:
+        if not _swept:
+            end_dead_builds(builder)
 
 
 @contextlib.contextmanager
