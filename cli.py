@@ -468,7 +468,8 @@ def cmd_job_run(args: argparse.Namespace) -> int:
             lease_s=args.lease_s, cache=_cache(args), engine=args.engine,
             pull=args.pull, force_build=args.force_build, owner=_owner(args), on_trial=said)
         holder.append(runner)
-        await with_live(ledger, args.name, not args.json, runner.run)
+        await with_live(ledger, args.name, not args.json, runner.run,
+                        waits=runner.waits)
         return await _job_summary(ledger, args.name)
 
     async def go() -> dict[str, Any]:
@@ -515,7 +516,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             check_inputs(runner.tasks, runner.options)  # e.g. no Codex here: one line
             holder[:] = [runner]
             await with_live(ledger, name, not args.json,
-                            functools.partial(runner.run, define=False))
+                            functools.partial(runner.run, define=False),
+                            waits=runner.waits)
         return len(names)
 
     async def go() -> int:
@@ -844,7 +846,9 @@ def _with_run_options(p: argparse.ArgumentParser, *, json_help: str, of_job: boo
                         "(default: podman when installed, else docker)")
     p.add_argument("--pull", action="store_true",
                    help="pull a docker_image missing from the engine's local storage "
-                        "(default: build it from environment/Dockerfile, else refuse)")
+                        "(default: build it from environment/Dockerfile, else refuse), and a "
+                        "Dockerfile's FROM image missing from the build storage (default: "
+                        "refuse the task, naming it)")
     p.add_argument("--force-build", action="store_true",
                    help="build a docker_image task from its environment/Dockerfile even when "
                         "the image is present")

@@ -35,6 +35,7 @@ BUILD_IDS_FLOOR = 1 << 28
 STATE = Path("/var/lib/trialledger")
 STORAGE = STATE / "build"  # the build user's HOME, XDG folders and engine storage
 SCRATCH = STATE / "builds"  # one private folder per build
+LOCKS = STATE / "build-locks"  # root's: one lock file per build key, and the FROM copy's
 SUBIDS = {"subuid": Path("/etc/subuid"), "subgid": Path("/etc/subgid")}
 WHAT = "environment/Dockerfile build"
 
@@ -47,7 +48,7 @@ class Builder:
     gid: int
     name: str
     storage: Path  # the build user's HOME, XDG folders and engine storage
-    lock: Path  # builds into one storage take turns
+    locks: Path  # one lock per build key (a build holds its image's only)
     scratch: Path  # where each build's private folder is made
 
     @property
@@ -91,8 +92,7 @@ def build_user() -> Builder:
             raise EnvironmentUnavailable(f"{WHAT}: {BUILD_USER} has no range in {path}: run "
                                          f"`trialledger setup`")
     _prepare_storage(entry.pw_uid, entry.pw_gid)
-    return Builder(entry.pw_uid, entry.pw_gid, BUILD_USER, STORAGE, STATE / "build.lock",
-                   SCRATCH)
+    return Builder(entry.pw_uid, entry.pw_gid, BUILD_USER, STORAGE, LOCKS, SCRATCH)
 
 
 def create_build_user() -> tuple[Builder, bool]:
@@ -165,6 +165,7 @@ def _prepare_storage(uid: int, gid: int) -> None:
         STATE.parent.mkdir(parents=True, exist_ok=True)
         _own(STATE, 0, 0, 0o755)
         _own(SCRATCH, 0, 0, 0o711)
+        _own(LOCKS, 0, 0, 0o700)
         _own(STORAGE, uid, gid, 0o700)
         _own(STORAGE / "run", uid, gid, 0o700)  # XDG_RUNTIME_DIR
     except OSError as error:

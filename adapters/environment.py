@@ -6,8 +6,8 @@ Sources (`task.toml` `[environment]`, at most one):
                               pulled (`--pull`), else built from environment/Dockerfile
     image_archive = "PATH"    an OCI archive or docker-archive tarball
     rootfs = "PATH"           a root filesystem folder or tarball
-    environment/Dockerfile    built rootless by the build user (adapters/build.py), tagged
-                              by its context's sha256
+    environment/Dockerfile    built rootless by the build user (adapters/build.py), keyed
+                              as Docker's cache is; a missing FROM image pulled (`--pull`)
 
 Images go through the well-kept tools: `skopeo copy` into an OCI layout, then `umoci unpack
 --rootless` (layers, whiteouts and the image's `User` looked up in its `/etc/passwd`);
@@ -38,11 +38,24 @@ from typing import Any, Literal
 from trialledger.core.errors import TrialLedgerError
 
 Kind = Literal["host", "image", "rootfs"]
+# What a Dockerfile build tells whoever waits on it (the live display): "waiting" for another
+# build of the same image, or "building" at (step, of steps) once its output names one.
+BuildState = Literal["waiting", "building"]
+Progress = Callable[[BuildState, "tuple[int, int] | None"], None]
 SourceKind = Literal["docker_image", "image_archive", "rootfs", "dockerfile"]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 BUILD_TIMEOUT_S = 600.0
 TOOL_TIMEOUT_S = 600.0
 META = "environment.json"
+
+
+@dataclass(frozen=True)
+class BuildWait:
+    """What a task's Dockerfile build waits on now: another build of its image
+    ("waiting"), or its own build at `step` (step, of steps; None before the first)."""
+
+    state: BuildState
+    step: tuple[int, int] | None = None
 
 
 class EnvironmentUnavailable(TrialLedgerError):
@@ -466,7 +479,8 @@ def missing(ref: str, engine: str) -> str | None:
 
 
 def prepare_docker_image(source: Source, engine: str, cache: Cache, owner: int | None, *,
-                         pull: bool = False, force_build: bool = False) -> Environment:
+                         pull: bool = False, force_build: bool = False,
+                         progress: Progress | None = None) -> Environment:
     """A `docker_image` task (docs/SPEC.md §15): the image when the engine has it (pulled
     first with `pull`); else, or always with `force_build`, built from the task's
     environment/Dockerfile and tagged like any build, never with the image's name."""
@@ -475,7 +489,7 @@ def prepare_docker_image(source: Source, engine: str, cache: Cache, owner: int |
     absent = None if dockerfile and force_build else missing(ref, engine)
     if dockerfile and (force_build or (absent is not None and not pull)):
         built = _build(dataclasses.replace(source, kind="dockerfile", value="Dockerfile"),
-                       engine, cache, owner)
+                       engine, cache, owner, pull=pull, progress=progress)
         return dataclasses.replace(built, ref=f"Dockerfile (for {ref})")
     if absent is not None and pull:
         _tool([engine, "pull", ref], f"docker_image {ref}: pull failed")
@@ -637,12 +651,15 @@ def _inside_task(source: Source, *paths: str) -> Path:
     return found[0]
 
 
-def _build(source: Source, engine: str, cache: Cache, owner: int | None) -> Environment:
-    """environment/Dockerfile, built by the build user (adapters/build.py)."""
+def _build(source: Source, engine: str, cache: Cache, owner: int | None, *,
+           pull: bool = False, progress: Progress | None = None) -> Environment:
+    """environment/Dockerfile, built by the build user (adapters/build.py); a `FROM`
+    image missing from the build storage (and the operator's) is pulled only with `pull`;
+    `progress` hears what the build waits on and the step it is at."""
     from trialledger.adapters.build import prepare_dockerfile  # it builds on this module
 
     _inside_task(source, "environment", "environment/Dockerfile")
-    return prepare_dockerfile(source, engine, cache, owner)
+    return prepare_dockerfile(source, engine, cache, owner, pull=pull, progress=progress)
 
 
 def with_limits(source: Source | None, limits: Mapping[str, float]) -> Source | None:
@@ -654,17 +671,20 @@ def with_limits(source: Source | None, limits: Mapping[str, float]) -> Source | 
 
 
 def prepare(source: Source | None, cache: Cache, *, owner: int | None,
-            engine: str | None = None, pull: bool = False, force_build: bool = False
-            ) -> Environment:
-    """Resolve, build and unpack a task's environment before any session is seeded (`pull`
-    and `force_build`: what a missing or present `docker_image` gets, §15)."""
+            engine: str | None = None, pull: bool = False, force_build: bool = False,
+            progress: Progress | None = None) -> Environment:
+    """Resolve, build and unpack a task's environment before any session is seeded (`pull`:
+    a missing `docker_image`, or a Dockerfile's missing `FROM` image, is pulled; `pull` and
+    `force_build`: what a missing or present `docker_image` gets, §15; `progress`: what a
+    Dockerfile build waits on and the step it is at, for the live display)."""
     if source is None:
         return HOST
     if source.kind == "docker_image":
         return prepare_docker_image(source, pick_engine(engine), cache, owner, pull=pull,
-                                    force_build=force_build)
+                                    force_build=force_build, progress=progress)
     if source.kind == "dockerfile":
-        made = _build(source, pick_engine(engine), cache, owner)
+        made = _build(source, pick_engine(engine), cache, owner, pull=pull,
+                      progress=progress)
     elif source.kind == "image_archive":
         made = prepare_archive(_inside_task(source, source.value), source.value, cache, owner)
     else:

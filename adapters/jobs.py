@@ -25,6 +25,8 @@ import anyio
 
 from trialledger.adapters.codex.install import find_codex
 from trialledger.adapters.environment import (
+    BuildState,
+    BuildWait,
     Cache,
     Environment,
     EnvironmentUnavailable,
@@ -186,6 +188,9 @@ class JobRunner:
     on_trial: Callable[[TrialDone], Awaitable[None] | None] | None = None
     environments: dict[str, Environment] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # task → why its environment failed
+    # task → what its environment's build waits on now: the live display holds this very
+    # dict (changed in place, never replaced; SPEC §16)
+    waits: dict[str, BuildWait] = field(default_factory=dict)
     _stopping: anyio.Event = field(default_factory=anyio.Event)
     _preparing: bool = field(default=True, init=False)  # until every environment is tried
     _own: bool = field(default=True, init=False)  # the job's own `job run`, not a worker
@@ -226,8 +231,8 @@ class JobRunner:
         return await self.jobs.tasks(self.name)
 
     async def prepare_environments(self) -> None:
-        """Every task's environment, `concurrency` at a time (builds take turns under the
-        build lock); a task's trials are claimable as soon as its own is ready."""
+        """Every task's environment, `concurrency` at a time (builds of different images
+        run at once, §12); a task's trials are claimable as soon as its own is ready."""
         limiter = anyio.CapacityLimiter(max(1, self.concurrency))
         try:
             async with anyio.create_task_group() as tg:
@@ -251,11 +256,16 @@ class JobRunner:
                     self.failed[task.name] = str(error)
                     await self.jobs.no_solution(self.name, task.name, str(error))
                     return
+
+            def heard(state: BuildState, step: tuple[int, int] | None,
+                      name: str = task.name) -> None:  # from the preparing thread
+                self.waits[name] = BuildWait(state, step)
+
             try:
                 env = await anyio.to_thread.run_sync(functools.partial(
                     prepare, with_limits(task.source, task.limits), self.cache,
                     owner=self.owner, engine=self.engine, pull=self.pull,
-                    force_build=self.force_build))
+                    force_build=self.force_build, progress=heard))
             except EnvironmentUnavailable as error:
                 if not self._own:  # another machine may prepare it: its trials stay queued
                     log.warning("task %s: its environment cannot be prepared on this worker "
@@ -264,6 +274,8 @@ class JobRunner:
                 self.failed[task.name] = str(error)
                 await self.jobs.environment_failed(self.name, task.name, str(error))
                 return
+            finally:
+                self.waits.pop(task.name, None)
         await self.jobs.requeue_environment(self.name, [task.name])
         self.environments[task.name] = env
         self._wake()

@@ -11,23 +11,29 @@ import contextlib
 import fcntl
 import json
 import os
+import re
+import select
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests import images
+from trialledger.adapters import build as build_module
 from trialledger.adapters import builder as builders
-from trialledger.adapters.build import base_images
 from trialledger.adapters.buildbox import contained
 from trialledger.adapters.builder import Builder
+from trialledger.adapters.dockerfile import BaseImage, base_images, platform_args
 from trialledger.adapters.environment import (
     Cache,
+    Environment,
     EnvironmentUnavailable,
     Source,
     copy_tree,
@@ -260,15 +266,24 @@ def test_a_root_runner_without_the_build_user_is_refused(
         prepare(source, Cache(tmp_path / "cache"), owner=None)
 
 
-@pytest.mark.parametrize("dockerfile, named", [
-    ("FROM a/b:1\nRUN x\n", ["a/b:1"]),
-    ("from --platform=linux/amd64 a AS build\nFROM build\nFROM scratch\nFROM c as d\n",
-     ["a", "c"]),
-    ("ARG V=1\nFROM base:$V\nFROM a\nFROM a\n", ["a"]),
+@pytest.mark.parametrize("dockerfile, args, named", [
+    ("FROM a/b:1\nRUN x\n", {}, [BaseImage("a/b:1")]),
+    ("from --platform=linux/amd64 a AS build\nFROM build\nFROM scratch\nFROM c as d\n"
+     "FROM D\n", {}, [BaseImage("a", "linux/amd64"), BaseImage("c")]),
+    ("ARG V=1\nFROM base:$V\nFROM a\nFROM a\n", {}, [BaseImage("base:1"), BaseImage("a")]),
+    ("ARG V=1\nARG R=reg/${V}x\nFROM ${R}:${V}\n", {"V": "2"}, [BaseImage("reg/2x:2")]),
+    ("ARG V\nFROM img${V:-:7}\nFROM img${V:+:9}\nARG W=late\nFROM $W\n", {},
+     [BaseImage("img:7"), BaseImage("img")]),
+    ("# escape=`\nFROM `\n  --platform=$BUILDPLATFORM `\n# a comment\n  multi:line\n", {},
+     [BaseImage("multi:line", platform_args()["BUILDPLATFORM"])]),
+    ("FROM a\nRUN echo \\\n  FROM b\n", {}, [BaseImage("a")]),
 ])
-def test_base_images_are_the_from_images_but_stages_scratch_and_args(
-        dockerfile: str, named: list[str]) -> None:
-    assert base_images(dockerfile) == named
+def test_the_from_images_are_resolved_as_the_engine_resolves_them(
+        dockerfile: str, args: dict[str, str], named: list[BaseImage]) -> None:
+    """Stages and `scratch` are no image; global ARGs (defaults, then the build's
+    arguments; an ARG after the first FROM is not global) and the automatic platform
+    arguments are substituted; continuation lines are joined, comments dropped."""
+    assert base_images(dockerfile, args) == named
 
 
 def test_a_context_is_copied_with_links_as_links_and_nothing_but_files_and_folders(
@@ -537,3 +552,193 @@ def test_a_builds_cgroup_holds_the_tasks_limits(
         memory = files.get("memory.limit_in_bytes") or files["memory.max"]
         assert int(memory) == expected[1] * 1024 * 1024
     assert not any(path.exists() for path in paths)
+
+
+def test_a_build_is_keyed_by_its_from_images_ids_as_dockers_cache_is(
+        tmp_path: Path, builder: Builder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same context over another image under its `FROM` name (re-tagged in the build
+    storage) is built again, into another image; over the same image it is not built
+    again (each `podman build` counted as it runs)."""
+    built: list[str] = []
+    real_build = build_module._build
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        built.append(args[2])  # the tag
+        real_build(*args, **kwargs)
+
+    monkeypatch.setattr(build_module, "_build", counted)
+    nonce = f"{os.getpid()}-{time.time_ns()}"
+    base = f"localhost/tl-buildkey-{nonce}:base"
+    busybox = images.podman_image(images.BUSYBOX_REF)
+    cache = Cache(tmp_path / "cache")
+    other = prepare(dockerfile_task(tmp_path / "other", (
+        f"FROM {busybox}\nUSER root\nRUN echo {nonce} > /other-base\n")), cache, owner=None)
+    assert other.digest is not None
+    busybox_id = as_builder(builder, "podman", "image", "inspect", "--format", "{{.Id}}",
+                            busybox)
+    task = dockerfile_task(tmp_path / "task", f"FROM {base}\nUSER root\nRUN touch /built\n")
+    try:
+        as_builder(builder, "podman", "tag", busybox_id, base)
+        first = prepare(task, cache, owner=None)
+        assert len(built) == 2
+        assert prepare(task, cache, owner=None).digest == first.digest
+        assert len(built) == 2  # the same base: not built again
+        as_builder(builder, "podman", "tag", other.digest, base)  # the name, another image
+        second = prepare(task, cache, owner=None)
+        assert len(built) == 3 and built[2] != built[1]
+        assert second.digest != first.digest
+        assert second.root is not None and (second.root / "other-base").is_file()
+        assert prepare(task, cache, owner=None).digest == second.digest
+        assert len(built) == 3
+    finally:
+        as_builder(builder, "podman", "untag", base, check=False)
+
+
+def step_marker(builder: Builder, name: str) -> Path | None:
+    """The root folder of the working container whose `RUN` step made `/name` (vfs: the
+    container's own folder; overlay: its upper layer), if any yet."""
+    storage = builder.storage / "data" / "containers" / "storage"
+    for pattern in (f"vfs/dir/*/{name}", f"overlay/*/diff/{name}"):
+        for found in storage.glob(pattern):
+            return found.parent
+    return None
+
+
+def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """`call()` in a thread of its own; its result (or exception) lands in the list."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as error:  # reported by the test, not lost in the thread
+            result.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_different_images_build_at_once_and_a_built_one_is_found_meanwhile(
+        tmp_path: Path, builder: Builder) -> None:
+    """One build is held mid-way (its `RUN` step waits for a file the test makes in its
+    working container): meanwhile another task's image builds and is prepared, and an
+    image built already is prepared, neither waiting for the held build."""
+    nonce = f"{os.getpid()}-{time.time_ns()}"
+    base = images.podman_image(images.BUSYBOX_REF)
+    cache = Cache(tmp_path / "cache")
+    built = dockerfile_task(tmp_path / "built", (
+        f"FROM {base}\nUSER root\nRUN echo {nonce} > /built\n"))
+    prepare(built, cache, owner=None)
+    waiting, go = f"waiting-{nonce}", f"go-{nonce}"
+    held = dockerfile_task(tmp_path / "held", (
+        f"FROM {base}\nUSER root\nRUN touch /{waiting}; i=0; "
+        f"while [ ! -e /{go} ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i+1)); done; "
+        f"[ -e /{go} ]\n"), timeout=300)
+    other = dockerfile_task(tmp_path / "other", (
+        f"FROM {base}\nUSER root\nRUN echo {nonce} > /other\n"))
+    holder, held_result = in_thread(lambda: prepare(held, cache, owner=None))
+    released = False
+    try:
+        deadline = time.monotonic() + 120
+        while (folder := step_marker(builder, waiting)) is None and holder.is_alive() \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert folder is not None, f"the held build's step never started: {held_result}"
+        again, again_result = in_thread(lambda: prepare(built, cache, owner=None))
+        building, built_result = in_thread(lambda: prepare(other, cache, owner=None))
+        deadline = time.monotonic() + 120
+        for thread in (again, building):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert holder.is_alive() and not (folder / go).exists()  # still held meanwhile
+        assert again_result and isinstance(again_result[0], Environment), again_result
+        assert built_result and isinstance(built_result[0], Environment), built_result
+        made = built_result[0]
+        assert made.root is not None and (made.root / "other").read_text().strip() == nonce
+        (folder / go).touch()
+        released = True
+        holder.join(timeout=120)
+        assert held_result and isinstance(held_result[0], Environment), held_result
+    finally:
+        if not released and (found := step_marker(builder, waiting)) is not None:
+            (found / go).touch()
+        holder.join(timeout=120)
+
+
+def test_job_run_shows_what_each_task_waits_for_while_its_image_builds(
+        tmp_path: Path, builder: Builder) -> None:
+    """Two tasks of one image, `-n 2`, on a real pseudo-terminal: while the build is held
+    at its last step (its `RUN` waits for a file the test makes once the screen said so),
+    the live display says which task builds at which step and that the other waits for
+    its image's build; then the image is built once and both run over it."""
+    import pty
+    import sqlite3
+
+    from tests.runs import make_task
+
+    nonce = f"{os.getpid()}-{time.time_ns()}"
+    base = images.podman_image(images.BUSYBOX_REF)
+    waiting, go = f"waiting-{nonce}", f"go-{nonce}"
+    dockerfile = (f"FROM {base}\nUSER root\nRUN echo {nonce} > /nonce\n"
+                  f"RUN touch /{waiting}; i=0; while [ ! -e /{go} ] && [ $i -lt 1800 ]; "
+                  f"do sleep 0.1; i=$((i+1)); done; [ -e /{go} ]\n")
+    data = tmp_path / "data"
+    for name in ("alpha", "beta"):
+        (data / name / "environment").mkdir(parents=True)
+        (data / name / "environment" / "Dockerfile").write_text(dockerfile)
+        make_task(data / name, test_sh="exit 0\n", solve_sh="#!/bin/sh\necho solved\n")
+    db = tmp_path / "jobs.db"
+    argv = [sys.executable, "-m", "trialledger.cli", "job", "run", "waits", str(data),
+            "--agent", "oracle", "-n", "2", "--db", str(db),
+            "--cache-dir", str(tmp_path / "cache")]
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+                            env={**os.environ, "TERM": "xterm", "COLUMNS": "200"})
+    os.close(follower)
+    shown, released = b"", False
+    building = re.compile(rb"building (alpha|beta) \(step 4/4\)")
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not released:
+            ready, _, _ = select.select([leader], [], [], 1.0)
+            if ready:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            seen = building.search(shown)
+            said = seen is not None and b"waiting for build of " + (
+                b"beta" if seen[1] == b"alpha" else b"alpha") in shown
+            # podman prints the step before it runs it: its marker may come a moment later
+            if said and (folder := step_marker(builder, waiting)) is not None:
+                (folder / go).touch()
+                released = True
+        assert released, shown.decode(errors="replace")[-3000:]
+        while True:  # the rest of the run's output, until it exits
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+        assert proc.wait(timeout=180) == 0
+    finally:
+        deadline = time.monotonic() + 60
+        while not released and proc.poll() is None and time.monotonic() < deadline:
+            if (found := step_marker(builder, waiting)) is not None:
+                (found / go).touch()  # the build goes on, so the run ends as it should
+                released = True
+            time.sleep(0.2)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=180)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+    with sqlite3.connect(db) as conn:
+        digests = {task: digest for task, digest in conn.execute(
+            "SELECT task, environment_digest FROM sessions")}
+    assert set(digests) == {"alpha", "beta"} and digests["alpha"] == digests["beta"]

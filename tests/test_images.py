@@ -204,3 +204,22 @@ def test_a_jobs_ready_task_runs_while_another_task_still_builds(
     # (its session is seeded only then).
     assert sessions["b-ready"][1] < sessions["a-slow"][0], sessions
     assert (sessions["a-slow"][0] - sessions["b-ready"][0]).total_seconds() > 10, sessions
+
+
+def test_a_dockerfiles_missing_from_image_is_refused_naming_it_without_pull(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A `FROM` image in neither the build storage nor ours is never pulled unasked: the
+    task is refused before any build, one line naming the image (with `--pull` the engine
+    would pull it: no registry is reachable here to show it)."""
+    missing = f"localhost/tl-from-nowhere-{nonce()}:1"
+    base = images.podman_image(images.BUSYBOX_REF)
+    folder = tmp_path / "task"
+    (folder / "environment").mkdir(parents=True)
+    (folder / "environment" / "Dockerfile").write_text(
+        f"ARG WHERE=tl-from-nowhere\nFROM {base} AS first\nFROM {missing}\n"
+        f"COPY --from=first /marker /marker\n")
+    task = make_task(folder, test_sh="exit 0\n")
+    err = run_refused(tmp_path, task, capsys)
+    assert f"FROM image {missing} is in neither the build storage nor podman's" in err, err
+    assert "--pull pulls it" in err, err
+    assert not stored(missing, as_builder=True)

@@ -480,6 +480,17 @@ def test_the_progress_line_says_states_and_retries_by_cause() -> None:
                     "retries: http_429 ×2, lost ×1")
 
 
+def test_the_waits_line_names_each_task_and_what_its_build_waits_on() -> None:
+    from trialledger.adapters.console.live import waits_text
+    from trialledger.adapters.environment import BuildWait
+
+    line = waits_text({"lru-cache": BuildWait("building", (4, 9)),
+                       "fresh": BuildWait("building"), "twin": BuildWait("waiting")})
+    assert line == ("building fresh · building lru-cache (step 4/9) · "
+                    "waiting for build of twin")
+    assert waits_text({}) == ""
+
+
 @pytest.mark.anyio
 async def test_a_worker_whose_grants_differ_from_the_jobs_is_refused(tmp_path: Path) -> None:
     """A worker brings its own secrets; their fingerprints must be the job's."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 
 from trialledger.adapters.console.render import out
+from trialledger.adapters.environment import BuildWait
 from trialledger.core import TrialLedgerError
 
 if TYPE_CHECKING:
@@ -28,10 +29,28 @@ def progress_text(counts: Mapping[str, Any]) -> str:
             f"retries: {retries}")
 
 
+def waits_text(waits: Mapping[str, BuildWait]) -> str:
+    """The live display's line of tasks waiting on a build, by task name: `building NAME
+    (step n/m)` (its own build, at the step podman printed last), `waiting for build of
+    NAME` (another build of its image holds that image's lock)."""
+    said = []
+    for task, wait in sorted(waits.items()):
+        if wait.state == "waiting":
+            said.append(f"waiting for build of {task}")
+        elif wait.step is None:
+            said.append(f"building {task}")
+        else:
+            said.append(f"building {task} (step {wait.step[0]}/{wait.step[1]})")
+    return " · ".join(said)
+
+
 async def with_live(ledger: Ledger, job: str, wanted: bool,
-                    work: Callable[[], Awaitable[T]]) -> T:
+                    work: Callable[[], Awaitable[T]],
+                    waits: Mapping[str, BuildWait] | None = None) -> T:
     """`work`, under a live rich display of the job's progress when stdout is a terminal
-    (queued / running / done, retries by cause, elapsed, ETA), refreshed from the store."""
+    (queued / running / done, retries by cause, elapsed, ETA), refreshed from the store;
+    below it, while any task's environment waits on a build, what each waits for
+    (`waits`: the runner's own, changed in place as builds go, read at each refresh)."""
     if not (wanted and out.is_terminal):
         return await work()
     from rich.progress import (
@@ -50,6 +69,7 @@ async def with_live(ledger: Ledger, job: str, wanted: bool,
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=out) as bar:
         shown = bar.add_task(f"job {job}", total=None)
+        building = bar.add_task("", total=None, visible=False)
 
         async def refresh() -> None:
             with contextlib.suppress(TrialLedgerError):  # a blink: the next refresh
@@ -59,6 +79,8 @@ async def with_live(ledger: Ledger, job: str, wanted: bool,
                 said = progress_text(counts) if total else f"job {job}: preparing its tasks"
                 bar.update(shown, description=said, total=total or None,
                            completed=counts["done"] + counts["environment_failed"])
+            waiting = waits_text(dict(waits)) if waits is not None else ""
+            bar.update(building, description=waiting, visible=bool(waiting))
 
         async def poll() -> None:
             while True:
