@@ -451,7 +451,8 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     """Create or resume a job and work its queue here; one line per finished trial, then
     the summary. Exit 0 when every trial ended with a final decision, 1 when one did not."""
     from trialledger.adapters.codex.install import CodexNotFound
-    from trialledger.adapters.jobs import JobRunner, check_inputs, load_tasks
+    from trialledger.adapters.jobform import derived_name, job_form, resume_command
+    from trialledger.adapters.jobs import JobRunner, check_inputs, job_config, load_tasks
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.task import TaskInvalid
@@ -460,17 +461,19 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     options = _run_options(args)
     said = trial_printer(args.json)
     holder: list[Any] = []
+    form = job_form(args.words, path=args.path, job_name=args.job_name)
+    name = form.name or derived_name(form.paths, job_config(options, args.k,
+                                                            max(1, options.max_attempts)))
 
     async def job(ledger: Ledger) -> dict[str, Any]:
         runner = JobRunner(
-            ledger, args.name, tasks, options, k=args.k, add=args.add,
+            ledger, name, tasks, options, k=args.k, add=args.add,
             datasets=selection.datasets, skipped=selection.skipped, concurrency=args.n,
             lease_s=args.lease_s, cache=_cache(args), engine=args.engine,
             pull=args.pull, force_build=args.force_build, owner=_owner(args), on_trial=said)
         holder.append(runner)
-        await with_live(ledger, args.name, not args.json, runner.run,
-                        waits=runner.waits)
-        return await _job_summary(ledger, args.name)
+        await with_live(ledger, name, not args.json, runner.run, waits=runner.waits)
+        return await _job_summary(ledger, name)
 
     async def go() -> dict[str, Any]:
         if options.agent == "codex":
@@ -478,11 +481,14 @@ def cmd_job_run(args: argparse.Namespace) -> int:
         return await in_store(args.db, job)
 
     try:
-        selection = load_tasks([Path(p) for p in args.tasks], args.include or (),
+        selection = load_tasks(form.paths, args.include or (),
                                args.exclude or (), max_bytes=file_limit(options.overrides))
         tasks = selection.tasks
         warn_fields(tasks, selection.skipped, in_range=_range_mode(args))
         check_inputs(tasks, options)  # before the job exists: a refusal leaves none behind
+        if form.name is None:
+            print(f"trialledger: job {name} (resume it with: "
+                  f"{resume_command(args.argv, name)})", file=sys.stderr, flush=True)
         summary = anyio.run(lambda: until_signalled(go, stop=stopper(holder, args.grace),
                                                     grace_s=args.grace))
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
@@ -809,7 +815,8 @@ def _with_run_options(p: argparse.ArgumentParser, *, json_help: str, of_job: boo
     sandbox and the environment cache; and (`of_job`, not for a worker, which takes them
     from the job) the model, the settings and the attempts."""
     _with_db(p)
-    p.add_argument("--agent", choices=AGENT_NAMES, default=None if not of_job else "codex",
+    p.add_argument("-a", "--agent", choices=AGENT_NAMES, action=_Once,
+                   default=None if not of_job else "codex",
                    help="codex (the default), or oracle (runs the task's solution/solve.sh) "
                         "or nop (runs nothing), as Harbor's" + (
                             "" if of_job else "; default: the job's, which any other refuses"))
@@ -823,7 +830,8 @@ def _with_run_options(p: argparse.ArgumentParser, *, json_help: str, of_job: boo
                         "public address (127.0.0.1, localhost, a private name); repeatable; "
                         "this runner's own, not the job's")
     if of_job:
-        p.add_argument("--model", help="the model name to ask for (needed with --agent codex)")
+        p.add_argument("-m", "--model", action=_Once,
+                       help="the model name to ask for (needed with --agent codex)")
         p.add_argument("--max-attempts", type=_positive, default=1,
                        help="sessions per trial at most: a retry decision runs another, up to N")
         p.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -858,6 +866,20 @@ def _with_cache(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, metavar="DIR",
                    help="unpacked task environments (default $XDG_CACHE_HOME/trialledger, "
                         "else ~/.cache/trialledger)")
+
+
+class _Once(argparse.Action):
+    """An option with two spellings (Harbor's `-a`, ours `--agent`): given twice, it must
+    say the same thing both times (else one line, exit 2)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        given: dict[str, tuple[str, Any]] = namespace.__dict__.setdefault("_once", {})
+        if self.dest in given and given[self.dest][1] != values:
+            said, before = given[self.dest]
+            parser.error(f"{said} {before} and {option_string} {values} disagree (give one)")
+        given[self.dest] = (str(option_string), values)
+        setattr(namespace, self.dest, values)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -918,7 +940,10 @@ EXAMPLES = {  # each subcommand's --help ends with these
             "trialledger job show nightly"],
     "job run": ["trialledger job run nightly datasets/tb -k 3 -n 8 --max-attempts 3 "
                 "--model-base-url http://127.0.0.1:8000/v1 --model gpt-5.1-codex "
-                "--exclude 'slow-*'"],
+                "--exclude 'slow-*'",
+                "trialledger job run -p datasets/tb -a oracle",
+                "trialledger job run -p datasets/tb -a codex -m gpt-5.1-codex "
+                "--model-base-url http://127.0.0.1:8000/v1 --job-name nightly"],
     "job show": ["trialledger job show nightly --json"],
     "job ls": ["trialledger job ls --db postgresql://trials@db.internal/trials"],
     "job diff": ["trialledger job diff gpt-baseline gpt-new-prompt --json"],
@@ -1032,9 +1057,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(commands, "job", help="run a benchmark: tasks × k trials, resumable")
     job_commands = p.add_subparsers(dest="job_command", required=True)
     jr = _command(job_commands, "job run", help="create or resume a job and work its queue here")
-    jr.add_argument("name", help="the job's name (its identity in the store)")
-    jr.add_argument("tasks", nargs="+", metavar="TASK_OR_DATASET",
-                    help="task folders, or folders whose subfolders are tasks")
+    jr.add_argument("words", nargs="*", metavar="[NAME] TASK_OR_DATASET",
+                    help="the job's name (its identity in the store; a task or dataset folder "
+                         "is never read as one), then task folders, or folders whose "
+                         "subfolders are tasks")
+    jr.add_argument("-p", "--path", metavar="DATASET",
+                    help="Harbor's form: the task or dataset folder (instead of "
+                         "TASK_OR_DATASET)")
+    jr.add_argument("--job-name", metavar="NAME",
+                    help="Harbor's form: the job's name (instead of NAME; default: the "
+                         "dataset folder's name and 8 hex digits of the configuration's "
+                         "hash, printed with the command that resumes the job)")
     jr.add_argument("-k", type=_positive, default=1, help="trials per task (default 1)")
     jr.add_argument("-n", type=_positive, default=1, help="sessions at once (default 1)")
     jr.add_argument("--include", action="append", metavar="GLOB", help="task names to run")
@@ -1161,6 +1194,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `trialledger` console script."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (`job run`'s resume command)
     if args.handler not in (cmd_run, cmd_job_run, cmd_worker, cmd_demo):
         return _handle(args)
     with terminal.watched():  # a terminal that goes away ends no run with sessions open

@@ -162,8 +162,9 @@ class TrialDone:
     k_index: int
     outcome: str  # the final session's outcome (pending when none ran)
     sessions: list[str]
-    reward: float | None = None
+    reward: float | None = None  # its one reward (`job_trials.reward`: None for several)
     wall_s: float | None = None  # its sessions' wall time of work (SPEC §13)
+    rewards: dict[str, float] | None = None  # every name, `reward` first; None: unscored
 
 
 @dataclass
@@ -340,17 +341,19 @@ class JobRunner:
         return SessionRunner(self.ledger, self.by_name[task], options, self.environments[task])
 
     async def _done(self, claim: Claim, ran: TrialRun) -> TrialDone:
-        """What the progress display shows of a trial that ended: its final outcome and
-        reward, and its wall time of work (none of either when an error ended it)."""
+        """What the progress display shows of a trial that ended: its final outcome, its
+        rewards and wall time of work as `job show --trials` reads them from the store (the
+        same row: the two never disagree); none of either when an error ended it."""
         ids = [s["session_id"] for s in ran.sessions]
         if ran.error is not None:
             outcome = (ran.sessions[-1]["outcome"] if ran.sessions else None) or "error"
             return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome, ids)
         outcome = ran.sessions[-1]["outcome"] if ran.sessions else "pending"
-        rewards = (ran.final.rewards if ran.final is not None else None) or {}
-        reward = rewards.get("reward", next(iter(rewards.values()), None))
-        return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome, ids, reward,
-                         await self.jobs.work_time(claim.trial_id))
+        row = await self.jobs.trial(claim.trial_id) or {}
+        wall_s = row.get("wall_s")
+        return TrialDone(claim.trial_id, claim.task, claim.k_index, outcome, ids,
+                         row.get("reward"), None if wall_s is None else float(wall_s),
+                         row.get("rewards"))
 
 
 async def worker_runner(ledger: Ledger, name: str, base: RunOptions, *,

@@ -197,6 +197,37 @@ def replay(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy | N
     return rederive(events, policy).view()
 
 
+def why_unscored(view: SessionView) -> list[str]:
+    """Why a session did not score, from its events (docs/SPEC.md §13): each
+    `verification.failed`'s reason and detail, then, for a session that is not scored (no
+    `verify` decision with a valid reward and a recorded verification), an `unscored:` line
+    naming what ended it; nothing for a scored session without a failed verification."""
+    said = [f"verification failed at seq {e.seq}: {e.data.reason}"
+            f"{': ' + e.data.detail if e.data.detail else ''}"
+            for e in view.events if e.type == "verification.failed"]
+    d = view.decision
+    if view.outcome == "verify" and d is not None and d.reward_valid:
+        return said
+    failed = [e.data for e in view.events if e.type == "verification.failed"]
+    closed = [e.data.reason for e in view.events if e.type == "session.closed"]
+    if d is None or d.action == "probe":
+        why = (f"closed {closed[-1]} before a decision" if closed
+               else f"no decision yet (state {view.state})")
+    elif d.action == "retry":
+        message = d.cause.message if d.cause else None
+        cause = f", cause {d.cause.kind}{': ' + message if message else ''}" if d.cause else ""
+        error = f", error: {d.error}" if d.error and d.error != message else ""
+        why = f"decided retry by rule {d.rule} (status {d.status}{cause}{error})"
+    elif failed:
+        why = f"no reward: the verification failed ({failed[-1].reason})"
+    elif view.outcome == "verify":
+        why = f"the reward is not valid (rule {d.rule})"
+    else:
+        why = (f"decided verify by rule {d.rule}, but no verification was recorded"
+               f"{' (closed ' + closed[-1] + ')' if closed else ''}")
+    return [*said, f"unscored: {why}"]
+
+
 def explain(view: SessionView) -> list[str]:
     """Each decision of a session in words: its policy and rule, the event it fired on,
     the action, and the status, cause and error it rests on."""

@@ -8,7 +8,8 @@ trial without a verifier result).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 Rewards = Mapping[str, float]
 
@@ -82,15 +83,64 @@ def mean_scored(trials: Sequence[Rewards | None]) -> float | None:
     return sum(reward(r) or 0.0 for r in scored) / len(scored)
 
 
+def ordered(keys: Iterable[str]) -> list[str]:
+    """Reward names as every figure lists them: `reward` first when present, then by name."""
+    return sorted(set(keys), key=lambda name: (name != "reward", name))
+
+
+def several(trials: Sequence[Rewards | None]) -> bool:
+    """Whether a figure's scored trials carry several reward names between them (then its
+    figures are per name, `by_name`)."""
+    return len(names(trials)) > 1
+
+
+def by_name(tasks: Mapping[str, Sequence[Rewards | None]]) -> dict[str, dict[str, Any]]:
+    """A figure with several reward names, per name (`reward` first; docs/SPEC.md §13):
+    `mean` over the finished trials and `mean_scored` over the scored ones (a trial without
+    the name, or unscored, counts 0), `passed` (value ≥ 1) and pass@k by Harbor's estimator
+    over that name, both only for a name whose values are all 0 or 1. `tasks`: the tasks the
+    figure covers → their finished trials."""
+    everything = [r for trials in tasks.values() for r in trials]
+    scored = [r for r in everything if r is not None]
+    found: dict[str, dict[str, Any]] = {}
+    for name in ordered(names(everything)):
+        values = [r.get(name, 0.0) for r in scored]
+        binary_name = all(v in (0, 1) for v in values)
+        as_one = {task: [None if r is None else {name: r.get(name, 0.0)} for r in trials]
+                  for task, trials in tasks.items()}
+        found[name] = {
+            "mean": sum(values) / len(everything) if everything else None,
+            "mean_scored": sum(values) / len(scored) if scored else None,
+            "passed": sum(1 for v in values if v >= 1) if binary_name else None,
+            "pass_at_k": pass_at_k(as_one) if binary_name else {}}
+    return found
+
+
+def rewards_text(rewards: Mapping[str, float] | None) -> str:
+    """A trial's rewards as every page and line prints them: `reward 1 coverage 0.5`
+    (`reward` first), `reward 0` for a scored `{}` (its one reward, SPEC §13), `no reward`
+    when unscored (None)."""
+    if rewards is None:
+        return "no reward"
+    return " ".join(f"{name} {float(rewards[name]):g}" for name in ordered(rewards)) \
+        or "reward 0"
+
+
+def several_names(figures: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether some of a job's figures (`job_tasks` rows) has several reward names: a row
+    per name."""
+    return len({(t["dataset"], t["task"]) for t in figures}) < len(figures)
 
 
 def figure_key(row: Mapping[str, object]) -> str:
     """How `job diff` matches figures across jobs: a task by its name, an overall row by its
-    dataset (the job's total as `(all)`); a dataset's folder name may differ between jobs,
-    a task's may not."""
+    dataset (the job's total as `(all)`; a dataset's folder name may differ between jobs,
+    a task's may not), then a reward name other than `reward` as ` · NAME`."""
+    name = row.get("name")
+    said = "" if name is None or name == "reward" else f" · {name}"
     if row.get("task") is not None:
-        return str(row["task"])
-    return "(all)" if row.get("dataset") is None else f"(dataset {row['dataset']})"
+        return f"{row['task']}{said}"
+    return ("(all)" if row.get("dataset") is None else f"(dataset {row['dataset']})") + said
 
 
 def difference(a: float | int | None, b: float | int | None) -> float | int | None:
@@ -120,5 +170,6 @@ def compare(a: Sequence[Mapping[str, object]], b: Sequence[Mapping[str, object]]
     return rows
 
 
-__all__ = ["binary", "compare", "difference", "figure_key", "k_values", "mean_scored", "means",
-           "names", "pass_at_k", "pass_at_k_for_task", "reward"]
+__all__ = ["binary", "by_name", "compare", "difference", "figure_key", "k_values", "mean_scored",
+           "means", "names", "ordered", "pass_at_k", "pass_at_k_for_task", "reward", "rewards_text",
+           "several", "several_names"]

@@ -20,6 +20,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from trialledger.core.canonical import NS
+from trialledger.core.summary import ordered, several_names
 from trialledger.store.errors import JobRefused as JobRefused
 from trialledger.store.errors import NoJob as NoJob
 from trialledger.store.errors import guarded
@@ -36,7 +37,7 @@ _TRIAL_NS = "trial_namespace"  # the stored configuration's key; never compared 
 TRIAL_COLUMNS = ("job", "trial_id", "task", "k_index", "state", "attempts", "final_session_id",
                  "outcome", "reward", "scored", "input_tokens", "output_tokens",
                  "total_tokens", "unknown_usage", "wall_s", "passed", "interrupted")
-TASK_COLUMNS = ("job", "dataset", "task", "trials", "open", "scored", "unscored", "passed",
+TASK_COLUMNS = ("job", "dataset", "task", "name", "trials", "open", "scored", "unscored", "passed",
                 "mean", "mean_scored", "retries", "interrupted", "total_tokens",
                 "unknown_usage", "wall_s", "mean_reward", "pass_at_k")
 ADHOC = "adhoc"  # Harbor's dataset of the tasks given as task folders
@@ -46,9 +47,16 @@ UNCOUNTED_CAP = 3  # harness failures a trial may have beyond max_attempts (SPEC
 # Task rows first (by dataset, task), then the overall rows: each dataset's, the job's last.
 _FIGURE_ORDER = ("ORDER BY CASE WHEN task IS NULL THEN 1 ELSE 0 END, "
                  "CASE WHEN dataset IS NULL THEN 1 ELSE 0 END, dataset, task")
+# A figure's reward names (several: a row each, SPEC §13), `reward` first.
+_NAME_ORDER = "CASE WHEN name = 'reward' THEN 0 ELSE 1 END, name"
 # The reads of a job's figures (`Jobs.summary` and a method each), `:j` the job's name.
-_TASKS_SQL = f"SELECT {{columns}} FROM job_tasks WHERE job = :j {_FIGURE_ORDER}"
-_PASSK_SQL = f"SELECT * FROM job_passk WHERE job = :j {_FIGURE_ORDER}, k"
+_TASKS_SQL = f"SELECT {{columns}} FROM job_tasks WHERE job = :j {_FIGURE_ORDER}, {_NAME_ORDER}"
+_PASSK_SQL = f"SELECT * FROM job_passk WHERE job = :j {_FIGURE_ORDER}, {_NAME_ORDER}, k"
+# Each trial's reward names and values: of every session of the job's trials (a trial's
+# are its final session's, `job_trials.final_session_id`).
+_REWARDS_SQL = ("SELECT r.session_id, r.name, r.value FROM rewards r "
+                "JOIN sessions s ON s.session_id = r.session_id "
+                "JOIN job_queue q ON q.trial_id = s.trial_id WHERE q.job = :j")
 _REWARD_MEANS_SQL = f"SELECT * FROM job_reward_means WHERE job = :j {_FIGURE_ORDER}, name"
 _RETRIES_SQL = "SELECT * FROM job_retries WHERE job = :j ORDER BY task, cause_kind"
 _TRIALS_SQL = "SELECT * FROM job_trials WHERE job = :j ORDER BY task, k_index"
@@ -93,6 +101,22 @@ class Claim:
     k_index: int
     task_dir: str
     token: str
+
+
+def with_rewards(trials: Sequence[dict[str, Any]],
+                 rewards: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
+    """`job_trials` rows, each with `rewards`: its final session's reward names and values,
+    `reward` first (SPEC §13), for a scored trial (`{}` when it named none); None for an
+    unscored one. `rewards`: (session_id, name, value) rows covering their final sessions."""
+    by_session: dict[str, dict[str, float]] = {}
+    for session_id, name, value in rewards:
+        by_session.setdefault(session_id, {})[name] = float(value)
+    found = []
+    for trial in trials:
+        own = by_session.get(trial["final_session_id"] or "", {})
+        found.append(dict(trial, rewards={name: own[name] for name in ordered(own)}
+                          if trial["scored"] else None))
+    return found
 
 
 def _failures(rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
@@ -408,17 +432,29 @@ class Jobs:
         return counts
 
     @guarded
-    async def work_time(self, trial_id: str) -> float | None:
-        """A trial's wall time of work: its closed sessions' (`job_trials.wall_s`, SPEC §13),
-        None before one closed."""
-        value = await self._engines.read(lambda conn: conn.execute(text(
-            "SELECT wall_s FROM job_trials WHERE trial_id = :t"), {"t": trial_id}).scalar())
-        return None if value is None else float(value)
+    async def trial(self, trial_id: str) -> dict[str, Any] | None:
+        """A trial's `job_trials` row with its `rewards` (`with_rewards`), as `job show
+        --trials` reads it; None for a trial no job has."""
+        def read(conn: Connection) -> dict[str, Any] | None:
+            result = conn.execute(text("SELECT * FROM job_trials WHERE trial_id = :t"),
+                                  {"t": trial_id})
+            keys, row = list(result.keys()), result.first()
+            if row is None:
+                return None
+            found = dict(zip(keys, row, strict=True))
+            rewards = conn.execute(text("SELECT session_id, name, value FROM rewards "
+                                        "WHERE session_id = :s"),
+                                   {"s": found["final_session_id"]}).all()
+            return with_rewards([found], rewards)[0]
+
+        return await self._engines.read(read)
 
     @guarded
     async def trials(self, job: str) -> list[dict[str, Any]]:
-        """Rows of `job_trials`, by task and k index."""
-        return await self._rows(_TRIALS_SQL, job)
+        """Rows of `job_trials`, by task and k index, each with its `rewards`."""
+        return with_rewards(await self._rows(_TRIALS_SQL, job),
+                            [(r["session_id"], r["name"], r["value"])
+                             for r in await self._rows(_REWARDS_SQL, job)])
 
     @guarded
     async def tasks(self, job: str) -> list[dict[str, Any]]:
@@ -476,19 +512,21 @@ class Jobs:
         passk = rows(_PASSK_SQL)
         # `job_tasks.pass_at_k` is the figure's `job_passk` row at the job's k; read from
         # the rows above rather than by the view's subquery, which computes job_passk again.
-        at_k = {(p["dataset"] or "", p["task"] or ""): p["pass_at_k"] for p in passk
-                if p["k"] == k}
+        at_k = {(p["dataset"] or "", p["task"] or "", p["name"] or ""): p["pass_at_k"]
+                for p in passk if p["k"] == k}
         tasks = rows(_TASKS_SQL.format(columns=", ".join(c for c in TASK_COLUMNS
                                                          if c != "pass_at_k")))
         for t in tasks:
-            t["pass_at_k"] = at_k.get((t["dataset"] or "", t["task"] or ""))
-        # A figure's reward names are several exactly when its `passed` is null (then its
-        # pass/fail is undefined), and the job's overall figure covers every other; with
-        # none so, `job_reward_means` has no row and its query (the whole cover) is skipped.
-        several = any(t["passed"] is None for t in tasks)
+            t["pass_at_k"] = at_k.get((t["dataset"] or "", t["task"] or "", t["name"] or ""))
+        # A figure's reward names are several exactly when it has several rows, and the
+        # job's overall figure covers every other; with none so, `job_reward_means` has no
+        # row and its query (the whole cover) is skipped.
+        several = several_names(tasks)
         return {"job": job, "partial": any(t["open"] for t in tasks), "tasks": tasks,
                 "passk": passk, "reward_means": rows(_REWARD_MEANS_SQL) if several else [],
-                "retries": rows(_RETRIES_SQL), "trials": rows(_TRIALS_SQL),
+                "retries": rows(_RETRIES_SQL),
+                "trials": with_rewards(rows(_TRIALS_SQL), [
+                    (r["session_id"], r["name"], r["value"]) for r in rows(_REWARDS_SQL)]),
                 "open_trials": rows(self._open_trials_sql),
                 "environment_failed": _failures(rows(_FAILURES_SQL, s="environment_failed")),
                 "no_solution": _failures(rows(_FAILURES_SQL, s="no_solution")),

@@ -9,13 +9,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event, text
 
@@ -174,7 +175,7 @@ async def test_the_figures_are_harbors_on_both_databases(db: str) -> None:
         alone = await _each_view(jobs, "mixed")
     assert {name: got[name] for name in alone} == alone  # the summary is the views' rows
     assert set(TASK_COLUMNS) == set(next(iter(tasks.values())))
-    assert set(TRIAL_COLUMNS) == set(trials[0])
+    assert {*TRIAL_COLUMNS, "rewards"} == set(trials[0])
     finished = {t: [v for v in vs if v != "open"] for t, (_, vs) in MIXED.items()}
     figures = {("set-1", "a"): ["a"], ("set-1", "b"): ["b"], ("set-2", "c"): ["c"],
                ("set-1", None): ["a", "b"], ("set-2", None): ["c"],
@@ -207,29 +208,123 @@ async def test_the_figures_are_harbors_on_both_databases(db: str) -> None:
     assert {(t["task"], t["k_index"]): t["passed"] for t in trials}[("a", 0)] == 1
 
 
+def _held_to_core(rows: list[dict[str, Any]], passk: list[dict[str, Any]], k: int,
+                  figures: dict[tuple[str | None, str | None], dict[str, list[Verdict]]]
+                  ) -> None:
+    """`job_tasks` and `job_passk` rows of every figure with several reward names equal
+    `core.summary.by_name` over the trials it covers (figure → its tasks' finished trials)."""
+    for key, covered in figures.items():
+        everything = [v for trials in covered.values() for v in trials]
+        if not summary.several(everything):
+            continue
+        mine = [r for r in rows if (r["dataset"], r["task"]) == key]
+        expected = summary.by_name(covered)
+        assert [r["name"] for r in mine] == list(expected), key  # `reward` first
+        for r in mine:
+            want = expected[r["name"]]
+            assert (r["mean"], r["mean_scored"], r["mean_reward"]) == pytest.approx(
+                (want["mean"], want["mean_scored"], want["mean_scored"])), (key, r["name"])
+            assert r["passed"] == want["passed"], (key, r["name"])
+            got = {p["k"]: p["pass_at_k"] for p in passk
+                   if (p["dataset"], p["task"], p["name"]) == (*key, r["name"])}
+            assert got == pytest.approx(want["pass_at_k"]), (key, r["name"])
+            assert r["pass_at_k"] == (pytest.approx(want["pass_at_k"][k])
+                                      if k in want["pass_at_k"] else None)
+            assert r["scored"] == sum(v is not None for v in everything)
+
+
+NAMED: dict[str, tuple[str, list[Verdict | str]]] = {
+    "t": ("set-1", [{"reward": 1.0, "coverage": 0.5}, {"reward": 0.0}, None, {}]),
+    "u": ("set-1", [R1, R0, R1, "open"]),  # one name alone; several with t
+    "v": ("set-2", [{"coverage": 1.0}, {"reward": 1.0, "coverage": 0.0}, R0, R1]),
+}
+
+
 @pytest.mark.anyio
-async def test_several_reward_names_give_a_mean_per_name_and_no_pass_at_k(db: str) -> None:
-    verdicts: list[Verdict | str] = [{"a": 1.0, "b": 0.5}, {"a": 0.0}, None]
+async def test_several_reward_names_give_every_figure_per_name(db: str) -> None:
     async with await Ledger.open(db) as ledger:
-        jobs = await _job(ledger, "names", 3, {"t": ("adhoc", verdicts)})
-        tasks = _by_figure(await jobs.tasks("names"))
-        means = await jobs.reward_means("names")
+        jobs = await _job(ledger, "names", 4, NAMED)
+        rows = await jobs.tasks("names")
         passk = await jobs.passk("names")
         trials = await jobs.trials("names")
         got = await jobs.summary("names")
         alone = await _each_view(jobs, "names")
     assert {name: got[name] for name in alone} == alone and got["reward_means"]
-    row = tasks[("adhoc", "t")]
-    assert (row["mean"], row["mean_scored"], row["passed"], row["pass_at_k"]) == (None,) * 4
-    assert (row["scored"], row["unscored"]) == (2, 1)
-    assert set(tasks) == {("adhoc", "t"), (None, None)}  # one dataset: only the job's total
-    expected = summary.means([{"a": 1.0, "b": 0.5}, {"a": 0.0}, None])
-    for key in (("adhoc", "t"), (None, None)):
-        found = {m["name"]: m["mean"] for m in means if (m["dataset"], m["task"]) == key}
-        assert found == pytest.approx(expected)
-    assert passk == []
-    assert [t["reward"] for t in trials] == [None, 0.0, None]
-    assert [t["passed"] for t in trials] == [None, 0, 0]
+    finished = {t: [v for v in vs if v != "open"] for t, (_, vs) in NAMED.items()}
+    figures = {("set-1", "t"): ["t"], ("set-1", "u"): ["u"], ("set-2", "v"): ["v"],
+               ("set-1", None): ["t", "u"], ("set-2", None): ["v"],
+               (None, None): ["t", "u", "v"]}
+    _held_to_core(rows, passk, 4, {key: {t: finished[t] for t in covered}  # type: ignore[misc]
+                                   for key, covered in figures.items()})
+    by_figure: dict[tuple[str | None, str | None], list[str | None]] = {}
+    for r in rows:
+        by_figure.setdefault((r["dataset"], r["task"]), []).append(r["name"])
+    assert by_figure[("set-1", "u")] == ["reward"]  # one name: one row, as before
+    assert by_figure[(None, None)] == ["reward", "coverage"]
+    total = rows[-2:]  # the job's total, a row per name, `reward` first
+    at = {name: [p["k"] for p in passk if (p["dataset"], p["task"], p["name"]) ==
+                 (None, None, name)] for name in ("reward", "coverage")}
+    assert total[0]["passed"] == 5 and at["reward"] == [2]  # all 0 or 1; u has 3 finished
+    assert total[1]["passed"] is None and at["coverage"] == []  # 0.5: not binary
+    assert total[0]["trials"] == total[1]["trials"] == 12  # the figure's counts, repeated
+    t_trials = {t["k_index"]: t for t in trials if t["task"] == "t"}
+    assert t_trials[0]["rewards"] == {"reward": 1.0, "coverage": 0.5}
+    assert list(t_trials[0]["rewards"]) == ["reward", "coverage"]
+    assert t_trials[0]["reward"] is None and t_trials[0]["passed"] is None  # several
+    assert t_trials[2]["rewards"] is None and t_trials[3]["rewards"] == {}
+
+
+trial_verdicts = st.lists(st.one_of(
+    st.none(), st.dictionaries(st.sampled_from(["reward", "coverage", "speed"]),
+                               st.sampled_from([0.0, 1.0, 0.25]), max_size=3)),
+    min_size=1, max_size=5)
+
+
+@given(st.dictionaries(st.sampled_from("abc"), trial_verdicts, min_size=1))
+def test_each_names_figures_are_the_trials_values_of_that_name(
+        tasks: dict[str, list[Verdict]]) -> None:
+    everything = [v for trials in tasks.values() for v in trials]
+    scored = [v for v in everything if v is not None]
+    got = summary.by_name(tasks)
+    assert list(got) == summary.ordered(summary.names(everything))
+    assert list(got)[:1] == (["reward"] if "reward" in got else list(got)[:1])
+    for name, figure in got.items():
+        values = [v.get(name, 0.0) for v in scored]  # without the name: 0
+        assert figure["mean"] == pytest.approx(sum(values) / len(everything))
+        assert figure["mean_scored"] == pytest.approx(sum(values) / len(scored))
+        binary = set(values) <= {0.0, 1.0}
+        assert figure["passed"] == (values.count(1.0) if binary else None)
+        alone = {t: [None if v is None else {"reward": v.get(name, 0.0)} for v in trials]
+                 for t, trials in tasks.items()}
+        assert figure["pass_at_k"] == (pytest.approx(summary.pass_at_k(alone)) if binary
+                                       else {})
+    # One name alone is the one-name summary.
+    if len(got) == 1 and all(v is None or len(v) == 1 for v in everything):
+        (figure,) = got.values()
+        assert figure["mean"] == pytest.approx(summary.means(everything)["mean"])
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from("abc"), trial_verdicts, min_size=1))
+def test_the_views_per_name_figures_are_core_summarys(tmp_path: Path,
+                                                       tasks: dict[str, list[Verdict]]
+                                                       ) -> None:
+    db = str(tmp_path / f"{uuid.uuid4().hex}.db")
+    k = max(len(v) for v in tasks.values())
+
+    async def read() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        async with await Ledger.open(db) as ledger:
+            verdicts: dict[str, list[Verdict | str]] = {
+                t: [*vs, *["open"] * (k - len(vs))] for t, vs in tasks.items()}
+            jobs = await _job(ledger, "p", k, {t: ("d", vs) for t, vs in verdicts.items()})
+            return await jobs.tasks("p"), await jobs.passk("p")
+
+    rows, passk = anyio.run(read)
+    figures: dict[tuple[str | None, str | None], dict[str, list[Verdict]]] = {
+        ("d", t): {t: vs} for t, vs in tasks.items()}
+    figures[(None, None)] = dict(tasks)
+    _held_to_core(rows, passk, k, figures)
 
 
 async def _settle(db: str, job: str, task: str, index: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from trialledger.adapters.console.plain import plain
 from trialledger.adapters.console.render import out, table
+from trialledger.core.summary import rewards_text, several_names
 
 
 def trial_printer(as_json: bool) -> Callable[[Any], None]:
@@ -23,19 +24,21 @@ def trial_printer(as_json: bool) -> Callable[[Any], None]:
         if as_json:
             print(json.dumps({"trial_id": done.trial_id, "task": done.task, "k": done.k_index,
                               "outcome": done.outcome, "reward": done.reward,
-                              "wall_s": done.wall_s, "sessions": done.sessions}), flush=True)
+                              "rewards": done.rewards, "wall_s": done.wall_s,
+                              "sessions": done.sessions}), flush=True)
         else:
-            out.print(plain(trial_line(done.task, done.k_index, done.outcome, done.reward,
+            out.print(plain(trial_line(done.task, done.k_index, done.outcome, done.rewards,
                                        len(done.sessions), done.wall_s)))
 
     return said
 
 
-def trial_line(task: str, k_index: int, outcome: str, reward: Any, sessions: int,
-               wall_s: Any) -> str:
-    """A trial in one line: how it ended, its reward and its own duration (its sessions'
-    wall time of work, SPEC §13 — not the time since the job began)."""
-    said = "no reward" if reward is None else f"reward {float(reward):g}"
+def trial_line(task: str, k_index: int, outcome: str,
+               rewards: Mapping[str, float] | None, sessions: int, wall_s: Any) -> str:
+    """A trial in one line: how it ended, its rewards (every name, `reward` first; `no
+    reward` when unscored) and its own duration (its sessions' wall time of work, SPEC §13
+    — not the time since the job began)."""
+    said = rewards_text(rewards)
     took = "" if wall_s is None else f", {float(wall_s):.1f} s"
     return (f"{task} k={k_index} {outcome} {said} "
             f"({sessions} session{'s' * (sessions != 1)}{took})")
@@ -48,7 +51,9 @@ def print_job(summary: Mapping[str, Any], *, as_json: bool, trials: bool = False
         print(json.dumps(summary, default=str))
         return
     several = len({t["dataset"] for t in summary["tasks"] if t["task"] is not None}) > 1
-    rows = [[*([t["dataset"] or ""] if several else []), figure_name(t), t["trials"],
+    named = several_names(summary["tasks"])
+    rows = [[*([t["dataset"] or ""] if several else []), figure_name(t),
+             *([t["name"] or ""] if named else []), t["trials"],
              t["open"], t["scored"], t["unscored"], number(t["passed"]), number(t["mean"]),
              number(t["mean_scored"]), passk_text(summary["passk"], t), t["retries"],
              t["interrupted"], tokens(t),
@@ -56,13 +61,11 @@ def print_job(summary: Mapping[str, Any], *, as_json: bool, trials: bool = False
             for t in summary["tasks"]]
     for t in summary["trials"] if trials else ():
         ended = t["outcome"] if t["state"] == "done" and t["outcome"] else t["state"]
-        out.print(plain(trial_line(t["task"], t["k_index"], ended, t["reward"],
+        out.print(plain(trial_line(t["task"], t["k_index"], ended, t["rewards"],
                                    t["attempts"], t["wall_s"])))
-    table([*(["dataset"] if several else []), "task", "trials", "open", "scored", "unscored",
-           "passed", "mean", "mean scored", "pass@k", "retries", "interrupted", "tokens",
-           "wall s"], rows)
-    for m in summary["reward_means"]:
-        out.print(plain(f"{figure_name(m)}: mean {m['name']} = {m['mean']:.3f}"))
+    table([*(["dataset"] if several else []), "task", *(["reward"] if named else []),
+           "trials", "open", "scored", "unscored", "passed", "mean", "mean scored", "pass@k",
+           "retries", "interrupted", "tokens", "wall s"], rows)
     if summary["retries"]:
         out.print(plain("retries by cause: " + ", ".join(
             f"{r['task']} {r['cause_kind']} × {r['sessions']}" for r in summary["retries"])))
@@ -149,6 +152,8 @@ def figure_name(row: Mapping[str, Any]) -> str:
 
 
 def passk_text(passk: Sequence[Mapping[str, Any]], row: Mapping[str, Any]) -> str:
-    """A figure's pass@k for each k of Harbor's set, e.g. `2: 0.833 4: 1.000`."""
+    """A figure's pass@k (of its row's reward name) for each k of Harbor's set, e.g.
+    `2: 0.833 4: 1.000`."""
     return " ".join(f"{p['k']}: {p['pass_at_k']:.3f}" for p in passk
-                    if p["task"] == row["task"] and p["dataset"] == row["dataset"])
+                    if p["task"] == row["task"] and p["dataset"] == row["dataset"]
+                    and p.get("name") == row.get("name"))

@@ -11,11 +11,13 @@ from typing import Any
 from trialledger.adapters.console.plain import plain
 from trialledger.adapters.console.render import out, table
 from trialledger.core import explain
+from trialledger.core.replay import why_unscored
 
 
 def show_session(view: Any) -> None:
     """`show`: the timeline with each event's time since the start and since the one
-    before, the header line, each decision explained, usage, gaps, rewards, what the
+    before, the header line, each decision explained, why it did not score (a failed
+    verification's reason, what left it unscored), usage, gaps, rewards, what the
     verifier printed and the files it kept."""
     start = _when(view.events[0].at)
     rows, previous = [], start
@@ -30,7 +32,7 @@ def show_session(view: Any) -> None:
     seed = view.events[0].data
     out.print(plain(f"session {view.session_id}  task {seed.task}  attempt {seed.attempt}  "
                     f"state {view.state}  outcome {view.outcome}"))
-    for line in explain(view):
+    for line in [*explain(view), *why_unscored(view)]:
         out.print(plain(line))
     usage = view.usage
     out.print("usage: " + (f"{usage.total_tokens} tokens ({usage.input_tokens} in, "

@@ -13,7 +13,8 @@ def _diff_rows(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A job's figures, tokens None when some usage is unknown, and pass@k by k."""
     return [dict(t, total_tokens=None if t["unknown_usage"] else t["total_tokens"],
                  passk={p["k"]: p["pass_at_k"] for p in summary["passk"]
-                        if p["task"] == t["task"] and p["dataset"] == t["dataset"]})
+                        if p["task"] == t["task"] and p["dataset"] == t["dataset"]
+                        and p.get("name") == t.get("name")})
             for t in summary["tasks"]]
 
 

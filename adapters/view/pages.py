@@ -14,6 +14,7 @@ from trialledger.adapters.view.diff import job_diff
 from trialledger.adapters.view.names import slug
 from trialledger.adapters.view.store import rows
 from trialledger.core.errors import TrialLedgerError
+from trialledger.core.summary import rewards_text, several_names
 from trialledger.store import Ledger
 from trialledger.store.jobs import TASK_COLUMNS, Jobs
 
@@ -38,8 +39,10 @@ def _overall(summary: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def _passk(summary: Mapping[str, Any], row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A figure's pass@k rows of its row's reward name."""
     return [p for p in summary["passk"]
-            if p["task"] == row["task"] and p["dataset"] == row["dataset"]]
+            if p["task"] == row["task"] and p["dataset"] == row["dataset"]
+            and p.get("name") == row.get("name")]
 
 
 async def job_names(ledger: Ledger) -> list[str]:
@@ -95,6 +98,7 @@ async def job(ledger: Ledger, name: str, *, others: Sequence[Mapping[str, Any]] 
     return {"name": name, "slug": slug(name), "config": await store.config(name),
             "state": job_state(counts), "counts": counts, "summary": summary,
             "several_datasets": several, "task_rows": task_rows,
+            "several_names": several_names(summary["tasks"]),
             "overall_rows": [t for t in summary["tasks"] if t["task"] is None],
             "k": k, "grid": grid, "reward_chart": _reward_chart(summary, task_rows),
             "tokens": _tokens_histogram(summary["trials"]),
@@ -105,11 +109,12 @@ async def job(ledger: Ledger, name: str, *, others: Sequence[Mapping[str, Any]] 
 def _cell(trial: Mapping[str, Any]) -> dict[str, Any]:
     """A grid cell: the trial's row, its colour, and the texts it shows (its tooltip, its
     link's label and page), worked out here once rather than by filters in the template."""
-    scored, reward = trial["scored"], trial["reward"]
+    scored, rewards = trial["scored"], trial.get("rewards")
     title = f"{trial['state']} · {trial['outcome'] or 'no decision'}"
     if scored:
-        title += f" · reward {render.number(reward)}"
-    label = render.number(reward, 2) if scored else trial["outcome"] or trial["state"]
+        title += f" · {rewards_text(rewards)}"
+    label = (" ".join(render.number(v, 2) for v in rewards.values()) or render.number(0.0, 2)
+             if scored and rewards is not None else trial["outcome"] or trial["state"])
     return dict(trial, css=_cell_class(trial), page=slug(trial["trial_id"]), title=title,
                 label=label)
 
@@ -120,7 +125,8 @@ def _cell_class(trial: Mapping[str, Any]) -> str:
         return "open"
     if not trial["scored"]:
         return "unscored"
-    reward = trial["reward"]
+    rewards = trial.get("rewards") or {}  # several names: `reward`'s, else the first's
+    reward = next(iter(rewards.values()), trial["reward"])
     if reward is None or not 0 <= reward <= 1:
         return "scored"
     return f"r{round(reward * 10)}"
@@ -129,9 +135,8 @@ def _cell_class(trial: Mapping[str, Any]) -> str:
 def _reward_chart(summary: Mapping[str, Any], task_rows: Sequence[Mapping[str, Any]]
                   ) -> charts.Chart:
     """Mean reward per task, or per task and reward name when rewards have several."""
-    named = [m for m in summary["reward_means"] if m["task"] is not None]
-    if named:
-        return charts.bars([(f"{m['task']} · {m['name']}", m["mean"]) for m in named])
+    if several_names(summary["tasks"]):
+        return charts.bars([(f"{t['task']} · {t['name']}", t["mean"]) for t in task_rows])
     return charts.bars([(str(t["task"]), t["mean"]) for t in task_rows])
 
 
@@ -165,9 +170,10 @@ async def trial(ledger: Ledger, trial_id: str) -> dict[str, Any]:
     by_id = {s["session_id"]: s for s in sessions}
     for s in sessions:
         s["why"] = _why(by_id.get(s["retry_of"] or "")) if s["attempt"] > 1 else None
-    member = await rows(ledger, "SELECT * FROM job_trials WHERE trial_id = :t", {"t": trial_id})
+    member = await Jobs(ledger).trial(trial_id)
     return {"trial_id": trial_id, "task": sessions[0]["task"], "sessions": sessions,
-            "job": dict(member[0], slug=slug(member[0]["job"])) if member else None}
+            "job": None if member is None else dict(
+                member, slug=slug(member["job"]), said=rewards_text(member["rewards"]))}
 
 
 def _why(before: Mapping[str, Any] | None) -> str:
