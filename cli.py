@@ -598,6 +598,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     _check_store_file(args.db)
     view = on_store(args.db, view_of, create=False)
+    if args.atif:
+        from trialledger.core.atif import trajectory
+
+        print_json(trajectory(view))
+        return EXIT_OK
     if args.json:
         print_json(view.model_dump(mode="json"))
         return EXIT_OK
@@ -913,7 +918,7 @@ EXAMPLES = {  # each subcommand's --help ends with these
     "setup": ["sudo trialledger setup"],
     "ls": ["trialledger ls --db trials.db --state graded",
            "trialledger ls --cause model_endpoint --json"],
-    "show": ["trialledger show 3f2a"],
+    "show": ["trialledger show 3f2a", "trialledger show 3f2a --atif > trajectory.json"],
     "artifacts": ["trialledger artifacts 3f2a",
                   "trialledger artifacts 3f2a verifier/test-stdout.txt",
                   "trialledger artifacts 3f2a --out kept/"],
@@ -1087,7 +1092,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(commands, "show", help="a session's timeline and decisions explained")
     _with_db(p)
     p.add_argument("session", help="the session id, or a prefix only it starts with")
-    p.add_argument("--json", action="store_true", help="the whole view as JSON")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="the whole view as JSON")
+    shape.add_argument("--atif", action="store_true",
+                       help="the session as an ATIF trajectory (Harbor's trajectory.json)")
     p.set_defaults(handler=cmd_show)
 
     p = _command(commands, "artifacts", help="list, print or copy the files a session kept")
