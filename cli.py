@@ -771,6 +771,20 @@ def cmd_import_harbor(args: argparse.Namespace) -> int:
     return EXIT_FOUND if any(not a.agrees for a in agreements) else EXIT_OK
 
 
+def cmd_export_harbor(args: argparse.Namespace) -> int:
+    """Write a job as Harbor 0.26's job folder (SPEC §16)."""
+    from trialledger.adapters.harborexport import export_job
+
+    done = on_store(args.db, lambda ledger: export_job(ledger, args.job, Path(args.dir)),
+                    create=False)
+    out.print(plain(f"wrote {done.trials} trial(s) and {done.earlier_attempts} earlier "
+                    f"attempt(s) to {done.folder}"))
+    if done.files_missing:
+        print(f"trialledger: {done.files_missing} kept file(s) are not on this machine (or "
+              "changed since) and were left out", file=sys.stderr)
+    return EXIT_OK
+
+
 # --- the parser -------------------------------------------------------------------------------
 
 
@@ -927,6 +941,8 @@ EXAMPLES = {  # each subcommand's --help ends with these
              "trialledger view --export site/ --job nightly"],
     "demo": ["trialledger demo --db demo.db"],
     "import-harbor": ["trialledger import-harbor --db trials.db jobs/2026-10-20__14-03-05"],
+    "export-harbor": ["trialledger export-harbor nightly jobs/nightly",
+                      "trialledger export-harbor --db postgresql://trials@db/trials nightly out/"],
     "recover": ["trialledger recover --db trials.db --runner build-7-41233",
                 "trialledger recover --db trials.db --all",
                 "trialledger recover --purge-damaged"],
@@ -1131,6 +1147,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_dir", help="a Harbor job folder (jobs/<job_name>)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=cmd_import_harbor)
+
+    p = _command(commands, "export-harbor", help="write a job as Harbor 0.26's job folder, "
+                                                  "an ATIF trajectory per trial")
+    _with_db(p)
+    p.add_argument("job", help="the job's name")
+    p.add_argument("dir", help="the folder to write (absent or empty)")
+    p.set_defaults(handler=cmd_export_harbor)
 
     p = _command(commands, "recover", help="close out sessions a runner left open")
     _with_db(p)
