@@ -313,6 +313,24 @@ async def _write_job(ledger: Ledger, rows: dict[str, Any], config: dict[str, Any
 # --- the import of an exported folder (`import-harbor`, when DIR/trialledger.json is there) -
 
 
+# What each row of `trialledger.json` holds (`Jobs.rows_of`): field → the types it may have.
+Fields = dict[str, tuple[type, ...]]
+JOB_FIELDS: Fields = {"name": (str,), "config": (str,), "k": (int,), "max_attempts": (int,),
+              "created_at": (str,)}
+ROW_FIELDS: dict[str, Fields] = {
+    "queue": {"trial_id": (str,), "task": (str,), "k_index": (int,), "task_dir": (str,),
+              "state": (str,), "detail": (str, type(None)), "dataset": (str, type(None))},
+    "skipped": {"task": (str,), "dataset": (str, type(None)), "reason": (str,)},
+    "task_fields": {"task": (str,), "field": (str,), "reason": (str,)},
+}
+
+
+def _check(row: Any, fields: Mapping[str, tuple[type, ...]]) -> None:
+    assert isinstance(row, dict) and set(row) == set(fields)
+    for name, types in fields.items():
+        assert isinstance(row[name], types) and not isinstance(row[name], bool)
+
+
 def _rows_file(tree: AgentTree) -> tuple[dict[str, Any], dict[str, str]]:
     """The job's rows and each trial's folder, from `trialledger.json`, checked for shape."""
     try:
@@ -322,12 +340,15 @@ def _rows_file(tree: AgentTree) -> tuple[dict[str, Any], dict[str, str]]:
     try:
         assert isinstance(doc, dict) and doc.get("format") == FORMAT
         rows, folders = doc["rows"], doc["folders"]
-        assert isinstance(rows["job"], dict) and isinstance(folders, dict)
-        for key in ("queue", "skipped", "task_fields"):
-            assert isinstance(rows[key], list) and all(isinstance(r, dict) for r in rows[key])
+        assert isinstance(rows, dict) and isinstance(folders, dict)
+        _check(rows["job"], JOB_FIELDS)
+        for key, fields in ROW_FIELDS.items():
+            assert isinstance(rows[key], list)
+            for row in rows[key]:
+                _check(row, fields)
         for trial in rows["queue"]:
             name = folders[trial["trial_id"]]
-            assert isinstance(name, str) and name and "/" not in name and name != ".."
+            assert isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
     except (AssertionError, KeyError, TypeError):
         raise HarborJobInvalid(f"{ROWS_FILE}: not the rows of a job as export-harbor writes "
                                "them") from None

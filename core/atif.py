@@ -1,4 +1,4 @@
-"""A session as an ATIF trajectory (docs/SPEC.md §18): Harbor's Agent Trajectory
+"""A session as an ATIF trajectory (docs/SPEC.md §16): Harbor's Agent Trajectory
 Interchange Format, the `agent/trajectory.json` of a Harbor trial folder.
 
 Built from the session's events only (a pure fold; what the store holds is already

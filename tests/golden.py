@@ -13,7 +13,7 @@ proxy (policy v1, no `model.call`) and must keep replaying under their recorded 
 re-derives every decision; a policy or machine change that decides differently fails with
 a readable diff.
 
-`tests/golden/atif/<folder>-<name>.json` is the ATIF trajectory (`core.atif`, SPEC §18) of
+`tests/golden/atif/<folder>-<name>.json` is the ATIF trajectory (`core.atif`, docs/SPEC.md §16) of
 each of `ATIF_SOURCES`: `tests/test_atif.py` compares it and validates it with Harbor's own
 `Trajectory` model.
 """

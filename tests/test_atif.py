@@ -1,4 +1,4 @@
-"""ATIF trajectories from the events (core/atif.py, docs/SPEC.md §18): the golden file of
+"""ATIF trajectories from the events (core/atif.py, docs/SPEC.md §16): the golden file of
 each sample log, each valid by Harbor 0.26's own `Trajectory`, and `show --atif`."""
 
 from __future__ import annotations

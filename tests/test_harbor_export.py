@@ -196,3 +196,33 @@ def test_a_codex_job_with_retries_keeps_earlier_attempts_inside_their_trial(
     assert after == before
     assert {t["task"]: t["attempts"] for t in after["trials"]} == {
         "down": 2, "flaky": 2, "silent": 1, "tool": 1}
+
+
+def test_the_import_of_an_export_checks_it_whole_before_storing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Back into its own store it changes nothing; a log moved to another trial's folder,
+    or a row of the wrong type, is one line, exit 2, and nothing is stored."""
+    data = tmp_path / "data"
+    make_task(data / "alpha", instruction="write answer.txt", test_sh=CHECK, solve_sh=SOLVE)
+    db, out = tmp_path / "jobs.db", tmp_path / "out"
+    assert cli.main(["job", "run", "two", str(data), "--agent", "oracle", "-k", "2",
+                     "--db", str(db)]) == 0
+    assert cli.main(["export-harbor", "two", str(out), "--db", str(db)]) == 0
+    capsys.readouterr()
+    code, printed, err = shown(capsys, "import-harbor", "--db", str(db), str(out))
+    assert code == 0 and "2 unchanged since an earlier import" in printed, err
+    first, second = sorted(p for p in out.iterdir() if p.is_dir())
+    log = second / "trialledger" / "session.jsonl"
+    kept = log.read_bytes()
+    log.write_bytes((first / "trialledger" / "session.jsonl").read_bytes())
+    fresh = tmp_path / "fresh.db"
+    code, _, err = shown(capsys, "import-harbor", "--db", str(fresh), str(out))
+    assert code == 2 and err.count("\n") == 1 and "is a session of another trial" in err
+    assert not fresh.exists()
+    log.write_bytes(kept)
+    rows = json.loads((out / "trialledger.json").read_text())
+    rows["rows"]["queue"][0]["k_index"] = "0"
+    (out / "trialledger.json").write_text(json.dumps(rows))
+    code, _, err = shown(capsys, "import-harbor", "--db", str(fresh), str(out))
+    assert code == 2 and err.count("\n") == 1 and "not the rows of a job" in err
+    assert not fresh.exists()
