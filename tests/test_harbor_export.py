@@ -56,8 +56,8 @@ def validated(harbor: dict[str, Any], out: Path) -> dict[str, Any]:
     return job
 
 
-def round_trip(capsys: pytest.CaptureFixture[str], name: str, db: Path, out: Path,
-               fresh: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def round_trip(capsys: pytest.CaptureFixture[str], name: str, db: Path | str, out: Path,
+               fresh: Path | str) -> tuple[dict[str, Any], dict[str, Any]]:
     """`job show --json` of the job, and of its export imported into a fresh store."""
     code, before, err = shown(capsys, "job", "show", name, "--json", "--db", str(db))
     assert code == 0, err
@@ -226,3 +226,20 @@ def test_the_import_of_an_export_checks_it_whole_before_storing(
     code, _, err = shown(capsys, "import-harbor", "--db", str(fresh), str(out))
     assert code == 2 and err.count("\n") == 1 and "not the rows of a job" in err
     assert not fresh.exists()
+
+
+def test_the_round_trip_on_both_databases(db: str, tmp_path: Path,
+                                          request: pytest.FixtureRequest,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A job's rows read and restored by each store: the summary comes back the same."""
+    data = tmp_path / "data"
+    make_task(data / "alpha", instruction="write answer.txt", test_sh=CHECK, solve_sh=SOLVE)
+    make_task(data / "broken", test_sh="exit 0\n")
+    assert cli.main(["job", "run", "both", str(data), "--agent", "oracle", "--db", db]) == 1
+    out = tmp_path / "out"
+    assert cli.main(["export-harbor", "both", str(out), "--db", db]) == 0
+    fresh = (request.getfixturevalue("postgres").create_database()
+             if db.startswith("postgresql") else str(tmp_path / "fresh.db"))
+    capsys.readouterr()
+    before, after = round_trip(capsys, "both", db, out, fresh)
+    assert after == before and after["no_solution"] == {"broken": before["no_solution"]["broken"]}
