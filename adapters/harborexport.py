@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from trialledger.adapters import artifacts
+from trialledger.adapters.codex.stream import RENAMED
 from trialledger.adapters.harbor import (
     RESULT_LIMIT,
     Agreement,
@@ -51,6 +52,7 @@ from trialledger.core.atif import trajectory
 from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
 from trialledger.core.canonical import NS
 from trialledger.core.events import (
+    CODEX_STREAM_TYPES,
     SessionSeeded,
     SessionSeededData,
     VerificationFailed,
@@ -208,11 +210,53 @@ def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=4, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def codex_stdout(view: SessionView) -> str:
+    """The session's Codex stream as `codex exec --json` printed it (Harbor keeps it as
+    `agent/codex.txt`): each stream event back under Codex's own type name, a line we
+    could not parse as it was."""
+    lines = []
+    for event in view.events:
+        if event.type == "codex.unknown":
+            lines.append(str(event.data.model_dump()["line"]))
+        elif event.type in CODEX_STREAM_TYPES:
+            kind = {v: k for k, v in RENAMED.items()}.get(event.type, event.type)
+            data = event.data.model_dump(exclude_unset=True)
+            lines.append(json.dumps({"type": kind, **data}, ensure_ascii=False))
+    return "".join(line + "\n" for line in lines)
+
+
+def _copy_rollouts(view: SessionView, agent: Path) -> None:
+    """The Codex rollouts the session archived (SPEC §8, `sandbox_logs_dir`), when they
+    are on this machine: under `agent/`, at their paths in Codex's home, as Harbor keeps
+    them (`agent/sessions/…`)."""
+    if not any(e.type == "archive.copied" for e in view.events):
+        return
+    source = artifacts.session_folder(_seed(view).settings.sandbox_logs_dir, view.session_id)
+    if not artifacts.on_this_machine(source, view.session_id):
+        return
+    tree = AgentTree(source)
+    found, _ = tree.find(".", "rollout-*.jsonl")
+    for path in found:
+        relative = path.removeprefix("./")
+        if relative.split("/")[0] in ("verifier", "artifacts"):
+            continue
+        try:
+            data = tree.read(path, ROLLOUT_FILE_LIMIT)
+        except UnsafeAgentFile:
+            continue
+        target = agent / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
 def _write_attempt(folder: Path, view: SessionView, log: Sequence[Mapping[str, Any]],
                    result: dict[str, Any], *, log_path: Path) -> int:
     """One attempt's files under `folder`; the count of kept files left out."""
     _write_json(folder / "result.json", result)
     _write_json(folder / "agent" / "trajectory.json", trajectory(view))
+    if _seed(view).agent.name == "codex":
+        (folder / "agent" / "codex.txt").write_text(codex_stdout(view), encoding="utf-8")
+        _copy_rollouts(view, folder / "agent")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in log),
                         encoding="utf-8")

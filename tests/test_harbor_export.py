@@ -13,7 +13,9 @@ import pytest
 from tests.harbor_models import models
 from tests.runs import codex_path, make_task
 from trialledger import cli
+from trialledger.adapters.codex.stream import parse_stream_line
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, message, shell, status
+from trialledger.core.events import CODEX_STREAM_TYPES
 
 SOLVE = "#!/bin/sh\necho solved > answer.txt\n"
 CHECK = "grep -qx solved answer.txt\n"
@@ -159,7 +161,9 @@ def test_a_codex_job_with_retries_keeps_earlier_attempts_inside_their_trial(
     """Real Codex, max 2 attempts: a 429 retried once, one retried until the attempts ran
     out, a verifier that writes no reward, a tool call. Each trial's earlier attempts are
     inside its own folder (never a job-level folder), the kept attempt is the last, its
-    trajectory has the tool call and its output, and the import gives the same summary."""
+    trajectory has the tool call and its output, `agent/` has Codex's stdout as Harbor
+    keeps it (`codex.txt`, read back into the same stream events) and its archived
+    rollouts, and the import gives the same summary."""
     data = tmp_path / "data"
     for name, (test_sh, by_exit, _) in TASKS.items():
         make_task(data / name, instruction=f"[task {name}] do the task", test_sh=test_sh,
@@ -168,7 +172,8 @@ def test_a_codex_job_with_retries_keeps_earlier_attempts_inside_their_trial(
     assert cli.main(["job", "run", "bench", str(data), "-n", "2", "--max-attempts", "2",
                      "--db", str(db), "--model-base-url", endpoint.url, "--model", "m",
                      "--codex-bin", codex_path(), "--set", "request_max_retries=0",
-                     "--set", "stream_max_retries=0"]) == 1
+                     "--set", "stream_max_retries=0",
+                     "--set", f"sandbox_logs_dir={tmp_path / 'kept'}"]) == 1
     capsys.readouterr()
     code, printed, err = shown(capsys, "export-harbor", "bench", str(out), "--db", str(db))
     assert code == 0, err
@@ -192,6 +197,13 @@ def test_a_codex_job_with_retries_keeps_earlier_attempts_inside_their_trial(
     (tool,) = [s for s in steps if s.get("tool_calls")]
     assert "echo hello > out.txt" in tool["tool_calls"][0]["arguments"]["cmd"]
     assert tool["metrics"]["prompt_tokens"] > 0
+    tool_folder = out / tasks["tool"][0]
+    assert list((tool_folder / "agent").glob("sessions/**/rollout-*.jsonl"))  # archived
+    stdout = (tool_folder / "agent" / "codex.txt").read_text().splitlines()
+    session = [json.loads(line) for line in
+               (tool_folder / "trialledger" / "session.jsonl").read_text().splitlines()]
+    streamed = [(e["type"], e["data"]) for e in session if e["type"] in CODEX_STREAM_TYPES]
+    assert [(r.type, r.data) for r in map(parse_stream_line, stdout)] == streamed
     before, after = round_trip(capsys, "bench", db, out, tmp_path / "fresh.db")
     assert after == before
     assert {t["task"]: t["attempts"] for t in after["trials"]} == {
