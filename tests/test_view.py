@@ -643,7 +643,10 @@ def test_a_page_name_is_never_another_sessions_id(tmp_path: Path) -> None:
     assert "AN-IMPOSTOR" in impostor
     done = _cli("view", "--db", db, "--export", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
-    assert len(os.listdir(tmp_path / "out" / "session")) == 2
+    written = os.listdir(tmp_path / "out" / "session")  # each page and its trajectory
+    assert sorted(n for n in written if n.endswith(".html")) == sorted(
+        f"{slug(name)}.html" for name in ("a:b", slug("a:b")))
+    assert len(written) == 4
 
 
 def test_a_job_with_open_trials_reloads_from_the_store(server: Server, tab: Watched) -> None:
