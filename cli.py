@@ -613,6 +613,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     _check_store_file(args.db)
     view = on_store(args.db, view_of, create=False)
+    if args.atif:
+        from trialledger.core.atif import trajectory
+
+        print_json(trajectory(view))
+        return EXIT_OK
     if args.json:
         print_json(view.model_dump(mode="json"))
         return EXIT_OK
@@ -786,6 +791,20 @@ def cmd_import_harbor(args: argparse.Namespace) -> int:
     return EXIT_FOUND if any(not a.agrees for a in agreements) else EXIT_OK
 
 
+def cmd_export_harbor(args: argparse.Namespace) -> int:
+    """Write a job as Harbor 0.26's job folder (SPEC §18)."""
+    from trialledger.adapters.harborexport import export_job
+
+    done = on_store(args.db, lambda ledger: export_job(ledger, args.job, Path(args.dir)),
+                    create=False)
+    out.print(plain(f"wrote {done.trials} trial(s) and {done.earlier_attempts} earlier "
+                    f"attempt(s) to {done.folder}"))
+    if done.files_missing:
+        print(f"trialledger: {done.files_missing} kept file(s) are not on this machine (or "
+              "changed since) and were left out", file=sys.stderr)
+    return EXIT_OK
+
+
 # --- the parser -------------------------------------------------------------------------------
 
 
@@ -955,7 +974,7 @@ EXAMPLES = {  # each subcommand's --help ends with these
     "setup": ["sudo trialledger setup"],
     "ls": ["trialledger ls --db trials.db --state graded",
            "trialledger ls --cause model_endpoint --json"],
-    "show": ["trialledger show 3f2a"],
+    "show": ["trialledger show 3f2a", "trialledger show 3f2a --atif > trajectory.json"],
     "artifacts": ["trialledger artifacts 3f2a",
                   "trialledger artifacts 3f2a verifier/test-stdout.txt",
                   "trialledger artifacts 3f2a --out kept/"],
@@ -964,6 +983,8 @@ EXAMPLES = {  # each subcommand's --help ends with these
              "trialledger view --export site/ --job nightly"],
     "demo": ["trialledger demo --db demo.db"],
     "import-harbor": ["trialledger import-harbor --db trials.db jobs/2026-10-20__14-03-05"],
+    "export-harbor": ["trialledger export-harbor nightly jobs/nightly",
+                      "trialledger export-harbor --db postgresql://trials@db/trials nightly out/"],
     "recover": ["trialledger recover --db trials.db --runner build-7-41233",
                 "trialledger recover --db trials.db --all",
                 "trialledger recover --purge-damaged"],
@@ -1141,7 +1162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(commands, "show", help="a session's timeline and decisions explained")
     _with_db(p)
     p.add_argument("session", help="the session id, or a prefix only it starts with")
-    p.add_argument("--json", action="store_true", help="the whole view as JSON")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="the whole view as JSON")
+    shape.add_argument("--atif", action="store_true",
+                       help="the session as an ATIF trajectory (Harbor's trajectory.json)")
     p.set_defaults(handler=cmd_show)
 
     p = _command(commands, "artifacts", help="list, print or copy the files a session kept")
@@ -1177,6 +1201,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_dir", help="a Harbor job folder (jobs/<job_name>)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=cmd_import_harbor)
+
+    p = _command(commands, "export-harbor", help="write a job as Harbor 0.26's job folder, "
+                                                  "an ATIF trajectory per trial")
+    _with_db(p)
+    p.add_argument("job", help="the job's name")
+    p.add_argument("dir", help="the folder to write (absent or empty)")
+    p.set_defaults(handler=cmd_export_harbor)
 
     p = _command(commands, "recover", help="close out sessions a runner left open")
     _with_db(p)

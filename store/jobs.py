@@ -569,3 +569,71 @@ class Jobs:
             keys = list(result.keys())  # once, not a mapping per row
             return [dict(zip(keys, row, strict=True)) for row in result]
 
+
+    # --- a job's rows as they are, for `export-harbor` and its import (SPEC §18) ----------
+
+    @guarded
+    async def rows_of(self, name: str) -> dict[str, Any]:
+        """The job's own rows: `jobs` (its configuration as stored, the trial namespace
+        included), its `job_queue` rows without their leases, `job_skipped` and
+        `job_task_fields` — what `restore` writes back into another store."""
+        async with self._engines.reader.begin() as conn:
+            job = (await conn.execute(text(
+                "SELECT name, config, k, max_attempts, created_at FROM jobs WHERE name = :n"),
+                {"n": name})).mappings().first()
+            if job is None:
+                raise NoJob(f"no job named {name}")
+            found: dict[str, Any] = {"job": dict(job)}
+            for key, sql in _OWN_ROWS.items():
+                found[key] = [dict(r) for r in (await conn.execute(
+                    text(sql), {"n": name})).mappings().all()]
+        return found
+
+    @guarded
+    async def restore(self, rows: Mapping[str, Any]) -> bool:
+        """Write a job's rows (`rows_of`'s shape) as they were, in one transaction, its
+        trials settled (a trial left queued or held is written `queued`). A job of that
+        name with the same rows is left as it is (False); with other rows, refused."""
+        job = dict(rows["job"])
+        name = str(job["name"])
+        queue = [{**r, "state": r["state"] if r["state"] not in ("running",) else "queued"}
+                 for r in rows["queue"]]
+        async with self._engines.writer.begin() as conn:
+            stored = (await conn.execute(text(
+                "SELECT name, config, k, max_attempts, created_at FROM jobs WHERE name = :n"),
+                {"n": name})).mappings().first()
+            if stored is not None:
+                mine = {key: [dict(r) for r in (await conn.execute(
+                    text(sql), {"n": name})).mappings().all()]
+                    for key, sql in _OWN_ROWS.items()}
+                if dict(stored) != job or mine != {**{k: rows[k] for k in _OWN_ROWS},
+                                                    "queue": queue}:
+                    raise JobRefused(f"job {name} is already in this store with other "
+                                     "trials or another configuration")
+                return False
+            await conn.execute(text(
+                "INSERT INTO jobs (name, config, k, max_attempts, created_at) "
+                "VALUES (:name, :config, :k, :max_attempts, :created_at)"), job)
+            for row in queue:
+                await conn.execute(text(
+                    "INSERT INTO job_queue (trial_id, job, task, k_index, task_dir, state, "
+                    "detail, dataset) VALUES (:trial_id, :job, :task, :k_index, :task_dir, "
+                    ":state, :detail, :dataset)"), {**row, "job": name})
+            for row in rows["skipped"]:
+                await conn.execute(text(
+                    "INSERT INTO job_skipped (job, task, dataset, reason) "
+                    "VALUES (:job, :task, :dataset, :reason)"), {**row, "job": name})
+            for row in rows["task_fields"]:
+                await conn.execute(text(
+                    "INSERT INTO job_task_fields (job, task, field, reason) "
+                    "VALUES (:job, :task, :field, :reason)"), {**row, "job": name})
+        return True
+
+
+_OWN_ROWS = {  # `rows_of` and `restore`: each table's rows of one job, in a stable order
+    "queue": "SELECT trial_id, task, k_index, task_dir, state, detail, dataset FROM job_queue "
+             "WHERE job = :n ORDER BY task, k_index, trial_id",
+    "skipped": "SELECT task, dataset, reason FROM job_skipped WHERE job = :n ORDER BY task",
+    "task_fields": "SELECT task, field, reason FROM job_task_fields WHERE job = :n "
+                   "ORDER BY task, field",
+}

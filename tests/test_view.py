@@ -31,6 +31,7 @@ import anyio
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
+from tests.harbor_models import models
 from tests.runs import codex_path, in_process, make_task
 from tests.scenarios import CLEAN as CLEAN_LINES
 from tests.scenarios import THREAD, TURN, LogBuilder, run_of, seed_of
@@ -463,6 +464,29 @@ def test_the_export_opens_from_file_with_the_same_content(
     assert tab.errors == [] and tab.dialogs == []
 
 
+def test_a_session_offers_its_atif_trajectory_served_and_exported(
+        store: Store, server: Server, tab: Watched, tmp_path: Path) -> None:
+    """The session page links its ATIF trajectory (SPEC §18): served and in an export it
+    is `show --atif`'s, and Harbor's own `Trajectory` model accepts it."""
+    session = _session_of(store, "tool")
+    tab.page.goto(f"{server.url}session/{session}.html")
+    link = tab.page.get_attribute("#atif-link", "href")
+    assert link == f"{session}.trajectory.json"
+    with urllib.request.urlopen(f"{server.url}session/{link}", timeout=30) as response:
+        assert response.headers["Content-Type"].startswith("application/json")
+        served = json.loads(response.read())
+    shown = _cli("show", "--db", str(store.db), session, "--atif")
+    assert shown.returncode == 0, shown.stderr
+    assert served == json.loads(shown.stdout)
+    assert any(step.get("tool_calls") for step in served["steps"])
+    models()["trajectory"].Trajectory.model_validate(served)
+    done = _cli("view", "--db", str(store.db), "--export", str(tmp_path / "site"),
+                "--job", "bench")
+    assert done.returncode == 0, done.stderr
+    exported = tmp_path / "site" / "session" / link
+    assert json.loads(exported.read_text(encoding="utf-8")) == served
+
+
 def test_hostile_text_is_shown_as_text_and_no_script_runs(
         store: Store, server: Server, tab: Watched) -> None:
     page = tab.page
@@ -619,7 +643,10 @@ def test_a_page_name_is_never_another_sessions_id(tmp_path: Path) -> None:
     assert "AN-IMPOSTOR" in impostor
     done = _cli("view", "--db", db, "--export", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
-    assert len(os.listdir(tmp_path / "out" / "session")) == 2
+    written = os.listdir(tmp_path / "out" / "session")  # each page and its trajectory
+    assert sorted(n for n in written if n.endswith(".html")) == sorted(
+        f"{slug(name)}.html" for name in ("a:b", slug("a:b")))
+    assert len(written) == 4
 
 
 def test_a_job_with_open_trials_reloads_from_the_store(server: Server, tab: Watched) -> None:

@@ -93,4 +93,5 @@ async def export(db: str, folder: Path, *, job: str | None = None) -> Exported:
             for part in range(2, -(-int(r["head_seq"]) // PART_EVENTS) + 1):  # seq from 1
                 _write(folder / "session" / f"{page}~{part}.html", await site.session(page, part))
             _write(folder / "rederive" / f"{page}.html", await site.rederive(page))
+            _write(folder / "session" / f"{page}.trajectory.json", await site.trajectory(page))
         return Exported(folder, len(names), len(trials), len(listed))

@@ -100,6 +100,10 @@ def _routes(site: Site) -> list[web.RouteDef]:
     async def session_part(request: web.Request) -> web.StreamResponse:
         return _page(await site.session(_id(request), int(request.match_info["part"])))
 
+    async def atif(request: web.Request) -> web.StreamResponse:
+        return web.Response(text=await site.trajectory(_id(request)),
+                            content_type="application/json", charset="utf-8")
+
     async def rederive(request: web.Request) -> web.StreamResponse:
         return _page(await site.rederive(_id(request)))
 
@@ -120,6 +124,7 @@ def _routes(site: Site) -> list[web.RouteDef]:
             web.get(r"/trial/{id:[^/]+}.html", trial),
             web.get(r"/session/{id:[^/~]+}.html", session),
             web.get(r"/session/{id:[^/~]+}~{part:[1-9][0-9]{0,6}}.html", session_part),
+            web.get(r"/session/{id:[^/~]+}.trajectory.json", atif),
             web.get(r"/rederive/{id:[^/]+}.html", rederive),
             web.get(r"/diff/{a:[^/~]+}~{b:[^/~]+}.html", diff),
             web.get("/static/{name}", static), web.get("/favicon.ico", favicon)]

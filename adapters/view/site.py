@@ -4,12 +4,15 @@ link relative, so the pages open from disk as they are served."""
 
 from __future__ import annotations
 
+import json
+
 from trialledger.adapters.view import pages
 from trialledger.adapters.view.names import is_plain, slug
 from trialledger.adapters.view.pages import NotFound, Search
 from trialledger.adapters.view.render import Pages
 from trialledger.adapters.view.session import Folds, rederived, session
 from trialledger.adapters.view.store import rows
+from trialledger.core.atif import trajectory
 from trialledger.store import Ledger
 from trialledger.store.jobs import Jobs
 
@@ -84,6 +87,12 @@ class Site:
                              view=await self.folds.view(session_id))
         return self.pages.render("session.html", root="../", title=f"session {session_id[:12]}",
                                  page=page, refresh=None)
+
+    async def trajectory(self, name: str) -> str:
+        """The session as an ATIF trajectory (Harbor's `trajectory.json`, SPEC §18)."""
+        session_id = await self._id_of(name, "session_id")
+        return json.dumps(trajectory(await self.folds.view(session_id)), indent=2,
+                          ensure_ascii=False) + "\n"
 
     async def rederive(self, name: str) -> str:
         session_id = await self._id_of(name, "session_id")
