@@ -213,6 +213,49 @@ def test_a_worker_paused_past_its_lease_while_the_store_went_silent_claims_again
     assert not list(reachable_tmp.glob("trialledger-*"))
 
 
+def test_a_worker_paused_past_its_lease_releases_its_folder_while_the_store_is_down(
+        sleeper: Path, postgres: PostgresServer, reachable_tmp: Path) -> None:
+    """The worker is paused past its lease and PostgreSQL stops meanwhile: resumed, the
+    worker stops its trial and removes its session folder while the store is still down —
+    its session's close waits for the store a third of the lease, then is journalled
+    (it waited the runner's `store_retry_s`, 120 s, holding the folder). Once the store is
+    back, the trial is decided once."""
+    db = postgres.create_database()
+    _define(db, "down", sleeper)
+    data = str(postgres.folder / "data")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trialledger.cli", "worker", "--db", db, "--job", "down",
+         "--lease-s", str(LEASE_S), "--runner-id", "paused"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(reachable_tmp)})
+    try:
+        _wait(_marker_alive, 60, "the oracle did not start")
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(LEASE_S + 1)  # past the lease
+        postgres._run("pg_ctl", "-D", data, "-m", "immediate", "-w", "stop")
+        try:
+            os.kill(proc.pid, signal.SIGCONT)
+            _wait(lambda: not list(reachable_tmp.glob("trialledger-*")), 20,
+                  "the resumed worker kept its session folder while the store was down")
+            assert proc.poll() is None  # it claims again once the store is back
+        finally:
+            options = f"-p {postgres.port} -k {postgres.folder} -c listen_addresses=127.0.0.1"
+            postgres._run("pg_ctl", "-D", data, "-o", options,
+                          "-l", str(postgres.folder / "server.log"), "-w", "start")
+        _, err = proc.communicate(timeout=150)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert _pg_rows(db, "SELECT state FROM job_queue") == [("done",)]
+    sessions = _pg_rows(db, "SELECT close_reason, outcome FROM sessions ORDER BY created_at")
+    assert sessions[0][0] in ("cancelled", "recovered") and sessions[0][1] != "verify"
+    assert [s for s in sessions if s[1] == "verify"] == [sessions[-1]], sessions
+
+
 @pytest.mark.anyio
 async def test_a_worker_that_cannot_prepare_a_task_leaves_its_trials_queued(
         tmp_path: Path, db: str, caplog: pytest.LogCaptureFixture) -> None:
