@@ -158,18 +158,24 @@ def _define(db: str, name: str, task: Path) -> None:
     anyio.run(define)
 
 
+@pytest.mark.parametrize("command", ["worker", "job run"])
 def test_a_worker_paused_past_its_lease_while_the_store_went_silent_claims_again(
-        sleeper: Path, postgres: PostgresServer, reachable_tmp: Path) -> None:
+        sleeper: Path, postgres: PostgresServer, reachable_tmp: Path, command: str) -> None:
     """The worker is paused (SIGSTOP) while its oracle runs, past its lease; meanwhile the
     server stops answering on the worker's connections — their backends SIGSTOPped, as a
     restart behind a proxy or a failover leaves them: no reset, no answer. Resumed, the
     worker stops its trial, releases its session folder and claims the trial again on new
     connections (it was hanging for ever on a pooled connection's check); once the old
-    backends answer again the trial is decided once."""
+    backends answer again the trial is decided once. The same for the job's own `job
+    run`, which holds its trials under leases as a worker does."""
     db = postgres.create_database()
-    _define(db, "paused", sleeper)
+    if command == "worker":
+        _define(db, "paused", sleeper)
+        argv = ["worker", "--job", "paused"]
+    else:
+        argv = ["job", "run", "paused", str(sleeper), "--agent", "oracle"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trialledger.cli", "worker", "--db", db, "--job", "paused",
+        [sys.executable, "-m", "trialledger.cli", *argv, "--db", db,
          "--lease-s", str(LEASE_S), "--runner-id", "paused"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "TMPDIR": str(reachable_tmp)})
@@ -190,7 +196,7 @@ def test_a_worker_paused_past_its_lease_while_the_store_went_silent_claims_again
             return (not first[0].exists() and len(_pg_rows(
                 db, "SELECT 1 FROM sessions WHERE runner_id = 'paused'")) >= 2)
 
-        _wait(claimed_again, 45, "the resumed worker did not release its session folder and "
+        _wait(claimed_again, 45, f"the resumed {command} did not release its session folder and "
                                  "claim the trial again")
         assert proc.poll() is None  # working the trial again, not ended by the outage
     finally:
@@ -213,18 +219,23 @@ def test_a_worker_paused_past_its_lease_while_the_store_went_silent_claims_again
     assert not list(reachable_tmp.glob("trialledger-*"))
 
 
+@pytest.mark.parametrize("command", ["worker", "job run"])
 def test_a_worker_paused_past_its_lease_releases_its_folder_while_the_store_is_down(
-        sleeper: Path, postgres: PostgresServer, reachable_tmp: Path) -> None:
+        sleeper: Path, postgres: PostgresServer, reachable_tmp: Path, command: str) -> None:
     """The worker is paused past its lease and PostgreSQL stops meanwhile: resumed, the
     worker stops its trial and removes its session folder while the store is still down —
     its session's close waits for the store a third of the lease, then is journalled
     (it waited the runner's `store_retry_s`, 120 s, holding the folder). Once the store is
-    back, the trial is decided once."""
+    back, the trial is decided once. The same for the job's own `job run`."""
     db = postgres.create_database()
-    _define(db, "down", sleeper)
+    if command == "worker":
+        _define(db, "down", sleeper)
+        argv = ["worker", "--job", "down"]
+    else:
+        argv = ["job", "run", "down", str(sleeper), "--agent", "oracle"]
     data = str(postgres.folder / "data")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trialledger.cli", "worker", "--db", db, "--job", "down",
+        [sys.executable, "-m", "trialledger.cli", *argv, "--db", db,
          "--lease-s", str(LEASE_S), "--runner-id", "paused"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "TMPDIR": str(reachable_tmp)})
@@ -236,7 +247,7 @@ def test_a_worker_paused_past_its_lease_releases_its_folder_while_the_store_is_d
         try:
             os.kill(proc.pid, signal.SIGCONT)
             _wait(lambda: not list(reachable_tmp.glob("trialledger-*")), 20,
-                  "the resumed worker kept its session folder while the store was down")
+                  f"the resumed {command} kept its session folder while the store was down")
             assert proc.poll() is None  # it claims again once the store is back
         finally:
             options = f"-p {postgres.port} -k {postgres.folder} -c listen_addresses=127.0.0.1"
