@@ -57,14 +57,17 @@ class Refused(Exception):
 
 
 async def in_store(db: str, work: Callable[[Ledger], Awaitable[T]], *,
-                   create: bool = True) -> T:
+                   create: bool = True, lease_s: float | None = None) -> T:
     """`work` on the store at `db`, opened for it and closed after (`create`: build a
-    missing database; read-only commands refuse one instead)."""
+    missing database; read-only commands refuse one instead; `lease_s`: a lease holder's
+    lease, which bounds each of its PostgreSQL calls, `engine.call_deadline`)."""
     from trialledger.store import Ledger
+    from trialledger.store.engine import call_deadline
     from trialledger.store.newfile import removed_if_unused
 
     with removed_if_unused(db) if create else contextlib.nullcontext():  # refused: no file
-        async with await Ledger.open(db, create=create) as ledger:
+        deadline = None if lease_s is None else call_deadline(lease_s)
+        async with await Ledger.open(db, create=create, call_timeout_s=deadline) as ledger:
             return await work(ledger)
 
 
@@ -478,7 +481,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     async def go() -> dict[str, Any]:
         if options.agent == "codex":
             await check_endpoint(args.model_base_url, options.api_key)
-        return await in_store(args.db, job)
+        return await in_store(args.db, job, lease_s=args.lease_s)
 
     try:
         selection = load_tasks(form.paths, args.include or (),
@@ -529,7 +532,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     async def go() -> int:
         if args.model_base_url and args.agent in (None, "codex"):
             await check_endpoint(args.model_base_url, options.api_key)
-        return await in_store(args.db, work, create=False)
+        return await in_store(args.db, work, create=False, lease_s=args.lease_s)
 
     try:
         worked = anyio.run(lambda: until_signalled(go, stop=stopper(holder, args.grace),

@@ -337,7 +337,7 @@ class JobRunner:
         """The session runner of a held trial of `task`: its sandboxes keep the lease's
         deadline (`switch`)."""
         options = dataclasses.replace(self.options, max_attempts=self.max_attempts,
-                                      switch=switch)
+                                      switch=switch, lease_s=self.lease_s)
         return SessionRunner(self.ledger, self.by_name[task], options, self.environments[task])
 
     async def _done(self, claim: Claim, ran: TrialRun) -> TrialDone:

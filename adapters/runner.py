@@ -95,6 +95,8 @@ class RunOptions:
     store_retry_s: float = STORE_RETRY_S  # appends retry this long through a store's blink
     agent: str = "codex"  # or oracle / nop (SPEC §15): no model, no proxy, no grants
     switch: DeadManSwitch | None = None  # a job trial's lease, kept by the sandbox too
+    lease_s: float | None = None  # a job trial's lease: a stopped session's close waits at
+    # most a third of it for the store (then journalled; the next holder recovers it)
     task_mcp_hosts: Sequence[str] = ()  # hosts a task's MCP servers may be at though not
     # public (`--task-mcp-host`, docs/SPEC.md §15); an operator's grants are trusted anyway
 
@@ -357,8 +359,11 @@ class SessionRunner:
                 await self._drive(recorder, sandbox, valid, seeded.secrets)
             finally:
                 if not recorder.closed:
-                    # A lost lease: the trial's new holder recovers this session.
-                    with anyio.CancelScope(shield=True), contextlib.suppress(LeaseLost):
+                    # A lost lease: the trial's new holder recovers this session. A held
+                    # trial's close waits for the store at most a third of its lease, then
+                    # is journalled, so its session folders go within its lease.
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(
+                            self._close_wait_s()), contextlib.suppress(LeaseLost):
                         await recorder.add("session.closed", {"reason": "cancelled"})
             self.last = SessionResult(session_id, await recorder.view())
             return self.last
@@ -367,6 +372,13 @@ class SessionRunner:
                 await network.aclose()
                 await sandbox.close()
                 await anyio.to_thread.run_sync(sandbox.discard)
+
+    def _close_wait_s(self) -> float:
+        """How long a stopped session's `session.closed` waits for the store: the runner's
+        `store_retry_s`, or for a job trial at most a third of its lease."""
+        lease_s = self.options.lease_s
+        return self.options.store_retry_s if lease_s is None else min(
+            self.options.store_retry_s, lease_s / 3)
 
     async def _drive(self, rec: Recorder, sandbox: LocalSandbox, valid: ValidSeed,
                      secrets: Sequence[str]) -> None:

@@ -40,6 +40,8 @@ Synchronous = Literal["FULL", "NORMAL", "EXTRA", "OFF"]
 T = TypeVar("T")
 P = TypeVar("P")
 POSITION_SEQUENCE = "pg_get_serial_sequence('events', 'position')"  # PostgreSQL's default
+CALL_FLOOR_S = 2.0  # the shortest deadline a PostgreSQL call is given (`call_deadline`)
+CALL_CEILING_S = 60.0  # and the longest a lease holder's calls are given
 
 
 def driver_marks(dialect: str, count: int) -> list[str]:
@@ -302,8 +304,19 @@ async def open_engines(db: str, *, sqlite_synchronous: Synchronous = "FULL"
         await engines.dispose()
 
 
-def make_engines(db: str, *, sqlite_synchronous: Synchronous = "FULL") -> Engines:
-    """Engines for a `--db` value."""
+def call_deadline(lease_s: float) -> float:
+    """The deadline of each PostgreSQL call of a lease holder (`job run`, `worker`): a third
+    of its lease, within [`CALL_FLOOR_S`, `CALL_CEILING_S`]. A call that does not answer by
+    then fails as an outage and its connection is cut, so a holder never waits on a server
+    that went silent (stopped, restarted behind a proxy, a peer gone without a reset) past
+    its lease: its trial stops, its session folders are released and it claims again."""
+    return max(CALL_FLOOR_S, min(CALL_CEILING_S, lease_s / 3))
+
+
+def make_engines(db: str, *, sqlite_synchronous: Synchronous = "FULL",
+                 call_timeout_s: float | None = None) -> Engines:
+    """Engines for a `--db` value; `call_timeout_s`: PostgreSQL's deadline for each
+    connect, checkout and statement (None: none)."""
     url = database_url(db)
     if url.get_backend_name() == "sqlite":
         _create_private(url.database)
@@ -315,12 +328,13 @@ def make_engines(db: str, *, sqlite_synchronous: Synchronous = "FULL") -> Engine
                                             synchronous=sqlite_synchronous),
             sync_reader=_sqlite_sync_engine(url, begin="BEGIN", synchronous=sqlite_synchronous),
         )
-    return Engines(writer=_postgres_engine(url, pool_size=2),
-                   reader=_postgres_engine(url, pool_size=4),
+    return Engines(writer=_postgres_engine(url, pool_size=2, call_timeout_s=call_timeout_s),
+                   reader=_postgres_engine(url, pool_size=4, call_timeout_s=call_timeout_s),
                    url=url.render_as_string(hide_password=True))
 
 
-def _postgres_engine(url: URL, *, pool_size: int) -> AsyncEngine:
+def _postgres_engine(url: URL, *, pool_size: int,
+                     call_timeout_s: float | None = None) -> AsyncEngine:
     """An asyncpg engine whose pooled connections are checked when checked out, so one that
     died with a server restart is replaced, not used — what `pool_pre_ping` does, cheaper:
     a connection the driver knows is closed is dropped at once; one idle for `PING_IDLE_S`
@@ -328,8 +342,22 @@ def _postgres_engine(url: URL, *, pool_size: int) -> AsyncEngine:
     its ping in BEGIN and ROLLBACK); one checked in more recently is used as it is — a claim
     loop takes a connection every millisecond or two, and a ping each time was half its round
     trips. A connection that dies inside that window fails its statement as an outage
-    (`StoreUnavailable`), which callers retry."""
-    engine = create_async_engine(url, pool_size=pool_size)
+    (`StoreUnavailable`), which callers retry.
+
+    `call_timeout_s`: a connect, a wait for a pooled connection and each statement (the
+    ping too) not done by then raises `TimeoutError` (an outage, `StoreUnavailable`), and
+    the connection is cut and dropped from the pool, never used again half-answered."""
+    if call_timeout_s is None:
+        engine = create_async_engine(url, pool_size=pool_size)
+    else:
+        engine = create_async_engine(
+            url, pool_size=pool_size, pool_timeout=call_timeout_s,
+            connect_args={"timeout": call_timeout_s, "command_timeout": call_timeout_s})
+
+        @event.listens_for(engine.sync_engine, "handle_error")
+        def _timed_out(context: Any) -> None:
+            if isinstance(context.original_exception, TimeoutError):
+                context.is_disconnect = True  # cut (terminated), never checked in again
 
     @event.listens_for(engine.sync_engine.pool, "checkin")
     def _used(_dbapi_connection: Any, record: Any) -> None:

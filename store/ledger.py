@@ -141,19 +141,23 @@ class Ledger:
         policy: str | Policy = DEFAULT_POLICY,
         sqlite_synchronous: Synchronous = "FULL",
         create: bool = True,
+        call_timeout_s: float | None = None,
     ) -> Ledger:
         """Open (building a fresh database) a store; refuse one whose schema is out of date.
 
         `create=False` refuses a SQLite path with no file (read-only callers).
         `policy` is written into every seed that names none (SPEC §3 "Which policy"); each
         session is then decided under its seed's policy, whatever store reads it later.
+        `call_timeout_s`: on PostgreSQL, the deadline of each connect and statement (a lease
+        holder's, `engine.call_deadline`); a call past it fails as `StoreUnavailable`.
         """
         load_installed_policies()  # before any seed or fold names one of them
         path = sqlite_path(db)
         if not create and path is not None and not os.path.isfile(path):
             raise NoDatabase(f"no database at {path} (a new one is made by `trialledger db "
                              "upgrade` or by a command that writes)")
-        engines = make_engines(db, sqlite_synchronous=sqlite_synchronous)
+        engines = make_engines(db, sqlite_synchronous=sqlite_synchronous,
+                               call_timeout_s=call_timeout_s)
         try:
             await ensure_current(engines.writer, db=db)
         except BaseException as error:

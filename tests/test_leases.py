@@ -143,6 +143,130 @@ def test_a_renewal_that_hangs_is_timed_out(sleeper: Path, postgres: PostgresServ
         _ran_to_its_decision(db, sleeper, proc)
 
 
+def _define(db: str, name: str, task: Path) -> None:
+    """Create job `name` of the oracle on `task` (one trial), for a worker to join."""
+    from trialledger.adapters.jobs import job_config
+    from trialledger.adapters.runner import RunOptions
+    from trialledger.store import Ledger
+    from trialledger.store.jobs import Jobs
+
+    async def define() -> None:
+        async with await Ledger.open(db) as ledger:
+            await Jobs(ledger).define(name, job_config(RunOptions(agent="oracle"), 1, 1),
+                                      [(task.name, str(task))])
+
+    anyio.run(define)
+
+
+@pytest.mark.parametrize("command", ["worker", "job run"])
+def test_a_worker_paused_past_its_lease_while_the_store_went_silent_claims_again(
+        sleeper: Path, postgres: PostgresServer, reachable_tmp: Path, command: str) -> None:
+    """The worker is paused (SIGSTOP) while its oracle runs, past its lease; meanwhile the
+    server stops answering on the worker's connections — their backends SIGSTOPped, as a
+    restart behind a proxy or a failover leaves them: no reset, no answer. Resumed, the
+    worker stops its trial, releases its session folder and claims the trial again on new
+    connections (it was hanging for ever on a pooled connection's check); once the old
+    backends answer again the trial is decided once. The same for the job's own `job
+    run`, which holds its trials under leases as a worker does."""
+    db = postgres.create_database()
+    if command == "worker":
+        _define(db, "paused", sleeper)
+        argv = ["worker", "--job", "paused"]
+    else:
+        argv = ["job", "run", "paused", str(sleeper), "--agent", "oracle"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trialledger.cli", *argv, "--db", db,
+         "--lease-s", str(LEASE_S), "--runner-id", "paused"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(reachable_tmp)})
+    silent: list[int] = []
+    try:
+        _wait(_marker_alive, 60, "the oracle did not start")
+        first = list(reachable_tmp.glob("trialledger-*"))
+        assert len(first) == 1, first
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(LEASE_S + 1)  # past the lease: the trial may be taken over now
+        silent = _backends(postgres, db)  # the paused worker's connections, every one
+        assert silent
+        for pid in silent:
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(proc.pid, signal.SIGCONT)
+
+        def claimed_again() -> bool:
+            return (not first[0].exists() and len(_pg_rows(
+                db, "SELECT 1 FROM sessions WHERE runner_id = 'paused'")) >= 2)
+
+        _wait(claimed_again, 45, f"the resumed {command} did not release its session folder and "
+                                 "claim the trial again")
+        assert proc.poll() is None  # working the trial again, not ended by the outage
+    finally:
+        for pid in silent:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert _pg_rows(db, "SELECT state FROM job_queue") == [("done",)]
+    sessions = _pg_rows(db, "SELECT close_reason, outcome FROM sessions ORDER BY created_at")
+    assert sessions[0][0] in ("cancelled", "recovered") and sessions[0][1] != "verify"
+    assert [s for s in sessions if s[1] == "verify"] == [sessions[-1]], sessions
+    assert not list(reachable_tmp.glob("trialledger-*"))
+
+
+@pytest.mark.parametrize("command", ["worker", "job run"])
+def test_a_worker_paused_past_its_lease_releases_its_folder_while_the_store_is_down(
+        sleeper: Path, postgres: PostgresServer, reachable_tmp: Path, command: str) -> None:
+    """The worker is paused past its lease and PostgreSQL stops meanwhile: resumed, the
+    worker stops its trial and removes its session folder while the store is still down —
+    its session's close waits for the store a third of the lease, then is journalled
+    (it waited the runner's `store_retry_s`, 120 s, holding the folder). Once the store is
+    back, the trial is decided once. The same for the job's own `job run`."""
+    db = postgres.create_database()
+    if command == "worker":
+        _define(db, "down", sleeper)
+        argv = ["worker", "--job", "down"]
+    else:
+        argv = ["job", "run", "down", str(sleeper), "--agent", "oracle"]
+    data = str(postgres.folder / "data")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trialledger.cli", *argv, "--db", db,
+         "--lease-s", str(LEASE_S), "--runner-id", "paused"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(reachable_tmp)})
+    try:
+        _wait(_marker_alive, 60, "the oracle did not start")
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(LEASE_S + 1)  # past the lease
+        postgres._run("pg_ctl", "-D", data, "-m", "immediate", "-w", "stop")
+        try:
+            os.kill(proc.pid, signal.SIGCONT)
+            _wait(lambda: not list(reachable_tmp.glob("trialledger-*")), 20,
+                  f"the resumed {command} kept its session folder while the store was down")
+            assert proc.poll() is None  # it claims again once the store is back
+        finally:
+            options = f"-p {postgres.port} -k {postgres.folder} -c listen_addresses=127.0.0.1"
+            postgres._run("pg_ctl", "-D", data, "-o", options,
+                          "-l", str(postgres.folder / "server.log"), "-w", "start")
+        _, err = proc.communicate(timeout=150)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert _pg_rows(db, "SELECT state FROM job_queue") == [("done",)]
+    sessions = _pg_rows(db, "SELECT close_reason, outcome FROM sessions ORDER BY created_at")
+    assert sessions[0][0] in ("cancelled", "recovered") and sessions[0][1] != "verify"
+    assert [s for s in sessions if s[1] == "verify"] == [sessions[-1]], sessions
+
+
 @pytest.mark.anyio
 async def test_a_worker_that_cannot_prepare_a_task_leaves_its_trials_queued(
         tmp_path: Path, db: str, caplog: pytest.LogCaptureFixture) -> None:
