@@ -88,7 +88,7 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
     which step it is at."""
     context = source.path
     if context.is_symlink() or not context.is_dir():
-        raise EnvironmentUnavailable(f"{WHAT}: environment/ must be a folder, not a link")
+        raise EnvironmentUnavailable(f"{WHAT}: {source.context}/ must be a folder, not a link")
     for tool in ("podman", "buildah"):
         if shutil.which(tool) is None:
             raise EnvironmentUnavailable(f"{WHAT}: {tool} is not installed "
@@ -107,7 +107,7 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
             ids = [resolve_base(box, base, engine, pull=pull) for base in bases]
             key = build_key(context_digest(context), bases, ids, args)
             remembered = cache.remembered(f"build-{key}")
-            if remembered is not None and (found := cache.lookup(remembered)) is not None:
+            if remembered is not None and (found := cache.image(remembered)) is not None:
                 return found
             tag = f"{TAG}:{key[:32]}"
             if not box.succeeds(["podman", "image", "exists", tag]):
@@ -118,9 +118,16 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
                         _build(box, work, tag, source.build_timeout_s, args, progress)
             digest = _image_id(box, tag)
             cache.remember(f"build-{key}", digest)
-            if (found := cache.lookup(digest)) is not None:
+            if (found := cache.image(digest)) is not None:
                 return found
-            archive = _save(box, work, tag)
+            if cache.store is not None:  # the layers the store lacks, copied in below
+                exported = cache.store.export_built(box, work.inner / "layout",
+                                                    work.outer / "layout", tag, WHAT)
+            else:
+                archive = _save(box, work, tag)
+        if cache.store is not None:
+            return cache.store.take(exported, digest, kind="image", ref="Dockerfile",
+                                    what=WHAT)
         return prepare_archive(archive, "Dockerfile", cache, owner, digest=digest)
 
 

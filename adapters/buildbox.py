@@ -139,9 +139,8 @@ class BuildBox:
     def _working_containers(self, build: Callable[[str], bool]) -> list[str]:
         """The ids of the working containers made by the builds whose id `build` accepts
         (the id in their record)."""
-        graphroot = self.run(["podman", "info", "--format", "{{.Store.GraphRoot}}"]).strip()
         found = []
-        for record in Path(graphroot).glob("*-containers/*/userdata/buildah.json"):
+        for record in self.builder.graphroot.glob("*-containers/*/userdata/buildah.json"):
             options = _record(record).get("CommonBuildOpts")
             made = options.get("CgroupParent") if isinstance(options, dict) else None
             if isinstance(made, str) and build(made):

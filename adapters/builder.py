@@ -16,7 +16,9 @@ import contextlib
 import grp
 import os
 import pwd
+import re
 import subprocess
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,11 @@ class Builder:
     storage: Path  # the build user's HOME, XDG folders and engine storage
     locks: Path  # one lock per build key (a build holds its image's only)
     scratch: Path  # where each build's private folder is made
+
+    @property
+    def graphroot(self) -> Path:
+        """The engine storage's graph root (`storage_conf`: no engine asked)."""
+        return graph_root(self.storage, storage_driver(os.uname().release))
 
     @property
     def as_user(self) -> list[str]:
@@ -160,6 +167,63 @@ def _own(folder: Path, uid: int, gid: int, mode: int) -> None:
         os.close(fd)
 
 
+def storage_driver(kernel: str) -> str:
+    """The build storage's driver: `overlay` where the kernel mounts overlays in a user
+    namespace (5.13 and later: each `RUN` layer a diff, not a full copy of the tree as
+    `vfs` makes it), `vfs` elsewhere."""
+    release = tuple(int(part) for part in re.findall(r"\d+", kernel)[:2])
+    return "overlay" if release >= (5, 13) else "vfs"
+
+
+def storage_conf(kernel: str) -> str:
+    """The build user's `containers/storage.conf`: its driver, in a graph root of its own
+    (an older `vfs` storage's database would otherwise keep its driver)."""
+    driver = storage_driver(kernel)
+    return (f'[storage]\ndriver = "{driver}"\n'
+            f'graphroot = "{graph_root(STORAGE, driver)}"\n'
+            f'runroot = "{STORAGE}/run/containers-{driver}"\n')
+
+
+def graph_root(storage: Path, driver: str) -> Path:
+    """Where the build user's engine keeps its images and containers."""
+    return storage / "data" / "containers" / f"storage-{driver}"
+
+
+def _write_storage_conf(uid: int, gid: int) -> None:
+    """`config/containers/storage.conf` in the build user's storage, root's (0644): each
+    folder opened without following a link (the build user owns `config/`), the file
+    replaced by a rename only when it differs."""
+    wanted = storage_conf(os.uname().release).encode()
+    _own(STORAGE / "config", uid, gid, 0o700)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    config = os.open(STORAGE / "config", flags)
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir("containers", 0o755, dir_fd=config)
+        folder = os.open("containers", flags, dir_fd=config)
+    finally:
+        os.close(config)
+    try:
+        os.fchown(folder, 0, 0)
+        os.fchmod(folder, 0o755)
+        with contextlib.suppress(OSError):
+            current = os.open("storage.conf", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              dir_fd=folder)
+            with os.fdopen(current, "rb") as readable:
+                if readable.read(len(wanted) + 1) == wanted:
+                    return
+        staged = f".storage.conf.{os.getpid()}.{threading.get_ident()}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged, dir_fd=folder)
+        out = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                      | os.O_CLOEXEC, 0o644, dir_fd=folder)
+        with os.fdopen(out, "wb") as writable:
+            writable.write(wanted)
+        os.rename(staged, "storage.conf", src_dir_fd=folder, dst_dir_fd=folder)
+    finally:
+        os.close(folder)
+
+
 def _prepare_storage(uid: int, gid: int) -> None:
     try:
         STATE.parent.mkdir(parents=True, exist_ok=True)
@@ -168,6 +232,7 @@ def _prepare_storage(uid: int, gid: int) -> None:
         _own(LOCKS, 0, 0, 0o700)
         _own(STORAGE, uid, gid, 0o700)
         _own(STORAGE / "run", uid, gid, 0o700)  # XDG_RUNTIME_DIR
+        _write_storage_conf(uid, gid)
     except OSError as error:
         raise EnvironmentUnavailable(f"the build storage {STORAGE}: {error.strerror} "
                                      f"({error.filename})") from None

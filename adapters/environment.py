@@ -9,12 +9,16 @@ Sources (`task.toml` `[environment]`, at most one):
     environment/Dockerfile    built rootless by the build user (adapters/build.py), keyed
                               as Docker's cache is; a missing FROM image pulled (`--pull`)
 
-Images go through the well-kept tools: `skopeo copy` into an OCI layout, then `umoci unpack
---rootless` (layers, whiteouts and the image's `User` looked up in its `/etc/passwd`);
-root filesystems through GNU tar. A cache entry is either *rootless* (single-id mode: owned
-by the sandbox uid, no setuid/setgid bits) or *plain* (range mode, docs/SPEC.md §15: the
-image's own ownership, modes and setuid bits, unpacked as root, which each session mounts
-idmapped onto its slot). Neither holds a device node (the overlay is also `nodev,nosuid`).
+Images go through the well-kept tools. In range mode (a `plain` cache) they are copied by
+`skopeo` into the session image store (adapters/imagestore.py), each layer once by its
+digest, and sessions use its layer folders in place; nothing of an image is unpacked into
+the cache. In single-id mode: `skopeo copy` into an OCI layout, then `umoci unpack
+--rootless` (layers, whiteouts and the image's `User` looked up in its `/etc/passwd`).
+Root filesystems go through GNU tar. A cache entry is either *rootless* (single-id mode:
+owned by the sandbox uid, no setuid/setgid bits) or *plain* (a range-mode rootfs,
+docs/SPEC.md §15: its own ownership, modes and setuid bits, unpacked as root once per
+digest, which each session mounts idmapped onto its slot). Neither holds a device node
+(the overlay is also `nodev`).
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from trialledger.core.errors import TrialLedgerError
+
+if TYPE_CHECKING:
+    from trialledger.adapters.imagestore import ImageStore
 
 Kind = Literal["host", "image", "rootfs"]
 # What a Dockerfile build tells whoever waits on it (the live display): "waiting" for another
@@ -72,12 +79,13 @@ class Source:
     build_timeout_s: float = BUILD_TIMEOUT_S
     pids: float | None = None  # the task's `pids`: a build's pids.max when above 4,096
     memory_mb: float | None = None  # the task's `memory_mb`: a build's memory limit
+    context: str = "environment"  # a Dockerfile's folder (a separate verifier's: tests)
 
     @property
     def path(self) -> Path:
         """The source's file or folder (archive, rootfs, or the Dockerfile's context)."""
         if self.kind == "dockerfile":
-            return self.folder / "environment"
+            return self.folder / self.context
         return self.folder / self.value
 
 
@@ -99,6 +107,12 @@ class Environment:
     upload: Path | None = None
     plain: bool = False  # the image's own ownership (range mode), else rootless
     entrypoint: tuple[str, ...] = ()  # the image's ENTRYPOINT (a container's PID 1 runs it)
+    # (range mode) the image's layer folders in the session image store, top first: each
+    # mounted idmapped onto the session's slot, its overlay over them; `root` is then the
+    # store's read-only view of them merged (adapters/imagestore.py)
+    layers: tuple[Path, ...] = ()
+    # A task's separate verifier's own (docs/SPEC.md §17; adapters/verifiermode.py)
+    verifier: Environment | None = None
 
     def record(self) -> dict[str, Any]:
         """`agent.launched.environment`."""
@@ -212,9 +226,23 @@ class Cache:
     file lock. A `plain` cache (range mode) holds the images' own ownership and setuid
     files: its folder must be root's alone (`check_plain_folder`)."""
 
-    def __init__(self, folder: Path | None = None, *, plain: bool = False) -> None:
+    def __init__(self, folder: Path | None = None, *, plain: bool = False,
+                 store: ImageStore | None = None) -> None:
         self.folder = (folder or default_cache_dir()).absolute()
         self.plain = plain
+        # (range mode) images are copied into the session image store and used from there
+        # in place; the cache keeps root filesystems and its file → digest index
+        if plain and store is None:
+            from trialledger.adapters.imagestore import ImageStore  # it builds on this module
+
+            store = ImageStore()
+        self.store = store
+
+    def image(self, digest: str) -> Environment | None:
+        """The prepared image of config `digest`: in the store, else the cache's entry."""
+        if self.store is not None:
+            return self.store.environment(digest, kind="image", ref="image")
+        return self.lookup(digest)
 
     def _name(self, digest: str) -> str:
         hexa = digest.removeprefix("sha256:")
@@ -271,7 +299,8 @@ class Cache:
                     without_devices(scratch / "rootfs")
                 else:
                     rootless(scratch / "rootfs", owner)
-                meta = {**asdict(made), "root": None, "upload": None, "plain": self.plain,
+                meta = {**asdict(made), "root": None, "upload": None, "verifier": None,
+                        "plain": self.plain,
                         "env": [list(p) for p in made.env],
                         "size": _tree_size(scratch / "rootfs"),
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -410,12 +439,11 @@ def _entrypoint(layout: Path) -> tuple[str, ...]:
 
 
 def _unpack_layout(layout: Path, scratch: Path, kind: Kind, ref: str, digest: str,
-                   what: str, *, plain: bool = False) -> Environment:
-    """`umoci unpack` (`--rootless` unless the entry keeps the image's ownership, which
-    needs root), then the runtime config umoci derived from the image."""
+                   what: str) -> Environment:
+    """`umoci unpack --rootless` (single-id mode; range mode uses the image store's layers
+    in place), then the runtime config umoci derived from the image."""
     bundle = scratch / "bundle"
-    rootless_flag = [] if plain else ["--rootless"]
-    _tool(["umoci", "unpack", *rootless_flag, "--image", f"{layout}:image", str(bundle)], what)
+    _tool(["umoci", "unpack", "--rootless", "--image", f"{layout}:image", str(bundle)], what)
     config = json.loads((bundle / "config.json").read_text(encoding="utf-8"))
     process = config.get("process", {})
     env = [item.split("=", 1) for item in process.get("env", []) if "=" in item]
@@ -439,8 +467,13 @@ def prepare_archive(archive: Path, ref: str, cache: Cache, owner: int | None, *,
         raise EnvironmentUnavailable(f"{what}: no such file")
     key = _file_key(archive)
     digest = digest or cache.remembered(key)
-    if digest is not None and (found := cache.lookup(digest)) is not None:
+    if digest is not None and (found := cache.image(digest)) is not None:
         return found
+    if cache.store is not None:
+        transport, digest = _archive_config(archive, what, digest)
+        cache.remember(key, digest)
+        return cache.store.take(f"{transport}:{archive}", digest, kind="image", ref=ref,
+                                what=what)
     with tempfile.TemporaryDirectory(prefix="trialledger-image-") as work:
         layout = Path(work) / "layout"
         _to_layout(archive, layout, what)
@@ -448,7 +481,25 @@ def prepare_archive(archive: Path, ref: str, cache: Cache, owner: int | None, *,
         cache.remember(key, digest)
         known = digest
         return cache.fill(digest, lambda scratch: _unpack_layout(
-            layout, scratch, "image", ref, known, what, plain=cache.plain), owner=owner)
+            layout, scratch, "image", ref, known, what), owner=owner)
+
+
+def _archive_config(archive: Path, what: str, digest: str | None) -> tuple[str, str]:
+    """An archive's skopeo transport (OCI or docker) and its image's config digest (read
+    from the archive unless known)."""
+    problems = []
+    for transport in ("oci-archive", "docker-archive"):
+        try:
+            config = _tool(["skopeo", "inspect", "--config", "--raw", f"{transport}:{archive}"],
+                           what)
+        except EnvironmentUnavailable as error:
+            if "not installed" in str(error):
+                raise
+            problems.append(str(error).removeprefix(f"{what}: "))
+            continue
+        return transport, digest or f"sha256:{hashlib.sha256(config.encode()).hexdigest()}"
+    raise EnvironmentUnavailable(f"{what}: neither an OCI archive nor a docker-archive "
+                                 f"({problems[-1]})")
 
 
 def prepare_engine_image(ref: str, engine: str, cache: Cache, owner: int | None, *,
@@ -457,8 +508,15 @@ def prepare_engine_image(ref: str, engine: str, cache: Cache, owner: int | None,
     what = f"docker_image {shown or ref}"
     ident = _tool([engine, "image", "inspect", "--format", "{{.Id}}", ref], what).strip()
     digest = ident if ident.startswith("sha256:") else f"sha256:{ident}"
-    if (found := cache.lookup(digest)) is not None:
+    if (found := cache.image(digest)) is not None:
         return found
+    if cache.store is not None and engine == "podman":  # read from its storage, layer by
+        # layer (docker's `save` output takes the archive's way into the store, below)
+        conf = {k: v for k, v in os.environ.items() if k == "CONTAINERS_STORAGE_CONF"}
+        from trialledger.adapters.sandbox.hostside import host_env
+
+        return cache.store.take(f"containers-storage:{ref}", digest, kind="image",
+                                ref=shown or ref, what=what, env=host_env(**conf))
     with tempfile.TemporaryDirectory(prefix="trialledger-save-") as work:
         archive = Path(work) / "image.tar"
         save = [engine, "save", "-o", str(archive), ref]
@@ -653,12 +711,13 @@ def _inside_task(source: Source, *paths: str) -> Path:
 
 def _build(source: Source, engine: str, cache: Cache, owner: int | None, *,
            pull: bool = False, progress: Progress | None = None) -> Environment:
-    """environment/Dockerfile, built by the build user (adapters/build.py); a `FROM`
-    image missing from the build storage (and the operator's) is pulled only with `pull`;
-    `progress` hears what the build waits on and the step it is at."""
+    """environment/Dockerfile (or tests/Dockerfile: the source's `context`), built by the
+    build user (adapters/build.py); a `FROM` image missing from the build storage (and the
+    operator's) is pulled only with `pull`; `progress` hears what the build waits on and
+    the step it is at."""
     from trialledger.adapters.build import prepare_dockerfile  # it builds on this module
 
-    _inside_task(source, "environment", "environment/Dockerfile")
+    _inside_task(source, source.context, f"{source.context}/Dockerfile")
     return prepare_dockerfile(source, engine, cache, owner, pull=pull, progress=progress)
 
 

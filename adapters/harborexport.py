@@ -51,6 +51,7 @@ from trialledger.core import BadEvent, IllegalTransition, SessionView, TrialLedg
 from trialledger.core.atif import trajectory
 from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
 from trialledger.core.canonical import NS
+from trialledger.core.cost import Price, session_cost, total_cost
 from trialledger.core.events import (
     CODEX_STREAM_TYPES,
     SessionSeeded,
@@ -161,9 +162,10 @@ def _at(view: SessionView, kind: str) -> str | None:
 
 
 def trial_result(view: SessionView | None, *, trial: Mapping[str, Any], name: str,
-                 uri: str, config: dict[str, Any], checksum: str, agent: Mapping[str, Any]
-                 ) -> dict[str, Any]:
-    """Harbor's TrialResult of one attempt (`view`), or of a trial that never ran."""
+                 uri: str, config: dict[str, Any], checksum: str, agent: Mapping[str, Any],
+                 prices: Mapping[str, Price] | None = None) -> dict[str, Any]:
+    """Harbor's TrialResult of one attempt (`view`), or of a trial that never ran; its
+    `cost_usd` by the job's `prices` (SPEC §18: null when unknown)."""
     dataset = trial["dataset"] or ADHOC
     result: dict[str, Any] = {
         "schema_version": 1, "task_name": trial["task"], "trial_name": name, "trial_uri": uri,
@@ -190,7 +192,8 @@ def trial_result(view: SessionView | None, *, trial: Mapping[str, Any], name: st
         "model_info": {"name": model} if model else None},
         "agent_result": None if usage is None else {
             "n_input_tokens": usage.input_tokens, "n_cache_tokens": usage.cached_input_tokens,
-            "n_output_tokens": usage.output_tokens, "cost_usd": None,
+            "n_output_tokens": usage.output_tokens,
+            "cost_usd": session_cost(usage, model=model, agent=seed.agent.name, prices=prices),
             "metadata": {"reasoning_output_tokens": usage.reasoning_output_tokens,
                          "total_tokens": usage.total_tokens}},
         "verifier_result": {"rewards": rewards} if rewards else None,
@@ -203,6 +206,19 @@ def trial_result(view: SessionView | None, *, trial: Mapping[str, Any], name: st
         "verifier": {"started_at": _at(view, "cleanup.reported"),
                      "finished_at": next((e.at for e in view.events
                                           if e.type.startswith("verification.")), None)}}
+
+
+def step_result(name: str, result: Mapping[str, Any]) -> dict[str, Any]:
+    """Harbor's StepResult of one step session, from its TrialResult (`trial_result`)."""
+    return {"step_name": name, **{key: result.get(key) for key in (
+        "agent_result", "verifier_result", "exception_info", "agent_execution", "verifier")}}
+
+
+def attempt_folder(row: Mapping[str, Any]) -> str:
+    """An earlier session's folder under `trialledger/attempts/`: its attempt's number, and
+    for a step session the step's (an attempt of a multi-step task is several sessions)."""
+    step = row["step_index"]
+    return str(row["attempt"]) if step is None else f"{row['attempt']}.{step}"
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -320,6 +336,8 @@ async def _write_job(ledger: Ledger, rows: dict[str, Any], config: dict[str, Any
     folders: dict[str, str] = {}
     earlier = missing = 0
     checksums: dict[str, str] = {}
+    prices = await Jobs(ledger).prices(rows["job"]["name"])
+    costs: list[float | None] = []  # every session's, the earlier attempts' too
     for trial in rows["queue"]:
         folder_name = trial_folder_name(trial["task"], trial["trial_id"])
         folders[trial["trial_id"]] = folder_name
@@ -328,7 +346,10 @@ async def _write_job(ledger: Ledger, rows: dict[str, Any], config: dict[str, Any
         _write_json(folder / "config.json", t_config)
         checksum = checksums.setdefault(trial["task_dir"], task_checksum(trial["task_dir"]))
         sessions = sorted(await ledger.sessions(trial_id=trial["trial_id"]),
-                          key=lambda s: (s["attempt"], s["created_at"], s["session_id"]))
+                          key=lambda s: (s["attempt"], s["step_index"] or 0, s["created_at"],
+                                         s["session_id"]))
+        last_attempt = sessions[-1]["attempt"] if sessions else None
+        steps: list[dict[str, Any]] = []  # a multi-step trial's last attempt, Harbor's
         uri = (out / folder_name).as_uri()
         if not sessions:
             result = trial_result(None, trial=trial, name=folder_name, uri=uri,
@@ -338,18 +359,27 @@ async def _write_job(ledger: Ledger, rows: dict[str, Any], config: dict[str, Any
             view = await ledger.view(row["session_id"])
             log = await ledger.export(row["session_id"])
             result = trial_result(view, trial=trial, name=folder_name, uri=uri,
-                                  config=t_config, checksum=checksum, agent=agent)
+                                  config=t_config, checksum=checksum, agent=agent,
+                                  prices=prices)
+            costs.append((result.get("agent_result") or {}).get("cost_usd"))
+            if row["step_index"] is not None and row["attempt"] == last_attempt:
+                steps.append(step_result(row["step_name"], result))
             if index == len(sessions) - 1:
+                if steps:  # the trial's reward by its strategy, each step's own result
+                    rewards = (await Jobs(ledger).trial(trial["trial_id"]) or {}).get("rewards")
+                    result = {**result, "step_results": steps,
+                              "verifier_result": {"rewards": rewards} if rewards else None}
                 missing += _write_attempt(folder, view, log, result,
                                           log_path=folder / OURS / "session.jsonl")
             else:
                 earlier += 1
-                place = folder / OURS / "attempts" / str(row["attempt"])
+                place = folder / OURS / "attempts" / attempt_folder(row)
                 missing += _write_attempt(place, view, log, result,
                                           log_path=place / "session.jsonl")
         trials.append(result)
     _write_json(temp / "config.json", job_config(rows, config, out))
-    _write_json(temp / "result.json", job_result(rows, trials, figures, job_id, earlier))
+    _write_json(temp / "result.json", job_result(rows, trials, figures, job_id, earlier,
+                                                       cost_usd=total_cost(costs)))
     _write_json(temp / ROWS_FILE, {"format": FORMAT, "rows": rows, "folders": folders})
     return Exported(out, len(trials), earlier, missing)
 
@@ -366,6 +396,8 @@ ROW_FIELDS: dict[str, Fields] = {
               "state": (str,), "detail": (str, type(None)), "dataset": (str, type(None))},
     "skipped": {"task": (str,), "dataset": (str, type(None)), "reason": (str,)},
     "task_fields": {"task": (str,), "field": (str,), "reason": (str,)},
+    "prices": {"model": (str,), "input": (float, int), "cached_input": (float, int),
+               "output": (float, int), "reasoning": (float, int)},
 }
 
 
@@ -385,6 +417,7 @@ def _rows_file(tree: AgentTree) -> tuple[dict[str, Any], dict[str, str]]:
         assert isinstance(doc, dict) and doc.get("format") == FORMAT
         rows, folders = doc["rows"], doc["folders"]
         assert isinstance(rows, dict) and isinstance(folders, dict)
+        rows.setdefault("prices", [])  # an export from before price tables (SPEC §18)
         _check(rows["job"], JOB_FIELDS)
         for key, fields in ROW_FIELDS.items():
             assert isinstance(rows[key], list)
@@ -417,8 +450,15 @@ def _logs(tree: AgentTree, folder: str, trial_id: str) -> list[list[dict[str, An
         seed = _seed(view)
         if seed.trial_id != trial_id:
             raise HarborJobInvalid(f"trial {folder}: {path} is a session of another trial")
-        logs.append((seed.attempt, events))
+        logs.append(((seed.attempt, seed.step.index if seed.step else 0), events))
     return [events for _, events in sorted(logs, key=lambda pair: pair[0])]
+
+
+def _last_step(result: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What a trial's result says of its last session: of a multi-step trial its last
+    step's result (the trial's own `verifier_result` is its strategy's), else itself."""
+    steps = result.get("step_results")
+    return _object(steps[-1]) if isinstance(steps, list) and steps else result
 
 
 async def import_export(ledger: Ledger, job: Path) -> list[Agreement]:
@@ -459,7 +499,7 @@ async def import_export(ledger: Ledger, job: Path) -> list[Agreement]:
             harbor_policy={k: bool(v) for k, v in policy.items()}
             if isinstance(policy, dict) else None,
             harbor_verdict=verdict, harbor_reward_valid=harbor_valid,
-            harbor_rewards=_object(result.get("verifier_result")).get("rewards"),
+            harbor_rewards=_object(_last_step(result).get("verifier_result")).get("rewards"),
             our_rule=decision.rule if decision else "-",
             our_action=decision.action if decision else "-",
             our_reward_valid=bool(decision and decision.reward_valid and view.rewards),

@@ -93,9 +93,11 @@ def _sum(values: Sequence[int | None]) -> int | None:
 
 
 def job_result(rows: Mapping[str, Any], trials: Sequence[Mapping[str, Any]],
-               figures: Mapping[str, Any], job_id: str, retries: int) -> dict[str, Any]:
+               figures: Mapping[str, Any], job_id: str, retries: int,
+               cost_usd: float | None = None) -> dict[str, Any]:
     """Harbor's JobResult (without `trial_results`, as Harbor writes it): counts, per
-    agent-model-dataset stats with §13's figures as metrics, tokens of the kept attempts."""
+    agent-model-dataset stats with §13's figures as metrics, tokens of the kept attempts,
+    `cost_usd` the job's (every session's, SPEC §18; null when one is unknown)."""
     states = [t["state"] for t in rows["queue"]]
     evals: dict[str, dict[str, Any]] = {}
     for result in trials:
@@ -134,4 +136,4 @@ def job_result(rows: Mapping[str, Any], trials: Sequence[Mapping[str, Any]],
             "n_input_tokens": _sum([a.get("n_input_tokens") for a in agents]),
             "n_cache_tokens": _sum([a.get("n_cache_tokens") for a in agents]),
             "n_output_tokens": _sum([a.get("n_output_tokens") for a in agents]),
-            "cost_usd": None}}
+            "cost_usd": cost_usd}}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trialledger.adapters.taskconfig import is_task_folder
 from trialledger.core.errors import TrialLedgerError
 
 
@@ -34,10 +35,10 @@ class JobForm:
 
 def holds_tasks(path: Path) -> bool:
     """Whether `path` is a task folder or a dataset folder (a subfolder is a task)."""
-    if (path / "instruction.md").is_file():
+    if is_task_folder(path):
         return True
     try:
-        return path.is_dir() and any((p / "instruction.md").is_file() for p in path.iterdir())
+        return path.is_dir() and any(is_task_folder(p) for p in path.iterdir())
     except OSError:
         return False
 

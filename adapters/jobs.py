@@ -30,8 +30,6 @@ from trialledger.adapters.environment import (
     Cache,
     Environment,
     EnvironmentUnavailable,
-    prepare,
-    with_limits,
 )
 from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
@@ -41,11 +39,15 @@ from trialledger.adapters.task import (
     Task,
     TaskInvalid,
     UnsupportedField,
+    is_task_folder,
     require_verifier,
 )
 from trialledger.adapters.taskconfig import WrongType
 from trialledger.adapters.taskfiles import TaskFileTooLarge, file_limit
+from trialledger.adapters.tasksteps import StepInvalid
 from trialledger.adapters.trial import Lease, Trial, TrialRun
+from trialledger.adapters.verifiermode import prepare_task, refuse_outside_range
+from trialledger.core.cost import Price
 from trialledger.core.policy import get_policy
 from trialledger.core.seed import validate_seed
 from trialledger.core.settings import TASK_FILE_MAX_BYTES
@@ -69,21 +71,22 @@ class TaskSelection:
 
 
 def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
-               exclude: Sequence[str] = (), *, max_bytes: int = TASK_FILE_MAX_BYTES
-               ) -> TaskSelection:
+               exclude: Sequence[str] = (), *, max_bytes: int = TASK_FILE_MAX_BYTES,
+               in_range: bool = True) -> TaskSelection:
     """Task folders, or dataset folders whose subfolders are tasks; filtered by globs on the
     task name (a folder's base name); two tasks of one name are refused. A dataset's task
     that asks for a field this runner refuses (`UnsupportedField`, docs/SPEC.md §15), has
     no `tests/test.sh` (`NoVerifier`), a file over `max_bytes` (`TaskFileTooLarge`, the
-    `task_file_max_bytes` setting) or a task.toml value of the wrong type (`WrongType`) is
-    skipped with the reason; a task folder named alone is refused."""
+    `task_file_max_bytes` setting), a task.toml value of the wrong type (`WrongType`) or
+    a separate verifier outside range mode (`in_range` False, docs/SPEC.md §17) is skipped
+    with the reason; a task folder named alone is refused."""
     folders: list[tuple[Path, bool]] = []  # (folder, inside a dataset)
     datasets: dict[str, str] = {}  # a dataset's task → the dataset's name (else `adhoc`)
     for path in paths:
-        if (path / "instruction.md").is_file():
+        if is_task_folder(path):
             folders.append((path, False))
         elif path.is_dir():
-            inside = sorted(p for p in path.iterdir() if (p / "instruction.md").is_file())
+            inside = sorted(p for p in path.iterdir() if is_task_folder(p))
             if not inside:
                 raise TaskInvalid(f"{path}: neither a task (no instruction.md) nor a dataset "
                                   f"(no subfolder with one)")
@@ -103,8 +106,10 @@ def load_tasks(paths: Sequence[Path], include: Sequence[str] = (),
             raise TaskInvalid(f"two tasks are named {name} ({chosen[name].folder} and "
                               f"{folder.resolve()}); a job's task names must be unique")
         try:
-            chosen[name] = require_verifier(Task.load(folder, max_bytes=max_bytes))
-        except (UnsupportedField, NoVerifier, TaskFileTooLarge, WrongType) as error:
+            chosen[name] = refuse_outside_range(require_verifier(
+                Task.load(folder, max_bytes=max_bytes)), in_range=in_range)
+        except (UnsupportedField, NoVerifier, TaskFileTooLarge, WrongType,
+                StepInvalid) as error:
             if not in_dataset:
                 raise
             skipped[name] = str(error)
@@ -187,6 +192,7 @@ class JobRunner:
     force_build: bool = False  # a docker_image task is built from its Dockerfile (§15)
     owner: int | None = None  # the sandbox uid entries are made for (root runner)
     on_trial: Callable[[TrialDone], Awaitable[None] | None] | None = None
+    prices: Mapping[str, Price] | None = None  # the job's price table (§18; None: keep its own)
     environments: dict[str, Environment] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # task → why its environment failed
     # task → what its environment's build waits on now: the live display holds this very
@@ -208,7 +214,8 @@ class JobRunner:
         self._wake()
 
     def _wake(self) -> None:
-        """Tell the waiting workers something changed (a task is ready, or preparing ended)."""
+        """Tell the waiting workers something changed (a task is ready, preparing ended, or
+        a held trial ended: settled, or released to be run again)."""
         self._changed.set()
         self._changed = anyio.Event()
 
@@ -224,7 +231,10 @@ class JobRunner:
                                    add=self.add, datasets=self.datasets,
                                    skipped=self.skipped,
                                    ignored={t.name: t.unhonoured(self.cache.plain)
-                                            for t in self.tasks})
+                                            for t in self.tasks},
+                                   prices=self.prices,
+                                   strategies={t.name: t.reward_strategy
+                                               for t in self.tasks if t.steps})
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.prepare_environments)
             for _ in range(max(1, self.concurrency)):
@@ -264,9 +274,8 @@ class JobRunner:
 
             try:
                 env = await anyio.to_thread.run_sync(functools.partial(
-                    prepare, with_limits(task.source, task.limits), self.cache,
-                    owner=self.owner, engine=self.engine, pull=self.pull,
-                    force_build=self.force_build, progress=heard))
+                    prepare_task, task, self.cache, owner=self.owner, engine=self.engine,
+                    pull=self.pull, force_build=self.force_build, progress=heard))
             except EnvironmentUnavailable as error:
                 if not self._own:  # another machine may prepare it: its trials stay queued
                     log.warning("task %s: its environment cannot be prepared on this worker "
@@ -332,6 +341,7 @@ class JobRunner:
                     await said
         finally:
             await lease.end(settled=settled)
+            self._wake()  # a worker waiting on this held trial looks again (none: it ends)
 
     def _runner(self, task: str, switch: DeadManSwitch) -> SessionRunner:
         """The session runner of a held trial of `task`: its sandboxes keep the lease's
@@ -378,7 +388,7 @@ async def worker_runner(ledger: Ledger, name: str, base: RunOptions, *,
     tasks = []
     max_bytes = file_limit(config["settings"])  # the job's, as its tasks were loaded
     for task, folder in await jobs.task_folders(name):
-        if not (Path(folder) / "instruction.md").is_file():
+        if not is_task_folder(Path(folder)):
             raise TaskInvalid(f"job {name}: task {task}'s folder {folder} is not on this "
                               f"machine (run the worker where the task folders are)")
         # under the name the job recorded (a job created before names were folder names)

@@ -9,7 +9,8 @@ arrives (SSE unchanged: `Accept-Encoding: identity` upstream, no buffering).
 The model's proxy also holds the real API key: Codex is given a per-session token, which
 the proxy requires (401 without it, nothing recorded) and replaces with the key (with no
 key, no `Authorization` goes upstream), so the key never enters the sandbox nor the token
-leaves it. A call still open when Codex goes away or the proxy closes is `client_closed`,
+leaves it. A call still open when Codex goes away or the proxy closes is `client_closed`
+(unless its `response.completed` event had passed: Codex may close once it reads it),
 whatever stage it was in. It forwards only the routes Codex uses (`MODEL_ROUTES`); what it
 refuses itself — another route (403), a body over `REQUEST_LIMIT` (413), more than
 `CONCURRENT_LIMIT` calls at once (503) — is recorded with an error of
@@ -350,8 +351,9 @@ class SessionProxy:
             call["error"] = call["error"] or DEADLINE
             _drop(request)
             return answered[0] if answered else web.Response(status=504)
-        except asyncio.CancelledError:
-            call["error"] = call["error"] or "client_closed"
+        except asyncio.CancelledError:  # Codex went away: after `response.completed`, the
+            # call had its whole answer (Codex may close as soon as it reads that event)
+            call["error"] = call["error"] or (None if observer.completed else "client_closed")
             raise
         finally:
             self._open -= 1
@@ -442,7 +444,8 @@ class SessionProxy:
                 try:
                     await answer.write(chunk)
                 except (ConnectionError, RuntimeError):
-                    call["error"] = "client_closed"
+                    if not observer.completed:  # (after it: the answer was whole)
+                        call["error"] = "client_closed"
                     return answer
             if 200 <= upstream.status < 300:
                 observer.finish()  # a whole response body, read once it is all here

@@ -3,7 +3,8 @@
 Order (SPEC §1): seed (skipped grants as gaps) → config.toml → launch → stdout events as
 they arrive → stderr tail (redacted) → rollout usage → `agent.exited` →
 `cleanup.reported` (the machine decides) → the probe when `failed-live` → the archive →
-the task's artifacts kept unless the sandbox is lost (adapters/taskartifacts.py) → the
+the task's collect hooks (adapters/taskcollect.py), then its artifacts, kept unless the
+sandbox is lost (adapters/taskartifacts.py) → the
 verifier when `graded`, its files kept (SPEC §15) → `verification.*` →
 `session.closed`. Capture (stderr, rollout, archive) runs in
 the budget `session_close_timeout_s` from the agent's end; the archive last, under its own
@@ -15,20 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import functools
 import os
 import secrets as tokens
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from trialledger.adapters import artifacts, capture, scripted, taskartifacts
+from trialledger.adapters import (
+    capture,
+    scripted,
+    steprun,
+)
 from trialledger.adapters.codex.config import API_KEY_ENV, codex_config, render
 from trialledger.adapters.codex.install import (
     CodexInstall,
@@ -45,28 +51,28 @@ from trialledger.adapters.mcpservers import operator_allows
 from trialledger.adapters.preflight import check_store_room
 from trialledger.adapters.proxy import MODEL_ROUTES, Upstream
 from trialledger.adapters.recorder import STORE_RETRY_S, Recorder
-from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
-from trialledger.adapters.sandbox.bwrap import VERIFIER_STDOUT
+from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.container import survivors_gap
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.folders import sweep_stale_sessions
 from trialledger.adapters.sandbox.identity import cache_dir
-from trialledger.adapters.sandbox.leftovers import sweep_session_cgroups
+from trialledger.adapters.sandbox.leftovers import sweep_image_views, sweep_session_cgroups
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.task import Task
+from trialledger.adapters.tasksteps import Step
 from trialledger.adapters.trial import Trial
 from trialledger.adapters.trial import next_attempt as next_attempt  # its old home
+from trialledger.adapters.verifying import AfterTheAgent, phase_env
 from trialledger.core import SessionView, redact, scrub
-from trialledger.core.events import SCHEMA_VERSION, SessionSeeded
+from trialledger.core.events import SCHEMA_VERSION, SessionSeeded, StepInfo
 from trialledger.core.seed import SkippedGrant, ValidSeed, validate_seed
 from trialledger.core.settings import Settings
 from trialledger.store import LeaseLost, Ledger
 from trialledger.store.ledger import HEARTBEAT_S, StoreUnavailable
 from trialledger.store.writer import Fence, now
 
-PROBE_LIMIT_S = 10.0
 CLEANUP_LIMIT_S = 10.0
 # How long a launch that failed under harbor waits for the container to be seen ending
 # (then the container's end is the recorded reason)
@@ -114,6 +120,22 @@ class _Launch:
 
 
 @dataclass(frozen=True)
+class OpenSandbox:
+    """A sandbox made for sessions, its network and the proxy's token for Codex."""
+
+    sandbox: LocalSandbox
+    network: Network
+    token: str
+
+    async def close(self) -> None:
+        """Its network and sandbox closed and discarded (shielded: never left behind)."""
+        with anyio.CancelScope(shield=True):
+            await self.network.aclose()
+            await self.sandbox.close()
+            await anyio.to_thread.run_sync(self.sandbox.discard)
+
+
+@dataclass(frozen=True)
 class SessionResult:
     """One session of a trial and how it ended."""
 
@@ -144,6 +166,7 @@ def _sweep_once() -> None:
         _swept = True
         sweep_session_cgroups()  # (first: a cgroup's owner is known by its folder)
         sweep_stale_sessions()
+        sweep_image_views()  # (their sessions' holds went with the crashed runners)
 
 
 def _call_max_s(raw: Mapping[str, Any]) -> float:
@@ -173,7 +196,7 @@ def agent_env(settings: Settings, task: Task, sandbox: LocalSandbox, api_key: st
     return env
 
 
-class SessionRunner:
+class SessionRunner(AfterTheAgent):
     """Runs one session of a task from seed to close."""
 
     def __init__(self, ledger: Ledger, task: Task, options: RunOptions,
@@ -186,18 +209,28 @@ class SessionRunner:
         self.scripted = options.agent in scripted.SCRIPTED
         self.codex: str | None = None
         self.install: CodexInstall | None = None
+        if task.separate_verifier is not None and (
+                environment.verifier is None or not environment.plain
+                or options.isolation != "bwrap"):
+            raise SandboxRefused(f"{task.folder / 'task.toml'}: {task.separate_verifier.named}"
+                                 f": a separate verifier needs range mode (a root runner "
+                                 f"after setup, under bwrap) and its image prepared "
+                                 f"(verifiermode.prepare_task)")
         if options.agent == "oracle":
             scripted.solve_script(task)  # NoSolution now, before any session is seeded
         elif not self.scripted:
             self.codex = find_codex(options.codex_bin)
             self.install = execute_only(codex_install(self.codex), cache_dir())  # non-dumpable
+        if task.steps:
+            steprun.refuse_here(task, environment, self._settings())
+        self.step: Step | None = None  # the step this runner's sessions run (for_step)
         self._trial_key = uuid.uuid4().hex[:12]  # run_session's sessions share one trial
         self.last: SessionResult | None = None  # the session run last, with its view
         _sweep_once()
 
     def _seed(self, attempt: int, retry_of: str | None, sandbox: LocalSandbox,
-              trial_id: str | None) -> ValidSeed:
-        seed = {
+              trial_id: str | None, step: StepInfo | None = None) -> ValidSeed:
+        seed: dict[str, Any] = {
             "trial_id": trial_id or f"{self.task.name}:{self._trial_key}",
             "attempt": attempt,
             "retry_of": retry_of,
@@ -212,6 +245,7 @@ class SessionRunner:
             # (SPEC §14) unless the caller names another policy.
             "settings": {"policy": "v3", **self._settings()},
             "grants": [] if self.scripted else self._grants(),
+            **({"step": step.model_dump()} if step is not None else {}),
         }
         root = self.environment.root
         resolve = ((lambda path: resolve_inside(root, path)) if root is not None
@@ -268,13 +302,35 @@ class SessionRunner:
         trial it belongs to (a job's), else this runner's current trial; `lease`: that
         job trial's lease token, which fences every append (`LeaseLost` once taken over:
         the new holder recovers the session)."""
+        async with self._alive():
+            return await self._run_session(
+                attempt=attempt, retry_of=retry_of, trial_id=trial_id,
+                fence=(trial_id, lease) if trial_id is not None and lease is not None else None)
+
+    async def run_steps(self, *, attempt: int = 1, retry_of: str | None = None,
+                        trial_id: str | None = None, lease: str | None = None
+                        ) -> list[SessionResult]:
+        """One attempt of a multi-step task: each step a session, all in one sandbox, until
+        one cannot go on (adapters/steprun.py); the step sessions it ran."""
+        async with self._alive():
+            ran: list[SessionResult] = await steprun.run_attempt(
+                self, attempt=attempt, retry_of=retry_of, trial_id=trial_id, lease=lease)
+            return ran
+
+    def for_step(self, step: Step) -> SessionRunner:
+        """This runner as it runs one step's session: the task as the step sees it."""
+        one = copy.copy(self)
+        one.task, one.step = steprun.step_task(self.task, step), step
+        return one
+
+    @contextlib.asynccontextmanager
+    async def _alive(self) -> AsyncIterator[None]:
+        """A heartbeat in the store while sessions run, so `recover` leaves them alone."""
         check_store_room(self.ledger.db)  # before anything is written or started
         beating = asyncio.ensure_future(self._heartbeat())
         _beating[self.options.runner_id] = _beating.get(self.options.runner_id, 0) + 1
         try:
-            return await self._run_session(
-                attempt=attempt, retry_of=retry_of, trial_id=trial_id,
-                fence=(trial_id, lease) if trial_id is not None and lease is not None else None)
+            yield
         finally:
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -303,6 +359,16 @@ class SessionRunner:
     async def _run_session(self, *, attempt: int, retry_of: str | None,
                            trial_id: str | None, fence: Fence | None) -> SessionResult:
         session_id = str(uuid.uuid4())
+        opened = await self.open_sandbox(session_id)
+        try:
+            return await self.session_in(opened, session_id, attempt=attempt,
+                                          retry_of=retry_of, trial_id=trial_id, fence=fence)
+        finally:
+            await opened.close()
+
+    async def open_sandbox(self, key: str) -> OpenSandbox:
+        """The sandbox (and its network) a session runs in — for a multi-step task, every
+        step session of one attempt (adapters/steprun.py)."""
         settings_raw = self._settings()
         token = f"tl-session-{tokens.token_urlsafe(24)}"  # Codex's key: the proxy's alone
         network = Network(  # an oracle or nop session: no proxy (its own namespace still)
@@ -318,7 +384,7 @@ class SessionRunner:
             outward=self.task.allow_internet)  # (an allowlist's: the sandbox's own)
         make = functools.partial(
             LocalSandbox,
-            session_key=session_id,
+            session_key=key,
             workdir=str(settings_raw["workdir"]),
             workspace=self.task.workspace,
             tests=self.task.tests,
@@ -348,30 +414,41 @@ class SessionRunner:
         # Shielded, so a sandbox made is always discarded, never dropped by a cancellation.
         with anyio.CancelScope(shield=True):
             sandbox = await anyio.to_thread.run_sync(make)
+        return OpenSandbox(sandbox, network, token)
+
+    async def session_in(self, opened: OpenSandbox, session_id: str | None = None, *,
+                         attempt: int,
+                          retry_of: str | None, trial_id: str | None, fence: Fence | None,
+                          step: StepInfo | None = None,
+                          prepare: Callable[[Recorder, LocalSandbox, Settings],
+                                            Awaitable[None]] | None = None,
+                          before_close: Callable[[Recorder], Awaitable[None]] | None = None
+                          ) -> SessionResult:
+        """One session seeded, driven and closed in an open sandbox; `step`: the step of a
+        multi-step task it runs, `prepare` run after its seed (the step's workdir and
+        setup.sh), `before_close` before its `session.closed` (the step's gate)."""
+        sandbox = opened.sandbox
+        session_id = session_id or str(uuid.uuid4())
+        valid = self._seed(attempt, retry_of, sandbox, trial_id, step)
+        seeded = await self.ledger.start(valid, session_id=session_id,
+                                         secrets=[opened.token, *self.task.secrets], fence=fence)
+        recorder = Recorder(self.ledger, seeded,
+                            store_retry_s=self.options.store_retry_s, fence=fence)
+        sandbox.egress_sink = _egress_gaps(recorder)
         try:
-            valid = self._seed(attempt, retry_of, sandbox, trial_id)
-            seeded = await self.ledger.start(valid, session_id=session_id,
-                                             secrets=[token, *self.task.secrets], fence=fence)
-            recorder = Recorder(self.ledger, seeded,
-                                store_retry_s=self.options.store_retry_s, fence=fence)
-            sandbox.egress_sink = _egress_gaps(recorder)
-            try:
-                await self._drive(recorder, sandbox, valid, seeded.secrets)
-            finally:
-                if not recorder.closed:
-                    # A lost lease: the trial's new holder recovers this session. A held
-                    # trial's close waits for the store at most a third of its lease, then
-                    # is journalled, so its session folders go within its lease.
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(
-                            self._close_wait_s()), contextlib.suppress(LeaseLost):
-                        await recorder.add("session.closed", {"reason": "cancelled"})
-            self.last = SessionResult(session_id, await recorder.view())
-            return self.last
+            if prepare is not None:
+                await prepare(recorder, sandbox, valid.data.settings)
+            await self._drive(recorder, sandbox, valid, seeded.secrets, before_close)
         finally:
-            with anyio.CancelScope(shield=True):
-                await network.aclose()
-                await sandbox.close()
-                await anyio.to_thread.run_sync(sandbox.discard)
+            if not recorder.closed:
+                # A lost lease: the trial's new holder recovers this session. A held
+                # trial's close waits for the store at most a third of its lease, then
+                # is journalled, so its session folders go within its lease.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(
+                        self._close_wait_s()), contextlib.suppress(LeaseLost):
+                    await recorder.add("session.closed", {"reason": "cancelled"})
+        self.last = SessionResult(session_id, await recorder.view())
+        return self.last
 
     def _close_wait_s(self) -> float:
         """How long a stopped session's `session.closed` waits for the store: the runner's
@@ -381,11 +458,20 @@ class SessionRunner:
             self.options.store_retry_s, lease_s / 3)
 
     async def _drive(self, rec: Recorder, sandbox: LocalSandbox, valid: ValidSeed,
-                     secrets: Sequence[str]) -> None:
+                     secrets: Sequence[str],
+                     before_close: Callable[[Recorder], Awaitable[None]] | None = None
+                     ) -> None:
         settings = valid.data.settings
         # The oracle's solution goes into the session's layer before anything mounts it
         # (a healthcheck starts an image's container).
-        oracle = self._oracle_launch(sandbox) if self.options.agent == "oracle" else None
+        try:
+            oracle = (await self._oracle_launch(sandbox) if self.options.agent == "oracle"
+                      else None)
+        except OSError as error:  # a later step's container: it ended, or refused the copy
+            await self._not_launched(rec, sandbox, f"the solution could not be copied in: "
+                                                   f"{error}")
+            return
+
         if self.task.healthcheck is not None and not await self._healthcheck(rec, sandbox):
             return  # the sandbox is lost and the session closed
         if self.options.agent == "nop":
@@ -395,9 +481,13 @@ class SessionRunner:
         if rec.action == "probe":
             await self._probe(rec, sandbox, settings)
         await self._archive(rec, sandbox, settings, secrets)
-        kept = await taskartifacts.keep(rec, self.task.artifacts, sandbox, settings, secrets)
-        if rec.action == "verify":
+        kept = await self._collect(rec, sandbox, settings, secrets, self.task.collect)
+        if rec.action == "verify" and self.task.separate_verifier is not None:
+            await self._verify_separately(rec, sandbox, settings, secrets, kept)
+        elif rec.action == "verify":
             await self._verify(rec, sandbox, settings, secrets, kept)
+        if before_close is not None:
+            await before_close(rec)
         await rec.add("session.closed", {"reason": "normal"})
 
     async def _launch_and_run(self, rec: Recorder, sandbox: LocalSandbox, valid: ValidSeed,
@@ -410,10 +500,7 @@ class SessionRunner:
         try:
             run = await sandbox.launch(launch.argv, env=launch.env, stdin=launch.stdin)
         except OSError as error:  # (joining a container that just ended, too)
-            why = await sandbox.container_ended(CONTAINER_END_WAIT_S)
-            await rec.add("sandbox.lost",
-                          {"detail": why or f"the agent could not be spawned: {error}"})
-            await rec.add("session.closed", {"reason": "normal"})
+            await self._not_launched(rec, sandbox, f"the agent could not be spawned: {error}")
             return False
         try:
             await rec.append([self._launched(sandbox, settings, launch, rec)])
@@ -426,6 +513,14 @@ class SessionRunner:
                     await self._capture_after_stop(rec, sandbox, run, settings, secrets,
                                                    launch.oracle)
         return True
+
+    @staticmethod
+    async def _not_launched(rec: Recorder, sandbox: LocalSandbox, detail: str) -> None:
+        """The agent could not be launched: the sandbox is lost (why the container ended,
+        if it did, else `detail`) and the session closed."""
+        why = await sandbox.container_ended(CONTAINER_END_WAIT_S)
+        await rec.add("sandbox.lost", {"detail": why or detail})
+        await rec.add("session.closed", {"reason": "normal"})
 
     async def _healthcheck(self, rec: Recorder, sandbox: LocalSandbox) -> bool:
         """The task's healthcheck before the agent (docs/SPEC.md §15): as the image's user,
@@ -476,9 +571,9 @@ class SessionRunner:
         await rec.add("agent.exited", {"return_code": 0, "timed_out": False})
         await rec.add("cleanup.reported", {"confirmed": True, "error": None})
 
-    def _oracle_launch(self, sandbox: LocalSandbox) -> _Launch:
+    async def _oracle_launch(self, sandbox: LocalSandbox) -> _Launch:
         """The oracle (SPEC §15): `solve.sh` copied in and run as Harbor runs it."""
-        places = scripted.place_solution(self.task, sandbox)
+        places = await scripted.place_solution(self.task, sandbox, self.step)
         return _Launch(argv=scripted.oracle_argv(places, sandbox),
                        env=scripted.oracle_env(self.task, sandbox), stdin=b"",
                        config_sha256=scripted.NO_CONFIG, model_proxy=False, oracle=places)
@@ -614,77 +709,6 @@ class SessionRunner:
                 "code": "native_usage_unread", "detail": "the capture budget ran out"}}]
         return []
 
-    async def _probe(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings) -> None:
-        result = await sandbox.probe(max(0.1, min(PROBE_LIMIT_S, rec.left())),
-                                     command=self.options.probe_command)
-        await rec.add("sandbox.probed", {"alive": result.alive, "detail": result.detail})
-
-    async def _archive(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings,
-                       secrets: Sequence[str]) -> None:
-        if settings.sandbox_logs_dir is None:
-            return
-        tree = sandbox.agent_files(sandbox.session_dir)
-        if not (await anyio.to_thread.run_sync(capture.rollouts, tree, "rollout-*"))[0]:
-            await rec.add("archive.skipped", {"reason": "no_source", "detail": None})
-            return
-        limit = rec.left() - 1.0
-        if limit <= 0:
-            await rec.add("archive.skipped", {"reason": "no_time", "detail": None})
-            return
-        target = Path(settings.sandbox_logs_dir) / rec.session_id
-        try:
-            target.mkdir(parents=True, exist_ok=True, mode=0o700)
-            with anyio.fail_after(limit):
-                result = await anyio.to_thread.run_sync(
-                    copy_archive, tree, target, secrets, abandon_on_cancel=True)
-        except TimeoutError:
-            await rec.add("archive.skipped",
-                          {"reason": "timeout", "detail": f"copy ran past {limit:.1f} s"})
-            return
-        except OSError as error:
-            await rec.add("archive.skipped", {"reason": "error", "detail": str(error)})
-            return
-        await rec.append([{"type": "gap.recorded", "at": now(), "data": refused.gap()}
-                          for refused in result.refused])
-        await rec.add("archive.copied", {"files": result.files, "bytes": result.size})
-
-    async def _verify(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings,
-                      secrets: Sequence[str], kept: Sequence[dict[str, Any]] = ()) -> None:
-        """The verifier and its capture; `kept`: the task's artifacts, listed first."""
-        if sandbox.tests is None:
-            await rec.append([_not_run("the task has no tests/test.sh", kept)])
-            return
-        run = await sandbox.verify(settings.verifier_timeout_s, verifier_env(self.task, sandbox))
-        if run.error is not None:
-            await rec.append([_not_run(run.error, kept)])
-            return
-        ended = anyio.current_time()
-        tree = sandbox.agent_files(run.logs, role="verifier")
-        found = await anyio.to_thread.run_sync(functools.partial(
-            capture.read_reward, tree, run.return_code, run.timed_out,
-            from_exit_code=self.task.reward_from_exit_code, limit=settings.task_file_max_bytes))
-        printed = await anyio.to_thread.run_sync(_printed, tree)
-        output = verifier_output(printed, "", secrets)
-        files, gaps = await _keep_verifier_files(
-            tree, artifacts.session_folder(settings.sandbox_logs_dir, rec.session_id), secrets,
-            ended + settings.session_close_timeout_s - anyio.current_time())
-        await rec.append(gaps + [  # only once its files are kept (SPEC §15)
-            {"type": kind, "at": now(), "data": {**data, **output, "files": [*kept, *files]},
-             "schema": SCHEMA_VERSION[kind]}
-            if kind.startswith("verification.") else
-            {"type": kind, "at": now(), "data": data} for kind, data in found])
-
-
-def _not_run(detail: str, kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """`verification.failed {reason: error}` of a verifier that could not run, listing the
-    task's artifacts when any were kept (schema 3)."""
-    data = {"reason": "error", "detail": detail}
-    if not kept:
-        return {"type": "verification.failed", "at": now(), "data": data}
-    return {"type": "verification.failed", "at": now(), "data": {**data, "files": list(kept)},
-            "schema": SCHEMA_VERSION["verification.failed"]}
-
-
 EGRESS_GAPS = 20  # refused connections listed one by one (docs/SPEC.md §15)
 
 
@@ -705,67 +729,3 @@ def _egress_gaps(rec: Recorder) -> Callable[[str], Awaitable[None]]:
                             "data": {"code": "egress_refused", "detail": detail}}])
 
     return record
-
-
-def phase_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
-    """docs/SPEC.md §15: the image's `Env` < `[environment] env`, and `HOME`, unless a
-    table sets it, the image's (its `Env`'s, else its user's home)."""
-    env = sandbox.image.phase_env() if sandbox.image is not None else {}
-    return {**env, **task.env}
-
-
-def verifier_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
-    """The verifier's: `phase_env` < `[verifier] env`."""
-    return {**phase_env(task, sandbox), **task.verifier_env}
-
-
-async def _keep_verifier_files(tree: Any, folder: Path, secrets: Sequence[str],
-                               budget_s: float) -> tuple[list[dict[str, Any]],
-                                                         list[dict[str, Any]]]:
-    """SPEC §15's verifier capture pass: the verifier's files copied into the session's
-    artifact folder (`verifier/`) within `budget_s`; their `files` entries, and the gaps
-    (`unsafe_agent_file` per refusal, `verifier_output_truncated` when some were left)."""
-    def truncated(detail: str) -> dict[str, Any]:
-        return {"type": "gap.recorded", "at": now(),
-                "data": {"code": "verifier_output_truncated", "detail": detail}}
-
-    budget_s = max(0.0, budget_s)
-    try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with anyio.fail_after(budget_s + 1.0):  # the copy stops itself between files
-            kept = await anyio.to_thread.run_sync(functools.partial(
-                capture.keep_files, tree, folder, artifacts.VERIFIER, secrets,
-                budget_s=budget_s), abandon_on_cancel=True)
-    except TimeoutError:
-        return [], [truncated(f"the copy ran past its budget of {budget_s:.1f} s")]
-    except OSError as error:
-        return [], [truncated(f"the copy into {folder} failed: {error}")]
-    gaps = [{"type": "gap.recorded", "at": now(), "data": refused.gap()}
-            for refused in kept.refused]
-    if kept.left_out:
-        why = (f"the capture budget of {budget_s:.1f} s ran out" if kept.out_of_time else
-               f"each pass keeps at most {capture.MAX_KEPT_FILES} files and "
-               f"{capture.MAX_KEPT_BYTES} bytes")
-        gaps.append(truncated(f"{kept.left_out} file(s) not kept: {why}"))
-    return kept.files, gaps
-
-
-def _printed(tree: Any) -> str:
-    """The end of what the verifier printed (`test-stdout.txt`, read safely)."""
-    try:
-        return bytes(tree.tail(VERIFIER_STDOUT, 8192)).decode("utf-8", errors="replace")
-    except UnsafeAgentFile:
-        return ""
-
-
-def verifier_output(stdout: str, stderr: str, secrets: Sequence[str]) -> dict[str, str]:
-    """Schema 2 of a verification event: the verifier's stdout and stderr tails, redacted
-    as `agent.stderr` is (scrubbed, lines cut, the last 2,000 characters; empty ones left
-    out)."""
-    return {name: redact(text, secrets) for name, text in
-            (("stdout_tail", stdout), ("stderr_tail", stderr)) if text.strip()}
-
-
-def copy_archive(tree: Any, target: Path, secrets: Sequence[str]) -> capture.ArchiveResult:
-    """The archive copy (a seam: tests slow it down to exercise the budget)."""
-    return capture.copy_archive(tree, target, secrets)

@@ -21,6 +21,7 @@ from pathlib import Path
 from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.task import Task, TaskInvalid
+from trialledger.adapters.tasksteps import Step
 from trialledger.core.errors import TrialLedgerError
 
 AGENTS = ("codex", "oracle", "nop")
@@ -39,11 +40,20 @@ class UnknownAgent(TrialLedgerError):
     """An agent other than codex, oracle or nop."""
 
 
-def solve_script(task: Task) -> Path:
-    """The task's `solution/solve.sh` (`NoSolution` when it has none)."""
-    script = task.folder / "solution" / "solve.sh"
+def solve_script(task: Task, step: Step | None = None) -> Path:
+    """The task's `solution/solve.sh` (`NoSolution` when it has none); of a multi-step task,
+    `step`'s: its own `steps/<name>/solution/`, else the task's (docs/SPEC.md §17) — and
+    with no `step` named, every step is checked."""
+    if step is None and task.steps:
+        scripts = [solve_script(task, each) for each in task.steps]
+        return scripts[0]
+    folder = step.solution if step is not None and step.solution is not None \
+        else task.folder / "solution"
+    script = folder / "solve.sh"
     if not script.is_file():
-        raise NoSolution(f"{task.folder}: no solution/solve.sh, which the oracle agent runs")
+        which = f"step {step.name!r}: " if step is not None else ""
+        shown = script.relative_to(task.folder)
+        raise NoSolution(f"{task.folder}: {which}no {shown}, which the oracle agent runs")
     return script
 
 
@@ -70,14 +80,24 @@ def oracle_places(sandbox: LocalSandbox) -> OraclePlaces:
                         str(home / ORACLE_LOG))
 
 
-def place_solution(task: Task, sandbox: LocalSandbox) -> OraclePlaces:
-    """Copy `solution/` into the sandbox, its `solve.sh` executable (Harbor's `chmod +x`),
-    owned by the sandbox user, with an empty folder for `oracle.txt`."""
-    script = solve_script(task)
+async def place_solution(task: Task, sandbox: LocalSandbox, step: Step | None = None
+                         ) -> OraclePlaces:
+    """Copy `solution/` (`step`'s, of a multi-step task) into the sandbox, its `solve.sh`
+    executable (Harbor's `chmod +x`), owned by the sandbox user, with an empty folder for
+    `oracle.txt`; an earlier step's copy is replaced. Into a container already running (a
+    later step's) it is copied by its root, as Harbor's `upload_dir` (`docker cp`) does —
+    never written beneath a mounted overlay."""
+    script = solve_script(task, step)
     places = oracle_places(sandbox)
-    shutil.copytree(script.parent, places.solution, symlinks=True)
-    solve = places.solution / "solve.sh"
-    solve.chmod(stat.S_IMODE(solve.stat().st_mode) | 0o111)
+    if sandbox.container is not None:
+        staged = sandbox.root / "solution-staged"
+        _copy_solution(script.parent, staged)
+        try:
+            await sandbox.copy_into(staged, places.solution_inside, user=None, merge=False)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+        return places
+    _copy_solution(script.parent, places.solution)
     logs = (places.log_tree / places.log).parent
     logs.mkdir(parents=True, exist_ok=True)
     sandbox.give(places.solution)
@@ -86,6 +106,15 @@ def place_solution(task: Task, sandbox: LocalSandbox) -> OraclePlaces:
             break
         sandbox.give(folder)
     return places
+
+
+def _copy_solution(source: Path, target: Path) -> None:
+    """`source` copied to `target` (what was there replaced), its `solve.sh` executable."""
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(source, target, symlinks=True)
+    solve = target / "solve.sh"
+    solve.chmod(stat.S_IMODE(solve.stat().st_mode) | 0o111)
 
 
 def oracle_argv(places: OraclePlaces, sandbox: LocalSandbox) -> list[str]:

@@ -7,7 +7,8 @@
                      pids, [metadata.trialledger] reward_from_exit_code, no_new_privileges
     environment/Dockerfile  optional: the task's image, built when no source is named
     workspace/       optional: copied into a fresh workdir
-    tests/test.sh    the verifier
+    tests/test.sh    the verifier (a separate verifier's image may hold its own, §17;
+                     tests/Dockerfile builds that image: adapters/verifiermode.py)
 
 Every path here, and every path `task.toml` names, is resolved (links followed) before it
 is checked to stay inside the folder, so a link never leads a task to a host folder.
@@ -16,7 +17,6 @@ is checked to stay inside the folder, so a link never leads a task to a host fol
 
 from __future__ import annotations
 
-import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -29,25 +29,33 @@ from trialledger.adapters.mcpservers import McpServers
 from trialledger.adapters.mcpservers import parse as parse_mcp_servers
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.taskartifacts import CONVENTION_ONLY, Artifact, parse_artifacts
+from trialledger.adapters.taskcollect import NAME as COLLECT
+from trialledger.adapters.taskcollect import CollectHook, parse_collect
 from trialledger.adapters.taskconfig import (
     COMPOSE,
+    LIMITS,
     SINGLE_ID_USER,
     allowed_entries,
     legacy_sizes,
     network_modes,
+    positive,
     review,
     wrong_type,
 )
 from trialledger.adapters.taskconfig import TaskInvalid as TaskInvalid
 from trialledger.adapters.taskconfig import UnsupportedField as UnsupportedField
+from trialledger.adapters.taskconfig import is_task_folder as is_task_folder
 from trialledger.adapters.taskenv import EnvUnresolved, ResolvedEnv, resolve
 from trialledger.adapters.taskfiles import check_task_file, read_task_text
+from trialledger.adapters.tasksteps import Step, StepInvalid, load_steps, reward_strategy
+from trialledger.adapters.verifiermode import SeparateVerifier
+from trialledger.adapters.verifiermode import parse as parse_separate
 from trialledger.core.settings import TASK_FILE_MAX_BYTES
+from trialledger.core.steps import Strategy
 
 SOURCE_KINDS: dict[str, SourceKind] = {
     "docker_image": "docker_image", "image_archive": "image_archive", "rootfs": "rootfs"}
 SOURCES = tuple(SOURCE_KINDS)
-LIMITS = ("cpus", "memory_mb", "pids")
 # Every path of the layout is read, copied, mounted or built from: none may lead out.
 LAYOUT = ("instruction.md", "task.toml", "workspace", "tests", "tests/test.sh", "environment",
           "environment/Dockerfile")
@@ -84,12 +92,21 @@ class Task:
     artifacts: tuple[Artifact, ...] = CONVENTION_ONLY  # kept after the agent (§15)
     users: dict[str, str] = field(default_factory=dict)  # phase (agent, verifier) → its
     # `user` (a name, a uid, uid:gid or name:group; docs/SPEC.md §15), honoured in range mode
+    collect: tuple[CollectHook, ...] = ()  # [[verifier.collect]], after the agent (§17)
+    # The verifier's own container (docs/SPEC.md §17; None: the verifier shares the agent's)
+    separate_verifier: SeparateVerifier | None = None
+    steps: tuple[Step, ...] = ()  # [[steps]] (docs/SPEC.md §17): none for a one-step task
+    reward_strategy: Strategy = "mean"  # multi_step_reward_strategy: the trial's reward
 
     def unhonoured(self, in_range: bool) -> dict[str, str]:
         """Every field of the task a runner warns about → why: `ignored_fields`, plus the
-        phase users, honoured only for image and rootfs tasks in range mode (§15)."""
-        users = {} if in_range and self.source is not None else {
-            f"[{phase}] user": SINGLE_ID_USER for phase in self.users}
+        phase users and collect hooks' users, honoured only for image and rootfs tasks in
+        range mode (§15, §17)."""
+        if in_range and self.source is not None:
+            return dict(self.ignored_fields)
+        users = {f"[{phase}] user": SINGLE_ID_USER for phase in self.users}
+        if any(hook.user is not None for hook in self.collect):
+            users[f"{COLLECT} user"] = SINGLE_ID_USER
         return {**self.ignored_fields, **users}
 
     @classmethod
@@ -101,30 +118,45 @@ class Task:
             raise TaskInvalid(f"{folder}: no such task folder")
         for name in LAYOUT:
             _inside(folder, name, name)
-        instruction = folder / "instruction.md"
-        if not instruction.is_file():
-            raise TaskInvalid(f"{folder}: no instruction.md (the prompt)")
         meta: dict[str, Any] = {}
         if (folder / "task.toml").is_file():
             try:
                 meta = tomllib.loads(read_task_text(folder, "task.toml", max_bytes))
             except tomllib.TOMLDecodeError as error:
                 raise TaskInvalid(f"{folder / 'task.toml'}: {error}") from None
-        prompt = read_task_text(folder, "instruction.md", max_bytes)
+        instruction = folder / "instruction.md"
+        if not instruction.is_file() and not meta.get("steps"):
+            if (folder / "steps").is_dir():  # a dataset skips it (adapters/jobs.py)
+                raise StepInvalid(f"{folder}: no instruction.md, and task.toml declares no "
+                                  f"[[steps]] for its steps/ folder")
+            raise TaskInvalid(f"{folder}: no instruction.md (the prompt)")
+        # A multi-step task's prompts are its steps' (Harbor reads no root instruction.md)
+        prompt = read_task_text(folder, "instruction.md", max_bytes) \
+            if instruction.is_file() else ""
         check_task_file(folder, COMPOSE, max_bytes)  # refused below, by size first
         environment, modes, ignored = _fields(meta, folder)
         settings = _settings(meta, environment, folder)
         tests = folder / "tests"
         tables = _env_tables(meta, folder)
+        steps, step_ignored = load_steps(
+            meta, folder, max_bytes=max_bytes,
+            read_env=lambda table, name: _env(table, name, folder))
         servers = parse_mcp_servers(environment.get("mcp_servers", []),
                                     str(folder / "task.toml"))
         check = environment.get("healthcheck")
         kept, warned = parse_artifacts(meta.get("artifacts", []), str(folder / "task.toml"))
+        hooks, unknown = parse_collect(meta.get("verifier", {}).get("collect", []),
+                                       str(folder / "task.toml"))
         allowed = allowed_entries(meta, modes, str(folder / "task.toml"))
+        source = _source(environment, folder)
+        limits = _limits(environment, folder)
+        separate = _separate(meta, folder, environment, limits, tables["environment"].values,
+                             source)
         return cls(
             allowed_hosts=(AllowList.parse(allowed, str(folder / "task.toml"))
                            if allowed is not None else None),
             artifacts=kept,
+            collect=hooks,
             healthcheck=(Healthcheck.parse(check, str(folder / "task.toml"))
                          if check is not None else None),
             users=_users(meta, folder),
@@ -139,14 +171,20 @@ class Task:
             verifier_env=tables["verifier"].values,
             solution_env=tables["solution"].values,
             secrets=(*(secret for table in tables.values() for secret in table.secrets),
-                     *servers.secrets),
+                     *servers.secrets, *(separate.secrets if separate else ()),
+                     *(secret for step in steps for secret in step.secrets)),
             mcp_servers=servers,
             allow_internet=modes["agent"] == "public",  # (a container switches per phase)
             network_modes=modes,
-            source=_source(environment, folder),
-            limits=_limits(environment, folder),
+            source=source,
+            limits=limits,
             storage_mb=_storage_mb(environment, folder),
-            ignored_fields=dict(sorted({**ignored, **servers.ignored, **warned}.items())),
+            separate_verifier=separate,
+            ignored_fields=dict(sorted({**ignored, **servers.ignored, **warned, **unknown,
+                                        **(separate.ignored if separate else {}),
+                                        **step_ignored}.items())),
+            steps=steps,
+            reward_strategy=reward_strategy(meta, str(folder / "task.toml")),
             reward_from_exit_code=_flag(meta.get("metadata", {}).get("trialledger", {}),
                                         "reward_from_exit_code", folder, default=False,
                                         table_name="metadata.trialledger"),
@@ -193,11 +231,31 @@ class NoVerifier(TaskInvalid):
 
 
 def require_verifier(task: Task) -> Task:
-    """`task`, or `NoVerifier` when it has no `tests/test.sh` to grade its sessions."""
-    if task.tests is None:
+    """`task`, or `NoVerifier` when it has no `tests/test.sh` to grade its sessions (a
+    separate verifier's image may hold its own: docs/SPEC.md §17; a multi-step task: a step
+    with neither its own `tests/test.sh` nor the task's)."""
+    if task.steps:
+        if bare := next((step for step in task.steps if step.test_script is None), None):
+            raise NoVerifier(f"{task.folder}: step {bare.name!r} has no tests/test.sh, nor "
+                             f"has the task (the verifier): nothing could grade it")
+        return task
+    if task.tests is None and not (task.separate_verifier and task.separate_verifier.bundled):
         raise NoVerifier(f"{task.folder}: no tests/test.sh (the verifier): nothing could "
                          f"grade its sessions")
     return task
+
+
+def _separate(meta: dict[str, Any], folder: Path, environment: dict[str, Any],
+              limits: dict[str, float], env: dict[str, str], source: Source | None
+              ) -> SeparateVerifier | None:
+    """The task's separate verifier (adapters/verifiermode.py), refused by name on a host
+    task: it needs range mode, which only image and rootfs tasks have (docs/SPEC.md §17)."""
+    separate = parse_separate(meta, folder, environment=environment, limits=limits, env=env)
+    if separate is not None and source is None:
+        raise UnsupportedField(f"{folder / 'task.toml'}: {separate.named}: a separate verifier "
+                               f"needs range mode, which a host task (no [environment] "
+                               f"image or rootfs) does not have")
+    return separate
 
 
 def _declared_name(meta: dict[str, Any]) -> str | None:
@@ -227,18 +285,21 @@ def _env_tables(meta: dict[str, Any], folder: Path) -> dict[str, ResolvedEnv]:
     tables = {}
     for phase in ("environment", "verifier", "solution"):
         table = meta.get(phase, {}).get("env", {})
-        if not isinstance(table, dict):
-            raise wrong_type(str(folder / "task.toml"), f"[{phase}] env", table,
-                             "a table of strings")
-        for name, value in table.items():
-            if not isinstance(value, (str, int, float, bool)):
-                raise wrong_type(str(folder / "task.toml"), f"[{phase}] env {name}", value,
-                                 "a string")
-        try:
-            tables[phase] = resolve(table, f"{folder / 'task.toml'}: [{phase}] env")
-        except EnvUnresolved as error:
-            raise TaskInvalid(str(error)) from None
+        tables[phase] = _env(table, f"[{phase}] env", folder)
     return tables
+
+
+def _env(table: Any, name: str, folder: Path) -> ResolvedEnv:
+    """An `env` table of strings, its `${VAR}` values resolved."""
+    if not isinstance(table, dict):
+        raise wrong_type(str(folder / "task.toml"), name, table, "a table of strings")
+    for key, value in table.items():
+        if not isinstance(value, (str, int, float, bool)):
+            raise wrong_type(str(folder / "task.toml"), f"{name} {key}", value, "a string")
+    try:
+        return resolve(table, f"{folder / 'task.toml'}: {name}")
+    except EnvUnresolved as error:
+        raise TaskInvalid(str(error)) from None
 
 
 def _flag(table: dict[str, Any], key: str, folder: Path, *, default: bool = True,
@@ -297,7 +358,4 @@ def _storage_mb(table: dict[str, Any], folder: Path) -> float | None:
 
 def _positive(value: Any, name: str, folder: Path) -> float:
     """`value`, or `WrongType` naming `name` when it is not a finite number above 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            0 < value < math.inf):
-        raise wrong_type(str(folder / "task.toml"), name, value, "a positive number")
-    return value
+    return positive(value, name, str(folder / "task.toml"))

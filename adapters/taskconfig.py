@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path as FolderPath
 from typing import Any, Literal
 
 from trialledger.core.errors import TrialLedgerError
@@ -55,10 +56,6 @@ def _linux(value: Any) -> bool:
     return isinstance(value, str) and value.lower() == "linux"
 
 
-def _shared(value: Any) -> bool:
-    return bool(value == "shared")
-
-
 @dataclass(frozen=True)
 class Key:
     """What is done with one task.toml key."""
@@ -74,6 +71,9 @@ NOT_ENFORCED = "is recorded, never enforced"
 # Phase users (`[agent] user`, `[verifier] user`) are honoured in range mode; a single-id
 # runner warns at `run` / `job run` that it is not (docs/SPEC.md §15).
 SINGLE_ID_USER = "is not honoured in single-id mode: every phase runs as the image's user"
+SEPARATE_IMAGES = ("the separate verifier's image is a docker_image, tests/Dockerfile or the "
+                   "task's own here")
+NO_AGENT = "is ignored: no agent runs in the separate verifier's container"
 
 # Harbor 0.25's TaskConfig, key by key (plus ours: image_archive, rootfs, pids,
 # [metadata.trialledger]). "*" stands for any key of a free-form table.
@@ -85,8 +85,8 @@ FIELDS: dict[Path, Key] = {
     ("metadata", "*"): INFORMATION,
     ("metadata", "trialledger", "reward_from_exit_code"): HONOURED,
     ("metadata", "trialledger", "no_new_privileges"): HONOURED,
-    ("multi_step_reward_strategy",): INFORMATION,  # only multi-step tasks use it
-    ("steps",): Key("refused", "multi-step tasks are not supported here", _nothing),
+    ("multi_step_reward_strategy",): HONOURED,  # adapters/tasksteps.py (§17)
+    ("steps",): HONOURED,  # adapters/tasksteps.py: each step's keys in its own table
     ("artifacts",): HONOURED,  # adapters/taskartifacts.py (a non-main service refused below)
     ("agent", "timeout_sec"): HONOURED,
     ("agent", "user"): HONOURED,  # range mode (else warned at run: SINGLE_ID_USER)
@@ -97,13 +97,30 @@ FIELDS: dict[Path, Key] = {
     ("verifier", "user"): HONOURED,
     ("verifier", "network_mode"): HONOURED,
     ("verifier", "allowed_hosts"): HONOURED,
-    ("verifier", "environment_mode"): Key(
-        "refused", "a separate verifier container is not supported here", _shared),
-    ("verifier", "environment"): Key(
-        "refused", "a separate verifier container ([verifier.environment]) is not "
-                   "supported here"),
-    ("verifier", "collect"): Key(
-        "refused", "[[verifier.collect]] hooks are not supported here", _nothing),
+    # A separate verifier (adapters/verifiermode.py; range mode, docs/SPEC.md §17)
+    ("verifier", "environment_mode"): HONOURED,
+    **{("verifier", "environment", key): HONOURED for key in (
+        "docker_image", "build_timeout_sec", "workdir", "env", "network_mode",
+        "allow_internet", "cpus", "memory_mb", "memory", "pids")},
+    ("verifier", "environment", "allowed_hosts"): Key(
+        "refused", "an allowlist of the separate verifier's own is not supported here "
+                   "([verifier] network_mode = 'allowlist' takes the task's)", _nothing),
+    ("verifier", "environment", "image_archive"): Key("refused", SEPARATE_IMAGES),
+    ("verifier", "environment", "rootfs"): Key("refused", SEPARATE_IMAGES),
+    ("verifier", "environment", "healthcheck"): Key(
+        "refused", "a healthcheck of the separate verifier's container is not supported here"),
+    ("verifier", "environment", "storage_mb"): Key("warned", NOT_ENFORCED),
+    ("verifier", "environment", "storage"): Key("warned", NOT_ENFORCED),
+    ("verifier", "environment", "os"): Key("refused", "only Linux tasks run here", _linux),
+    ("verifier", "environment", "gpus"): Key("refused", "GPUs are not supported here",
+                                             _nothing),
+    ("verifier", "environment", "gpu_types"): Key("refused", "GPUs are not supported here",
+                                                  _nothing),
+    ("verifier", "environment", "tpu"): Key("refused", "TPUs are not supported here"),
+    ("verifier", "environment", "mcp_servers"): Key("warned", NO_AGENT, _nothing),
+    ("verifier", "environment", "skills_dir"): Key("warned", NO_AGENT),
+    ("verifier", "collect"): HONOURED,  # adapters/taskcollect.py (a non-main service
+    # refused there; its `user` honoured in range mode, else warned at run: SINGLE_ID_USER)
     ("solution", "env"): HONOURED,
     ("environment", "build_timeout_sec"): HONOURED,
     ("environment", "docker_image"): HONOURED,
@@ -131,10 +148,18 @@ FIELDS: dict[Path, Key] = {
 }
 TABLES: frozenset[Path] = frozenset({("agent",), ("verifier",), ("solution",),
                                      ("environment",), ("metadata",),
-                                     ("metadata", "trialledger")})
+                                     ("metadata", "trialledger"),
+                                     ("verifier", "environment")})
 UNKNOWN = Key("warned", "is not a field of Harbor 0.25's task config: ignored")
 COMPOSE = "environment/docker-compose.yaml"
 MAIN_SERVICE = "main"
+
+
+def is_task_folder(path: FolderPath) -> bool:
+    """Whether `path` looks like a task: it has an `instruction.md`, or (a multi-step task,
+    whose prompts are its steps') a `task.toml` beside a `steps/` folder."""
+    return (path / "instruction.md").is_file() or (
+        (path / "task.toml").is_file() and (path / "steps").is_dir())
 
 
 def field_name(path: Path) -> str:
@@ -181,25 +206,32 @@ def network_modes(meta: Mapping[str, Any], where: str
                   ) -> tuple[dict[str, str], dict[str, str]]:
     """Each phase's network mode (`environment`, `agent`, `verifier`) as Harbor resolves it,
     and the warned fields (a legacy `allow_internet` an explicit field overrides)."""
-    environment = meta.get("environment", {})
-    ignored: dict[str, str] = {}
-    baseline = _mode(environment, "environment", where) or "public"
-    if (legacy := environment.get("allow_internet")) is not None:
-        if not isinstance(legacy, bool):
-            raise wrong_type(where, "[environment] allow_internet", legacy, "true or false")
-        explicit = [key for key in ("network_mode", "allowed_hosts") if key in environment]
-        if explicit:  # Harbor's _apply_legacy_allow_internet: the explicit field wins
-            ignored["[environment] allow_internet"] = (
-                f"is ignored: [environment] {explicit[0]} wins")
-        else:
-            baseline = "public" if legacy else "no-network"
+    baseline, ignored = baseline_mode(meta.get("environment", {}), "environment", where)
     modes = {"environment": baseline}
     for phase in PHASES:
-        modes[phase] = _mode(meta.get(phase, {}), phase, where) or baseline
+        modes[phase] = phase_mode(meta.get(phase, {}), phase, where) or baseline
     return modes, ignored
 
 
-def _mode(table: Mapping[str, Any], name: str, where: str) -> str | None:
+def baseline_mode(environment: Mapping[str, Any], name: str, where: str
+                  ) -> tuple[str, dict[str, str]]:
+    """An environment table's (`[environment]`, `[verifier.environment]`) network mode,
+    `public` by default, read with the legacy `allow_internet`, and the warned fields."""
+    ignored: dict[str, str] = {}
+    baseline = phase_mode(environment, name, where) or "public"
+    if (legacy := environment.get("allow_internet")) is not None:
+        if not isinstance(legacy, bool):
+            raise wrong_type(where, f"[{name}] allow_internet", legacy, "true or false")
+        explicit = [key for key in ("network_mode", "allowed_hosts") if key in environment]
+        if explicit:  # Harbor's _apply_legacy_allow_internet: the explicit field wins
+            ignored[f"[{name}] allow_internet"] = f"is ignored: [{name}] {explicit[0]} wins"
+        else:
+            baseline = "public" if legacy else "no-network"
+    return baseline, ignored
+
+
+def phase_mode(table: Mapping[str, Any], name: str, where: str) -> str | None:
+    """A table's own `network_mode` (None: it sets none), checked."""
     value = table.get("network_mode")
     if value is None:
         return None
@@ -247,17 +279,28 @@ def allowed_entries(meta: Mapping[str, Any], modes: Mapping[str, str], where: st
     return entries(listed[0])
 
 
+LIMITS = ("cpus", "memory_mb", "pids")  # an environment table's limits (§12)
+
+
+def positive(value: Any, name: str, where: str) -> float:
+    """`value`, or `WrongType` naming `name` when it is not a finite number above 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 < value < math.inf):
+        raise wrong_type(where, name, value, "a positive number")
+    return value
+
+
 SIZE_UNITS: dict[str, Callable[[float], int]] = {
     "G": lambda x: int(x * 1024), "M": int, "K": lambda x: int(x / 1024)}
 LEGACY_SIZES = (("memory", "memory_mb"), ("storage", "storage_mb"))
 
 
-def legacy_sizes(environment: Mapping[str, Any], where: str
+def legacy_sizes(environment: Mapping[str, Any], where: str, name: str = "environment"
                  ) -> tuple[dict[str, Any], dict[str, str]]:
-    """`[environment]` with the legacy `memory`/`storage` strings read into `memory_mb` /
-    `storage_mb` as Harbor maps them ("4G" → 4096, "512M" → 512, "512K" → 0), and the warned
-    fields (a value that is not a string, which Harbor drops). 0 MB is no limit, as Harbor's
-    Docker sets none for it."""
+    """`[environment]` (or the table `name`) with the legacy `memory`/`storage` strings
+    read into `memory_mb` / `storage_mb` as Harbor maps them ("4G" → 4096, "512M" → 512,
+    "512K" → 0), and the warned fields (a value that is not a string, which Harbor drops).
+    0 MB is no limit, as Harbor's Docker sets none for it."""
     resolved = dict(environment)
     ignored: dict[str, str] = {}
     for legacy, current in LEGACY_SIZES:
@@ -265,15 +308,15 @@ def legacy_sizes(environment: Mapping[str, Any], where: str
             continue
         raw = resolved.pop(legacy)
         if not isinstance(raw, str):
-            ignored[f"[environment] {legacy}"] = ("is ignored: not a size string such as "
-                                                  "'4G' (Harbor drops it)")
+            ignored[f"[{name}] {legacy}"] = ("is ignored: not a size string such as "
+                                             "'4G' (Harbor drops it)")
             continue
         megabytes = size_mb(raw)
         if megabytes is None:
-            raise TaskInvalid(f"{where}: [environment] {legacy} = {raw!r}: expected a size "
+            raise TaskInvalid(f"{where}: [{name}] {legacy} = {raw!r}: expected a size "
                               f"such as '1G', '512M' or '1024K'")
         if current in resolved and resolved[current] != megabytes:
-            raise TaskInvalid(f"{where}: [environment] {legacy} = {raw!r} ({megabytes} MB) "
+            raise TaskInvalid(f"{where}: [{name}] {legacy} = {raw!r} ({megabytes} MB) "
                               f"differs from {current} = {resolved[current]!r}")
         if megabytes:
             resolved.setdefault(current, megabytes)

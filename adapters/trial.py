@@ -29,6 +29,7 @@ import anyio
 from trialledger.adapters.journal import delivery
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.core import SessionView
+from trialledger.core.steps import StepRun, attempt_end, trial_reward
 from trialledger.store import LeaseLost, Ledger, StoreUnavailable
 from trialledger.store.jobs import UNCOUNTED_CAP, Claim, Jobs
 from trialledger.store.ledger import RunnerAlive, gone_from_this_host
@@ -36,6 +37,7 @@ from trialledger.store.writer import Fence
 
 if TYPE_CHECKING:  # the runner imports this module: its sessions are run through ours
     from trialledger.adapters.runner import SessionResult, SessionRunner
+    from trialledger.adapters.task import Task
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +57,33 @@ def finishes(session: Mapping[str, Any]) -> bool:
     return session["close_reason"] not in HARNESS_CLOSES or bool(session.get("verified"))
 
 
-def next_attempt(sessions: Sequence[Mapping[str, Any]], max_attempts: int
+def next_attempt(sessions: Sequence[Mapping[str, Any]], max_attempts: int, *,
+                 finished: Callable[[Mapping[str, Any]], bool] | None = None
                  ) -> tuple[int, str | None] | None:
     """A trial's next (attempt, retry_of) from its closed sessions, oldest first; None when
     its last session finishes it (`finishes`) or `max_attempts` sessions have counted. A
     harness failure — closed `cancelled`, or `recovered` after a crash, without a verdict —
     never uses up an attempt, but only the first `UNCOUNTED_CAP` give one: past them the
-    trial ends (so one that fails the same way each time never stays queued)."""
+    trial ends (so one that fails the same way each time never stays queued). `finished`:
+    whether a last session ends the trial (default `finishes`)."""
     last = sessions[-1] if sessions else None
     counted = sum(1 for s in sessions if s["close_reason"] not in HARNESS_CLOSES)
-    if ((last is not None and finishes(last)) or counted >= max_attempts
+    if ((last is not None and (finished or finishes)(last)) or counted >= max_attempts
             or len(sessions) - counted > UNCOUNTED_CAP):
         return None
     return (int(last["attempt"]) + 1 if last else 1, last["session_id"] if last else None)
+
+
+def by_attempt(sessions: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """A multi-step trial's sessions, oldest first, grouped by their `attempt` (its step
+    sessions, in order)."""
+    attempts: list[list[Mapping[str, Any]]] = []
+    for row in sessions:
+        if attempts and attempts[-1][0]["attempt"] == row["attempt"]:
+            attempts[-1].append(row)
+        else:
+            attempts.append([row])
+    return attempts
 
 
 def fresh_trial_id(task: str) -> str:
@@ -85,6 +101,10 @@ class TrialRun:
     ran: list[SessionResult]  # the sessions this run ran, with their views
     final: SessionView | None = None  # its final session's view (None: it has none)
     error: str | None = None  # why an error no rule foresaw ended it (a held trial, §13)
+    # A multi-step trial's reward by its strategy over its last complete attempt's steps
+    # (docs/SPEC.md §17; None: no result), and those steps' own (name, rewards)
+    rewards: dict[str, float] | None = None
+    steps: list[tuple[str, dict[str, float] | None]] | None = None
 
 
 class Lease:
@@ -199,13 +219,60 @@ class Trial:
         from the store before each."""
         ran: list[SessionResult] = []
         token = self.lease.claim.token if self.lease is not None else None
+        steps = runner.task.steps
+        max_attempts = max(1, runner.options.max_attempts)
         while True:
             sessions = await self.recover(await self.sessions())
-            step = next_attempt(sessions, max(1, runner.options.max_attempts))
+            step = (await self._next_steps(sessions, runner.task, max_attempts) if steps
+                    else next_attempt(sessions, max_attempts))
             if step is None:
-                return TrialRun(self.trial_id, sessions, ran, await self._final(sessions, ran))
-            ran.append(await runner.run_session(attempt=step[0], retry_of=step[1],
-                                                trial_id=self.trial_id, lease=token))
+                done = TrialRun(self.trial_id, sessions, ran, await self._final(sessions, ran))
+                if steps:
+                    done.steps = await self._step_rewards(sessions, runner.task)
+                    done.rewards = trial_reward([r for _, r in done.steps or []],
+                                                runner.task.reward_strategy
+                                                ) if done.steps else None
+                return done
+            if steps:
+                ran.extend(await runner.run_steps(attempt=step[0], retry_of=step[1],
+                                                  trial_id=self.trial_id, lease=token))
+            else:
+                ran.append(await runner.run_session(attempt=step[0], retry_of=step[1],
+                                                    trial_id=self.trial_id, lease=token))
+
+    async def _next_steps(self, sessions: Sequence[Mapping[str, Any]], task: Task,
+                          max_attempts: int) -> tuple[int, str | None] | None:
+        """A multi-step trial's next (attempt, retry_of), its attempts being its step
+        sessions grouped by `attempt` (docs/SPEC.md §17): None once its last attempt is
+        over without a retry (complete, or stopped: core/steps.py `attempt_end`), or the
+        attempts are used as `next_attempt` counts them (one closed by the harness is
+        uncounted); else a new attempt from step 1 — also after one left half-run."""
+        attempts = by_attempt(sessions)
+        if attempts:
+            runs = [StepRun(str(row["step_name"]), finishes(row),
+                            await self._rewards(row) if finishes(row) else None)
+                    for row in attempts[-1]]
+            end = attempt_end(runs, [step.min_reward for step in task.steps])
+            if end.over and not end.retry:
+                return None
+        return next_attempt([attempt[-1] for attempt in attempts], max_attempts,
+                            finished=lambda _: False)
+
+    async def _rewards(self, row: Mapping[str, Any]) -> dict[str, float] | None:
+        return (await self.ledger.view(str(row["session_id"]))).rewards
+
+    async def _step_rewards(self, sessions: Sequence[Mapping[str, Any]], task: Task
+                            ) -> list[tuple[str, dict[str, float] | None]] | None:
+        """Its last complete attempt's steps (name, rewards): None when its last attempt
+        ended for a retry (no attempt completed)."""
+        attempts = by_attempt(sessions)
+        if not attempts:
+            return None
+        last = attempts[-1]
+        if not finishes(last[-1]):
+            return None
+        return [(str(row["step_name"]), await self._rewards(row) if finishes(row) else None)
+                for row in last]
 
     async def _final(self, sessions: Sequence[Mapping[str, Any]],
                      ran: Sequence[SessionResult]) -> SessionView | None:
@@ -285,4 +352,4 @@ def _only(error: BaseException, kind: type[BaseException]) -> bool:
 
 
 __all__ = ["FINAL", "HARNESS_CLOSES", "UNCOUNTED_CAP", "Lease", "Trial", "TrialRun",
-           "finishes", "fresh_trial_id", "next_attempt"]
+           "by_attempt", "finishes", "fresh_trial_id", "next_attempt"]

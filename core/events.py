@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 from trialledger.core.redact import REDACTED, fingerprint
@@ -161,6 +162,21 @@ class Grant(_Data):
 # --- data of each event type ---------------------------------------------------------------
 
 
+class StepInfo(_Data):
+    """Which step of a multi-step task a session runs (SPEC §17): its `name`, its 1-based
+    `index` and the task's `count` of steps."""
+
+    name: Annotated[str, Field(min_length=1)]
+    index: Annotated[int, Field(ge=1)]
+    count: Annotated[int, Field(ge=1)]
+
+    @model_validator(mode="after")
+    def _within(self) -> StepInfo:
+        if self.index > self.count:
+            raise ValueError(f"step index {self.index} is past the count {self.count}")
+        return self
+
+
 class SessionSeededData(_Data):
     trial_id: Annotated[str, Field(min_length=1)]
     attempt: Annotated[int, Field(ge=1)]
@@ -172,6 +188,22 @@ class SessionSeededData(_Data):
     model: str | None  # null for an agent that asks no model (SPEC §15's oracle and nop)
     settings: Settings = Field(default_factory=Settings)
     grants: list[Grant] = Field(default_factory=list)
+    # Schema 2 (SPEC §17): the step of a multi-step task; absent from a schema-1 seed, and
+    # from a one-step session's (which is still written as schema 1, byte for byte as
+    # before), so it dumps as written.
+    step: StepInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _as_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped: dict[str, Any] = handler(self)
+        if dumped.get("step") is None:
+            dumped.pop("step", None)
+        return dumped
+
+    @property
+    def schema_version(self) -> int:
+        """The schema this seed is written as: 2 with a step, else 1 (SPEC §17)."""
+        return 2 if self.step is not None else 1
 
 
 class AgentLaunchedData(_Data):
@@ -576,6 +608,7 @@ SCHEMA_VERSION: dict[str, int] = {
     # 2: model_proxy, environment, limits; 3: identity; 4: journal; 5: isolation runc and
     # crun (values an older event never holds: it folds unchanged, no upcaster)
     "agent.launched": 5,
+    "session.seeded": 2,  # 2: step (SPEC §17; a seed without one is still written as 1)
     "verification.recorded": 3,  # 2: stdout_tail, stderr_tail; 3: files
     "verification.failed": 3,
 }

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from trialledger.core import why
 from trialledger.core.canonical import session_id_for_seed
 from trialledger.core.errors import IllegalTransition
 from trialledger.core.events import (
@@ -31,6 +32,7 @@ from trialledger.core.observations import Observations, observe
 from trialledger.core.parsing import parse_events
 from trialledger.core.policy import Policy
 from trialledger.core.seed import seal_seed
+from trialledger.core.why import Ending, Failure
 
 Outcome = Literal["retry", "verify", "unverified", "interrupted", "pending"]
 
@@ -197,35 +199,32 @@ def replay(events: Iterable[Mapping[str, Any] | Event], policy: str | Policy | N
     return rederive(events, policy).view()
 
 
+def ending(view: SessionView) -> Ending:
+    """What `core.why` judges a session by, from its fold."""
+    d = view.decision
+    failures = [Failure(e.seq, e.data.reason, e.data.detail)
+                for e in view.events if e.type == "verification.failed"]
+    closed = [e.data.reason for e in view.events if e.type == "session.closed"]
+    recorded = [e.data for e in view.events if e.type == "verification.recorded"]
+    said = (why.last_line(recorded[-1].stdout_tail) or why.last_line(recorded[-1].stderr_tail)
+            if recorded else None)
+    return Ending(outcome=view.outcome, state=view.state,
+                  action=None if d is None else d.action, rule=None if d is None else d.rule,
+                  status=None if d is None else d.status,
+                  cause_kind=d.cause.kind if d and d.cause else None,
+                  cause_message=d.cause.message if d and d.cause else None,
+                  error=None if d is None else d.error,
+                  reward_valid=d is not None and d.reward_valid, rewards=view.rewards,
+                  failures=failures, closed=closed[-1] if closed else None,
+                  verifier_said=said)
+
+
 def why_unscored(view: SessionView) -> list[str]:
     """Why a session did not score, from its events (docs/SPEC.md §13): each
     `verification.failed`'s reason and detail, then, for a session that is not scored (no
     `verify` decision with a valid reward and a recorded verification), an `unscored:` line
     naming what ended it; nothing for a scored session without a failed verification."""
-    said = [f"verification failed at seq {e.seq}: {e.data.reason}"
-            f"{': ' + e.data.detail if e.data.detail else ''}"
-            for e in view.events if e.type == "verification.failed"]
-    d = view.decision
-    if view.outcome == "verify" and d is not None and d.reward_valid:
-        return said
-    failed = [e.data for e in view.events if e.type == "verification.failed"]
-    closed = [e.data.reason for e in view.events if e.type == "session.closed"]
-    if d is None or d.action == "probe":
-        why = (f"closed {closed[-1]} before a decision" if closed
-               else f"no decision yet (state {view.state})")
-    elif d.action == "retry":
-        message = d.cause.message if d.cause else None
-        cause = f", cause {d.cause.kind}{': ' + message if message else ''}" if d.cause else ""
-        error = f", error: {d.error}" if d.error and d.error != message else ""
-        why = f"decided retry by rule {d.rule} (status {d.status}{cause}{error})"
-    elif failed:
-        why = f"no reward: the verification failed ({failed[-1].reason})"
-    elif view.outcome == "verify":
-        why = f"the reward is not valid (rule {d.rule})"
-    else:
-        why = (f"decided verify by rule {d.rule}, but no verification was recorded"
-               f"{' (closed ' + closed[-1] + ')' if closed else ''}")
-    return [*said, f"unscored: {why}"]
+    return why.unscored_lines(ending(view))
 
 
 def explain(view: SessionView) -> list[str]:

@@ -42,6 +42,7 @@ P = TypeVar("P")
 POSITION_SEQUENCE = "pg_get_serial_sequence('events', 'position')"  # PostgreSQL's default
 CALL_FLOOR_S = 2.0  # the shortest deadline a PostgreSQL call is given (`call_deadline`)
 CALL_CEILING_S = 60.0  # and the longest a lease holder's calls are given
+IDLE_IN_TRANSACTION_CALLS = 2  # a holder's transaction left idle this many call deadlines ends
 
 
 def driver_marks(dialect: str, count: int) -> list[str]:
@@ -346,13 +347,20 @@ def _postgres_engine(url: URL, *, pool_size: int,
 
     `call_timeout_s`: a connect, a wait for a pooled connection and each statement (the
     ping too) not done by then raises `TimeoutError` (an outage, `StoreUnavailable`), and
-    the connection is cut and dropped from the pool, never used again half-answered."""
+    the connection is cut and dropped from the pool, never used again half-answered. The
+    server, too, ends a transaction such a holder leaves idle for twice that
+    (`idle_in_transaction_session_timeout`): a holder paused or cut off inside one would
+    otherwise keep its row and advisory locks, and every other holder's claim waiting on
+    them, until TCP noticed."""
     if call_timeout_s is None:
         engine = create_async_engine(url, pool_size=pool_size)
     else:
+        idle_ms = str(round(IDLE_IN_TRANSACTION_CALLS * call_timeout_s * 1000))
         engine = create_async_engine(
             url, pool_size=pool_size, pool_timeout=call_timeout_s,
-            connect_args={"timeout": call_timeout_s, "command_timeout": call_timeout_s})
+            connect_args={"timeout": call_timeout_s, "command_timeout": call_timeout_s,
+                          "server_settings": {"idle_in_transaction_session_timeout":
+                                              idle_ms}})
 
         @event.listens_for(engine.sync_engine, "handle_error")
         def _timed_out(context: Any) -> None:

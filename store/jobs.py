@@ -20,6 +20,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from trialledger.core.canonical import NS
+from trialledger.core.cost import Price, prices_from, session_cost, total_cost, usage
 from trialledger.core.summary import ordered, several_names
 from trialledger.store.errors import JobRefused as JobRefused
 from trialledger.store.errors import NoJob as NoJob
@@ -36,10 +37,10 @@ LEGACY_NAMESPACE = uuid.UUID("6f0c35f4-5d52-4c1e-9a0b-7d1f6a0f7b11")
 _TRIAL_NS = "trial_namespace"  # the stored configuration's key; never compared on resume
 TRIAL_COLUMNS = ("job", "trial_id", "task", "k_index", "state", "attempts", "final_session_id",
                  "outcome", "reward", "scored", "input_tokens", "output_tokens",
-                 "total_tokens", "unknown_usage", "wall_s", "passed", "interrupted")
+                 "total_tokens", "unknown_usage", "wall_s", "passed", "interrupted", "cost_usd")
 TASK_COLUMNS = ("job", "dataset", "task", "name", "trials", "open", "scored", "unscored", "passed",
                 "mean", "mean_scored", "retries", "interrupted", "total_tokens",
-                "unknown_usage", "wall_s", "mean_reward", "pass_at_k")
+                "unknown_usage", "wall_s", "mean_reward", "pass_at_k", "cost_usd")
 ADHOC = "adhoc"  # Harbor's dataset of the tasks given as task folders
 UNCOUNTED_CAP = 3  # harness failures a trial may have beyond max_attempts (SPEC §13)
 
@@ -53,13 +54,31 @@ _NAME_ORDER = "CASE WHEN name = 'reward' THEN 0 ELSE 1 END, name"
 _TASKS_SQL = f"SELECT {{columns}} FROM job_tasks WHERE job = :j {_FIGURE_ORDER}, {_NAME_ORDER}"
 _PASSK_SQL = f"SELECT * FROM job_passk WHERE job = :j {_FIGURE_ORDER}, {_NAME_ORDER}, k"
 # Each trial's reward names and values: of every session of the job's trials (a trial's
-# are its final session's, `job_trials.final_session_id`).
-_REWARDS_SQL = ("SELECT r.session_id, r.name, r.value FROM rewards r "
+# are its final session's, `job_trials.final_session_id`; a multi-step trial's by its
+# strategy over its steps: `trial_rewards`, migration 0016).
+_REWARDS_SQL = ("SELECT r.session_id, r.name, r.value FROM trial_rewards r "
                 "JOIN sessions s ON s.session_id = r.session_id "
                 "JOIN job_queue q ON q.trial_id = s.trial_id WHERE q.job = :j")
+# The step sessions of the job's multi-step trials (SPEC §17), each with its `reward`.
+_STEPS_SQL = ("SELECT s.trial_id, s.attempt, s.step_name, s.step_index, "
+              "(SELECT r.value FROM rewards r WHERE r.session_id = s.session_id "
+              "AND r.name = 'reward') AS reward FROM sessions s "
+              "JOIN job_queue q ON q.trial_id = s.trial_id "
+              "WHERE q.job = :j AND s.step_index IS NOT NULL "
+              "ORDER BY s.trial_id, s.attempt, s.step_index")
 _REWARD_MEANS_SQL = f"SELECT * FROM job_reward_means WHERE job = :j {_FIGURE_ORDER}, name"
+# Each job's overall figure, a row per reward name (`job ls`'s headline mean).
+_HEADLINE_SQL = ("SELECT job, name, mean FROM job_tasks WHERE dataset IS NULL AND task IS NULL")
 _RETRIES_SQL = "SELECT * FROM job_retries WHERE job = :j ORDER BY task, cause_kind"
 _TRIALS_SQL = "SELECT * FROM job_trials WHERE job = :j ORDER BY task, k_index"
+_PRICES_SQL = "SELECT * FROM job_prices WHERE job = :j ORDER BY model"
+# Each session of the job's trials with its usage (`outcomes`: none for a session that
+# ended without a decision, whose usage is then unknown) and what prices it (SPEC §18).
+_SESSION_USAGE_SQL = (
+    "SELECT q.trial_id, COALESCE(q.dataset, 'adhoc') AS dataset, s.session_id, s.agent_name, "
+    "s.model, o.input_tokens, o.cached_input_tokens, o.output_tokens, "
+    "o.reasoning_output_tokens FROM job_queue q JOIN sessions s ON s.trial_id = q.trial_id "
+    "LEFT JOIN outcomes o ON o.session_id = s.session_id WHERE q.job = :j")
 _SKIPPED_SQL = "SELECT task, reason FROM job_skipped WHERE job = :j ORDER BY task"
 _FAILURES_SQL = "SELECT DISTINCT task, detail FROM job_queue WHERE job = :j AND state = :s"
 # Trials an earlier version settled `done` on a session cancelled before its verification
@@ -119,6 +138,53 @@ def with_rewards(trials: Sequence[dict[str, Any]],
     return found
 
 
+def with_steps(trials: Sequence[dict[str, Any]], steps: Sequence[Mapping[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """`job_trials` rows, each with `steps`: a multi-step trial's steps of its last attempt
+    (its final session's), in order, as {name, reward} (`reward`: that step's `reward`, None
+    without one); None for a one-step trial. `steps`: `_STEPS_SQL`'s rows."""
+    last: dict[str, tuple[int, list[dict[str, Any]]]] = {}
+    for row in steps:
+        attempt, found = last.get(row["trial_id"], (0, []))
+        if int(row["attempt"]) > attempt:
+            attempt, found = int(row["attempt"]), []
+        found.append({"name": row["step_name"], "reward": row["reward"]})
+        last[row["trial_id"]] = (attempt, found)
+    return [dict(trial, steps=last[trial["trial_id"]][1] if trial["trial_id"] in last
+                 else None) for trial in trials]
+
+
+def _prices(rows: Sequence[Mapping[str, Any]]) -> dict[str, Price] | None:
+    """A job's price table from its `job_prices` rows (None: it has none)."""
+    return prices_from({r["model"]: {f: r[f] for f in ("input", "cached_input", "output",
+                                                        "reasoning")} for r in rows}) or None
+
+
+def with_costs(trials: Sequence[dict[str, Any]], tasks: Sequence[dict[str, Any]],
+               sessions: Sequence[Mapping[str, Any]],
+               prices: Mapping[str, Price] | None) -> float | None:
+    """Each trial's and figure's `cost_usd` (SPEC §18), set in place, and the job's: a
+    session's by its usage and model, a trial's the sum of its sessions', a figure's of its
+    trials', the job's of all — each None when one it sums is unknown (never 0)."""
+    by_trial: dict[str, list[float | None]] = {}
+    for s in sessions:
+        known = s["input_tokens"] is not None and s["output_tokens"] is not None
+        tokens = usage(int(s["input_tokens"]), s["cached_input_tokens"],
+                       int(s["output_tokens"]), s["reasoning_output_tokens"]) if known else None
+        by_trial.setdefault(s["trial_id"], []).append(
+            session_cost(tokens, model=s["model"], agent=s["agent_name"], prices=prices))
+    for trial in trials:
+        trial["cost_usd"] = total_cost(by_trial.get(trial["trial_id"], []))
+    datasets = {r["trial_id"]: r["dataset"] for r in sessions}
+    for figure in tasks:
+        figure["cost_usd"] = total_cost(
+            t["cost_usd"] for t in trials
+            if (figure["task"] is None or t["task"] == figure["task"])
+            and (figure["dataset"] is None or figure["task"] is not None
+                 or datasets.get(t["trial_id"], figure["dataset"]) == figure["dataset"]))
+    return total_cost(t["cost_usd"] for t in trials)
+
+
 def _failures(rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     return {r["task"]: r["detail"] for r in rows}
 
@@ -158,7 +224,9 @@ class Jobs:
                      tasks: Sequence[tuple[str, str]], *, add: bool = False,
                      datasets: Mapping[str, str] | None = None,
                      skipped: Mapping[str, str] | None = None,
-                     ignored: Mapping[str, Mapping[str, str]] | None = None) -> bool:
+                     ignored: Mapping[str, Mapping[str, str]] | None = None,
+                     prices: Mapping[str, Price] | None = None,
+                     strategies: Mapping[str, str] | None = None) -> bool:
         """Create the job, or check a resumed one: the same configuration but for `k`, which
         may grow (new trials are queued), never shrink, and the same task names (`add`:
         other names are added; the job's own must still all be named). `tasks` are (name,
@@ -166,7 +234,11 @@ class Jobs:
         (absent: `adhoc`); `skipped`: a dataset's tasks skipped as invalid → why (SPEC §15;
         listed by `job show`, in no figure); `ignored`: a task → the fields its runner does
         not honour → why (`job_task_fields`; never part of the configuration, so never
-        compared at resume). A resume also queues again the trials an earlier version
+        compared at resume); `prices`: the job's price table (SPEC §18; `job_prices`, never
+        compared either: a table given replaces the job's, none keeps it); `strategies`: a
+        multi-step task → its `multi_step_reward_strategy` (`job_queue.reward_strategy`,
+        how the views take its trials' reward, SPEC §17). A resume also
+        queues again the trials an earlier version
         settled on a session cancelled before its verdict (`_REOPEN_SQL`). A refusal writes
         nothing. Returns whether the job was new."""
         k, attempts = int(config["k"]), int(config["max_attempts"])
@@ -192,23 +264,39 @@ class Jobs:
             for task, folder in tasks:
                 for index in range(k):
                     tid = trial_id(name, task, index, namespace)
+                    strategy = (strategies or {}).get(task)
                     if tid in known:
                         await conn.execute(text(
-                            "UPDATE job_queue SET task_dir = :d WHERE trial_id = :t"),
-                            {"d": folder, "t": tid})
+                            "UPDATE job_queue SET task_dir = :d, reward_strategy = :r "
+                            "WHERE trial_id = :t"), {"d": folder, "t": tid, "r": strategy})
                         continue
                     await conn.execute(text(
                         "INSERT INTO job_queue (trial_id, job, task, k_index, task_dir, state, "
-                        "dataset) VALUES (:t, :j, :task, :i, :d, 'queued', :ds)"),
+                        "dataset, reward_strategy) "
+                        "VALUES (:t, :j, :task, :i, :d, 'queued', :ds, :r)"),
                         {"t": tid, "j": name, "task": task, "i": index, "d": folder,
-                         "ds": (datasets or {}).get(task, ADHOC)})
+                         "ds": (datasets or {}).get(task, ADHOC), "r": strategy})
             if row is not None:
                 await conn.execute(text(_REOPEN_SQL), {"j": name, "m": attempts,
                                                        "cap": UNCOUNTED_CAP})
             await self._record_skipped(conn, name, [t for t, _ in tasks], skipped or {},
                                        datasets or {})
             await self._record_fields(conn, name, [t for t, _ in tasks], ignored or {})
+            if prices is not None:
+                await self._record_prices(conn, name, prices)
         return row is None
+
+    @staticmethod
+    async def _record_prices(conn: AsyncConnection, name: str,
+                             prices: Mapping[str, Price]) -> None:
+        """The job's price table: the one given replaces the one it had."""
+        await conn.execute(text("DELETE FROM job_prices WHERE job = :j"), {"j": name})
+        for model, price in sorted(prices.items()):
+            await conn.execute(text(
+                "INSERT INTO job_prices (job, model, input, cached_input, output, reasoning) "
+                "VALUES (:j, :m, :i, :c, :o, :r)"),
+                {"j": name, "m": model, "i": price.input, "c": price.cached_input,
+                 "o": price.output, "r": price.reasoning})
 
     @staticmethod
     async def _record_fields(conn: AsyncConnection, name: str, queued: Sequence[str],
@@ -442,7 +530,7 @@ class Jobs:
             if row is None:
                 return None
             found = dict(zip(keys, row, strict=True))
-            rewards = conn.execute(text("SELECT session_id, name, value FROM rewards "
+            rewards = conn.execute(text("SELECT session_id, name, value FROM trial_rewards "
                                         "WHERE session_id = :s"),
                                    {"s": found["final_session_id"]}).all()
             return with_rewards([found], rewards)[0]
@@ -451,10 +539,16 @@ class Jobs:
 
     @guarded
     async def trials(self, job: str) -> list[dict[str, Any]]:
-        """Rows of `job_trials`, by task and k index, each with its `rewards`."""
-        return with_rewards(await self._rows(_TRIALS_SQL, job),
-                            [(r["session_id"], r["name"], r["value"])
-                             for r in await self._rows(_REWARDS_SQL, job)])
+        """Rows of `job_trials`, by task and k index, each with its `rewards` and `steps`."""
+        found = with_rewards(await self._rows(_TRIALS_SQL, job),
+                             [(r["session_id"], r["name"], r["value"])
+                              for r in await self._rows(_REWARDS_SQL, job)])
+        return with_steps(found, await self._rows(_STEPS_SQL, job))
+
+    @guarded
+    async def prices(self, job: str) -> dict[str, Price] | None:
+        """The job's price table (SPEC §18; None: it was given none)."""
+        return _prices(await self._rows(_PRICES_SQL, job))
 
     @guarded
     async def tasks(self, job: str) -> list[dict[str, Any]]:
@@ -490,14 +584,17 @@ class Jobs:
                 "WHERE job = :j AND state IN ('queued', 'running') ORDER BY task, k_index")
 
     @guarded
-    async def summary(self, job: str) -> dict[str, Any]:
+    async def summary(self, job: str, prices: Mapping[str, Price] | None = None
+                      ) -> dict[str, Any]:
         """Everything `job show` prints: the figures, trials, open trials and failures —
         the rows of `tasks`, `passk`, … — read in one read transaction (one crossing to
         the database thread on SQLite; one snapshot, so `partial`, the figures and the
-        trials agree even while a job runs)."""
-        return await self._engines.read(lambda conn: self._summary(conn, job))
+        trials agree even while a job runs). Costs (SPEC §18) by `prices` when given, else
+        by the job's own table."""
+        return await self._engines.read(lambda conn: self._summary(conn, job, prices))
 
-    def _summary(self, conn: Connection, job: str) -> dict[str, Any]:
+    def _summary(self, conn: Connection, job: str,
+                 prices: Mapping[str, Price] | None = None) -> dict[str, Any]:
         if self.postgres:  # READ COMMITTED would give each statement a snapshot of its own
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
 
@@ -514,19 +611,26 @@ class Jobs:
         # the rows above rather than by the view's subquery, which computes job_passk again.
         at_k = {(p["dataset"] or "", p["task"] or "", p["name"] or ""): p["pass_at_k"]
                 for p in passk if p["k"] == k}
-        tasks = rows(_TASKS_SQL.format(columns=", ".join(c for c in TASK_COLUMNS
-                                                         if c != "pass_at_k")))
+        # `cost_usd` likewise: computed below (`with_costs`), by `prices` when given.
+        tasks = rows(_TASKS_SQL.format(columns=", ".join(
+            c for c in TASK_COLUMNS if c not in ("pass_at_k", "cost_usd"))))
         for t in tasks:
             t["pass_at_k"] = at_k.get((t["dataset"] or "", t["task"] or "", t["name"] or ""))
         # A figure's reward names are several exactly when it has several rows, and the
         # job's overall figure covers every other; with none so, `job_reward_means` has no
         # row and its query (the whole cover) is skipped.
         several = several_names(tasks)
+        if prices is None:
+            prices = _prices(rows(_PRICES_SQL))
+        trials = with_steps(with_rewards(rows(_TRIALS_SQL), [
+            (r["session_id"], r["name"], r["value"]) for r in rows(_REWARDS_SQL)]),
+            rows(_STEPS_SQL))
+        cost = with_costs(trials, tasks, rows(_SESSION_USAGE_SQL), prices)
         return {"job": job, "partial": any(t["open"] for t in tasks), "tasks": tasks,
                 "passk": passk, "reward_means": rows(_REWARD_MEANS_SQL) if several else [],
                 "retries": rows(_RETRIES_SQL),
-                "trials": with_rewards(rows(_TRIALS_SQL), [
-                    (r["session_id"], r["name"], r["value"]) for r in rows(_REWARDS_SQL)]),
+                "trials": trials, "cost_usd": cost,
+                "prices": {m: vars(p) for m, p in sorted(prices.items())} if prices else None,
                 "open_trials": rows(self._open_trials_sql),
                 "environment_failed": _failures(rows(_FAILURES_SQL, s="environment_failed")),
                 "no_solution": _failures(rows(_FAILURES_SQL, s="no_solution")),
@@ -559,6 +663,30 @@ class Jobs:
             entry["trials"] += int(count)
         return list(found.values())
 
+    @guarded
+    async def overview(self) -> list[dict[str, Any]]:
+        """`job ls`: every job as `names` gives it, with its agent, its model (None when it
+        names none) and its headline: the overall `mean` of its reward name `reward`, else of
+        its first name by name (`mean_name`; both None before any trial finished; a mean
+        with no name when no finished trial was scored)."""
+        found = await self.names()
+        async with self._engines.reader.begin() as conn:
+            configs: dict[str, str] = {name: config for name, config in (await conn.execute(
+                text("SELECT name, config FROM jobs"))).all()}
+            overall = (await conn.execute(text(_HEADLINE_SQL))).all()
+        heads: dict[str, dict[str | None, Any]] = {}
+        for job, name, mean in overall:
+            heads.setdefault(job, {})[name] = mean
+        for entry in found:
+            config = _with_defaults(json.loads(configs[entry["job"]]))
+            means = heads.get(entry["job"], {})
+            first = next(iter(ordered(n for n in means if n is not None)), None)
+            mean = means.get(first, means.get(None))
+            entry.update(agent=config["agent"], model=config.get("model") or None,
+                         mean=None if mean is None else float(mean),
+                         mean_name=first if mean is not None else None)
+        return found
+
     async def _rows(self, sql: str, job: str, params: Mapping[str, Any] | None = None
                     ) -> list[dict[str, Any]]:
         async with self._engines.reader.begin() as conn:
@@ -576,7 +704,8 @@ class Jobs:
     async def rows_of(self, name: str) -> dict[str, Any]:
         """The job's own rows: `jobs` (its configuration as stored, the trial namespace
         included), its `job_queue` rows without their leases, `job_skipped` and
-        `job_task_fields` — what `restore` writes back into another store."""
+        `job_task_fields` and `job_prices` — what `restore` writes back into another
+        store."""
         async with self._engines.reader.begin() as conn:
             job = (await conn.execute(text(
                 "SELECT name, config, k, max_attempts, created_at FROM jobs WHERE name = :n"),
@@ -606,7 +735,7 @@ class Jobs:
                 mine = {key: [dict(r) for r in (await conn.execute(
                     text(sql), {"n": name})).mappings().all()]
                     for key, sql in _OWN_ROWS.items()}
-                if dict(stored) != job or mine != {**{k: rows[k] for k in _OWN_ROWS},
+                if dict(stored) != job or mine != {**{k: rows.get(k, []) for k in _OWN_ROWS},
                                                     "queue": queue}:
                     raise JobRefused(f"job {name} is already in this store with other "
                                      "trials or another configuration")
@@ -627,6 +756,11 @@ class Jobs:
                 await conn.execute(text(
                     "INSERT INTO job_task_fields (job, task, field, reason) "
                     "VALUES (:job, :task, :field, :reason)"), {**row, "job": name})
+            for row in rows.get("prices", []):
+                await conn.execute(text(
+                    "INSERT INTO job_prices (job, model, input, cached_input, output, "
+                    "reasoning) VALUES (:job, :model, :input, :cached_input, :output, "
+                    ":reasoning)"), {**row, "job": name})
         return True
 
 
@@ -636,4 +770,6 @@ _OWN_ROWS = {  # `rows_of` and `restore`: each table's rows of one job, in a sta
     "skipped": "SELECT task, dataset, reason FROM job_skipped WHERE job = :n ORDER BY task",
     "task_fields": "SELECT task, field, reason FROM job_task_fields WHERE job = :n "
                    "ORDER BY task, field",
+    "prices": "SELECT model, input, cached_input, output, reasoning FROM job_prices "
+              "WHERE job = :n ORDER BY model",
 }

@@ -225,7 +225,8 @@ class Ledger:
         if data["settings"].get("policy") is None:
             data["settings"]["policy"] = self.policy.name
         get_policy(data["settings"]["policy"])  # an unknown name is refused before storing
-        raw = [{"type": "session.seeded", "at": at, "data": data}]
+        raw = [{"type": "session.seeded", "at": at, "data": data,
+                "schema": valid.data.schema_version}]
         raw += [{"type": "gap.recorded", "at": at, "data": s.gap} for s in valid.skipped]
         sid = session_id or str(uuid.uuid4())
         events = self._prepare(raw, all_secrets)

@@ -35,7 +35,7 @@ Row = dict[str, Any]
 SESSION_COLUMNS = ("session_id", "trial_id", "attempt", "retry_of", "task", "agent_name",
                    "agent_version", "model", "runner_id", "state", "outcome", "close_reason",
                    "created_at", "closed_at", "head_seq", "head_hash", "environment_ref",
-                   "environment_digest")
+                   "environment_digest", "step_name", "step_index", "step_count")
 MODEL_CALL_COLUMNS = ("session_id", "call", "method", "path", "started_at", "ended_at",
                       "http_status", "error", "completed", "model", "total_tokens")
 DECISION_COLUMNS = ("session_id", "seq", "policy", "rule", "action", "status", "http_status",
@@ -89,6 +89,10 @@ def session_row(session: Session, *, head_hash: str) -> Row:
         "retry_of": data.retry_of, "task": data.task, "agent_name": data.agent.name,
         "agent_version": data.agent.version, "model": data.model, "runner_id": data.runner_id,
         "created_at": seed.at, **session_changes(session, head_hash=head_hash),
+        # a multi-step task's step (schema 2 of the seed, SPEC §17); null for one step
+        "step_name": data.step.name if data.step else None,
+        "step_index": data.step.index if data.step else None,
+        "step_count": data.step.count if data.step else None,
     }
 
 

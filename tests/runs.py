@@ -13,13 +13,20 @@ from typing import Any
 
 from trialledger.adapters.codex.install import install_paths
 from trialledger.adapters.demo import samples
-from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint
+from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, shell
 from trialledger.adapters.environment import HOST, Environment
 from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
 from trialledger.adapters.task import Task
 from trialledger.store import Ledger
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def read_shell(cmd: str) -> Reply:
+    """An `exec_command` call whose output the test reads: Codex waits up to 30 s for the
+    command to end (its own default, 10 s, is outlasted by a container's first call on a
+    loaded machine, and the call then returns nothing)."""
+    return shell(cmd, yield_ms=30_000)
 
 
 def codex_path() -> str:
@@ -47,6 +54,37 @@ def in_process(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProce
                 else 2
     return subprocess.CompletedProcess(["trialledger", *argv], code, out.getvalue(),
                                        err.getvalue())
+
+
+def on_a_terminal(argv: Sequence[str], *, columns: int, deadline_s: float = 120) -> str:
+    """What the command `argv` shows on a pseudo-terminal `columns` wide, read until it
+    closes (within `deadline_s`), once the command has exited 0."""
+    import pty
+    import time
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=follower,
+                            stderr=follower,
+                            env={**os.environ, "TERM": "xterm", "COLUMNS": str(columns)})
+    os.close(follower)
+    shown = b""
+    deadline = time.monotonic() + deadline_s
+    try:
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal closed: the command is over
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(leader)
+        if proc.poll() is None and time.monotonic() >= deadline:
+            proc.kill()
+    text = shown.decode(errors="replace")
+    assert proc.wait(timeout=30) == 0, text[-2000:]
+    return text
 
 
 def make_task(folder: Path, *, instruction: str = "say hi", test_sh: str | None = None,

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -41,7 +42,7 @@ from trialledger.adapters.environment import (
 )
 from trialledger.adapters.sandbox.cgroup import BUILD_PREFIX
 
-ESCAPE_C = r"""
+LEAVE_CHROOT_C = r"""
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -49,18 +50,26 @@ ESCAPE_C = r"""
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* The classic chroot escape, then a write and a read on the host.
-   argv: canary folder, secret file, a host-only path, the report (in the image). */
-int main(int argc, char **argv) {
-    if (argc != 5) return 2;
-    FILE *report = fopen(argv[4], "w");
-    if (!report) return 1;
+/* The classic chroot escape (a RUN step keeps CAP_SYS_CHROOT): "yes" when it left its
+   chroot and sees `probe`, a path only the host has. */
+static const char *leave_chroot(const char *probe) {
     mkdir("/escape-x", 0755);
     int broke = chroot("/escape-x") == 0;
     for (int i = 0; i < 64; i++) chdir("..");
     broke = chroot(".") == 0 && broke;
     struct stat seen;
-    fprintf(report, "escaped: %s\n", broke && stat(argv[3], &seen) == 0 ? "yes" : "no");
+    return broke && stat(probe, &seen) == 0 ? "yes" : "no";
+}
+"""
+
+ESCAPE_C = LEAVE_CHROOT_C + r"""
+/* The escape, then a write and a read on the host.
+   argv: canary folder, secret file, a host-only path, the report (in the image). */
+int main(int argc, char **argv) {
+    if (argc != 5) return 2;
+    FILE *report = fopen(argv[4], "w");
+    if (!report) return 1;
+    fprintf(report, "escaped: %s\n", leave_chroot(argv[3]));
     char planted[4096];
     snprintf(planted, sizeof planted, "%s/planted", argv[1]);
     int fd = open(planted, O_WRONLY | O_CREAT | O_EXCL, 0644);
@@ -205,6 +214,18 @@ def as_builder(builder: Builder, *argv: str, check: bool = True) -> str:
                           cwd=builder.storage).stdout.strip()
 
 
+def test_the_engine_keeps_the_build_storage_where_and_how_the_runner_wrote(
+        builder: Builder) -> None:
+    """The runner's storage.conf is the engine's: its graph root (read by the runner
+    without asking the engine) and, on a kernel that mounts overlays in a user namespace,
+    the overlay driver — not the vfs an older storage's database would keep."""
+    from trialledger.adapters.builder import storage_driver
+
+    found = as_builder(builder, "podman", "info", "--format",
+                       "{{.Store.GraphRoot}}|{{.Store.GraphDriverName}}").split("|")
+    assert found == [str(builder.graphroot), storage_driver(os.uname().release)]
+
+
 def test_a_build_past_its_timeout_leaves_no_process_container_or_scratch(
         tmp_path: Path, builder: Builder) -> None:
     """Its own working container is removed, found by the build's id: another build's,
@@ -215,10 +236,10 @@ def test_a_build_past_its_timeout_leaves_no_process_container_or_scratch(
     base = images.podman_image(images.BUSYBOX_REF)
     source = dockerfile_task(tmp_path / "task", f"FROM {base}\nRUN sleep {marker}\n",
                              timeout=15)
-    scratch_before = set(os.listdir(builder.scratch)) if builder.scratch.is_dir() else set()
     seen: set[str] = set()
     other: list[str] = []
     builds: list[str] = []
+    folders: list[bool] = []  # whether its cgroup's name was a folder in the scratch
     building = True
 
     def watch() -> None:  # the working container does appear while the step runs
@@ -228,6 +249,7 @@ def test_a_build_past_its_timeout_leaves_no_process_container_or_scratch(
                               if (b := build_of(pid)) is not None)
             if builds:
                 seen.update(made_by(builder, builds[0]))
+                folders.append((builder.scratch / builds[0]).is_dir())
             if seen and not other:  # as another build would, in the same storage
                 name = as_builder(builder, "buildah", "from", "--name",
                                   f"other-build-{marker}", base)
@@ -253,7 +275,9 @@ def test_a_build_past_its_timeout_leaves_no_process_container_or_scratch(
         for container in other:
             as_builder(builder, "buildah", "rm", container, check=False)  # gone: fine
     assert running(f"sleep {marker}") == []  # the RUN step was killed with its build
-    assert set(os.listdir(builder.scratch)) == scratch_before  # TMPDIR and context removed
+    # its folder (TMPDIR and context) removed: the one its cgroup is named after (other
+    # builds' come and go in the same scratch meanwhile)
+    assert any(folders) and builds[0] not in os.listdir(builder.scratch)
 
 
 def test_a_root_runner_without_the_build_user_is_refused(
@@ -406,7 +430,7 @@ def test_a_run_step_that_hops_from_pid_to_pid_dies_with_its_build(
     layer."""
     mark = f"{os.getpid()}-{time.time_ns()}"
     heartbeat, victim, planted = host_temp / f"beat-{mark}", f"victim-{mark}", f"planted-{mark}"
-    storage = builder.storage / "data" / "containers" / "storage"
+    storage = as_builder(builder, "podman", "info", "--format", "{{.Store.GraphRoot}}")
     base = images.podman_image(images.BUSYBOX_REF)
     first = dockerfile_task(tmp_path / "first", (
         f'FROM {base}\nUSER root\nCOPY hopper /hopper\n'
@@ -597,11 +621,25 @@ def test_a_build_is_keyed_by_its_from_images_ids_as_dockers_cache_is(
 def step_marker(builder: Builder, name: str) -> Path | None:
     """The root folder of the working container whose `RUN` step made `/name` (vfs: the
     container's own folder; overlay: its upper layer), if any yet."""
-    storage = builder.storage / "data" / "containers" / "storage"
-    for pattern in (f"vfs/dir/*/{name}", f"overlay/*/diff/{name}"):
-        for found in storage.glob(pattern):
+    graphs = builder.storage / "data" / "containers"  # storage-overlay, storage-vfs
+    for pattern in (f"storage*/vfs/dir/*/{name}", f"storage*/overlay/*/diff/{name}"):
+        for found in graphs.glob(pattern):
             return found.parent
     return None
+
+
+def release_step(go: str) -> bool:
+    """Let a held `RUN` step go on: SIGUSR1 to its shell (the one whose command names
+    `go`), whose trap makes `/go` — a file made from outside in its layer's folder is not
+    seen through a mounted overlay. Whether one was found."""
+    found = False
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if argv[0].endswith(b"sh") and argv[1:2] == [b"-c"] and go.encode() in argv[2]:
+                os.kill(int(proc.name), signal.SIGUSR1)
+                found = True
+    return found
 
 
 def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
@@ -632,7 +670,7 @@ def test_different_images_build_at_once_and_a_built_one_is_found_meanwhile(
     prepare(built, cache, owner=None)
     waiting, go = f"waiting-{nonce}", f"go-{nonce}"
     held = dockerfile_task(tmp_path / "held", (
-        f"FROM {base}\nUSER root\nRUN touch /{waiting}; i=0; "
+        f"FROM {base}\nUSER root\nRUN touch /{waiting}; trap 'touch /{go}' USR1; i=0; "
         f"while [ ! -e /{go} ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i+1)); done; "
         f"[ -e /{go} ]\n"), timeout=300)
     other = dockerfile_task(tmp_path / "other", (
@@ -655,13 +693,13 @@ def test_different_images_build_at_once_and_a_built_one_is_found_meanwhile(
         assert built_result and isinstance(built_result[0], Environment), built_result
         made = built_result[0]
         assert made.root is not None and (made.root / "other").read_text().strip() == nonce
-        (folder / go).touch()
+        assert release_step(go)
         released = True
         holder.join(timeout=120)
         assert held_result and isinstance(held_result[0], Environment), held_result
     finally:
-        if not released and (found := step_marker(builder, waiting)) is not None:
-            (found / go).touch()
+        if not released:
+            release_step(go)
         holder.join(timeout=120)
 
 
@@ -680,7 +718,8 @@ def test_job_run_shows_what_each_task_waits_for_while_its_image_builds(
     base = images.podman_image(images.BUSYBOX_REF)
     waiting, go = f"waiting-{nonce}", f"go-{nonce}"
     dockerfile = (f"FROM {base}\nUSER root\nRUN echo {nonce} > /nonce\n"
-                  f"RUN touch /{waiting}; i=0; while [ ! -e /{go} ] && [ $i -lt 1800 ]; "
+                  f"RUN touch /{waiting}; trap 'touch /{go}' USR1; i=0; "
+                  f"while [ ! -e /{go} ] && [ $i -lt 1800 ]; "
                   f"do sleep 0.1; i=$((i+1)); done; [ -e /{go} ]\n")
     data = tmp_path / "data"
     for name in ("alpha", "beta"):
@@ -713,9 +752,8 @@ def test_job_run_shows_what_each_task_waits_for_while_its_image_builds(
             said = seen is not None and b"waiting for build of " + (
                 b"beta" if seen[1] == b"alpha" else b"alpha") in shown
             # podman prints the step before it runs it: its marker may come a moment later
-            if said and (folder := step_marker(builder, waiting)) is not None:
-                (folder / go).touch()
-                released = True
+            if said and step_marker(builder, waiting) is not None:
+                released = release_step(go)
         assert released, shown.decode(errors="replace")[-3000:]
         while True:  # the rest of the run's output, until it exits
             try:
@@ -728,9 +766,8 @@ def test_job_run_shows_what_each_task_waits_for_while_its_image_builds(
     finally:
         deadline = time.monotonic() + 60
         while not released and proc.poll() is None and time.monotonic() < deadline:
-            if (found := step_marker(builder, waiting)) is not None:
-                (found / go).touch()  # the build goes on, so the run ends as it should
-                released = True
+            if step_marker(builder, waiting) is not None:
+                released = release_step(go)  # the build goes on: the run ends as it should
             time.sleep(0.2)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=180)

@@ -17,8 +17,7 @@ import anyio
 import pytest
 
 from tests.runs import in_process, make_task, run_task
-from trialledger import cli
-from trialledger.adapters.console import printable
+from trialledger.adapters.console import printable, render
 from trialledger.adapters.demo.endpoint import message, shell
 
 CLIPBOARD = "\x1b]52;c;cm0gLXJmIH4K\x07"  # OSC 52: "rm -rf ~" into the clipboard
@@ -65,7 +64,7 @@ def human(*argv: str) -> str:
 def test_human_output_shows_stored_text_and_obeys_none_of_it(
         session: tuple[str, str], command: str, monkeypatch: pytest.MonkeyPatch) -> None:
     db, session_id = session
-    monkeypatch.setattr(cli.out, "width", 2000)  # no cell folded: each text stays whole
+    monkeypatch.setattr(render.out, "width", 2000)  # no cell folded: each text stays whole
     shown = human(command, "--db", db, *([session_id] if command == "show" else []))
     assert not [c for c in CONTROLS if c in shown], repr(shown)
     # (the task's name is a folder's: its '/' are '|')

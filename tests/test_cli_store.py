@@ -485,15 +485,17 @@ def _subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
 def test_every_help_says_what_it_does_and_its_examples_parse() -> None:
     """Each subcommand's --help opens with a sentence and ends with examples, and every
     example is a command line the parser accepts as written."""
-    from trialledger.cli import EXAMPLES, build_parser
+    from trialledger.cli import build_parser
 
     commands = _subcommands(build_parser())
-    assert {" ".join(path) for path, _ in commands} == set(EXAMPLES)
+    assert len(commands) == 26  # every command and subcommand
     for path, sub in commands:
         text = sub.format_help()
         assert sub.description and sub.description.endswith("."), path
         assert "examples:\n  trialledger " in text or "examples:\n  sudo trialledger" in text
-        for example in EXAMPLES[" ".join(path)]:
+        examples = [line.strip() for line in text.split("examples:\n", 1)[1].splitlines()]
+        assert examples and all("trialledger " in line for line in examples), path
+        for example in examples:
             words = shlex.split(example.split(" > ")[0])
             argv = words[words.index("trialledger") + 1:]
             assert argv[:len(path)] == list(path), example

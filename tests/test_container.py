@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from tests import images
-from tests.runs import make_task, run_task
+from tests.runs import make_task, read_shell, run_task
 from tests.test_range_mode import DOCKER_CAP_MASK, _debian_into, private_storage
-from trialledger.adapters.demo.endpoint import message, shell, tool
+from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.environment import Cache, prepare
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.local import LocalSandbox
@@ -75,15 +75,14 @@ async def _rootfs_run(tmp_path: Path, environment: str, command: str, *,
                       yield_ms: int | None = None) -> tuple[Any, str]:
     """A tool call running `command` over the tests' Debian rootfs (range mode), the task's
     `[environment]` table holding `environment` too; the run and the call's output (Codex
-    returns it after `yield_ms`, default its own 10 s)."""
+    returns it after `yield_ms`, default 30 s, `read_shell`)."""
     task_dir = tmp_path / "task"
     task_dir.mkdir()
     _debian_into(task_dir)
     task = make_task(task_dir, test_sh=test_sh,
                      toml=f'[environment]\nrootfs = "rootfs.tar"\n{environment}')
     env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
-    reply = shell(command) if yield_ms is None else tool(
-        "exec_command", {"cmd": command, "yield_time_ms": yield_ms})
+    reply = read_shell(command) if yield_ms is None else shell(command, yield_ms=yield_ms)
     ran = await run_task(str(tmp_path / "t.db"), task, [reply, message()],
                          environment=env, settings=settings)
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)
@@ -182,7 +181,7 @@ async def test_a_host_tasks_phases_each_run_on_their_own_network_mode(
                 f"! grep -q {RESOLVER} /etc/resolv.conf && "  # the host's resolver
                 f"echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
     ran = await run_task(str(tmp_path / "t.db"), task, [
-        shell(f"exec 2>&1; bash -c \"{get}\"; grep -h nameserver /etc/resolv.conf; echo done"),
+        read_shell(f"exec 2>&1; bash -c \"{get}\"; grep -h nameserver /etc/resolv.conf; echo done"),
         message()])
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)
     assert out.strip().endswith("done"), out
@@ -380,8 +379,8 @@ async def test_a_host_tasks_allowlist_holds_in_each_phase(
                 f"({blocked}) | grep -q ' 200 ' && ok=0\n"
                 f"echo $ok > /logs/verifier/reward.txt\n")
     ran = await run_task(str(tmp_path / "t.db"), task,
-                         [shell(ALLOWLIST_PROBE.format(address=address, port=port)),
-                          shell("grep nameserver /etc/resolv.conf"), message()])
+                         [read_shell(ALLOWLIST_PROBE.format(address=address, port=port)),
+                          read_shell("grep nameserver /etc/resolv.conf"), message()])
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)
     assert "ALLOWED-BODY" in out and "403" in out, out
     assert "nameserver 10.0.2.3" in out, out  # slirp's resolver, not the host's
@@ -405,7 +404,7 @@ async def test_what_the_agent_left_in_the_verifiers_logs_is_gone_before_it_runs(
     env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
     plant = ("cd /logs/verifier && echo 1 > reward.txt && "
              "for n in $(seq 1 3000); do : > f$n; done; ls | wc -l; echo done")
-    ran = await run_task(str(tmp_path / "t.db"), task, [shell(plant), message()],
+    ran = await run_task(str(tmp_path / "t.db"), task, [read_shell(plant), message()],
                          environment=env)
     out = ran.view.observations.tool_calls[0].output
     assert "3001" in out, out  # the agent could write there

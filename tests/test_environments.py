@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from tests import images
-from tests.runs import make_task, run_task
+from tests.runs import make_task, read_shell, run_task
 from trialledger import cli
 from trialledger.adapters import environment as environments
 from trialledger.adapters.demo.endpoint import message, shell
@@ -83,7 +83,11 @@ def task_with(folder: Path, source: str, *, test_sh: str, toml: str = "") -> Tas
 
 
 def tool_output(ran: Any) -> str:
-    return "\n".join(call.output for call in ran.view.observations.tool_calls)
+    """What the session's tool calls printed; a session without one fails saying what it did."""
+    calls = ran.view.observations.tool_calls
+    assert calls and all(call.status == "completed" for call in calls), (
+        calls, [(e.type, e.data) for e in ran.view.events if e.type != "item.updated"])
+    return "\n".join(call.output for call in calls)
 
 
 def launched(ran: Any) -> Any:
@@ -117,7 +121,7 @@ async def test_each_source_runs_in_its_image_with_the_images_own_tools(
     task = task_with(tmp_path / "task", source, test_sh=test_sh)
     env = prepare(task.source, cache, owner=owner())
     db = tmp_path / "t.db"
-    ran = await run_task(str(db), task, [shell(GIT_WORK), message()], environment=env)
+    ran = await run_task(str(db), task, [read_shell(GIT_WORK), message()], environment=env)
     assert images.DEBIAN_MARKER in tool_output(ran)  # the agent ran in the image, with git
     assert ran.view.rewards == {"reward": 1.0}  # the verifier saw its commit and the marker
     assert not Path("/committed.txt").exists() and not Path("/repo").exists()
@@ -143,7 +147,7 @@ async def test_a_rootfs_folder_is_packed_by_content_and_runs(tmp_path: Path, cac
     again = prepare(task.source, cache, owner=owner())
     assert again.digest == env.digest and again.root == env.root  # same content, one entry
     ran = await run_task(str(tmp_path / "t.db"), task,
-                         [shell("echo made > /made.txt; cat /marker"), message()],
+                         [read_shell("echo made > /made.txt; cat /marker"), message()],
                          environment=env)
     assert images.BUSYBOX_MARKER in tool_output(ran)
     assert ran.view.rewards == {"reward": 1.0}  # verified by busybox sh: there is no bash
@@ -179,7 +183,7 @@ async def test_the_images_workdir_user_and_env_are_honoured(
     images.podman_image(images.BUSYBOX_REF)
     env = prepare(task.source, cache, owner=owner())
     probe = "pwd; id -u; echo FOO=$FOO; echo HOME=$HOME; cat given.txt"
-    ran = await run_task(str(tmp_path / "t.db"), task, [shell(probe), message()],
+    ran = await run_task(str(tmp_path / "t.db"), task, [read_shell(probe), message()],
                          environment=env, settings={"inherit_sandbox_environment": inherit})
     lines = tool_output(ran).splitlines()
     assert lines[:2] == ["/work", "1000"]  # WorkingDir, and USER agent looked up in passwd
@@ -199,7 +203,7 @@ async def test_an_explicit_workdir_wins_over_the_images(tmp_path: Path, cache: C
                           f'workdir = "/elsewhere"\n')
     images.podman_image(images.BUSYBOX_REF)
     env = prepare(task.source, cache, owner=owner())
-    ran = await run_task(str(tmp_path / "t.db"), task, [shell("pwd; touch out"), message()],
+    ran = await run_task(str(tmp_path / "t.db"), task, [read_shell("pwd; touch out"), message()],
                          environment=env)
     assert tool_output(ran).splitlines()[0] == "/elsewhere"
     assert ran.view.rewards == {"reward": 1.0}
@@ -216,7 +220,7 @@ async def test_the_cache_and_the_host_are_unchanged_by_an_agent_that_writes_ever
               f"echo x > $d/{name} && echo WROTE $d; done; "
               "mv /usr/share/doc /usr/share/gone && echo REMOVED; "
               "chmod 777 /etc/passwd && echo CHMOD")
-    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()],
+    ran = await run_task(str(tmp_path / "t.db"), task, [read_shell(attack), message()],
                          environment=env)
     out = tool_output(ran)
     assert "WROTE /etc" in out and "REMOVED" in out  # inside, it writes as in a container
@@ -234,7 +238,7 @@ async def test_two_sessions_of_one_image_see_nothing_of_each_other(
     async def one(n: int) -> None:
         step = (f"echo {n} > /mine-{n}; mkdir -p /tmp/t; echo {n} > /tmp/t/{n}; sleep 3; "
                 f"ls / /tmp/t")
-        ran = await run_task(str(tmp_path / f"t{n}.db"), task, [shell(step), message()],
+        ran = await run_task(str(tmp_path / f"t{n}.db"), task, [read_shell(step), message()],
                              environment=env)
         outputs[n] = tool_output(ran)
 
@@ -260,7 +264,7 @@ async def test_an_image_contains_the_agent_like_the_host_sandbox(
               "mount -t tmpfs none /mnt 2>/dev/null && echo MOUNTED; "
               "mknod /tmp/disk b 8 0 2>/dev/null && echo MKNOD; "
               "touch /owned-by-the-agent; echo done")
-    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()],
+    ran = await run_task(str(tmp_path / "t.db"), task, [read_shell(attack), message()],
                          environment=env)
     out = tool_output(ran)
     assert out.strip().endswith("done"), out
@@ -370,7 +374,7 @@ async def test_requested_limits_are_held_by_the_sessions_cgroups(tmp_path: Path,
     hierarchies (these machines mount cpu, memory and pids there)."""
     task = make_task(tmp_path / "task", test_sh="exit 0\n",
                      toml="[environment]\ncpus = 2\nmemory_mb = 512\n")
-    ran = await run_task(str(tmp_path / "t.db"), task, [shell(
+    ran = await run_task(str(tmp_path / "t.db"), task, [read_shell(
         "grep /trialledger/ /proc/self/cgroup | cut -d: -f2"),
         message()], isolation=isolation)
     limits = launched(ran).limits
@@ -425,7 +429,7 @@ async def test_a_pristine_verifier_sees_the_image_as_it_was_and_the_agents_workd
     env = prepare(task.source, cache, owner=owner())
     attack = ("echo done > /work/result.txt; echo x > /etc/planted-by-agent; "
               "echo 'agent:x:0:0::/:/bin/sh' > /etc/passwd; echo wrote")
-    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()],
+    ran = await run_task(str(tmp_path / "t.db"), task, [read_shell(attack), message()],
                          environment=env, settings={"verifier_root": root})
     assert "wrote" in tool_output(ran)
     assert ran.view.rewards == {"reward": reward}, [  # pristine: not the agent's /etc
@@ -445,7 +449,7 @@ async def test_a_linked_workdir_never_binds_the_host_to_a_pristine_verifier(
     images.podman_image(images.BUSYBOX_REF)
     env = prepare(task.source, cache, owner=owner())
     attack = f"cd /; mv /work /work-old && ln -s {host} /work && echo swapped"
-    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()],
+    ran = await run_task(str(tmp_path / "t.db"), task, [read_shell(attack), message()],
                          environment=env, settings={"verifier_root": "pristine"})
     assert "swapped" in tool_output(ran)
     assert ran.view.rewards == {"reward": 1.0}, [
@@ -475,7 +479,7 @@ async def test_the_docker_engine_path_prepares_and_runs(
     env = prepare(task.source, Cache(tmp_path / "cache"), owner=owner(), engine="docker")
     assert env.digest == through_podman.digest  # the same image, by either engine
     assert env.root != through_podman.root  # unpacked afresh from `docker save`
-    ran = await run_task(str(tmp_path / "t.db"), task, [shell("pwd; id -u"), message()],
+    ran = await run_task(str(tmp_path / "t.db"), task, [read_shell("pwd; id -u"), message()],
                          environment=env)
     assert tool_output(ran).splitlines()[:2] == ["/work", "1000"]
     assert ran.view.rewards == {"reward": 1.0}

@@ -110,6 +110,7 @@ def test_an_oracle_job_exports_as_harbor_writes_it_and_imports_back_the_same(
                if r.task_name == "alpha")  # the verifier's kept files
     stats = job["result"].stats
     assert (stats.n_completed_trials, stats.n_errored_trials, stats.n_retries) == (8, 4, 0)
+    assert stats.cost_usd == 0  # the oracle asks no model (SPEC §18)
     (evals,) = stats.evals.values()
     before, after = round_trip(capsys, "check", db, out, tmp_path / "fresh.db")
     assert after == before
@@ -169,8 +170,11 @@ def test_a_codex_job_with_retries_keeps_earlier_attempts_inside_their_trial(
         make_task(data / name, instruction=f"[task {name}] do the task", test_sh=test_sh,
                   exit_code_reward=by_exit)
     db, out = tmp_path / "jobs.db", tmp_path / "out"
+    prices = tmp_path / "prices.toml"
+    prices.write_text('[m]\ninput = 2\ncached_input = 0.5\noutput = 8\nreasoning = 16\n')
     assert cli.main(["job", "run", "bench", str(data), "-n", "2", "--max-attempts", "2",
-                     "--db", str(db), "--model-base-url", endpoint.url, "--model", "m",
+                     "--db", str(db), "--prices", str(prices),
+                     "--model-base-url", endpoint.url, "--model", "m",
                      "--codex-bin", codex_path(), "--set", "request_max_retries=0",
                      "--set", "stream_max_retries=0",
                      "--set", f"sandbox_logs_dir={tmp_path / 'kept'}"]) == 1
@@ -206,6 +210,19 @@ def test_a_codex_job_with_retries_keeps_earlier_attempts_inside_their_trial(
     assert [(r.type, r.data) for r in map(parse_stream_line, stdout)] == streamed
     before, after = round_trip(capsys, "bench", db, out, tmp_path / "fresh.db")
     assert after == before
+    costs = []  # each attempt's cost by SPEC §18's formula from its own token counts
+    for result in [r for _, r in tasks.values()] + [e for es in job["earlier"].values()
+                                                    for e in es]:
+        usage = result.agent_result
+        if usage is None:
+            continue
+        cached, reasoning = usage.n_cache_tokens, usage.metadata["reasoning_output_tokens"]
+        assert usage.cost_usd == pytest.approx(
+            ((usage.n_input_tokens - cached) * 2 + cached * 0.5
+             + (usage.n_output_tokens - reasoning) * 8 + reasoning * 16) / 1e6)
+        costs.append(usage.cost_usd)
+    assert costs and before["cost_usd"] is not None and before["cost_usd"] > 0
+    assert job["result"].stats.cost_usd == pytest.approx(before["cost_usd"])
     assert {t["task"]: t["attempts"] for t in after["trials"]} == {
         "down": 2, "flaky": 2, "silent": 1, "tool": 1}
 
@@ -255,3 +272,35 @@ def test_the_round_trip_on_both_databases(db: str, tmp_path: Path,
     capsys.readouterr()
     before, after = round_trip(capsys, "both", db, out, fresh)
     assert after == before and after["no_solution"] == {"broken": before["no_solution"]["broken"]}
+
+
+def test_a_multi_step_trial_exports_each_step_and_imports_back_the_same(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], harbor: dict[str, Any]) -> None:
+    """Three steps in one attempt (rewards 1, 1, 0.5; `mean`): the trial's result is
+    Harbor's multi-step one — `step_results` per step, `verifier_result` the strategy's —
+    each earlier step session is kept in a folder of its own (they share an attempt
+    number: one folder per attempt kept only the last), and the import restores the job."""
+    from tests.test_step_runs import three_steps
+
+    data = tmp_path / "data"
+    three_steps(data / "steps")
+    db, out = tmp_path / "jobs.db", tmp_path / "jobs" / "steps"
+    assert cli.main(["job", "run", "steps", str(data), "--agent", "oracle",
+                     "--db", str(db)]) == 0
+    capsys.readouterr()
+    code, printed, err = shown(capsys, "export-harbor", "steps", str(out), "--db", str(db))
+    assert code == 0, err
+    assert printed.strip() == f"wrote 1 trial(s) and 2 earlier attempt(s) to {out}"
+    job = validated(harbor, out)
+    (result,) = job["trials"].values()
+    assert [s.step_name for s in result.step_results] == ["one", "two", "three"]
+    assert [s.verifier_result.rewards for s in result.step_results] == [
+        {"reward": 1.0}, {"reward": 1.0}, {"reward": 0.5}]
+    assert result.verifier_result.rewards == {"reward": pytest.approx(2.5 / 3)}
+    (folder,) = job["earlier"]
+    kept = sorted(p.name for p in (out / folder / "trialledger" / "attempts").iterdir())
+    assert kept == ["1.1", "1.2"]
+    assert [r.verifier_result.rewards for r in job["earlier"][folder]] == [
+        {"reward": 1.0}, {"reward": 1.0}]
+    before, after = round_trip(capsys, "steps", db, out, tmp_path / "fresh.db")
+    assert after == before

@@ -175,7 +175,7 @@ async def test_the_figures_are_harbors_on_both_databases(db: str) -> None:
         alone = await _each_view(jobs, "mixed")
     assert {name: got[name] for name in alone} == alone  # the summary is the views' rows
     assert set(TASK_COLUMNS) == set(next(iter(tasks.values())))
-    assert {*TRIAL_COLUMNS, "rewards"} == set(trials[0])
+    assert {*TRIAL_COLUMNS, "rewards", "steps"} == set(trials[0])  # steps: None, one-step
     finished = {t: [v for v in vs if v != "open"] for t, (_, vs) in MIXED.items()}
     figures = {("set-1", "a"): ["a"], ("set-1", "b"): ["b"], ("set-2", "c"): ["c"],
                ("set-1", None): ["a", "b"], ("set-2", None): ["c"],
@@ -448,8 +448,8 @@ def test_job_show_says_partial_and_who_holds_what_and_never_tokens_0_when_unknow
 
 
 def test_tokens_are_never_shown_as_0_when_unknown() -> None:
-    from trialledger.cli import _tokens
+    from trialledger.adapters.console.jobs import tokens
 
-    assert _tokens({"total_tokens": None, "unknown_usage": 2}) == "unknown (2)"
-    assert _tokens({"total_tokens": 40, "unknown_usage": 1}) == "40 + 1 unknown"
-    assert _tokens({"total_tokens": 40, "unknown_usage": 0}) == "40"
+    assert tokens({"total_tokens": None, "unknown_usage": 2}) == "unknown (2)"
+    assert tokens({"total_tokens": 40, "unknown_usage": 1}) == "40 + 1 unknown"
+    assert tokens({"total_tokens": 40, "unknown_usage": 0}) == "40"

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sqlalchemy import text
 
-from tests.runs import codex_path, make_task
+from tests.runs import codex_path, make_task, on_a_terminal
 from trialledger import cli
 from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, message, shell, status
 from trialledger.adapters.jobs import pass_at_k
@@ -432,47 +432,22 @@ def test_on_a_terminal_the_progress_is_shown_live(tmp_path: Path) -> None:
     """Through a real pseudo-terminal: the rich display shows trials by state and the
     retries by cause, refreshed from the store. One trial runs for seconds, so a refresh
     must see it running, however fast or loaded the machine is."""
-    import pty
-
     data = tmp_path / "data"
     make_task(data / "flaky", instruction="[task flaky] do the task", test_sh="exit 0\n")
     make_task(data / "slow", instruction="[task slow] take your time", test_sh="exit 0\n")
     routes = {"[task flaky]": TASKS["flaky"][1]}
     turns = {"[task slow]": [shell("sleep 3"), message("done")]}
     db = tmp_path / "jobs.db"
-    leader, follower = pty.openpty()
     with ScriptedEndpoint([message("unrouted")], routes=routes, turns=turns) as endpoint:
         argv = [sys.executable, "-m", "trialledger.cli", "job", "run", "tty", str(data),
                 "--max-attempts", "2", "-n", "1", *job_args(db, endpoint.url)]
-        shown = _watch_on_a_terminal(argv, leader, follower)
-    text = shown.decode(errors="replace")
+        text = on_a_terminal(argv, columns=160)
     assert "running 1" in text and "done 2" in text, text[-2000:]
     assert re.search(r"retries: \S+ ×1", text), text[-2000:]  # the 429, by its cause
 
 
-def _watch_on_a_terminal(argv: list[str], leader: int, follower: int) -> bytes:
-    """What a command run on the pseudo-terminal `follower` shows, once it has exited 0."""
-    env = {**os.environ, "TERM": "xterm", "COLUMNS": "160"}
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
-                            env=env)
-    os.close(follower)
-    shown = b""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # the terminal closed: the run is over
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(leader)
-    assert proc.wait(timeout=30) == 0
-    return shown
-
-
 def test_the_progress_line_says_states_and_retries_by_cause() -> None:
-    from trialledger.cli import progress_text
+    from trialledger.adapters.console.live import progress_text
 
     line = progress_text({"queued": 3, "running": 2, "done": 5, "environment_failed": 1,
                           "retries": {"http_429": 2, "lost": 1}})

@@ -23,7 +23,10 @@ from tests.runs import make_task
 from tests.test_jobs import _pg_rows
 
 LEASE_S = 3.0
-SLEEP = "12.123"  # the oracle's sleep: long enough to outlive every check, unique to find
+# The oracle's sleep: long enough to outlive every check, and unique to this test process, so
+# a test finds its own oracle, never one of another run sharing the machine (a CI beside a
+# developer's run found and paused each other's workers).
+SLEEP = f"12.{os.getpid():07d}"
 
 
 def _marker_alive() -> bool:
@@ -89,6 +92,7 @@ def _ran_to_its_decision(db: str, task: Path, first: subprocess.Popen[str]) -> N
     assert sessions[-1][2] == "verify" and len(sessions) >= 2, sessions
 
 
+@pytest.mark.slow
 def test_a_store_outage_past_two_thirds_of_a_lease_stops_the_trial_never_settles_it(
         sleeper: Path, postgres: PostgresServer) -> None:
     """The database stops while the agent runs: within 2·lease/3 (plus the stop) the
@@ -111,16 +115,32 @@ def test_a_store_outage_past_two_thirds_of_a_lease_stops_the_trial_never_settles
         _ran_to_its_decision(db, sleeper, proc)
 
 
-def _backends(postgres: PostgresServer, db: str) -> list[int]:
-    """The server processes serving `db` now (the job run's connections)."""
+def _backends(postgres: PostgresServer, db: str, where: str = "true") -> list[int]:
+    """The server processes serving `db` now (the job run's connections), those `where`
+    holds for."""
     done = subprocess.run(
         ["psql", "-h", "127.0.0.1", "-p", str(postgres.port), "-U", SUPERUSER, "-d",
          "postgres", "-Atc", f"SELECT pid FROM pg_stat_activity WHERE datname = "
-                             f"'{db.rsplit('/', 1)[1]}' AND pid <> pg_backend_pid()"],
+                             f"'{db.rsplit('/', 1)[1]}' AND pid <> pg_backend_pid() "
+                             f"AND ({where})"],
         env={**os.environ, "PGPASSWORD": PASSWORD}, capture_output=True, text=True, check=True)
     return [int(pid) for pid in done.stdout.split()]
 
 
+def _silenced(postgres: PostgresServer, db: str) -> list[int]:
+    """Every backend of `db` made silent (SIGSTOP): no reset, no answer. One the worker
+    was paused inside a transaction of is ended instead: stopped, it would hold its row
+    and advisory locks for as long as the test keeps it stopped, which no server does (a
+    restarted one drops them), and every claim would wait on them for ever."""
+    for pid in _backends(postgres, db, "xact_start IS NOT NULL"):
+        os.kill(pid, signal.SIGTERM)  # pg_terminate_backend: its client sees a reset
+    silent = _backends(postgres, db, "xact_start IS NULL")
+    for pid in silent:
+        os.kill(pid, signal.SIGSTOP)
+    return silent
+
+
+@pytest.mark.slow
 def test_a_renewal_that_hangs_is_timed_out(sleeper: Path, postgres: PostgresServer) -> None:
     """Every backend of the job's connections is paused (SIGSTOP): the renewal hangs on
     its connection, yet the sandbox is killed within 2·lease/3; resumed, the backends
@@ -158,6 +178,7 @@ def _define(db: str, name: str, task: Path) -> None:
     anyio.run(define)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["worker", "job run"])
 def test_a_worker_paused_past_its_lease_while_the_store_went_silent_claims_again(
         sleeper: Path, postgres: PostgresServer, reachable_tmp: Path, command: str) -> None:
@@ -186,10 +207,8 @@ def test_a_worker_paused_past_its_lease_while_the_store_went_silent_claims_again
         assert len(first) == 1, first
         os.kill(proc.pid, signal.SIGSTOP)
         time.sleep(LEASE_S + 1)  # past the lease: the trial may be taken over now
-        silent = _backends(postgres, db)  # the paused worker's connections, every one
+        silent = _silenced(postgres, db)  # the paused worker's connections, every one
         assert silent
-        for pid in silent:
-            os.kill(pid, signal.SIGSTOP)
         os.kill(proc.pid, signal.SIGCONT)
 
         def claimed_again() -> bool:
@@ -219,6 +238,7 @@ def test_a_worker_paused_past_its_lease_while_the_store_went_silent_claims_again
     assert not list(reachable_tmp.glob("trialledger-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["worker", "job run"])
 def test_a_worker_paused_past_its_lease_releases_its_folder_while_the_store_is_down(
         sleeper: Path, postgres: PostgresServer, reachable_tmp: Path, command: str) -> None:
@@ -348,6 +368,7 @@ async def test_a_taken_over_holder_cannot_renew_its_lease(db: str) -> None:
 
 
 
+@pytest.mark.slow
 def test_a_paused_worker_s_sandbox_stops_itself_before_the_lease_expires(
         tmp_path: Path, reachable_tmp: Path) -> None:
     """The dead man's switch (docs/SPEC.md §13): the worker is paused (SIGSTOP) while its
@@ -355,7 +376,8 @@ def test_a_paused_worker_s_sandbox_stops_itself_before_the_lease_expires(
     last renewal, so no heartbeat is written after the lease's expiry — before another
     holder could take the trial over."""
     make_task(tmp_path / "beater", instruction="beat", test_sh="exit 0\n",
-              solve_sh="#!/bin/sh\nwhile true; do date +%s.%N > heartbeat; sleep 0.1; done\n")
+              solve_sh="#!/bin/sh\nwhile true; do date +%s.%N > beat.new; mv beat.new heartbeat; "
+                       "sleep 0.1; done\n")
     folders = reachable_tmp  # the session folders: the sandbox user passes through it
     proc = subprocess.Popen(
         [sys.executable, "-m", "trialledger.cli", "job", "run", "beats", str(tmp_path / "beater"),
@@ -372,9 +394,9 @@ def test_a_paused_worker_s_sandbox_stops_itself_before_the_lease_expires(
         os.kill(proc.pid, signal.SIGSTOP)
         paused = time.time()
         time.sleep(LEASE_S + 1.5)  # past the lease's expiry, the worker still paused
-        last = float(heartbeat.read_text() or 0)
+        last = float(heartbeat.read_text())
         time.sleep(0.5)
-        assert float(heartbeat.read_text() or 0) == last, "the agent still writes"
+        assert float(heartbeat.read_text()) == last, "the agent still writes"
         assert last < paused + LEASE_S, (
             f"a heartbeat {last - paused:.1f} s after the pause, past the lease's expiry")
     finally:
@@ -383,6 +405,7 @@ def test_a_paused_worker_s_sandbox_stops_itself_before_the_lease_expires(
         proc.communicate()
 
 
+@pytest.mark.slow
 def test_a_paused_workers_container_stops_itself_daemons_and_all(
         tmp_path: Path, reachable_tmp: Path) -> None:
     """The same under `verifier_isolation = harbor` (an image's container): the container
@@ -392,7 +415,8 @@ def test_a_paused_workers_container_stops_itself_daemons_and_all(
     from tests.test_range_mode import _debian_into
 
     task = tmp_path / "beater"
-    beat = "while true; do date +%s.%N > /app/$1; sleep 0.1; done"
+    # each beat is renamed into place: a reader never sees a file half-written
+    beat = "while true; do date +%s.%N > /app/$1.new; mv /app/$1.new /app/$1.beat; sleep 0.1; done"
     make_task(task, instruction="beat", test_sh="exit 0\n",
               toml='[environment]\nrootfs = "rootfs.tar"\n',
               solve_sh=f"#!/bin/bash\nmkdir -p /app\nsetsid bash -c '{beat}' _ daemon &\n"
@@ -405,19 +429,19 @@ def test_a_paused_workers_container_stops_itself_daemons_and_all(
         env={**os.environ, "TMPDIR": str(reachable_tmp)})
     try:
         def beats() -> list[Path]:
-            return sorted(reachable_tmp.glob("trialledger-*/upper/app/*"))
+            return sorted(reachable_tmp.glob("trialledger-*/upper/app/*.beat"))
 
         _wait(lambda: len(beats()) == 2 and all(b.stat().st_size for b in beats()), 60,
               "the agent and its daemon wrote no heartbeat")
         time.sleep(LEASE_S)  # past 2·lease/3: renewed, the container still runs
         for heartbeat in beats():
-            assert time.time() - float(heartbeat.read_text() or 0) < 1.5, heartbeat.name
+            assert time.time() - float(heartbeat.read_text()) < 1.5, heartbeat.name
         os.kill(proc.pid, signal.SIGSTOP)
         paused = time.time()
         time.sleep(LEASE_S + 1.5)
-        last = {b.name: float(b.read_text() or 0) for b in beats()}
+        last = {b.name: float(b.read_text()) for b in beats()}
         time.sleep(0.5)
-        assert {b.name: float(b.read_text() or 0) for b in beats()} == last, "still writing"
+        assert {b.name: float(b.read_text()) for b in beats()} == last, "still writing"
         assert all(at < paused + LEASE_S for at in last.values()), (last, paused)
     finally:
         os.kill(proc.pid, signal.SIGCONT)

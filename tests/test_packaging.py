@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EMBED = """
 import anyio, core, migrations
 from trialledger.store import Ledger
@@ -62,6 +64,7 @@ def test_help_and_replay_of_a_log_do_not_load_the_database_stack() -> None:
     assert done.returncode == 0 and done.stderr.strip() == "[0, 0] []", done.stderr
 
 
+@pytest.mark.slow
 def test_a_second_distribution_with_core_and_cli_neither_replaces_nor_removes_ours(
         tmp_path: Path) -> None:
     # A fresh venv holding our wheel and another distribution that ships a top-level

@@ -346,3 +346,56 @@ async def test_concurrent_calls_are_capped_and_each_proxy_has_its_own_pool() -> 
     # while the first one reused its pooled connections.
     a1, b1, a2 = upstream.ports[-3:]
     assert b1 not in before and b1 != a2 and {a1, a2} <= set(before)
+
+
+COMPLETED = (b'event: response.completed\ndata: {"type": "response.completed", "response": '
+             b'{"id": "resp_c", "model": "m", "status": "completed", "output": []}}\n\n')
+
+
+@pytest.mark.parametrize("completed", [True, False])
+async def test_a_client_gone_after_response_completed_leaves_the_call_whole(
+        completed: bool) -> None:
+    """Codex may close its connection as soon as it reads `response.completed`, before
+    the stream's end reaches it: that call had its whole answer and is not `client_closed`
+    (a CI run saw one so). A client gone before that event still is."""
+    release = asyncio.Event()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        answer = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await answer.prepare(request)
+        await answer.write(b'event: response.created\ndata: {"type": "response.created", '
+                           b'"response": {"id": "resp_c"}}\n\n')
+        if completed:
+            await answer.write(COMPLETED)
+        await release.wait()  # the stream's end held back until the client has gone
+        return answer
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    calls: list[dict[str, Any]] = []
+    proxy = SessionProxy(Upstream(f"http://127.0.0.1:{runner.addresses[0][1]}/v1",
+                                  token="t"), sink=sink_into(calls))
+    port = await proxy.start()
+    try:
+        async with aiohttp.ClientSession() as client:
+            with anyio.fail_after(30):
+                async with client.post(f"http://127.0.0.1:{port}/v1/responses", data=BODY,
+                                       headers={"Authorization": "Bearer t"}) as answer:
+                    wanted = b"response.completed" if completed else b"response.created"
+                    seen = b""
+                    while wanted not in seen:
+                        seen += await answer.content.readany()
+                # the connection is closed here, the upstream's stream still open
+        with anyio.fail_after(30):
+            while not calls:
+                await anyio.sleep(0.05)
+    finally:
+        release.set()
+        await proxy.aclose()
+        await runner.cleanup()
+    (call,) = calls
+    assert (call["completed"], call["error"]) == (
+        (True, None) if completed else (False, "client_closed")), call

@@ -122,6 +122,26 @@ def run_oracle(task: Path, db: Path, *extra: str) -> tuple[int, list[Any]]:
     return code, anyio.run(events)
 
 
+def oracle_falling_back(tmp_path: Path, caplog: pytest.LogCaptureFixture, why: str
+                        ) -> tuple[int, Any, list[str]]:
+    """The oracle over a busybox rootfs task where range mode is unavailable for `why`:
+    its exit code, its `agent.launched` data and the warnings that name `why`."""
+    import logging
+
+    folder = tmp_path / "task"
+    folder.mkdir()
+    subprocess.run(["tar", "-C", str(images.busybox_root()), "-cf", str(folder / "rootfs.tar"),
+                    "."], check=True)
+    make_task(folder, test_sh="exit 0\n", toml='[environment]\nrootfs = "rootfs.tar"\n',
+              solve_sh="#!/bin/sh\nid -u\n")
+    with caplog.at_level(logging.WARNING):
+        code, events = run_oracle(folder, tmp_path / "t.db", "--cache-dir",
+                                  str(tmp_path / "cache"))
+    launched = next(e for e in events if e.type == "agent.launched")
+    said = [record.getMessage() for record in caplog.records if why in record.getMessage()]
+    return code, launched.data, said
+
+
 def test_a_solution_that_needs_container_root_gets_reward_1(root_task: Path,
                                                               tmp_path: Path) -> None:
     code, events = run_oracle(root_task, tmp_path / "range.db")

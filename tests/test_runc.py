@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 from tests import images
-from tests.test_range_mode import SECRET, busybox_with, run_oracle
+from tests.test_range_mode import SECRET, busybox_with, oracle_falling_back, run_oracle
 from trialledger.adapters.sandbox.idrange import SLOT, range_problem
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.ociruntime import runtime_problem
@@ -244,7 +244,6 @@ def test_a_crashed_runners_container_ends_and_its_sweep_deletes_it(
     from trialledger.adapters.sandbox.runc import STATE
 
     marker = "31.4159"
-    ours = set(Path(tempfile.gettempdir()).glob(f"{folders.FOLDER_PREFIX}*"))
     task = setuid_task(tmp_path / "task")
     (task / "solution" / "solve.sh").write_text(f"#!/bin/sh\nsleep {marker}\n")
     runner = subprocess.Popen(
@@ -257,8 +256,9 @@ def test_a_crashed_runners_container_ends_and_its_sweep_deletes_it(
             assert time.monotonic() < deadline, "the oracle never started"
             assert runner.poll() is None, runner.communicate()
             time.sleep(0.05)
-        left = [folder for folder in Path(tempfile.gettempdir()).glob(
-            f"{folders.FOLDER_PREFIX}*") if folder not in ours and (folder / STATE).is_dir()]
+        # its own session folder: the one whose lock it holds (TMPDIR is shared: another
+        # test's live runc session made meanwhile is not its to sweep)
+        left = [folder for folder in _locked_by(runner.pid) if (folder / STATE).is_dir()]
         runner.send_signal(signal.SIGKILL)  # a crash: nothing of ours stops the container
         runner.wait(timeout=30)
     finally:
@@ -268,8 +268,24 @@ def test_a_crashed_runners_container_ends_and_its_sweep_deletes_it(
     while _running(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _running(marker), "the container outlived its runner"
-    assert left and folders.sweep_stale_sessions() >= 1
+    assert left, "the runner held no session folder with runc's state"
+    folders.sweep_stale_sessions()  # (another runner's start may have swept it already)
     assert not [folder for folder in left if folder.exists()]
+
+
+def _locked_by(pid: int) -> list[Path]:
+    """The session folders whose lock process `pid` holds open."""
+    from trialledger.adapters.sandbox.folders import LOCK
+
+    found = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = Path(os.readlink(fd))
+        except OSError:
+            continue
+        if target.name == LOCK:
+            found.append(target.parent)
+    return found
 
 
 def test_a_containers_bwrap_mounts_become_oci_binds_and_tmpfs() -> None:
@@ -311,9 +327,7 @@ def test_where_no_runtime_can_start_a_container_range_mode_falls_back_saying_why
     """`setup` found no OCI runtime able (its record, in a temporary folder): an image
     task runs in single-id mode under bwrap, and the run says why once."""
     import json
-    import logging
 
-    from tests.runs import make_task
     from trialledger.adapters.sandbox import ociruntime
 
     why = f"runc cannot start a container here: {tmp_path.name}"  # (said once per process)
@@ -321,19 +335,9 @@ def test_where_no_runtime_can_start_a_container_range_mode_falls_back_saying_why
     (tmp_path / "records" / "runtime.json").write_text(
         json.dumps({"runtime": None, "problem": why}))
     monkeypatch.setattr(ociruntime, "records_dir", lambda: tmp_path / "records")
-    folder = tmp_path / "task"
-    folder.mkdir()
-    subprocess.run(["tar", "-C", str(images.busybox_root()), "-cf", str(folder / "rootfs.tar"),
-                    "."], check=True)
-    make_task(folder, test_sh="exit 0\n", toml='[environment]\nrootfs = "rootfs.tar"\n',
-              solve_sh="#!/bin/sh\nid -u\n")
-    with caplog.at_level(logging.WARNING):
-        code, events = run_oracle(folder, tmp_path / "t.db", "--cache-dir",
-                                  str(tmp_path / "cache"))
-    launched = next(e for e in events if e.type == "agent.launched")
-    assert launched.data.isolation == "bwrap", launched.data
-    assert launched.data.identity is not None and launched.data.identity["mode"] == "single"
-    said = [record.getMessage() for record in caplog.records if why in record.getMessage()]
+    code, launched, said = oracle_falling_back(tmp_path, caplog, why)
+    assert launched.isolation == "bwrap", launched
+    assert launched.identity is not None and launched.identity["mode"] == "single"
     assert len(said) == 1, said
     assert "no OCI runtime can start a container here" in said[0], said
     assert "single-id mode" in said[0], said

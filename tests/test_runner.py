@@ -12,7 +12,7 @@ import pytest
 
 from tests.runs import codex_path, in_process, killer, make_task, run_task, run_trial
 from tests.views import seeded
-from trialledger.adapters import runner
+from trialledger.adapters import verifying
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, cut, message, shell, status, tool
 from trialledger.adapters.demo.samples import executable
 from trialledger.adapters.demo.tools import ToolServer
@@ -225,13 +225,13 @@ async def test_max_attempts_retries_a_lost_session(db: str, task: Any) -> None:
 
 async def test_slow_archive_within_a_3s_budget_keeps_the_run(
         db: str, task: Any, tmp_path: Path, monkeypatch: Any) -> None:
-    copy = runner.copy_archive
+    copy = verifying.copy_archive
 
     def slow_copy(*args: Any) -> Any:
         time.sleep(8)  # a copy stuck on a slow disk, past the 3 s budget
         return copy(*args)
 
-    monkeypatch.setattr(runner, "copy_archive", slow_copy)
+    monkeypatch.setattr(verifying, "copy_archive", slow_copy)
     ran = await run_task(db, task, [message()],
                          settings={"session_close_timeout_s": 3,
                                    "sandbox_logs_dir": str(tmp_path / "logs")})

@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,22 @@ def running(db: str | Path, task_folder: Path, endpoint_url: str, *extra: str,
             except subprocess.TimeoutExpired:
                 runner.kill()
                 runner.communicate()
+
+
+def _wait_for_process(cmdline: bytes, never: str, within_s: float = 60) -> None:
+    """Until a process whose command line starts with `cmdline` runs on this host."""
+    deadline = time.monotonic() + within_s
+    while not any(_cmdline(entry).startswith(cmdline) for entry in Path("/proc").iterdir()
+                  if entry.name.isdigit()):
+        assert time.monotonic() < deadline, never
+        time.sleep(0.05)
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
@@ -128,9 +145,10 @@ def test_a_store_locked_past_its_busy_timeout_loses_nothing(
 def test_a_postgresql_restart_mid_run_loses_nothing(tmp_path: Path, postgres: Any) -> None:
     db = postgres.create_database()
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
-    with ScriptedEndpoint([shell("sleep 4; echo worked"), message()]) as endpoint, \
-            running(db, task.folder, endpoint.url, wait=False) as runner:
-        time.sleep(3)  # Codex is running its tool call
+    pause = f"4.{os.getpid():07d}"  # this test's own, so it finds its tool call alone
+    with ScriptedEndpoint([shell(f"sleep {pause}; echo worked"), message()]) as endpoint, \
+            running(db, task.folder, endpoint.url, wait=False) as runner:  # not SQLite
+        _wait_for_process(f"sleep\0{pause}".encode(), "Codex never ran its tool call")
         postgres.restart(down_s=5)  # every connection of the runner dies
         out, err = runner.communicate(timeout=180)
     assert runner.returncode == 0, err
@@ -139,7 +157,7 @@ def test_a_postgresql_restart_mid_run_loses_nothing(tmp_path: Path, postgres: An
 
 SLOW_ARCHIVE = """
 import sys, time
-from trialledger.adapters import runner
+from trialledger.adapters import verifying
 from trialledger import cli
 
 def slow(tree, target, secrets):  # the archive, one file every 0.3 s
@@ -148,7 +166,7 @@ def slow(tree, target, secrets):  # the archive, one file every 0.3 s
         time.sleep(0.3)
     raise AssertionError("the copy outlived its runner")
 
-runner.copy_archive = slow
+verifying.copy_archive = slow
 sys.exit(cli.main(sys.argv[1:]))
 """
 
@@ -224,6 +242,28 @@ exit 0
 """
 
 
+def _signalled_when(argv: list[str], tmp: Path, signum: signal.Signals, never: str,
+                    ready: Callable[[], bool]) -> tuple[int, str, str]:
+    """`trialledger ARGV` in its own process (TMPDIR `tmp`), sent `signum` once `ready`
+    (within 90 s, else the test fails saying `never`); its exit code, stdout and stderr."""
+    runner = subprocess.Popen([sys.executable, "-m", "trialledger.cli", *argv],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        deadline = time.monotonic() + 90
+        while not ready():
+            assert time.monotonic() < deadline, never
+            assert runner.poll() is None, runner.communicate()
+            time.sleep(0.05)
+        runner.send_signal(signum)
+        out, err = runner.communicate(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.communicate()
+    return runner.returncode, out, err
+
+
 @pytest.mark.parametrize(("signum", "settled_by_old_version"), [
     (signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)])
 def test_a_trial_cancelled_while_verified_runs_again_whole_on_resume(
@@ -242,22 +282,10 @@ def test_a_trial_cancelled_while_verified_runs_again_whole_on_resume(
     db = tmp_path / "t.db"
     argv = ["job", "run", "judged", str(task.folder), "--db", str(db), "--agent", "oracle",
             "--grace", "0.5"]
-    runner = subprocess.Popen([sys.executable, "-m", "trialledger.cli", *argv],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "TMPDIR": str(reachable_tmp)})
-    try:
-        deadline = time.monotonic() + 90
-        while not list(reachable_tmp.glob("trialledger-*/verifier-*/started")):
-            assert time.monotonic() < deadline, "the verifier never started"
-            assert runner.poll() is None, runner.communicate()
-            time.sleep(0.05)
-        runner.send_signal(signum)
-        _, err = runner.communicate(timeout=60)
-    finally:
-        if runner.poll() is None:
-            runner.kill()
-            runner.communicate()
-    assert runner.returncode == 128 + signum and "Traceback" not in err, err
+    code, _, err = _signalled_when(
+        argv, reachable_tmp, signum, "the verifier never started",
+        lambda: bool(list(reachable_tmp.glob("trialledger-*/verifier-*/started"))))
+    assert code == 128 + signum and "Traceback" not in err, err
     with sqlite3.connect(db) as conn:
         first = conn.execute("SELECT close_reason, outcome FROM sessions").fetchall()
         if settled_by_old_version:
@@ -281,3 +309,48 @@ def test_a_trial_cancelled_while_verified_runs_again_whole_on_resume(
     assert (trial["attempts"], trial["interrupted"]) == (2, 1)  # the cancelled one uncounted
     total = next(t for t in summary["tasks"] if t["task"] is None)
     assert (total["scored"], total["unscored"], total["mean"]) == (1, 0, 1.0)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_job_prints_the_partial_summary_of_what_finished(
+        tmp_path: Path, reachable_tmp: Path, signum: signal.Signals) -> None:
+    """Ctrl-C (or SIGTERM) in a real `job run` once one trial finished and another is mid
+    way: after the grace, stdout has the summary of the finished one, marked partial, with
+    the cancelled trial listed as open; then exit 128+N."""
+    make_task(tmp_path / "data" / "quick", instruction="be quick", test_sh="exit 0\n",
+              solve_sh="#!/bin/sh\ntrue\n")
+    make_task(tmp_path / "data" / "slow", instruction="take your time", test_sh="exit 0\n",
+              solve_sh="#!/bin/sh\ntouch started\nsleep 60\n")
+    db = tmp_path / "t.db"
+    code, out, err = _signalled_when(
+        ["job", "run", "halted", str(tmp_path / "data"), "--db", str(db), "--agent", "oracle",
+         "-n", "2", "--grace", "0.5"], reachable_tmp, signum,
+        "the slow agent never started mid-way",
+        lambda: bool(list(reachable_tmp.glob("trialledger-*/work/started"))
+                     and _queue(db).get("quick") == "done"))
+    assert code == 128 + signum and "Traceback" not in err, err
+    name = signal.Signals(signum).name
+    said = out.index(f"partial summary (interrupted by {name}): the trials that finished; "
+                     f"1 trial left for a resume")
+    assert out.index("quick k=0 verify reward 1") < said, out  # the trial's line, then this
+    rows = {cells[0]: cells for cells in (
+        [c.strip() for c in line.strip("│").split("│")] for line in out[said:].splitlines()
+        if line.startswith("│"))}
+    heads = next(line for line in out[said:].splitlines() if line.startswith("┃"))
+    names = [c.strip() for c in heads.strip("┃").split("┃")]
+    quick, slow = (dict(zip(names, rows[t], strict=True)) for t in ("quick", "slow"))
+    assert (quick["trials"], quick["scored"], quick["mean"]) == ("1", "1", "1.000"), out
+    assert (slow["open"], slow["scored"], slow["mean"]) == ("1", "0", ""), out
+    assert re.search(r"^partial: 1 trial\(s\) still open.*\n  slow #0 \(\S+\): queued$",
+                     out, re.M), out
+
+
+def _queue(db: Path) -> dict[str, str]:
+    """Each task's trial state in the job's queue, as far as the store file says yet."""
+    if not db.exists():
+        return {}
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            return dict(conn.execute("SELECT task, state FROM job_queue").fetchall())
+    except sqlite3.Error:
+        return {}

@@ -80,6 +80,41 @@ async def test_a_sqlite_store_locked_by_another_writer_is_still_ridden_out(
 
 
 @pytest.mark.anyio
+async def test_a_lease_holders_transaction_left_idle_is_ended_by_the_server(
+        postgres: PostgresServer) -> None:
+    """A lease holder paused inside a transaction (SIGSTOP, a VM frozen) would keep its
+    locks for as long as it stays paused: the server ends such a transaction after two
+    call deadlines, so other holders' claims go on. A store opened without a deadline (no
+    lease) keeps PostgreSQL's default (none)."""
+    from trialledger.store.engine import make_engines
+
+    db = postgres.create_database()
+    holder, plain = make_engines(db, call_timeout_s=1.0), make_engines(db)
+    try:
+        async with holder.writer.connect() as conn:
+            shown = (await conn.execute(text("SHOW idle_in_transaction_session_timeout")))
+            assert shown.scalar() == "2s"
+            await conn.execute(text("SELECT 1"))  # the transaction opens, then idles
+            deadline = time.monotonic() + 30
+            ended = False
+            while not ended and time.monotonic() < deadline:
+                await anyio.sleep(0.5)
+                async with plain.reader.connect() as other:
+                    ended = not (await other.execute(text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE state = "
+                        "'idle in transaction' AND datname = current_database()"))).scalar()
+            assert ended, "the idle transaction was never ended"
+            with pytest.raises(exc.DBAPIError):
+                await conn.execute(text("SELECT 1"))
+        async with plain.writer.connect() as conn:
+            shown = (await conn.execute(text("SHOW idle_in_transaction_session_timeout")))
+            assert shown.scalar() == "0"
+    finally:
+        await holder.dispose()
+        await plain.dispose()
+
+
+@pytest.mark.anyio
 async def test_a_stopped_postgresql_is_still_ridden_out(postgres: PostgresServer) -> None:
     db = postgres.create_database()
     data = str(postgres.folder / "data")

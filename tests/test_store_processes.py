@@ -104,10 +104,12 @@ def _kill_repeatedly(db: str, kills: int) -> int:
     return len(acked)
 
 
+@pytest.mark.slow
 def test_sigkill_never_loses_an_acknowledged_append_sqlite(tmp_path: Any) -> None:
     assert _kill_repeatedly(str(tmp_path / "crash.db"), kills=KILLS) > KILLS
 
 
+@pytest.mark.slow
 def test_sigkill_never_loses_an_acknowledged_append_postgresql(postgres: Any) -> None:
     assert _kill_repeatedly(postgres.create_database(), kills=max(5, KILLS // 5)) > 5
 
@@ -173,6 +175,7 @@ async def _check_shared(db: str, sids: list[str]) -> None:
         assert (await ledger.audit()).ok
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_eight_processes_with_stale_expectations_lose_and_duplicate_nothing(
         kind: str, tmp_path: Any, request: pytest.FixtureRequest) -> None:

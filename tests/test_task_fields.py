@@ -24,17 +24,35 @@ from trialledger.store import Ledger
 SOLVE = "#!/bin/sh\necho solved > answer.txt\n"
 CHECK = "grep -qx solved answer.txt\n"
 
-# (task.toml, the field the refusal names); "compose" writes environment/docker-compose.yaml
+ROOTFS = "[environment]\nrootfs = 'rootfs.tar'\n"  # an image task (an empty root)
+
+# (task.toml, the field the refusal names); "compose" writes environment/docker-compose.yaml,
+# "verifier-compose" tests/docker-compose.yaml under a separate verifier
 REFUSED = [
     ("[environment]\ngpus = 1\n", "[environment] gpus"),
     ("[environment]\ngpu_types = ['H100']\n", "[environment] gpu_types"),
     ("[environment.tpu]\ntype = 'v6e'\ntopology = '2x4'\n", "[environment] tpu"),
     ("[environment]\nos = 'windows'\n", "[environment] os"),
     ("compose", "environment/docker-compose.yaml"),
+    # a separate verifier needs range mode, which a host task has not (docs/SPEC.md §17)
     ("[verifier]\nenvironment_mode = 'separate'\n", "[verifier] environment_mode"),
-    ("[verifier.environment]\ndocker_image = 'ubuntu:24.04'\n", "[verifier] environment"),
-    ("[[verifier.collect]]\ncommand = 'true'\n", "[verifier] collect"),
-    ("[[steps]]\nname = 'one'\n", "steps"),
+    ("[verifier.environment]\ndocker_image = 'ubuntu:24.04'\n", "[verifier.environment]"),
+    # and what it does not do on an image task
+    (f"{ROOTFS}[verifier.environment]\nimage_archive = 'v.tar'\n",
+     "[verifier.environment] image_archive"),
+    (f"{ROOTFS}[verifier.environment]\nrootfs = 'v'\n", "[verifier.environment] rootfs"),
+    (f"{ROOTFS}[verifier.environment.healthcheck]\ncommand = 'true'\n",
+     "[verifier.environment] healthcheck"),
+    (f"{ROOTFS}[verifier.environment]\nnetwork_mode = 'allowlist'\nallowed_hosts = ['a.b']\n",
+     "[verifier.environment] allowed_hosts"),
+    (f"{ROOTFS}[verifier.environment]\nnetwork_mode = 'allowlist'\n",
+     "[verifier.environment] network_mode = 'allowlist'"),
+    (f"{ROOTFS}[verifier.environment]\ngpus = 1\n", "[verifier.environment] gpus"),
+    (f"{ROOTFS}[verifier.environment]\nos = 'windows'\n", "[verifier.environment] os"),
+    ("verifier-compose", "tests/docker-compose.yaml"),
+    # honoured (tests/test_collect_hooks.py), but no compose service exists beside main
+    ("[[verifier.collect]]\ncommand = 'true'\nservice = 'db'\n",
+     "[[verifier.collect]] 1 service = 'db'"),
     ("[[artifacts]]\nsource = '/data/db.sql'\nservice = 'db'\n", "artifacts"),
     ("[environment]\nnetwork_mode = 'allowlist'\nallowed_hosts = ['a.example']\n"
      "[verifier]\nnetwork_mode = 'allowlist'\nallowed_hosts = ['b.example']\n",
@@ -52,12 +70,20 @@ WARNED = [
     # honoured, but an entry whose place in artifacts/ another one holds is not collected
     ("artifacts = ['/app', {source = '/b', destination = 'app/b'}]\n", "artifacts '/b'"),
     ("[[artifacts]]\nsource = '/app'\ncompress = true\n", "[[artifacts]] compress"),
+    ("[[verifier.collect]]\ncommand = 'true'\nshell = 'zsh'\n", "[[verifier.collect]] shell"),
     ("[environment]\nallow_internet = false\nnetwork_mode = 'public'\n",
      "[environment] allow_internet"),
     ("[environment]\nmemory = 4\n", "[environment] memory"),
     ("[environment]\nflavour = 'mint'\n", "[environment] flavour"),  # in no schema
     ("[agent]\nallow_internet = false\n", "[agent] allow_internet"),  # Harbor has no such key
     ("colour = 'blue'\n", "colour"),
+    (f"{ROOTFS}[verifier.environment]\nstorage_mb = 512\n",
+     "[verifier.environment] storage_mb"),
+    (f"{ROOTFS}[verifier.environment]\nskills_dir = '/s'\n",
+     "[verifier.environment] skills_dir"),
+    (f"{ROOTFS}[[verifier.environment.mcp_servers]]\nname = 'm'\nurl = 'http://m.invalid/'\n",
+     "[verifier.environment] mcp_servers"),
+    (f"{ROOTFS}[verifier.environment]\nmemory = 4\n", "[verifier.environment] memory"),
 ]
 
 SILENT = ("schema_version = '1.4'\nsource = 'terminal-bench'\nsteps = []\nartifacts = []\n"
@@ -81,6 +107,13 @@ def write(folder: Path, toml: str) -> Task:
         (folder / "environment").mkdir(parents=True)
         (folder / "environment" / "docker-compose.yaml").write_text("services: {}\n")
         toml = ""
+    elif toml == "verifier-compose":
+        (folder / "tests").mkdir(parents=True)
+        (folder / "tests" / "docker-compose.yaml").write_text("services: {}\n")
+        toml = f"{ROOTFS}[verifier]\nenvironment_mode = 'separate'\n"
+    if "rootfs.tar" in toml:
+        folder.mkdir(parents=True, exist_ok=True)
+        tarfile.open(folder / "rootfs.tar", "w").close()
     return make_task(folder, test_sh=CHECK, solve_sh=SOLVE, toml=toml)
 
 
@@ -351,3 +384,63 @@ def test_an_env_entry_no_process_can_hold_refuses_the_task_in_one_line(
     assert done.returncode == 2 and "no process can hold it" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert not (tmp_path / "t.db").exists()
+
+
+# --- a separate verifier (docs/SPEC.md §17): how it is read ---------------------------------
+
+
+def test_a_separate_verifier_is_resolved_as_harbors_verifier_mode_does(tmp_path: Path
+                                                                       ) -> None:
+    """The image in Harbor's order (the table's `docker_image`, else tests/Dockerfile, both
+    bundling the tests; else the task's own); the container's workdir, env, limits and
+    network the table's, else `[environment]`'s; the phase's network `[verifier]`'s first."""
+    environment = (f"{ROOTFS}workdir = '/app'\ncpus = 2\nenv = {{ A = 'task' }}\n"
+                   "network_mode = 'no-network'\n")
+    own = write(tmp_path / "own", f"{environment}[verifier]\nenvironment_mode = 'separate'\n")
+    apart = own.separate_verifier
+    assert apart is not None and apart.source is None and not apart.bundled
+    assert (apart.workdir, apart.env, apart.limits, apart.network_mode, apart.phase_mode) == (
+        "/app", {"A": "task"}, {"cpus": 2}, "no-network", "no-network")
+    table = write(tmp_path / "table", (
+        f"{environment}[verifier]\nnetwork_mode = 'public'\n[verifier.environment]\n"
+        "docker_image = 'localhost/grader:1'\nworkdir = '/grade'\ncpus = 1\nmemory = '1G'\n"
+        "pids = 64\nenv = { B = 'verifier' }\nnetwork_mode = 'no-network'\n"
+        "build_timeout_sec = 30\n"))
+    apart = table.separate_verifier
+    assert apart is not None and apart.bundled and apart.own_table
+    assert apart.source is not None and (apart.source.kind, apart.source.value) == (
+        "docker_image", "localhost/grader:1")
+    assert (apart.workdir, apart.env, apart.limits, apart.network_mode, apart.phase_mode) == (
+        "/grade", {"B": "verifier"}, {"cpus": 1, "memory_mb": 1024, "pids": 64},
+        "no-network", "public")
+    assert table.ignored_fields == {}
+    (tmp_path / "built" / "tests").mkdir(parents=True)
+    (tmp_path / "built" / "tests" / "Dockerfile").write_text("FROM scratch\n")
+    built = write(tmp_path / "built", f"{ROOTFS}[verifier.environment]\nallow_internet = false\n")
+    apart = built.separate_verifier
+    assert apart is not None and apart.bundled and apart.source is not None
+    assert (apart.source.kind, apart.source.path, apart.network_mode) == (
+        "dockerfile", tmp_path / "built" / "tests", "no-network")
+    shared = write(tmp_path / "shared", f"{ROOTFS}[verifier]\nenvironment_mode = 'shared'\n")
+    assert shared.separate_verifier is None
+
+
+def test_a_bundled_verifier_needs_no_tests_folder_and_bad_modes_are_invalid(
+        tmp_path: Path) -> None:
+    from trialledger.adapters.task import require_verifier
+
+    folder = tmp_path / "bundled"
+    folder.mkdir()
+    tarfile.open(folder / "rootfs.tar", "w").close()
+    (folder / "instruction.md").write_text("hi")
+    (folder / "task.toml").write_text(f"{ROOTFS}[verifier.environment]\n"
+                                      "docker_image = 'localhost/grader:1'\n")
+    assert require_verifier(Task.load(folder)).tests is None  # its image holds /tests
+    with pytest.raises(TaskInvalid, match="'shared' is incompatible with "
+                                          r"\[verifier.environment\]") as refused:
+        write(tmp_path / "both", f"{ROOTFS}[verifier]\nenvironment_mode = 'shared'\n"
+                                 "[verifier.environment]\ncpus = 1\n")
+    assert not isinstance(refused.value, UnsupportedField)  # Harbor refuses it too
+    with pytest.raises(TaskInvalid, match=r"\[verifier\] environment_mode = 'apart': "
+                                          "expected 'shared' or 'separate'"):
+        write(tmp_path / "odd", f"{ROOTFS}[verifier]\nenvironment_mode = 'apart'\n")

@@ -198,9 +198,10 @@ def test_loopback_and_metadata_urls_are_refused_at_seed(url: str) -> None:
 
 @pytest.mark.parametrize("command", [["run", "TASK"], ["job", "run", "J", "TASK"], ["worker"]])
 def test_run_job_run_and_worker_take_task_mcp_hosts(tmp_path: Path, command: list[str]) -> None:
-    from trialledger.cli import _run_options, build_parser
+    from trialledger.adapters.commands.running import run_options
+    from trialledger.cli import build_parser
 
     args = build_parser().parse_args([
         *command, "--db", str(tmp_path / "t.db"), "--agent", "nop",
         "--task-mcp-host", "127.0.0.1", "--task-mcp-host", "mcp.internal"])
-    assert _run_options(args).task_mcp_hosts == ("127.0.0.1", "mcp.internal")
+    assert run_options(args).task_mcp_hosts == ("127.0.0.1", "mcp.internal")

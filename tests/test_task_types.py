@@ -26,6 +26,7 @@ HEALTHCHECK = ("command", "interval_sec", "timeout_sec", "start_period_sec",
                "start_interval_sec", "retries")
 MCP = ("name", "url", "url", "transport", "command", "args", "headers")
 ARTIFACT = ("source", "destination", "exclude", "service")
+COLLECT = ("command", "service", "timeout_sec", "user")
 PATHS = [path for path in FIELDS if "*" not in path] + [
     ("task", "name"), ("metadata", "trialledger", "reward_from_exit_code"),
     *(("environment", "healthcheck", key) for key in HEALTHCHECK),
@@ -68,6 +69,10 @@ def documents(draw: st.DrawFn) -> dict[str, Any]:
             environment["mcp_servers"] = draw(_entries(MCP))
     if draw(st.booleans()):
         doc["artifacts"] = draw(_entries(ARTIFACT))
+    if draw(st.booleans()):
+        verifier = doc.setdefault("verifier", {})
+        if isinstance(verifier, dict):
+            verifier["collect"] = draw(_entries(COLLECT))
     return doc
 
 
@@ -93,6 +98,7 @@ def test_any_value_of_a_known_key_loads_or_is_task_invalid(doc: dict[str, Any],
     ("environment", "allowed_hosts", "{a = 1}", "a list"),
     ("verifier", "env", "3", "a table"),
     ("environment", "mcp_servers", "{a = 1}", "an array of tables"),
+    ("verifier", "collect", "{a = 1}", "an array of tables"),
     ("environment", "image_archive", '"a\\u0000b"', "inside the task folder"),
 ])
 def test_run_names_the_key_and_the_type_in_one_line(tmp_path: Path, table: str, key: str,

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -19,6 +21,7 @@ def _collected(mark: str, *files: str) -> set[str]:
     return {line for line in ran.stdout.splitlines() if "::" in line}
 
 
+@pytest.mark.slow
 def test_each_test_is_in_the_tier_of_what_it_calls() -> None:
     codex = _collected("codex", "tests/test_runner.py", "tests/test_core_purity.py")
     # a run of the real Codex through tests.runs.run_task

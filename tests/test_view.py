@@ -126,8 +126,11 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
         code = cli.main(["job", "run", "bench", str(data), "-k", "2", "-n", "4",
                          "--max-attempts", "2", "--model-base-url", endpoint.url, *common])
         assert code == 1  # noreward's trials end unscored
+        prices = root / "prices.toml"
+        prices.write_text('[m]\ninput = 2\ncached_input = 0.5\noutput = 8\n')
         assert cli.main(["job", "run", "other", str(data / "clean"), "-k", "1",
-                         "--model-base-url", endpoint.url, *common]) == 0
+                         "--model-base-url", endpoint.url, "--prices", str(prices),
+                         *common]) == 0
     probed, hostile = anyio.run(_import, db, data)
     return Store(db, logs, probed, hostile)
 
@@ -365,6 +368,14 @@ def test_the_job_page_numbers_are_job_show_json(store: Store, server: Server,
     assert sum(json.loads(str(b.get_attribute("data-value"))) for b in tokens) \
         == len(shown["trials"]) - unknown
     assert int(str(page.get_attribute("#tokens-unknown", "data-value"))) == unknown
+    assert json.loads(str(page.get_attribute("#job-cost", "data-value"))) is None
+    assert page.text_content("#job-cost") == "unknown (no price table: job run --prices FILE)"
+    other = json.loads(_cli("job", "show", "other", "--db", str(store.db), "--json").stdout)
+    assert other["cost_usd"] is not None and other["cost_usd"] > 0  # SPEC §18, priced
+    page.goto(f"{server.url}job/other.html")
+    assert json.loads(str(page.get_attribute("#job-cost", "data-value"))) == other["cost_usd"]
+    assert page.text_content("#job-cost") == f"${other['cost_usd']:.4f}"
+    page.goto(f"{server.url}job/bench.html")
     page.click("#tasks thead th:has-text('mean')")  # sortable: ascending by mean
     means = [json.loads(str(r.locator("td").nth(headers.index("mean")).get_attribute(
         "data-value"))) for r in page.locator("#tasks tbody tr").all()]

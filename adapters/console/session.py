@@ -10,15 +10,15 @@ from typing import Any
 
 from trialledger.adapters.console.plain import plain
 from trialledger.adapters.console.render import out, table
-from trialledger.core import explain
-from trialledger.core.replay import why_unscored
+from trialledger.core import explain, why
+from trialledger.core.replay import ending, why_unscored
 
 
 def show_session(view: Any) -> None:
     """`show`: the timeline with each event's time since the start and since the one
     before, the header line, each decision explained, why it did not score (a failed
     verification's reason, what left it unscored), usage, gaps, rewards, what the
-    verifier printed and the files it kept."""
+    verifier printed and the files it kept; its result (pass, fail, unscored) and why."""
     start = _when(view.events[0].at)
     rows, previous = [], start
     for event in view.events:
@@ -34,6 +34,9 @@ def show_session(view: Any) -> None:
                     f"state {view.state}  outcome {view.outcome}"))
     for line in [*explain(view), *why_unscored(view)]:
         out.print(plain(line))
+    ended = ending(view)
+    reason = why.reason(ended)
+    out.print(plain(f"result: {why.result(ended)}{' (' + reason + ')' if reason else ''}"))
     usage = view.usage
     out.print("usage: " + (f"{usage.total_tokens} tokens ({usage.input_tokens} in, "
                            f"{usage.output_tokens} out)" if usage else "unavailable"))
@@ -92,7 +95,25 @@ def print_outcomes(results: Sequence[Any], *, as_json: bool) -> None:
             print(json.dumps(session_summary(result.view)), flush=True)
         else:
             out.print(plain(f"{result.session_id} {result.outcome}"
-                            f"{reward_words(result.view)}"))
+                            f"{reward_words(result.view)}{step_words(result.view)}"))
+
+
+def step_words(view: Any) -> str:
+    """A step session's step beside its outcome (`  step 1/3 write`); nothing for a
+    one-step task's."""
+    step = getattr(view.events[0].data, "step", None) if view.events else None
+    return "" if step is None else f"  step {step.index}/{step.count} {step.name}"
+
+
+def print_trial_reward(trial_id: str, strategy: str, rewards: Any, steps: int, *,
+                       as_json: bool) -> None:
+    """`run` of a multi-step task: the trial's reward by its strategy (docs/SPEC.md §17)."""
+    if as_json:
+        print(json.dumps({"trial_id": trial_id, "reward_strategy": strategy,
+                          "steps": steps, "rewards": rewards}), flush=True)
+        return
+    said = reward_pairs(rewards) if rewards else "no result"
+    out.print(plain(f"trial {trial_id}: {said} ({strategy} over {steps} step(s))"))
 
 
 def session_summary(view: Any) -> dict[str, Any]:

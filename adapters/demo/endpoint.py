@@ -41,9 +41,15 @@ def message(text: str = "hi there", usage: tuple[int, int, int, int] = (12, 2, 1
     return Reply("message", text=text, usage=usage)
 
 
-def shell(cmd: str, usage: tuple[int, int, int, int] = (10, 0, 5, 0)) -> Reply:
-    """A function_call of Codex's `exec_command` tool."""
-    return Reply("function_call", arguments={"cmd": cmd}, usage=usage)
+def shell(cmd: str, usage: tuple[int, int, int, int] = (10, 0, 5, 0), *,
+          yield_ms: int | None = None) -> Reply:
+    """A function_call of Codex's `exec_command` tool. Codex returns the call's output when the
+    command ends or after `yield_ms` (its own default 10 s, which a container's first call on
+    a loaded machine can outlast, so tests that read the output give 30 s)."""
+    arguments: dict[str, Any] = {"cmd": cmd}
+    if yield_ms is not None:
+        arguments["yield_time_ms"] = yield_ms
+    return Reply("function_call", arguments=arguments, usage=usage)
 
 
 def tool(name: str, arguments: dict[str, Any], *, namespace: str | None = None) -> Reply:

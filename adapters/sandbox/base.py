@@ -48,6 +48,16 @@ class ProbeResult:
 
 
 @dataclass(frozen=True)
+class CommandRun:
+    """A command's end in the sandbox: its exit code (None: it timed out), the end of its
+    output (stdout and stderr as they came) and how many earlier bytes were not kept."""
+
+    code: int | None
+    output: bytes
+    left_out: int = 0
+
+
+@dataclass(frozen=True)
 class VerifierRun:
     """The verifier's exit and its output folder (`error`: why it could not run)."""
 

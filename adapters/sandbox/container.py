@@ -24,17 +24,23 @@ import functools
 import itertools
 import os
 import select
+import shutil
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import anyio
 
 from trialledger.adapters.environment import resolve_inside
 from trialledger.adapters.sandbox.allowlist import AllowList
-from trialledger.adapters.sandbox.base import SUPERVISOR_ENV, SandboxRefused, VerifierRun
+from trialledger.adapters.sandbox.base import (
+    SUPERVISOR_ENV,
+    CommandRun,
+    SandboxRefused,
+    VerifierRun,
+)
 from trialledger.adapters.sandbox.bwrap import (
     INIT_INSIDE,
     TESTS_INSIDE,
@@ -51,8 +57,8 @@ from trialledger.adapters.sandbox.egress import (
 )
 from trialledger.adapters.sandbox.folders import remove_tree
 from trialledger.adapters.sandbox.hostside import env_file, host_env
-from trialledger.adapters.sandbox.idrange import InnerUser, ensure_filter
-from trialledger.adapters.sandbox.layout import SessionLayout
+from trialledger.adapters.sandbox.idrange import InnerUser, ensure_filter, resolve_user
+from trialledger.adapters.sandbox.layout import SessionLayout, chown_tree
 from trialledger.adapters.sandbox.network import Network, listen_inside
 from trialledger.adapters.sandbox.ocifilter import docker_filter
 from trialledger.adapters.sandbox.process import LocalRun
@@ -91,6 +97,24 @@ def entry_command(entrypoint: Sequence[str], init_inside: str) -> list[str]:
     if entrypoint:
         return [*entrypoint, "sh", "-c", "sleep infinity"]
     return [init_inside, IDLE]
+
+
+class CopyIn(NamedTuple):
+    """What inner root does in the container instead of running a command: init
+    `--copy-in` (a fresh `inside`), `--merge-in` (into the folder `inside`), or `--clear`
+    (the folder `inside` emptied; no source)."""
+
+    source: int  # a descriptor of the staged folder or file, opened on the host (-1: none)
+    inside: str
+    uid: int
+    gid: int
+    mode: Literal["copy", "merge", "clear"] = "copy"
+
+    def argv(self) -> list[str]:
+        if self.mode == "clear":
+            return ["--clear", self.inside]
+        return [f"--{self.mode}-in", str(self.source), self.inside, str(self.uid),
+                str(self.gid)]
 
 
 class ContainerFailed(OSError):
@@ -144,13 +168,21 @@ class Container:
         return ",".join(str(fd) for fd in self.fds)
 
     def lost(self) -> str | None:
-        """Why the container is gone, when it is (its PID 1's command ended, or bwrap)."""
-        if self.run.process.returncode is None:
+        """Why the container is gone, when it is: bwrap or runc ended, or PID 1 did (runc
+        may not have noticed yet on a loaded machine)."""
+        if self.run.process.returncode is None and self._pid1_alive():
             return None
         tail, _ = self.run.stderr_tail()
         last = tail.strip().splitlines()[-1][:300] if tail.strip() else ""
         return ("the container stopped: its main process ended"
                 + (f" ({last})" if last else ""))
+
+    def _pid1_alive(self) -> bool:
+        """PID 1 still runs (its pid still names a process of the container's namespace)."""
+        try:
+            return os.readlink(f"/proc/{self.pid}/ns/pid") == f"pid:[{self.namespace}]"
+        except OSError:
+            return False
 
     def mark_agent_start(self) -> None:
         """Remember the processes running before the agent (PID 1, the ENTRYPOINT's)."""
@@ -202,6 +234,7 @@ class ContainerPhases(SessionLayout):
     task_env: dict[str, str]  # [environment] env, for the container's PID 1
     marker: str
     tests: Path | None
+    incoming: list[tuple[Path, str]]  # staged copies placed before the verifier (bring_in)
     no_new_privileges: bool  # (runc) a task's `[metadata.trialledger]` asks for it
     _runc: RuncContainer | None  # the container's runc, when it runs under runc
 
@@ -216,13 +249,14 @@ class ContainerPhases(SessionLayout):
 
         async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
                          verifier_logs: Path | None = None, stdin: bool = False,
-                         copy: tuple[int, str, int, int] | None = None,
-                         phase: str | None = None) -> LocalRun: ...
+                         copy: CopyIn | None = None,
+                         phase: str | None = None, user: InnerUser | None = None
+                         ) -> LocalRun: ...
 
         async def _run_bounded(self, command: list[str], timeout_s: float, *,
                                env: Mapping[str, str], role: Role,
                                verifier_logs: Path | None = None,
-                               copy: tuple[int, str, int, int] | None = None
+                               copy: CopyIn | None = None
                                ) -> tuple[int | None, bool]: ...
 
         async def _agent_gone(self) -> bool: ...
@@ -399,9 +433,11 @@ class ContainerPhases(SessionLayout):
 
     async def _spawn_joined(self, command: Sequence[str], *, env: Mapping[str, str],
                             role: Role, stdin: bool = False,
-                            copy: tuple[int, str, int, int] | None = None) -> LocalRun:
-        """A phase's process in the container (`init --join`); with `copy` (source fd,
-        destination, uid, gid) inner root copies a folder in instead."""
+                            copy: CopyIn | None = None,
+                            user: InnerUser | None = None) -> LocalRun:
+        """A phase's process in the container (`init --join`), as `user` (None: the role's);
+        with `copy` (source fd, destination, uid, gid) inner root copies a folder in
+        instead."""
         container = await self._ensure_container()
         if role in ("agent", "verifier"):
             await self._use_network(role)
@@ -421,9 +457,9 @@ class ContainerPhases(SessionLayout):
         elif self._nproc:
             argv += ["--nproc", str(self._nproc)]
         argv += ["--chdir", self.workdir]
-        user = self._inner_user(role)
+        user = user or self._inner_user(role)
         if copy is not None:
-            argv += ["--copy-in", *(str(part) for part in copy)]
+            argv += copy.argv()
             user = InnerUser(0, 0, ()) if self.range is not None else user
         env_fd = None
         try:
@@ -438,8 +474,8 @@ class ContainerPhases(SessionLayout):
                 argv, env=host_env(**{SUPERVISOR_ENV: self.marker}),
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                 pass_fds=tuple(fd for fd in (status_w, seccomp, env_fd,
-                                             copy[0] if copy else None, *container.fds)
-                               if fd is not None),
+                                             copy.source if copy else None, *container.fds)
+                               if fd is not None and fd >= 0),
                 start_new_session=True)
         except BaseException:
             os.close(status_r)
@@ -487,26 +523,40 @@ class ContainerPhases(SessionLayout):
         """A command as the image's user in the session's sandbox (the healthcheck): its
         exit code (None: it timed out) and the end of its output (at most `CHECK_TAIL`
         bytes, stdout and stderr as they came)."""
-        if self.lifetime == "harbor":  # the healthcheck takes [environment]'s network
+        ran = await self.run_command(command, timeout_s, env=env)
+        return ran.code, ran.output.decode("utf-8", errors="replace")
+
+    async def run_command(self, command: Sequence[str], timeout_s: float, *,
+                          env: Mapping[str, str], user: str | None = None,
+                          keep: int = CHECK_TAIL) -> CommandRun:
+        """A command in the session's sandbox on `[environment]`'s network (a healthcheck,
+        a collect hook), as `user` (range mode: resolved in the image as Docker does, an
+        unknown one `OSError`; elsewhere the image's user), under `timeout_s`: its exit and
+        the last `keep` bytes of its output, never more held."""
+        if self.lifetime == "harbor":  # a healthcheck or hook takes [environment]'s network
             await self._ensure_container()
             await self._use_network("healthcheck")
-        run = await self._spawn(list(command), env=env, role="probe", phase="healthcheck")
+        run = await self._spawn(list(command), env=env, role="probe", phase="healthcheck",
+                                user=self._user_named(user))
         tail = bytearray()
+        seen = 0
         read = [anyio.Event(), anyio.Event()]
 
-        async def keep(stream: Any, done: anyio.Event) -> None:
+        async def take(stream: Any, done: anyio.Event) -> None:
+            nonlocal seen
             try:
                 if stream is not None:
                     async for chunk in stream:
+                        seen += len(chunk)
                         tail.extend(chunk)
-                        del tail[:-CHECK_TAIL]
+                        del tail[:-keep]
             finally:
                 done.set()
 
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(keep, run.process.stdout, read[0])
-                tg.start_soon(keep, run.process.stderr, read[1])
+                tg.start_soon(take, run.process.stdout, read[0])
+                tg.start_soon(take, run.process.stderr, read[1])
                 with anyio.move_on_after(timeout_s) as scope:
                     status = await run.wait()
                 if scope.cancelled_caught:
@@ -516,9 +566,19 @@ class ContainerPhases(SessionLayout):
                         await done.wait()
                 tg.cancel_scope.cancel()
             code = None if scope.cancelled_caught else status.return_code
-            return code, tail.decode("utf-8", errors="replace")
+            return CommandRun(code, bytes(tail), seen - len(tail))
         finally:
             await run.aclose()
+
+    def _user_named(self, spec: str | None) -> InnerUser | None:
+        """A command's user `spec` inside (range mode; None: the role's user)."""
+        if spec is None or self.range is None:
+            return None
+        assert self.image is not None and self.image.root is not None
+        try:
+            return resolve_user(self.image.root, spec, (self.image.uid, self.image.gid))
+        except SandboxRefused as error:
+            raise OSError(str(error)) from None
 
     async def _verify_in_container(self, timeout_s: float, env: Mapping[str, str] | None
                                    ) -> VerifierRun:
@@ -544,18 +604,14 @@ class ContainerPhases(SessionLayout):
                 break
             remove_tree(*(logs / name for name in batch))
         base = {**self.base_env(), **(env or {}), "TRIALLEDGER_VERIFIER_DIR": VERIFIER_LOGS_INSIDE}
+        for staged, inside in self.incoming:  # a separate verifier's artifacts, first
+            if not await self._copy_in(staged, inside, min(timeout_s, 60.0), base):
+                return VerifierRun(None, False, logs, f"the artifact {inside} could not be "
+                                                      f"copied into the container")
         if self.tests is not None:
             stage = self.root / f"tests-{self._verifications}"
             self._copy_tests(stage)
-            verifier = self._inner_user("verifier")
-            source = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                code, _ = await self._run_bounded(
-                    [], min(timeout_s, 60.0), env=base, role="verifier",
-                    copy=(source, TESTS_INSIDE, verifier.uid, verifier.gid))
-            finally:
-                os.close(source)
-            if code != 0:
+            if not await self._copy_in(stage, TESTS_INSIDE, min(timeout_s, 60.0), base):
                 return VerifierRun(None, False, logs, "the tests could not be copied into "
                                                       "the container")
         assert self.image is not None
@@ -565,6 +621,68 @@ class ContainerPhases(SessionLayout):
         code, timed_out = await self._run_bounded(command, timeout_s, env=base, role="verifier")
         return VerifierRun(code, timed_out, logs)
 
+
+    async def _copy_in(self, stage: Path, inside: str, timeout_s: float,
+                       env: Mapping[str, str], *, user: InnerUser | None = None,
+                       merge: bool = False, role: Role = "verifier") -> bool:
+        """A staged folder or file of ours copied by inner root to `inside`, owned by
+        `user` (None: the verifier's) — init --copy-in: its parents made, what was there
+        moved aside; `merge`: --merge-in, into the folder there — False when it could not
+        be."""
+        owner = user or self._inner_user("verifier")
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        source = os.open(stage, flags | (os.O_DIRECTORY if stage.is_dir() else 0))
+        try:
+            code, _ = await self._run_bounded([], timeout_s, env=env, role=role,
+                                              copy=CopyIn(source, inside, owner.uid,
+                                                          owner.gid,
+                                                          "merge" if merge else "copy"))
+        finally:
+            os.close(source)
+        return code == 0
+
+    async def copy_into(self, host: Path, inside: str, *, user: InnerUser | None,
+                        merge: bool) -> None:
+        """(A multi-step task's next step) the folder `host` copied into the session's
+        running container by inner root, as `docker cp` does: merged into the folder
+        `inside` (`merge`), else replacing it; owned by `user` (None: root in range mode,
+        the one id elsewhere). Never through a link the agent left there: init opens each
+        folder without following links. OSError: it could not be."""
+        await self._ensure_container()
+        staged = self.root / f"copy-in-{os.urandom(6).hex()}"
+        shutil.copytree(host, staged, symlinks=True)
+        try:
+            if self.runs_as.switches:  # inner root reads the staged copy
+                chown_tree(staged, self._root_owner)
+            root = InnerUser(0, 0, ()) if self.range is not None else self._inner_user("agent")
+            if not await self._copy_in(staged, inside, 60.0, self.base_env(),
+                                       user=user or root, merge=merge, role="probe"):
+                raise OSError(f"{inside} could not be copied into the container")
+        finally:
+            remove_tree(staged)
+
+    async def clear_inside(self, inside: str) -> None:
+        """(Between the steps of a multi-step task, as Harbor's `empty_dirs`) the folder
+        `inside` of the running container emptied by its root, no link followed. OSError:
+        it could not be."""
+        await self._ensure_container()
+        code, _ = await self._run_bounded([], 60.0, env=self.base_env(), role="probe",
+                                          copy=CopyIn(-1, inside, 0, 0, "clear"))
+        if code != 0:
+            raise OSError(f"{inside} could not be emptied in the container")
+
+    def bring_in(self, host: Path, inside: str) -> None:
+        """Stage a copy of `host` (a kept file or folder; links stay links) to be placed at
+        `inside` before the verifier runs, owned by its user: a separate verifier's
+        artifacts (docs/SPEC.md §17). The copy is inner root's, so that it can read it."""
+        staged = self.root / f"incoming-{len(self.incoming)}"
+        if host.is_dir() and not host.is_symlink():
+            shutil.copytree(host, staged, symlinks=True)
+        else:
+            shutil.copy2(host, staged, follow_symlinks=False)
+        if self.runs_as.switches:
+            chown_tree(staged, self._root_owner)
+        self.incoming.append((staged, inside))
 
 
 def survivors_gap(names: Sequence[str]) -> dict[str, str] | None:

@@ -47,7 +47,7 @@ class SandboxUser:
 
     def staged(self, init: Path, overlays: Sequence[str] = (), binds: Sequence[str] = (),
                cgroups: Sequence[Path] = (), nproc: int = PROCESS_LIMIT,
-               idmap: tuple[int, Path, Path] | None = None) -> list[str]:
+               idmap: Sequence[tuple[int, Path, Path]] = ()) -> list[str]:
         """The argv prefix our static init (`init --stage`) makes of a launch: first it
         joins `cgroups` (each a session cgroup's `cgroup.procs`); in a private mount
         namespace, when there is anything to mount, the overlays (options, target) and the
@@ -56,16 +56,17 @@ class SandboxUser:
         and threads, all sessions together, where no pids cgroup of the session's own
         holds them; 0 when one does, so no other session's processes count against this
         one. Not root, a user namespace maps us to root for the mounts, and there is
-        nothing to drop. `idmap` (range mode: the session's user namespace fd, the cache
-        entry, its mount point) is mounted first, for the overlays to lie on."""
+        nothing to drop. `idmap` (range mode: each the session's user namespace fd, the cache
+        entry or a layer of the image store, its mount point) is mounted first, for the
+        overlays to lie on."""
         mounting = bool(overlays or binds)
         if not self.switches and not mounting and not cgroups:
             return []
         namespace: list[str] = []
         options = ["--drop", str(self.uid), str(self.gid), str(nproc)] if self.switches else []
         if mounting and os.geteuid() == 0:
-            if idmap is not None:
-                options[0:0] = ["--idmap", *(str(part) for part in idmap)]
+            options[0:0] = [str(part) for one in idmap
+                            for part in ("--idmap", *one)]
             options.insert(0, "--mount-ns")
         elif mounting:
             namespace = [program("unshare"), "--user", "--map-root-user", "--mount",

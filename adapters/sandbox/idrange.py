@@ -205,9 +205,14 @@ def range_problem(runtime: str | None = None) -> str | None:
     else:
         try:
             ensure_filter()
-            ensure_init()
+            init = ensure_init()
         except SandboxRefused as error:
             problem = str(error)
+        else:  # (sessions lay their overlay on the image store's layers, each idmapped)
+            from trialledger.adapters.imagestore import idmapped_layers_problem
+
+            ids = reserved_range()
+            problem = idmapped_layers_problem(init, ids.start) if ids else None
     if problem is None and runtime != "bwrap":
         problem = _runtime_problem(runtime)
     if problem is not None:

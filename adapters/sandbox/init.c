@@ -44,9 +44,10 @@
  *
  * With --idmap (range mode) it mounts SOURCE at TARGET idmapped through the user
  * namespace USERNS_FD, read-only, nodev, nosuid: the image's root-owned files become the
- * slot's first id, so one cache entry serves every slot:
+ * slot's first id, so one cache entry (or one layer of the session image store) serves
+ * every slot; given once per layer, the overlays then lie on all of them:
  *
- *     init --stage [--cgroup PROCS]... [--mount-ns [--idmap USERNS_FD SOURCE TARGET]] ...
+ *     init --stage [--cgroup PROCS]... [--mount-ns [--idmap USERNS_FD SOURCE TARGET]...] ...
  *
  * For an OCI runtime (SPEC §16) --exec-suid (before --idmap) leaves setuid bits working
  * on the idmapped image and its overlay (they are setuid only to the slot's ids: never
@@ -78,10 +79,18 @@
  * group (what the command detached from it keeps running, as in a container) and reports
  * {"exit": N, "group_gone": true|false}. With --copy-in it copies the folder SRC_FD
  * (opened on the host, before the join) to the new folder DEST in the sandbox, owned by
- * UID:GID, instead of running a command (whatever is at DEST is moved aside first):
+ * UID:GID, instead of running a command (an empty folder at DEST is removed, whatever
+ * else is there moved aside first -- an image's own folder, which an overlay cannot
+ * rename, removed; DEST's missing parents are made, 0755, inner root's);
+ * a regular file SRC_FD is copied to the file DEST the same way. --merge-in copies the
+ * folder SRC_FD into the folder DEST as `docker cp` does (a multi-step task's workdir):
+ * DEST made when missing (a link or file there replaced by a folder), what is in it kept
+ * but for the entries in the way of copied ones. --clear empties the folder DEST (a link or
+ * file there removed), as Harbor empties /tests between the steps of a multi-step task:
  *
  *     init --join-fds FDS [--cgroup PROCS]... [--caps MASK] [--seccomp-fd FD] [--nproc N]
- *          [--chdir DIR] [--copy-in SRC_FD DEST UID GID] [--new-privs] --status-fd N
+ *          [--chdir DIR] [--copy-in|--merge-in SRC_FD DEST UID GID | --clear DEST]
+ *          [--new-privs] --status-fd N
  *          [--user ...] -- COMMAND
  *
  * With --new-privs (a container on an OCI runtime, whose processes have no_new_privs off
@@ -372,11 +381,9 @@ static int stage(int argc, char **argv) {
             exec_suid = 1;
             i++;
         }
-        if (i + 3 < argc && strcmp(argv[i], "--idmap") == 0) {
+        for (; i + 3 < argc && strcmp(argv[i], "--idmap") == 0; i += 4)
             if (idmapped(atoi(argv[i + 1]), argv[i + 2], argv[i + 3], exec_suid) != 0)
                 return stage_failed("mount idmapped on", argv[i + 3]);
-            i += 4;
-        }
     }
     if (i + 3 < argc && strcmp(argv[i], "--drop") == 0) {
         user = argv + i + 1;
@@ -516,8 +523,22 @@ static int load_seccomp(void) {
     return seccomp_length == 0 ? 0 : prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program);
 }
 
+static int remove_tree(int parent, const char *name, int depth);
+
+/* NAME in the folder DST made ready for a copied entry: a folder kept when KEEP_FOLDER,
+ * anything else there removed (no link followed). */
+static int make_way(int dst, const char *name, int keep_folder) {
+    struct stat st;
+    if (fstatat(dst, name, &st, AT_SYMLINK_NOFOLLOW) != 0)
+        return errno == ENOENT ? 0 : -1;
+    if (S_ISDIR(st.st_mode) && keep_folder)
+        return 0;
+    return remove_tree(dst, name, 0);
+}
+
 /* The folder SRC copied into DST (both open), owned by UID:GID, modes kept but for setuid
- * and setgid bits; links copied as links, anything else skipped; no link followed. */
+ * and setgid bits; links copied as links, anything else skipped; no link followed. An
+ * entry of DST in the way of a copied one is replaced, a folder merged into. */
 static int copy_tree(int src, int dst, uid_t uid, gid_t gid, int depth) {
     int listing = dup(src);
     DIR *dir = listing < 0 ? NULL : fdopendir(listing);
@@ -532,7 +553,8 @@ static int copy_tree(int src, int dst, uid_t uid, gid_t gid, int depth) {
             failed = 1;
         } else if (S_ISDIR(st.st_mode)) {
             int from = openat(src, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC), to;
-            failed = from < 0 || mkdirat(dst, name, 0700) != 0 ||
+            failed = from < 0 || make_way(dst, name, 1) != 0 ||
+                     (mkdirat(dst, name, 0700) != 0 && errno != EEXIST) ||
                      (to = openat(dst, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)) < 0;
             if (!failed) {
                 failed = copy_tree(from, to, uid, gid, depth + 1) != 0 ||
@@ -543,7 +565,7 @@ static int copy_tree(int src, int dst, uid_t uid, gid_t gid, int depth) {
                 close(from);
         } else if (S_ISREG(st.st_mode)) {
             int from = openat(src, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-            int to = from < 0 ? -1 : openat(dst, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW |
+            int to = from < 0 || make_way(dst, name, 0) != 0 ? -1 : openat(dst, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW |
                                                    O_CLOEXEC, 0600);
             char buffer[65536];
             ssize_t n = 0;
@@ -560,7 +582,7 @@ static int copy_tree(int src, int dst, uid_t uid, gid_t gid, int depth) {
         } else if (S_ISLNK(st.st_mode)) {
             char target[4096];
             ssize_t n = readlinkat(src, name, target, sizeof target - 1);
-            failed = n < 0;
+            failed = n < 0 || make_way(dst, name, 0) != 0;
             if (!failed) {
                 target[n] = '\0';
                 failed = symlinkat(target, dst, name) != 0 ||
@@ -575,16 +597,73 @@ static int copy_tree(int src, int dst, uid_t uid, gid_t gid, int depth) {
     return failed ? -1 : 0;
 }
 
-/* --copy-in: whatever is at DEST moved aside, then a fresh DEST holding SRC's tree. */
+/* DEST's missing parent folders made (0755, this process's: inner root's), as `docker cp`
+ * makes them; links on the way are the sandbox's own (this runs inside it). */
+static int make_parents(const char *dest) {
+    char path[4096];
+    if (strlen(dest) >= sizeof path)
+        return -1;
+    strcpy(path, dest);
+    for (char *at = path + 1; (at = strchr(at, '/')) != NULL; at++) {
+        *at = '\0';
+        if (mkdir(path, 0755) != 0 && errno != EEXIST)
+            return -1;
+        *at = '/';
+    }
+    return 0;
+}
+
+/* NAME in the folder PARENT removed with everything in it (no link followed): a folder of
+ * the image's own, which an overlay without redirect_dir cannot rename (EXDEV). */
+static int remove_tree(int parent, const char *name, int depth) {
+    int fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0)
+        return unlinkat(parent, name, 0);
+    int listing = dup(fd);
+    DIR *dir = listing < 0 ? NULL : fdopendir(listing);
+    struct dirent *entry;
+    int failed = dir == NULL || depth > 64;
+    while (!failed && (entry = readdir(dir)) != NULL)
+        if (strcmp(entry->d_name, ".") != 0 && strcmp(entry->d_name, "..") != 0)
+            failed = remove_tree(fd, entry->d_name, depth + 1) != 0;
+    if (dir != NULL)
+        closedir(dir);
+    else if (listing >= 0)
+        close(listing);
+    close(fd);
+    return failed ? -1 : unlinkat(parent, name, AT_REMOVEDIR);
+}
+
+/* --copy-in: DEST's parents made, an empty folder at DEST removed and anything else there
+ * moved aside (a folder of the image's own, which cannot be, removed), then a fresh DEST
+ * holding SRC's tree (or, SRC a regular file, its bytes). */
 static int copy_in(int src, const char *dest, const char *uid_text, const char *gid_text) {
     uid_t uid = (uid_t)strtoul(uid_text, NULL, 10);
     gid_t gid = (gid_t)strtoul(gid_text, NULL, 10);
     char aside[256];
+    struct stat source;
     const char *base = strrchr(dest, '/');
     snprintf(aside, sizeof aside, "/.trialledger-replaced-%s-%ld", base ? base + 1 : dest,
              (long)getpid());
-    if (rename(dest, aside) != 0 && errno != ENOENT)
+    if (fstat(src, &source) != 0 || make_parents(dest) != 0)
         return -1;
+    if (rmdir(dest) != 0 && rename(dest, aside) != 0 && errno != ENOENT &&
+        (errno != EXDEV || remove_tree(AT_FDCWD, dest, 0) != 0))
+        return -1;
+    if (S_ISREG(source.st_mode)) {
+        int to = open(dest, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        char buffer[65536];
+        ssize_t n = 0;
+        int failed = to < 0;
+        while (!failed && (n = read(src, buffer, sizeof buffer)) > 0)
+            for (ssize_t done = 0, w; !failed && done < n; done += w)
+                failed = (w = write(to, buffer + done, (size_t)(n - done))) <= 0;
+        failed = failed || n < 0 || fchown(to, uid, gid) != 0 ||
+                 fchmod(to, source.st_mode & 0777) != 0;
+        if (to >= 0)
+            close(to);
+        return failed ? -1 : 0;
+    }
     if (mkdir(dest, 0700) != 0)
         return -1;
     int to = open(dest, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
@@ -593,6 +672,51 @@ static int copy_in(int src, const char *dest, const char *uid_text, const char *
     int failed = copy_tree(src, to, uid, gid, 0) != 0 || fchown(to, uid, gid) != 0 ||
                  fchmod(to, 0755) != 0;
     close(to);
+    return failed ? -1 : 0;
+}
+
+/* --merge-in: SRC's tree copied into the folder DEST (made, with its parents, when
+ * missing; a link or file at DEST replaced by a folder), merged over what is there. */
+static int merge_in(int src, const char *dest, const char *uid_text, const char *gid_text) {
+    uid_t uid = (uid_t)strtoul(uid_text, NULL, 10);
+    gid_t gid = (gid_t)strtoul(gid_text, NULL, 10);
+    struct stat there;
+    if (make_parents(dest) != 0)
+        return -1;
+    if (lstat(dest, &there) == 0 && !S_ISDIR(there.st_mode) && unlink(dest) != 0)
+        return -1;
+    if (mkdir(dest, 0755) != 0 && errno != EEXIST)
+        return -1;
+    int to = open(dest, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (to < 0)
+        return -1;
+    int failed = copy_tree(src, to, uid, gid, 0) != 0;
+    close(to);
+    return failed ? -1 : 0;
+}
+
+/* --clear: everything in the folder DEST removed, no link followed (a link or file at DEST
+ * removed itself; nothing there: nothing to do). */
+static int clear_folder(const char *dest) {
+    struct stat there;
+    if (lstat(dest, &there) != 0)
+        return errno == ENOENT ? 0 : -1;
+    if (!S_ISDIR(there.st_mode))
+        return unlink(dest);
+    int fd = open(dest, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int listing = fd < 0 ? -1 : dup(fd);
+    DIR *dir = listing < 0 ? NULL : fdopendir(listing);
+    struct dirent *entry;
+    int failed = dir == NULL;
+    while (!failed && (entry = readdir(dir)) != NULL)
+        if (strcmp(entry->d_name, ".") != 0 && strcmp(entry->d_name, "..") != 0)
+            failed = remove_tree(fd, entry->d_name, 0) != 0;
+    if (dir != NULL)
+        closedir(dir);
+    else if (listing >= 0)
+        close(listing);
+    if (fd >= 0)
+        close(fd);
     return failed ? -1 : 0;
 }
 
@@ -660,11 +784,12 @@ int main(int argc, char **argv) {
     unsigned long deadline_ms = 0;
     char **command = NULL;
     const char *join_fds = NULL, *chdir_to = NULL, *cgroups[8];
-    int cgroup_count = 0, seccomp_fd = -1, copy_src = -1, env_fd = -1, new_privs = 0;
+    int cgroup_count = 0, seccomp_fd = -1, copy_src = -1, env_fd = -1, new_privs = 0, merge = 0;
     char **env = NULL;
     unsigned long long caps = 0;
     unsigned long nproc = 0;
     char **copy = NULL;
+    const char *clear = NULL;
     if (argc == 2 && strcmp(argv[1], "--probe") == 0)
         return 0; /* the liveness probe: a process ran in the sandbox's workdir */
     if (argc == 2 && strcmp(argv[1], "--idle") == 0)
@@ -700,17 +825,21 @@ int main(int argc, char **argv) {
             chdir_to = argv[++i];
         else if (strcmp(argv[i], "--new-privs") == 0)
             new_privs = 1;
-        else if (strcmp(argv[i], "--copy-in") == 0 && i + 4 < argc) {
+        else if ((strcmp(argv[i], "--copy-in") == 0 || strcmp(argv[i], "--merge-in") == 0) &&
+                 i + 4 < argc) {
+            merge = strcmp(argv[i], "--merge-in") == 0;
             copy_src = atoi(argv[i + 1]);
             copy = argv + i + 2;
             i += 4;
         }
+        else if (strcmp(argv[i], "--clear") == 0 && i + 1 < argc)
+            clear = argv[++i];
         else if (strcmp(argv[i], "--") == 0) {
             command = argv + i + 1;
             break;
         }
     }
-    if ((command == NULL || command[0] == NULL) && copy == NULL) {
+    if ((command == NULL || command[0] == NULL) && copy == NULL && clear == NULL) {
         fprintf(stderr, "usage: init --status-fd N [--oom-score-adj K] [--user UID GID GROUPS] "
                         "-- COMMAND...\n");
         return 2;
@@ -776,15 +905,18 @@ int main(int argc, char **argv) {
         struct rlimit limit = {nproc, nproc};
         int early = join_fds != NULL && new_privs; /* the filter while we hold CAP_SYS_ADMIN */
         if ((join_fds == NULL || drop_bounding(caps) == 0) &&
-            (!early || copy != NULL || load_seccomp() == 0) &&
+            (!early || copy != NULL || clear != NULL || load_seccomp() == 0) &&
             (user == NULL || become(user[0], user[1], user[2]) == 0) &&
             (join_fds == NULL ||
              (keep_caps(caps) == 0 &&
               (new_privs || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0) &&
               (nproc == 0 || setrlimit(RLIMIT_NPROC, &limit) == 0) &&
               (chdir_to == NULL || chdir(chdir_to) == 0)))) {
+            if (clear != NULL)
+                _exit(clear_folder(clear) == 0 ? 0 : 1);
             if (copy != NULL)
-                _exit(copy_in(copy_src, copy[0], copy[1], copy[2]) == 0 ? 0 : 1);
+                _exit((merge ? merge_in : copy_in)(copy_src, copy[0], copy[1], copy[2]) == 0
+                      ? 0 : 1);
             if (env != NULL) /* the command's PATH finds it, as in a container */
                 environ = env;
             if (early || load_seccomp() == 0)

@@ -162,7 +162,8 @@ class SessionLayout:
                 chown_tree(self.root / "upper", self.agent_owner)
                 os.chown(self.root / "upper", *self._root_owner)  # the image's / is root's
         if self.range is not None:
-            (self.root / "lower").mkdir()
+            for point in self._lower_points:
+                point.mkdir()
         if self.overlay:
             self._check_overlay()
 
@@ -190,7 +191,7 @@ class SessionLayout:
                     f"{done.stderr.strip()[-300:]})")
             _overlays_made.add(key)
 
-    def _overlay(self, lower: Path, layer: str) -> list[str]:
+    def _overlay(self, lower: str, layer: str) -> list[str]:
         """`mount -t overlay` options and target for `lower` under `<layer>-upper`."""
         for name in (f"{layer}-upper", f"{layer}-work", f"{layer}-merged"):
             (self.root / name).mkdir(exist_ok=True)
@@ -217,25 +218,39 @@ class SessionLayout:
                                    [str(p) for pair in staged for p in pair],
                                    self._cgroup_procs, self._nproc, idmap)
 
-    def _stage_mounts(self, role: Role) -> tuple[list[str], tuple[int, Path, Path] | None]:
+    @property
+    def _lower_points(self) -> list[Path]:
+        """(range mode) Where the image is mounted idmapped: one point per layer of the
+        session image store, top first, else one for the cache entry."""
+        assert self.image is not None
+        if self.image.layers:
+            return [self.root / f"lower-{i}" for i in range(len(self.image.layers))]
+        return [self.root / "lower"]
+
+    def _stage_mounts(self, role: Role) -> tuple[list[str], list[tuple[int, Path, Path]]]:
         """The overlays (options, target) our init mounts for a spawn of `role`, and (range
-        mode) the idmapped mount of the image they lie on."""
+        mode) the idmapped mounts of the image they lie on: each layer of the image store
+        in place (top first), else the cache entry."""
         overlays: list[str] = []
-        idmap = None
+        idmap: list[tuple[int, Path, Path]] = []
+        lowers = str(self._lower)
         if self.range is not None:
             assert self.image is not None and self.image.root is not None
-            idmap = (self.range.userns_fd, self.image.root, self.root / "lower")
+            sources = list(self.image.layers) or [self.image.root]
+            points = self._lower_points
+            idmap = [(self.range.userns_fd, source, point)
+                     for source, point in zip(sources, points, strict=True)]
+            lowers = ":".join(str(point) for point in points)
         if self.overlay:
-            lower = self.root / "lower" if idmap is not None else self._lower
-            options = (f"lowerdir={lower},upperdir={self.root / 'upper'},"
+            options = (f"lowerdir={lowers},upperdir={self.root / 'upper'},"
                        f"workdir={self.root / 'overlay-work'}")
             if os.geteuid() != 0:
                 options += ",userxattr"
             overlays += [options, str(self.root / "merged")]
         if self._pristine_view(role):
             assert self.image is not None and self.image.root is not None
-            overlays += self._overlay(self.root / "lower" if idmap is not None
-                                      else self.image.root, f"pristine-{self._verifications}")
+            overlays += self._overlay(lowers if idmap else str(self.image.root),
+                                      f"pristine-{self._verifications}")
         return overlays, idmap
 
     def _stage(self, source: Path, staged: list[tuple[Path, Path]]) -> Path:

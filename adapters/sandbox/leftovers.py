@@ -6,8 +6,9 @@ its runner holds from before the cgroups exist until after they are removed: a c
 whose recorded folder's lock is free belongs to nobody (swept before the folders are).
 A build's cgroup and its working containers carry its private folder's name, and that
 folder a lock its runner holds while the build lives (adapters/buildbox.py,
-`build_alive`). Nothing is ever chosen by user id, and nothing of a live runner is
-touched.
+`build_alive`). A view of the session image store is mounted while a session holds it
+(a shared file lock, adapters/imagestore.py): one nobody holds is unmounted. Nothing is
+ever chosen by user id, and nothing of a live runner is touched.
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ def sweep_session_cgroups() -> int:
                 continue
             removed += remove_cgroup(child)
     return removed
+
+
+def sweep_image_views() -> int:
+    """Unmount the session image store's views no live session holds (a killed runner's
+    sessions held them: their holds went with it): how many."""
+    from trialledger.adapters.imagestore import ImageStore
+
+    return ImageStore().unmount_unheld_views()
 
 
 def sweep_builds() -> int:

@@ -47,6 +47,7 @@ import anyio
 
 from trialledger.adapters.codex.install import CodexInstall
 from trialledger.adapters.environment import HOST, Environment, resolve_inside
+from trialledger.adapters.imagestore import ViewHold, hold_view
 from trialledger.adapters.sandbox import runc as runtimes
 from trialledger.adapters.sandbox.agentfiles import AgentTree
 from trialledger.adapters.sandbox.allowlist import AllowList
@@ -71,6 +72,7 @@ from trialledger.adapters.sandbox.cgroup import CONTROLLERS, SessionCgroup, hold
 from trialledger.adapters.sandbox.container import (
     NETWORK_PHASES,
     Container,
+    CopyIn,
 )
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.egress import EgressProxy, egress_problem
@@ -251,6 +253,7 @@ class LocalSandbox(RuncLaunch):
         self.init = ensure_init()
         self.codex = codex
         self.tests = tests
+        self.incoming: list[tuple[Path, str]] = []  # placed before the verifier (harbor)
         self.readonly_paths = check_granted_paths(readonly_paths,
                                                   [*protected_paths, *([tests] if tests else [])])
         self.marker = session_key
@@ -259,6 +262,7 @@ class LocalSandbox(RuncLaunch):
         # is written in it. The lock is held while the session lives: a folder whose lock is
         # free was left by a crash.
         self.root, self._lock = make_session_folder(session_key)
+        self._view: ViewHold | None = None  # (range mode) its image's view, held
         self._verifications = 0
         self.limits = dict(limits or {})
         self.cgroup: SessionCgroup | None = None
@@ -268,6 +272,8 @@ class LocalSandbox(RuncLaunch):
         self.switch = switch  # a job trial's lease: every process killed once it lapses
         making = None  # (range mode) the session's user namespace, begun first
         try:
+            if self.image is not None:  # read through its view while the session lives
+                self._view = hold_view(self.image)
             if self.image is not None and self.image.plain:
                 making = self._begin_range()
             self.cgroup, self.limits_reason = hold(self.limits, self.root.name)
@@ -552,13 +558,14 @@ class LocalSandbox(RuncLaunch):
 
     async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
                      verifier_logs: Path | None = None, stdin: bool = False,
-                     copy: tuple[int, str, int, int] | None = None,
-                     phase: str | None = None) -> LocalRun:
+                     copy: CopyIn | None = None,
+                     phase: str | None = None, user: InnerUser | None = None) -> LocalRun:
         """Start `command` as `role` (harbor: joined into the session's container; strict:
-        in a sandbox of its own on `phase`'s network, by default the role's)."""
+        in a sandbox of its own on `phase`'s network, by default the role's), as `user`
+        (range mode; None: the role's)."""
         if self.lifetime == "harbor" and role != "container":
             return await self._spawn_joined(command, env=env, role=role, stdin=stdin,
-                                            copy=copy)
+                                            copy=copy, user=user)
         if role == "container" and self.on_runc:
             return await self._spawn_runc(command, env=env, verifier_logs=verifier_logs)
         bwrap = self.isolation == "bwrap"
@@ -580,7 +587,7 @@ class LocalSandbox(RuncLaunch):
         try:
             # The task's variables go to our init inside the sandbox alone (hostside.py)
             env_fd = env_file({**env, SUPERVISOR_ENV: self.marker}, first=SUPERVISOR_ENV)
-            inner = self._init(command, status_w, role, env_fd=env_fd)
+            inner = self._init(command, status_w, role, user, env_fd=env_fd)
             argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, phase=phase,
                                 verifier_logs=verifier_logs, block_fd=block_r,
                                 seccomp_fd=seccomp)
@@ -795,11 +802,12 @@ class LocalSandbox(RuncLaunch):
         return copy
 
     _tests_bound: Path | None = None
+    _discarded = False
 
     async def _run_bounded(self, command: list[str], timeout_s: float, *,
                            env: Mapping[str, str], role: Role,
                            verifier_logs: Path | None = None,
-                           copy: tuple[int, str, int, int] | None = None
+                           copy: CopyIn | None = None
                            ) -> tuple[int | None, bool]:
         run = await self._spawn(command, env=env, role=role, verifier_logs=verifier_logs,
                                 copy=copy)
@@ -821,7 +829,11 @@ class LocalSandbox(RuncLaunch):
 
     def discard(self) -> None:
         """Remove the session's folders (they hold config.toml with grant tokens), and its
-        cgroup with whatever is left in it; then (range mode) free its slot."""
+        cgroup with whatever is left in it; then (range mode) free its slot. Once: a
+        separate verifier discards the agent's before the session ends (§17)."""
+        if self._discarded:
+            return
+        self._discarded = True
         try:
             if self.container is not None:
                 if self.container.run.process.returncode is None:
@@ -844,6 +856,9 @@ class LocalSandbox(RuncLaunch):
                     os.close(self._lock)
             forget_session_folder(self.root)
         finally:
+            if self._view is not None:  # unmounted unless another session holds it
+                self._view.release()
+                self._view = None
             if self.range is not None:  # the slot is free once the folder is gone
                 for fd in (self.range.userns_fd, self.range.netns_fd):
                     if fd is not None:

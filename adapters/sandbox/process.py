@@ -81,8 +81,8 @@ class LocalRun:
     def __init__(self, process: Process, *, status_fd: int, info_fd: int | None,
                  isolation: str, marker: str) -> None:
         self.process = process
-        self._status_fd = status_fd
-        self._info_fd = info_fd
+        self._status_fd: int | None = status_fd  # None once closed: a descriptor is
+        self._info_fd = info_fd  # closed once (closed twice, it may be another thread's)
         self._info: dict[str, Any] | None = None
         self.isolation = isolation
         self.marker = marker
@@ -151,10 +151,11 @@ class LocalRun:
         """Wait for the sandbox to end; the init's report gives the agent's real status."""
         await self.process.wait()
         data = b""
-        os.set_blocking(self._status_fd, False)
-        with contextlib.suppress(BlockingIOError):
-            while len(data) < REPORT_LIMIT and (chunk := os.read(self._status_fd, 4096)):
-                data += chunk
+        if (fd := self._status_fd) is not None:
+            os.set_blocking(fd, False)
+            with contextlib.suppress(BlockingIOError):
+                while len(data) < REPORT_LIMIT and (chunk := os.read(fd, 4096)):
+                    data += chunk
         status = _status_of(data, self.process.returncode)
         self.group_gone = _group_gone(data)
         if (status.return_code is None and status.spawned and self.isolation == "bwrap"
@@ -192,10 +193,10 @@ class LocalRun:
             if self.process.returncode is None:
                 self.process.kill()
             await self.process.aclose()
-        for fd in (self._status_fd, self._info_fd):
+        closing, self._status_fd, self._info_fd = (self._status_fd, self._info_fd), None, None
+        for fd in closing:
             if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                os.close(fd)
 
 
 def _group_gone(data: bytes) -> bool | None:

@@ -128,7 +128,10 @@ class RuncLaunch(ContainerPhases):
             run.know({"child-pid": pid, "pid-namespace": namespace,
                       "net-namespace": os.fstat(netns).st_ino})
             if self.network is not None and self.network.isolated:
-                await self.network.open_inside(pid)  # before any phase joins
+                try:
+                    await self.network.open_inside(pid)  # before any phase joins
+                except FileNotFoundError:  # (PID 1 gone meanwhile: its /proc/PID/ns/net)
+                    raise ContainerFailed("the container stopped as it started") from None
         except BaseException:
             await run.aclose()
             await anyio.to_thread.run_sync(runc.delete)
@@ -145,10 +148,11 @@ class RuncLaunch(ContainerPhases):
         drops into the slot itself); the `passed` descriptors moved to 3 and on."""
         assert self.range is not None and self.image is not None
         overlays, idmap = self._stage_mounts("container")
-        assert idmap is not None
+        assert idmap
         argv = [str(self.init), "--stage", "--fds", ",".join(str(fd) for fd in passed)]
         for procs in self._cgroup_procs:
             argv += ["--cgroup", str(procs)]
-        argv += ["--mount-ns", "--exec-suid", "--idmap", *(str(part) for part in idmap),
-                 *overlays, "--", *(str(path) for pair in staged for path in pair), "--"]
+        argv += ["--mount-ns", "--exec-suid",
+                 *(str(part) for one in idmap for part in ("--idmap", *one)), *overlays,
+                 "--", *(str(path) for pair in staged for path in pair), "--"]
         return argv

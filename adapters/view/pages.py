@@ -9,12 +9,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from trialledger.adapters.view import charts, render
+from trialledger.adapters.view import charts, render, results
 from trialledger.adapters.view.diff import job_diff
 from trialledger.adapters.view.names import slug
 from trialledger.adapters.view.store import rows
+from trialledger.core import why
 from trialledger.core.errors import TrialLedgerError
 from trialledger.core.summary import rewards_text, several_names
+from trialledger.core.why import Ending
 from trialledger.store import Ledger
 from trialledger.store.jobs import TASK_COLUMNS, Jobs
 
@@ -90,9 +92,11 @@ async def job(ledger: Ledger, name: str, *, others: Sequence[Mapping[str, Any]] 
     task_rows = [t for t in summary["tasks"] if t["task"] is not None]
     several = len({t["dataset"] for t in task_rows}) > 1
     k = max((t["k_index"] for t in summary["trials"]), default=-1) + 1
+    ended = await results.endings(ledger, _JOB_SESSIONS, {"job": name})
     grid: dict[str, list[dict[str, Any] | None]] = {}
     for t in summary["trials"]:
-        grid.setdefault(t["task"], [None] * k)[t["k_index"]] = _cell(t)
+        grid.setdefault(t["task"], [None] * k)[t["k_index"]] = _cell(
+            t, ended.get(t["final_session_id"] or ""))
     for row in [*task_rows, *(t for t in summary["tasks"] if t["task"] is None)]:
         row["passk_list"] = _passk(summary, row)
     return {"name": name, "slug": slug(name), "config": await store.config(name),
@@ -106,17 +110,29 @@ async def job(ledger: Ledger, name: str, *, others: Sequence[Mapping[str, Any]] 
                         if o["job"] != name]}
 
 
-def _cell(trial: Mapping[str, Any]) -> dict[str, Any]:
-    """A grid cell: the trial's row, its colour, and the texts it shows (its tooltip, its
-    link's label and page), worked out here once rather than by filters in the template."""
+_JOB_SESSIONS = ("SELECT s.session_id FROM sessions s JOIN job_queue q ON q.trial_id = s.trial_id "
+                 "WHERE q.job = :job")
+
+
+def _cell(trial: Mapping[str, Any], ending: Ending | None) -> dict[str, Any]:
+    """A grid cell: the trial's row, its colour, and the texts it shows (its tooltip: what
+    ended it and why; its label: the reward, or in a word why there is none; its page),
+    worked out here once rather than by filters in the template."""
     scored, rewards = trial["scored"], trial.get("rewards")
     title = f"{trial['state']} · {trial['outcome'] or 'no decision'}"
     if scored:
         title += f" · {rewards_text(rewards)}"
-    label = (" ".join(render.number(v, 2) for v in rewards.values()) or render.number(0.0, 2)
-             if scored and rewards is not None else trial["outcome"] or trial["state"])
+    judged = results.judged(ending)
+    if judged["reason"] and trial["state"] not in ("queued", "running"):
+        title += f" · {judged['reason']}"
+    if scored and rewards is not None:
+        label = " ".join(render.number(v, 2) for v in rewards.values()) or render.number(0.0, 2)
+    elif judged["label"] and trial["state"] not in ("queued", "running"):
+        label = judged["label"]
+    else:
+        label = trial["outcome"] or trial["state"]
     return dict(trial, css=_cell_class(trial), page=slug(trial["trial_id"]), title=title,
-                label=label)
+                label=label, result=judged["result"], reason=judged["reason"])
 
 
 def _cell_class(trial: Mapping[str, Any]) -> str:
@@ -168,10 +184,15 @@ async def trial(ledger: Ledger, trial_id: str) -> dict[str, Any]:
     if not sessions:
         raise NotFound(f"no trial {trial_id}")
     by_id = {s["session_id"]: s for s in sessions}
+    ended = await results.endings(ledger, "SELECT session_id FROM sessions WHERE trial_id = :t",
+                                  {"t": trial_id})
     for s in sessions:
         s["why"] = _why(by_id.get(s["retry_of"] or "")) if s["attempt"] > 1 else None
+        s.update(results.judged(ended.get(s["session_id"])))
     member = await Jobs(ledger).trial(trial_id)
+    final = sessions[-1]  # the last attempt's: the trial's result (SPEC §13)
     return {"trial_id": trial_id, "task": sessions[0]["task"], "sessions": sessions,
+            "result": final["result"], "reason": final["reason"],
             "job": None if member is None else dict(
                 member, slug=slug(member["job"]), said=rewards_text(member["rewards"]))}
 
@@ -201,16 +222,20 @@ class Search:
     gap: str = ""
     model: str = ""
     id: str = ""  # a prefix of a session or trial id
+    result: str = ""  # pass, fail or unscored (`core.why`)
     job: str = ""  # only the sessions of this job's trials (an export of one job)
     limit: int = SEARCH_LIMIT
-    FIELDS: ClassVar[tuple[str, ...]] = ("task", "outcome", "rule", "gap", "model", "id")
+    FIELDS: ClassVar[tuple[str, ...]] = ("task", "outcome", "rule", "gap", "model", "id",
+                                         "result")
 
     @classmethod
     def of(cls, query: Mapping[str, str]) -> Search:
-        """The filters a query string gives."""
+        """The filters a query string gives (a result other than pass, fail or unscored
+        matches nothing)."""
         given = {f: query.get(f, "").strip()[:200] for f in cls.FIELDS}
         return cls(task=given["task"], outcome=given["outcome"], rule=given["rule"],
-                   gap=given["gap"], model=given["model"], id=given["id"])
+                   gap=given["gap"], model=given["model"], id=given["id"],
+                   result=given["result"])
 
 
 _SEARCH_SQL = ("SELECT s.session_id, s.trial_id, s.task, s.attempt, s.state, s.outcome, "
@@ -230,7 +255,10 @@ async def sessions(ledger: Ledger, search: Search) -> dict[str, Any]:
     params = {f: getattr(search, f) for f in _CLAUSES if getattr(search, f)}
     if "id" in params:
         params["id"] = re.sub(r"([\\%_])", r"\\\1", params["id"]) + "%"
-    where = " AND ".join(_CLAUSES[f] for f in params) or "1 = 1"
+    clauses = [_CLAUSES[f] for f in params]
+    if search.result:  # no parameter: one of three fixed conditions, or none matches
+        clauses.append(results.RESULT_SQL.get(search.result, "1 = 0"))
+    where = " AND ".join(clauses) or "1 = 1"
     found = await rows(ledger, f"{_SEARCH_SQL} WHERE {where} "
                        f"ORDER BY s.created_at, s.session_id LIMIT {int(search.limit) + 1}",
                        params)
@@ -239,12 +267,18 @@ async def sessions(ledger: Ledger, search: Search) -> dict[str, Any]:
                         "sessions s ON s.session_id = g.session_id LEFT JOIN outcomes o ON "
                         f"o.session_id = s.session_id WHERE {where} ORDER BY g.code", params):
         gaps.setdefault(g["session_id"], []).append(g["code"])
+    ended = await results.endings(ledger, f"SELECT s.session_id FROM sessions s LEFT JOIN "
+                                  f"outcomes o ON o.session_id = s.session_id WHERE {where} "
+                                  f"ORDER BY s.created_at, s.session_id "
+                                  f"LIMIT {int(search.limit)}", params)
     for r in found:
         r["gaps"] = gaps.get(r["session_id"], [])
+        r.update(results.judged(ended.get(r["session_id"])))
     scope = {"job": search.job} if search.job else {}
     within = _CLAUSES["job"] if search.job else "1 = 1"
     choices = {name: [r["v"] for r in await rows(ledger, sql.format(within=within), scope)]
                for name, sql in _CHOICES.items()}
+    choices["result"] = list(why.RESULTS)
     return {"search": search, "sessions": found[: search.limit],
             "more": len(found) > search.limit, "choices": choices}
 

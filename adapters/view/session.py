@@ -16,8 +16,9 @@ from trialledger.adapters.view.names import slug
 from trialledger.adapters.view.pages import NotFound
 from trialledger.adapters.view.render import plain_data
 from trialledger.adapters.view.store import rows
-from trialledger.core import Event, SessionView, explain, replay
+from trialledger.core import Event, SessionView, explain, replay, why
 from trialledger.core.policy import POLICIES
+from trialledger.core.replay import ending
 from trialledger.store import Ledger, NoSession
 
 PAUSE_S = 30.0  # a step this long between two events is highlighted as a pause
@@ -40,9 +41,11 @@ def _when(at: str) -> datetime:
 class ToolRow:
     """A tool call's part of a timeline row (its output once the item completed)."""
 
+    id: str
     name: str
     kind: str
     arguments: str
+    command: str  # a shell command's own text; any other tool's arguments
     output: str | None
     exit_code: int | None
     status: str
@@ -91,8 +94,10 @@ def _tool_row(event: Event, tools: dict[str, Any]) -> ToolRow | None:
         else json.dumps(plain_data(call.output), ensure_ascii=False)
     arguments = call.arguments if isinstance(call.arguments, str) \
         else json.dumps(plain_data(call.arguments), ensure_ascii=False)
+    cmd = call.arguments.get("cmd") if isinstance(call.arguments, dict) else None
     done = event.type == "item.completed"
-    return ToolRow(name=call.name, kind=call.kind, arguments=arguments,
+    return ToolRow(id=call.id, name=call.name, kind=call.kind, arguments=arguments,
+                   command=cmd if isinstance(cmd, str) else arguments,
                    output=output if done else None,
                    exit_code=call.exit_code if done else None,
                    status=call.status if done else "started",
@@ -110,10 +115,61 @@ def _model_row(call: Any) -> ModelRow:
                     tokens=call.usage.total_tokens if call.usage else None)
 
 
+@dataclass(frozen=True, slots=True)
+class Said:
+    """One entry of the transcript: the instruction, an agent message, its reasoning, a
+    tool call (completed, or started and never completed), a model call, an error, a
+    decision, or the verifier's word."""
+
+    kind: str  # instruction, message, reasoning, tool, model, error, decision, verifier
+    seq: int | None
+    text: str | None = None
+    tool: ToolRow | None = None
+    model_call: ModelRow | None = None
+    verification: dict[str, Any] | None = None
+    long: bool = False
+
+
+_SAID_ITEMS = {"agent_message": "message", "reasoning": "reasoning", "error": "error"}
+
+
+def _said(event: Any, row: Row, tools: dict[str, Any]) -> Said | None:
+    """What the transcript shows of one event (its timeline row already built)."""
+    kind = event.type
+    if row.tool is not None:
+        if kind == "item.completed" or (kind == "item.started"
+                                        and tools[row.tool.id].completed_at is None):
+            return Said("tool", row.seq, tool=row.tool)
+        return None
+    if row.model_call is not None:
+        return Said("model", row.seq, model_call=row.model_call)
+    if kind == "item.completed":
+        item = event.data.item
+        said, text = _SAID_ITEMS.get(str(item.get("type"))), item.get(
+            "message" if item.get("type") == "error" else "text")
+        if said is None or not isinstance(text, str):
+            return None
+        return Said(said, row.seq, text=text, long=len(text) > LONG_TEXT)
+    if kind == "session.seeded":
+        return Said("instruction", row.seq, text=event.data.instruction)
+    if kind in ("turn.failed", "error"):
+        error = getattr(event.data, "error", None)
+        message = error.get("message") if isinstance(error, dict) else getattr(
+            event.data, "message", None)
+        return Said("error", row.seq, text=f"{kind}: {message or ''}")
+    if kind == "outcome.decided":
+        return Said("decision", row.seq, text=row.explained)
+    if kind.startswith("verification."):
+        return Said("verifier", row.seq, verification=_verification(event))
+    return None
+
+
 def timeline(view: SessionView, first: int = 0, count: int | None = None, *,
-             explained: Sequence[str] | None = None) -> list[Row]:
+             explained: Sequence[str] | None = None,
+             transcript: list[Said] | None = None) -> list[Row]:
     """One row per event (`count` of them from index `first`): when, the step since the
-    one before, what it says (`explained`: `explain(view)`, when the caller has it)."""
+    one before, what it says (`explained`: `explain(view)`, when the caller has it).
+    `transcript`: appended with the same events' entries, in the same walk."""
     tools = {t.id: t for t in view.observations.tool_calls}
     decisions = [e.seq for e in view.events if e.type == "outcome.decided"]
     said = dict(zip(decisions, explain(view) if explained is None else explained,
@@ -130,10 +186,13 @@ def timeline(view: SessionView, first: int = 0, count: int | None = None, *,
         if tool is None and model_call is None:
             data = json.dumps(plain_data(event.data.model_dump(mode="json", exclude_none=True)),
                               ensure_ascii=False)
-        found.append(Row(seq=event.seq, type=event.type, since=(moment - start).total_seconds(),
-                         step=step, pause=step >= PAUSE_S, gap=event.type == "gap.recorded",
-                         explained=said.get(event.seq), tool=tool, model_call=model_call,
-                         data=data, long=data is not None and len(data) > LONG_TEXT))
+        row = Row(seq=event.seq, type=event.type, since=(moment - start).total_seconds(),
+                  step=step, pause=step >= PAUSE_S, gap=event.type == "gap.recorded",
+                  explained=said.get(event.seq), tool=tool, model_call=model_call,
+                  data=data, long=data is not None and len(data) > LONG_TEXT)
+        found.append(row)
+        if transcript is not None and (entry := _said(event, row, tools)) is not None:
+            transcript.append(entry)
         previous = moment
     return found
 
@@ -161,11 +220,14 @@ def _files(view: SessionView) -> dict[str, Any]:
     return {"folder": str(folder), "here": here, "files": listed, "runner": seed.runner_id}
 
 
+def _verification(e: Any) -> dict[str, Any]:
+    return {"type": e.type, "rewards": getattr(e.data, "rewards", None),
+            "reason": getattr(e.data, "reason", None), "detail": e.data.detail,
+            "stdout": e.data.stdout_tail, "stderr": e.data.stderr_tail}
+
+
 def _verifications(view: SessionView) -> list[dict[str, Any]]:
-    return [{"type": e.type, "rewards": getattr(e.data, "rewards", None),
-             "reason": getattr(e.data, "reason", None), "detail": e.data.detail,
-             "stdout": e.data.stdout_tail, "stderr": e.data.stderr_tail}
-            for e in _events(view) if e.type.startswith("verification.")]
+    return [_verification(e) for e in _events(view) if e.type.startswith("verification.")]
 
 
 def _environment(view: SessionView) -> dict[str, Any] | None:
@@ -232,9 +294,14 @@ async def session(ledger: Ledger, session_id: str, part: int = 1, *,
     if not 1 <= part <= parts:
         raise NotFound(f"session {session_id} has {parts} part(s) of events, not {part}")
     explained = explain(view)
+    said: list[Said] = []
+    shown = timeline(view, (part - 1) * PART_EVENTS, PART_EVENTS, explained=explained,
+                     transcript=said)
+    ended = ending(view)
     return {"view": view, "seed": seed, "part": part, "parts": parts,
-            "timeline": timeline(view, (part - 1) * PART_EVENTS, PART_EVENTS,
-                                 explained=explained),
+            "timeline": shown, "transcript": said,
+            "result": why.result(ended), "reason": why.reason(ended),
+            "why": why.unscored_lines(ended),
             "explained": explained, "verifications": _verifications(view),
             "kept": _files(view), "environment": _environment(view),
             "gaps": view.observations.gaps, "usage": view.usage,

@@ -47,4 +47,6 @@ async def rows(ledger: Ledger, sql: str, params: Mapping[str, Any] | None = None
                ) -> list[dict[str, Any]]:
     """The rows of one read query, as dicts."""
     async with ledger._engines.reader.begin() as conn:
-        return [dict(r._mapping) for r in await conn.execute(text(sql), dict(params or {}))]
+        result = await conn.execute(text(sql), dict(params or {}))
+        keys = list(result.keys())  # once: a row's `_mapping` builds its keys again
+        return [dict(zip(keys, r, strict=True)) for r in result]

@@ -56,7 +56,7 @@ document.addEventListener("DOMContentLoaded", () => {
   }
   if (document.body.getAttribute("data-static") === "1") {
     const params = new URLSearchParams(location.search);
-    const wanted = ["task", "outcome", "rule", "gap", "model", "id"].map((n) => [n, params.get(n) || ""]);
+    const wanted = ["result", "task", "outcome", "rule", "gap", "model", "id"].map((n) => [n, params.get(n) || ""]);
     for (const [name, value] of wanted) {
       const field = document.getElementById("f-" + name);
       if (field && value) field.value = value;

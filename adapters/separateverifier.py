@@ -1,0 +1,85 @@
+"""The separate verifier's phase (docs/SPEC.md §17 "Separate verifier"), as Harbor 0.26's
+`trial/single_step.py` and `trial/trial.py` (`_run_separate_verifier`) run it; what it
+runs in is adapters/verifiermode.py's.
+
+Once the task's artifacts are kept (adapters/taskartifacts.py), the agent's container is
+stopped and its sandbox discarded: every process in it ends, its layer goes, its slot is
+freed. Then a fresh container of the verifier's image starts in a new slot (a sandbox of
+its own, `verifier_isolation = harbor`), the declared artifacts are copied in from their
+kept copies at their source paths (`/logs/artifacts` too: Harbor's convention entry), and
+`test.sh` runs there as a shared verifier's does (the runner's `_verify`): its files kept
+as §15 keeps them. Nothing else of the agent's container is there.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+
+from trialledger.adapters.environment import Environment
+from trialledger.adapters.sandbox.base import SandboxRefused
+from trialledger.adapters.sandbox.deadline import DeadManSwitch
+from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.sandbox.network import Network
+from trialledger.adapters.taskartifacts import FOLDER, Artifact
+
+if TYPE_CHECKING:
+    from trialledger.adapters.task import Task
+
+
+async def stop_agent(sandbox: LocalSandbox) -> None:
+    """The agent's container stopped and its sandbox discarded before the verifier's
+    starts, as Harbor stops the agent's environment first (shielded: never left half)."""
+    with anyio.CancelScope(shield=True):
+        await sandbox.close()
+        await anyio.to_thread.run_sync(sandbox.discard)
+
+
+def verifier_sandbox(task: Task, environment: Environment, *, runtime: str | None,
+                     switch: DeadManSwitch | None, sandbox_uid: int | None = None
+                     ) -> LocalSandbox:
+    """The verifier's own container (not started yet): its image, workdir, `env`, limits
+    and network as verifiermode resolved them, `[verifier] user`, the task's tests unless
+    its image holds them, the task's workspace over the task's own image."""
+    separate = task.separate_verifier
+    if separate is None or environment.root is None:
+        raise SandboxRefused(f"{task.name}: no separate verifier's image was prepared "
+                             f"(verifiermode.prepare_task prepares it)")
+    modes = {"healthcheck": separate.network_mode, "agent": separate.network_mode,
+             "verifier": separate.phase_mode}
+    return LocalSandbox(
+        session_key=str(uuid.uuid4()),  # a container of its own: its own hostname
+        workdir=separate.workdir or environment.workdir,
+        workspace=task.workspace if separate.source is None else None,
+        tests=None if separate.bundled else task.tests,
+        protected_paths=[task.folder],
+        runtime=runtime,
+        no_new_privileges=task.no_new_privileges,
+        sandbox_uid=sandbox_uid,
+        network=Network(None, isolated=True, outward=separate.phase_mode == "public"),
+        environment=environment,
+        limits=separate.limits,
+        users={"verifier": task.users["verifier"]} if "verifier" in task.users else {},
+        switch=switch,
+        lifetime="harbor",
+        task_env=separate.env,
+        allowed_hosts=task.allowed_hosts if separate.phase_mode == "allowlist" else None,
+        network_modes=modes)
+
+
+def bring_artifacts(verifier: LocalSandbox, entries: Sequence[Artifact], kept: Path) -> None:
+    """Each declared artifact kept in `kept` (the session's artifact folder) staged to be
+    copied into the verifier's container at its source path, as Harbor's `upload_artifacts`
+    re-materialises them ("no translation"); one that was not kept is left out."""
+    for entry in entries:
+        if not entry.kept:
+            continue  # the whole of `/`: never placed over the verifier's root
+        host = kept / FOLDER / entry.kept
+        if host.is_symlink() or not (host.is_file() or host.is_dir()):
+            continue
+        verifier.bring_in(host, "/" + "/".join(p for p in entry.source.split("/")
+                                                if p not in ("", ".", "..")))

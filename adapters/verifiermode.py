@@ -1,0 +1,213 @@
+"""A separate verifier, as Harbor 0.26's `models/task/verifier_mode.py` resolves it
+(docs/SPEC.md §17 "Separate verifier"); its phase is adapters/separateverifier.py's.
+
+`[verifier] environment_mode = "separate"`, or a `[verifier.environment]` table (which
+implies it; beside `environment_mode = "shared"` Harbor refuses it), runs the verifier in
+a fresh container of its own. Its image, in Harbor's order:
+    [verifier.environment] docker_image   the tests are in the image: not uploaded
+    tests/Dockerfile                      built with tests/ as its context, tests inside
+    the task's own environment            its image (and environment/ upload, workspace/),
+                                          with tests/ uploaded as for a shared verifier
+`tests/docker-compose.yaml` needs Docker Compose: refused by name. The container's
+`workdir`, `env`, network mode and limits are `[verifier.environment]`'s when that table
+is given, else `[environment]`'s (Harbor's fresh copy of it); the verifier phase's network
+is `[verifier] network_mode`, else the container's. It needs range mode (an image or
+rootfs task of a root runner after `setup`, under bwrap): a host task is refused at load,
+single-id mode and `--isolation process-group` where the run knows its mode
+(`refuse_outside_range`), each in one line naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trialledger.adapters.environment import (
+    BUILD_TIMEOUT_S,
+    Cache,
+    Environment,
+    EnvironmentUnavailable,
+    Progress,
+    Source,
+    _tool,
+    missing,
+    pick_engine,
+    prepare,
+    prepare_engine_image,
+    with_limits,
+)
+from trialledger.adapters.taskconfig import (
+    LIMITS,
+    TaskInvalid,
+    UnsupportedField,
+    baseline_mode,
+    legacy_sizes,
+    phase_mode,
+    positive,
+    wrong_type,
+)
+from trialledger.adapters.taskenv import EnvUnresolved, ResolvedEnv, resolve
+
+if TYPE_CHECKING:
+    from trialledger.adapters.task import Task
+
+MODES = ("shared", "separate")
+TABLE = "verifier.environment"
+COMPOSE = "tests/docker-compose.yaml"
+
+
+@dataclass(frozen=True)
+class SeparateVerifier:
+    """What a task's separate verifier runs in (a task whose verifier is shared has none)."""
+
+    named: str  # the field that asks for it, for messages: `[verifier] environment_mode`
+    source: Source | None  # its own image (docker_image, tests/Dockerfile); None: the task's
+    bundled: bool  # the tests are in its image: `tests/` is not uploaded
+    own_table: bool  # `[verifier.environment]` given: its workdir, env, limits and network
+    workdir: str | None = None  # None: the image's WorkingDir
+    env: dict[str, str] = field(default_factory=dict)  # the container's `env`, resolved
+    secrets: tuple[str, ...] = ()
+    limits: dict[str, float] = field(default_factory=dict)
+    network_mode: str = "public"  # the container's baseline
+    phase_mode: str = "public"  # the verifier phase's: `[verifier] network_mode` first
+    ignored: dict[str, str] = field(default_factory=dict)  # warned fields (legacy keys)
+
+
+def parse(meta: Mapping[str, Any], folder: Path, *, environment: Mapping[str, Any],
+          limits: Mapping[str, float], env: Mapping[str, str]) -> SeparateVerifier | None:
+    """The task's separate verifier, or None when its verifier is shared (Harbor's
+    `resolve_task_verifier_mode`); `environment`, `limits` and `env` are the task's own
+    `[environment]`'s (read already), which a verifier without a table of its own copies."""
+    where = str(folder / "task.toml")
+    verifier = meta.get("verifier", {})
+    mode = verifier.get("environment_mode")
+    if mode is not None and mode not in MODES:
+        raise wrong_type(where, "[verifier] environment_mode", mode, "'shared' or 'separate'")
+    table = verifier.get("environment")
+    if mode == "shared" and table is not None:  # Harbor's _validate_mode_env_consistency
+        raise TaskInvalid(f"{where}: [verifier] environment_mode = 'shared' is incompatible "
+                          f"with [verifier.environment]")
+    if mode != "separate" and table is None:
+        return None
+    named = ("[verifier] environment_mode = 'separate'" if mode == "separate"
+             else "[verifier.environment]")
+    own = table if isinstance(table, dict) else None
+    if os.path.lexists(folder / COMPOSE):  # Harbor's docker environment would compose it
+        raise UnsupportedField(f"{folder / COMPOSE}: a separate verifier built by Docker "
+                               f"Compose is not supported here")
+    baseline, ignored = (baseline_mode(own, TABLE, where) if own is not None
+                         else (baseline_mode(environment, "environment", where)[0], {}))
+    explicit = phase_mode(verifier, "verifier", where)
+    if own is not None and baseline == "allowlist":
+        raise UnsupportedField(f"{where}: [{TABLE}] network_mode = 'allowlist': an allowlist "
+                               f"of the separate verifier's own is not supported here")
+    sized, warned = legacy_sizes(own, where, TABLE) if own is not None else ({}, {})
+    source, bundled = _image(sized, folder, environment, where)
+    resolved = _env(sized, where) if own is not None else None
+    return SeparateVerifier(
+        named=named, source=source, bundled=bundled, own_table=own is not None,
+        workdir=_workdir(sized, where) if own is not None else environment.get("workdir"),
+        env=dict(env) if resolved is None else resolved.values,
+        secrets=() if resolved is None else resolved.secrets,
+        limits=dict(limits) if own is None else _limits(sized, where),
+        network_mode=baseline, phase_mode=explicit or baseline,
+        ignored={**ignored, **warned})
+
+
+def _image(table: Mapping[str, Any], folder: Path, environment: Mapping[str, Any],
+           where: str) -> tuple[Source | None, bool]:
+    """The verifier's image as `resolve_verifier_environment_definition` picks it: the
+    table's `docker_image`, else tests/Dockerfile (both bundling the tests), else the
+    task's own (None)."""
+    timeout = (positive(table["build_timeout_sec"], f"[{TABLE}] build_timeout_sec", where)
+               if "build_timeout_sec" in table
+               else environment.get("build_timeout_sec", BUILD_TIMEOUT_S))  # (checked)
+    ref = table.get("docker_image")
+    if ref is not None:
+        if not isinstance(ref, str) or not ref:
+            raise wrong_type(where, f"[{TABLE}] docker_image", ref, "a non-empty string")
+        return Source("docker_image", ref, folder, float(timeout)), True
+    if os.path.lexists(folder / "tests" / "Dockerfile"):
+        return Source("dockerfile", "tests/Dockerfile", folder, float(timeout),
+                      context="tests"), True
+    return None, False
+
+
+def _workdir(table: Mapping[str, Any], where: str) -> str | None:
+    workdir = table.get("workdir")
+    if workdir is not None and not isinstance(workdir, str):
+        raise wrong_type(where, f"[{TABLE}] workdir", workdir, "a string (an absolute path)")
+    return workdir
+
+
+def _env(table: Mapping[str, Any], where: str) -> ResolvedEnv:
+    values = table.get("env", {})
+    if not isinstance(values, dict):
+        raise wrong_type(where, f"[{TABLE}] env", values, "a table of strings")
+    for name, value in values.items():
+        if not isinstance(value, (str, int, float, bool)):
+            raise wrong_type(where, f"[{TABLE}] env {name}", value, "a string")
+    try:
+        return resolve(values, f"{where}: [{TABLE}] env")
+    except EnvUnresolved as error:
+        raise TaskInvalid(str(error)) from None
+
+
+def _limits(table: Mapping[str, Any], where: str) -> dict[str, float]:
+    return {key: positive(table[key], f"[{TABLE}] {key}", where)
+            for key in LIMITS if key in table}
+
+
+def refuse_outside_range(task: Task, *, in_range: bool) -> Task:
+    """`task`, or `UnsupportedField` (one line naming the field) when it has a separate
+    verifier and the run is not in range mode: single-id mode, `--isolation
+    process-group` (a host task's is refused at load)."""
+    if task.separate_verifier is not None and not in_range:
+        raise UnsupportedField(
+            f"{task.folder / 'task.toml'}: {task.separate_verifier.named}: a separate verifier "
+            f"needs range mode (a root runner after setup, under bwrap), which this run does "
+            f"not have")
+    return task
+
+
+def prepare_task(task: Task, cache: Cache, *, owner: int | None, engine: str | None = None,
+                 pull: bool = False, force_build: bool = False,
+                 progress: Progress | None = None) -> Environment:
+    """The task's environment (`environment.prepare`) and, for a separate verifier, its
+    own as `verifier`: every image ready before any session is seeded."""
+    made = prepare(with_limits(task.source, task.limits), cache, owner=owner, engine=engine,
+                   pull=pull, force_build=force_build, progress=progress)
+    separate = task.separate_verifier
+    if separate is None:
+        return made
+    if separate.source is None:  # the task's own environment, a fresh container of it
+        return dataclasses.replace(made, verifier=made)
+    what = f"the separate verifier's {separate.source.value}"
+    try:
+        if separate.source.kind == "docker_image":
+            mine = _engine_image(separate.source.value, pick_engine(engine), cache, owner,
+                                 pull=pull)
+        else:
+            mine = prepare(with_limits(separate.source, separate.limits), cache, owner=owner,
+                           engine=engine, pull=pull, progress=progress)
+    except EnvironmentUnavailable as error:
+        raise EnvironmentUnavailable(f"{what}: {error}") from None
+    return dataclasses.replace(made, verifier=mine)
+
+
+def _engine_image(ref: str, engine: str, cache: Cache, owner: int | None, *, pull: bool
+                  ) -> Environment:
+    """A verifier's `docker_image`: from the engine's storage, pulled first with `pull`
+    when missing, else refused naming it (never built from the task's Dockerfile, never
+    given the task's environment/ folder: that is the agent's)."""
+    absent = missing(ref, engine)
+    if absent is not None and not pull:
+        raise EnvironmentUnavailable(f"docker_image {ref}: not in {engine}'s local storage "
+                                     f"({absent}); --pull pulls it")
+    if absent is not None:
+        _tool([engine, "pull", ref], f"docker_image {ref}: pull failed")
+    return dataclasses.replace(prepare_engine_image(ref, engine, cache, owner), ref=ref)

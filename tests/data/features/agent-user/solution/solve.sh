@@ -1,0 +1,3 @@
+#!/bin/sh
+id -u > /tmp/agent-uid
+echo done > /root/by-the-agent

@@ -1,0 +1,2 @@
+#!/bin/sh
+touch /tmp/answer

@@ -1,0 +1,2 @@
+#!/bin/sh
+cat data/more.txt >> out.txt

@@ -1,0 +1,2 @@
+#!/bin/sh
+cp data/seed.txt out.txt

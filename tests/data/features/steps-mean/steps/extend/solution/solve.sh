@@ -1,0 +1,2 @@
+#!/bin/sh
+cat seed.txt >> notes.txt
