@@ -85,8 +85,10 @@ def task_with(folder: Path, source: str, *, test_sh: str, toml: str = "") -> Tas
 def tool_output(ran: Any) -> str:
     """What the session's tool calls printed; a session without one fails saying what it did."""
     calls = ran.view.observations.tool_calls
-    assert calls and all(call.status == "completed" for call in calls), (
-        calls, [(e.type, e.data) for e in ran.view.events if e.type != "item.updated"])
+    assert calls and all(call.status == "completed" for call in calls), "\n".join(
+        [repr(calls), f"endpoint saw {ran.endpoint.seen}"]
+        + [f"{e.type}: {e.data!r}"[:600] for e in ran.view.events
+                         if e.type != "item.updated"])
     return "\n".join(call.output for call in calls)
 
 
