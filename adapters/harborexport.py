@@ -11,6 +11,10 @@ and the import of such a folder back (`import-harbor`, its inverse).
     DIR/<trial>/trialledger/session.jsonl  its log, every field (as `export` writes it)
     DIR/<trial>/trialledger/attempts/<n>/  an earlier attempt: result.json, session.jsonl,
                                            agent/trajectory.json, verifier/…, artifacts/…
+    DIR/<trial>/steps/<name>/agent/…, verifier/…, artifacts/…   a multi-step trial's steps
+                                           (its kept attempt), as Harbor keeps them; their
+                                           logs in trialledger/steps/<name>/session.jsonl;
+                                           an earlier attempt's in attempts/<n>.<step>/
 
 Earlier attempts stay inside their trial's folder: Harbor's resume deletes every job
 subfolder without a `result.json`. A trial that never ran (its environment failed, no
@@ -221,6 +225,16 @@ def attempt_folder(row: Mapping[str, Any]) -> str:
     return str(row["attempt"]) if step is None else f"{row['attempt']}.{step}"
 
 
+def step_folder(row: Mapping[str, Any]) -> str:
+    """A step session's folder under `steps/`: its step's name (Harbor's), unless the name
+    is not one safe folder name (a log imported from elsewhere): then `step-<index>`."""
+    name = row["step_name"]
+    if isinstance(name, str) and name not in ("", ".", "..") and "/" not in name \
+            and "\0" not in name:
+        return name
+    return f"step-{row['step_index']}"
+
+
 def _write_json(path: Path, value: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(value, indent=4, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -266,9 +280,11 @@ def _copy_rollouts(view: SessionView, agent: Path) -> None:
 
 
 def _write_attempt(folder: Path, view: SessionView, log: Sequence[Mapping[str, Any]],
-                   result: dict[str, Any], *, log_path: Path) -> int:
-    """One attempt's files under `folder`; the count of kept files left out."""
-    _write_json(folder / "result.json", result)
+                   result: dict[str, Any] | None, *, log_path: Path) -> int:
+    """One session's files under `folder` (its `result.json` unless None: a step's result
+    is its trial's); the count of kept files left out."""
+    if result is not None:
+        _write_json(folder / "result.json", result)
     _write_json(folder / "agent" / "trajectory.json", trajectory(view))
     if _seed(view).agent.name == "codex":
         (folder / "agent" / "codex.txt").write_text(codex_stdout(view), encoding="utf-8")
@@ -363,12 +379,19 @@ async def _write_job(ledger: Ledger, rows: dict[str, Any], config: dict[str, Any
                                   prices=prices)
             costs.append((result.get("agent_result") or {}).get("cost_usd"))
             if row["step_index"] is not None and row["attempt"] == last_attempt:
+                # A step of the kept attempt: its files where Harbor's multi-step trial
+                # keeps them; its result is one of the trial's `step_results`.
                 steps.append(step_result(row["step_name"], result))
-            if index == len(sessions) - 1:
-                if steps:  # the trial's reward by its strategy, each step's own result
+                step = step_folder(row)
+                missing += _write_attempt(folder / "steps" / step, view, log, None,
+                                          log_path=folder / OURS / "steps" / step /
+                                          "session.jsonl")
+                if index == len(sessions) - 1:  # the trial's reward by its strategy
                     rewards = (await Jobs(ledger).trial(trial["trial_id"]) or {}).get("rewards")
                     result = {**result, "step_results": steps,
                               "verifier_result": {"rewards": rewards} if rewards else None}
+                    _write_json(folder / "result.json", result)
+            elif index == len(sessions) - 1:
                 missing += _write_attempt(folder, view, log, result,
                                           log_path=folder / OURS / "session.jsonl")
             else:

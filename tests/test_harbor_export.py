@@ -278,8 +278,8 @@ def test_a_multi_step_trial_exports_each_step_and_imports_back_the_same(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], harbor: dict[str, Any]) -> None:
     """Three steps in one attempt (rewards 1, 1, 0.5; `mean`): the trial's result is
     Harbor's multi-step one — `step_results` per step, `verifier_result` the strategy's —
-    each earlier step session is kept in a folder of its own (they share an attempt
-    number: one folder per attempt kept only the last), and the import restores the job."""
+    each step's files are in Harbor's `steps/<name>/` (its trajectory, its verifier's
+    reward), none at the trial's root, and the import restores the job from their logs."""
     from tests.test_step_runs import three_steps
 
     data = tmp_path / "data"
@@ -290,17 +290,30 @@ def test_a_multi_step_trial_exports_each_step_and_imports_back_the_same(
     capsys.readouterr()
     code, printed, err = shown(capsys, "export-harbor", "steps", str(out), "--db", str(db))
     assert code == 0, err
-    assert printed.strip() == f"wrote 1 trial(s) and 2 earlier attempt(s) to {out}"
+    assert printed.strip() == f"wrote 1 trial(s) and 0 earlier attempt(s) to {out}"
     job = validated(harbor, out)
-    (result,) = job["trials"].values()
+    ((folder, result),) = job["trials"].items()
     assert [s.step_name for s in result.step_results] == ["one", "two", "three"]
     assert [s.verifier_result.rewards for s in result.step_results] == [
         {"reward": 1.0}, {"reward": 1.0}, {"reward": 0.5}]
     assert result.verifier_result.rewards == {"reward": pytest.approx(2.5 / 3)}
-    (folder,) = job["earlier"]
-    kept = sorted(p.name for p in (out / folder / "trialledger" / "attempts").iterdir())
-    assert kept == ["1.1", "1.2"]
-    assert [r.verifier_result.rewards for r in job["earlier"][folder]] == [
-        {"reward": 1.0}, {"reward": 1.0}]
+    trial = out / folder
+    assert sorted(p.name for p in (trial / "steps").iterdir()) == ["one", "three", "two"]
+    assert not (trial / "agent").exists() and not (trial / "verifier").exists()
+    for name, reward in (("one", "1"), ("two", "1"), ("three", "0.5")):
+        harbor["trajectory"].Trajectory.model_validate_json(
+            (trial / "steps" / name / "agent" / "trajectory.json").read_text())
+        assert (trial / "steps" / name / "verifier" / "reward.txt").read_text().strip() == reward
+    assert not (trial / "trialledger" / "attempts").exists()
     before, after = round_trip(capsys, "steps", db, out, tmp_path / "fresh.db")
     assert after == before
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "a/../../b", "x\0y", None])
+def test_a_step_name_that_is_not_one_folder_is_written_by_its_index(name: str | None) -> None:
+    """A step's name comes from a log, which may be an imported one: a name that would
+    leave `steps/` (or is no name) becomes `step-<index>`; a Harbor name is kept."""
+    from trialledger.adapters.harborexport import step_folder
+
+    assert step_folder({"step_name": name, "step_index": 2}) == "step-2"
+    assert step_folder({"step_name": "fix the bug", "step_index": 2}) == "fix the bug"
