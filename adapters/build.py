@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from trialledger.adapters.buildbox import LOCK_NAME, BuildBox, contained, end_dead_builds
 from trialledger.adapters.builder import WHAT, Builder, build_user
@@ -103,8 +104,9 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
             with _sweeping:  # one thread of the process sweeps, the others go on after
                 if not _swept:
                     _swept.append(box.remove_dead_builds_containers())
-            _copy_base_images(box, work, engine, [b.ref for b in bases])
-            ids = [resolve_base(box, base, engine, pull=pull) for base in bases]
+            held = _copy_base_images(box, work, engine, [b.ref for b in bases])
+            ids = [resolve_base(box, base, engine, pull=pull, held=held.get(base.ref))
+                   for base in bases]
             key = build_key(context_digest(context), bases, ids, args)
             remembered = cache.remembered(f"build-{key}")
             if remembered is not None and (found := cache.image(remembered)) is not None:
@@ -141,37 +143,55 @@ def build_key(context: str, bases: list[BaseImage], ids: list[str],
     return hashlib.sha256(json.dumps(whole, sort_keys=True).encode()).hexdigest()
 
 
-def resolve_base(box: BuildBox, base: BaseImage, engine: str, *, pull: bool) -> str:
-    """The id of a `FROM` image in the build storage (for the platform it asks); one
-    missing there is pulled with `pull`, else the task is refused naming it."""
-    found = _platform_image(box, base)
+class Held(NamedTuple):
+    """An image the build storage holds: its id, and the os and architecture the engine
+    records for it."""
+
+    ident: str
+    system: str
+    arch: str
+
+
+def _in_build_storage(box: BuildBox, ref: str) -> Held | None:
+    """What the build storage holds under `ref` (None: nothing), in one inspect."""
+    argv = ["podman", "image", "inspect", "--format", "{{.Id}}|{{.Os}}|{{.Architecture}}",
+            ref]
+    try:
+        ident, system, arch = [*box.run(argv).strip().split("|"), "", ""][:3]
+    except EnvironmentUnavailable:
+        return None
+    return Held(ident if ident.startswith("sha256:") else f"sha256:{ident}", system, arch)
+
+
+def _for_platform(held: Held | None, base: BaseImage) -> str | None:
+    """The id of what the build storage holds for `base`, if it is for the platform `base`
+    asks (os and architecture as the engine records them; any, when it asks none)."""
+    if held is None:
+        return None
+    if base.platform is not None:
+        wanted = base.platform.split("/")
+        if wanted[0] != held.system or (len(wanted) > 1 and wanted[1] != held.arch):
+            return None
+    return held.ident
+
+
+def resolve_base(box: BuildBox, base: BaseImage, engine: str, *, pull: bool,
+                 held: Held | None = None) -> str:
+    """The id of a `FROM` image in the build storage (for the platform it asks), from
+    `held` (what `_copy_base_images` found there) or one inspect; one missing there is
+    pulled with `pull`, else the task is refused naming it."""
+    found = _for_platform(held or _in_build_storage(box, base.ref), base)
     if found is None and pull:
         platform = ["--platform", base.platform] if base.platform else []
         box.run(["podman", "pull", "-q", *platform, base.ref],
                 f"{WHAT}: pulling FROM image {base.ref}")
-        found = _platform_image(box, base)
+        found = _for_platform(_in_build_storage(box, base.ref), base)
     if found is None:
         asked = f" for {base.platform}" if base.platform else ""
         raise EnvironmentUnavailable(
             f"{WHAT}: FROM image {base.ref}{asked} is in neither the build storage nor "
             f"{engine}'s local storage; --pull pulls it")
     return found
-
-
-def _platform_image(box: BuildBox, base: BaseImage) -> str | None:
-    """The id of `base` in the build storage, if there (and for its platform, when it
-    asks one: os and architecture as the engine records them)."""
-    argv = ["podman", "image", "inspect", "--format", "{{.Id}}|{{.Os}}|{{.Architecture}}",
-            base.ref]
-    try:
-        ident, system, arch = [*box.run(argv).strip().split("|"), "", ""][:3]
-    except EnvironmentUnavailable:
-        return None
-    if base.platform is not None:
-        wanted = base.platform.split("/")
-        if wanted[0] != system or (len(wanted) > 1 and wanted[1] != arch):
-            return None
-    return ident if ident.startswith("sha256:") else f"sha256:{ident}"
 
 
 @contextlib.contextmanager
@@ -248,20 +268,26 @@ def _image_id(box: BuildBox | None, ref: str, engine: str = "podman") -> str:
 
 
 def _copy_base_images(box: BuildBox, work: Workspace, engine: str, named: list[str]
-                      ) -> None:
+                      ) -> dict[str, Held | None]:
     """Copy the base images the operator's storage holds into the build storage (saved by
-    us with our environment, loaded by the build user), unless it has them already. Only
-    a copy takes a lock (one copy at a time, checked again under it): a build whose bases
-    are in place waits on no one."""
+    us with our environment, loaded by the build user), unless it has them already; what
+    the build storage then holds under each name (one inspect each, unless copied). Only a
+    copy takes a lock (one copy at a time, checked again under it): a build whose bases are
+    in place waits on no one."""
+    held: dict[str, Held | None] = {}
     for image in named:
+        if image in held:
+            continue
+        held[image] = _in_build_storage(box, image)
         try:
             theirs = _image_id(None, image, engine)
         except EnvironmentUnavailable:
             continue  # not ours to give: pulled with --pull, else the task is refused
-        if _has(box, image, theirs):
+        if _holds(held[image], theirs):
             continue
         with _locked(box.builder.locks / FROM_LOCK):
-            if _has(box, image, theirs):
+            held[image] = _in_build_storage(box, image)
+            if _holds(held[image], theirs):
                 continue  # another build copied it meanwhile
             archive = work.outer / "base.tar"
             try:
@@ -271,14 +297,13 @@ def _copy_base_images(box: BuildBox, work: Workspace, engine: str, named: list[s
                 box.run(["podman", "load", "-q", "-i", str(archive)])
             finally:
                 archive.unlink(missing_ok=True)
+            held[image] = _in_build_storage(box, image)
+    return held
 
 
-def _has(box: BuildBox, image: str, ident: str) -> bool:
-    """Whether the build storage holds `image` with the id `ident`."""
-    try:
-        return _image_id(box, image) == ident
-    except EnvironmentUnavailable:
-        return False
+def _holds(held: Held | None, ident: str) -> bool:
+    """Whether the build storage's image is the one with the id `ident`."""
+    return held is not None and held.ident == ident
 
 
 def _build(box: BuildBox, work: Workspace, tag: str, timeout: float,
