@@ -4,17 +4,23 @@ runs in is adapters/verifiermode.py's.
 
 Once the task's artifacts are kept (adapters/taskartifacts.py), the agent's container is
 stopped and its sandbox discarded: every process in it ends, its layer goes, its slot is
-freed. Then a fresh container of the verifier's image starts in a new slot (a sandbox of
-its own, `verifier_isolation = harbor`), the declared artifacts are copied in from their
-kept copies at their source paths (`/logs/artifacts` too: Harbor's convention entry), and
-`test.sh` runs there as a shared verifier's does (the runner's `_verify`): its files kept
-as §15 keeps them. Nothing else of the agent's container is there.
+freed — except after a step of a multi-step task other than the last, whose container the
+next step goes on in (Harbor stops the agent's environment on the last step only). Then a
+fresh container of the verifier's image starts in a new slot (a sandbox of its own,
+`verifier_isolation = harbor`), the declared artifacts are copied in from their kept
+copies at their source paths (`/logs/artifacts` too: Harbor's convention entry), and
+`test.sh` (a step's: its tests merged over the task's) runs there as a shared verifier's
+does (the runner's `_verify`): its files kept as §15 keeps them. Nothing else of the
+agent's container is there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,12 +45,31 @@ async def stop_agent(sandbox: LocalSandbox) -> None:
         await anyio.to_thread.run_sync(sandbox.discard)
 
 
+@contextlib.contextmanager
+def tests_kept_apart(sandbox: LocalSandbox) -> Iterator[Path | None]:
+    """The agent's sandbox's tests (a step's, staged in its folder) where the agent's
+    sandbox going away leaves them: staged inside its folder, they are copied out for the
+    block (a private temporary folder, removed after); elsewhere (the task's), as they
+    are."""
+    tests = sandbox.tests
+    if tests is None or not tests.is_relative_to(sandbox.root):
+        yield tests
+        return
+    apart = Path(tempfile.mkdtemp(prefix="trialledger-step-tests-"))
+    try:
+        shutil.copytree(tests, apart / "tests", symlinks=True)
+        yield apart / "tests"
+    finally:
+        shutil.rmtree(apart, ignore_errors=True)
+
+
 def verifier_sandbox(task: Task, environment: Environment, *, runtime: str | None,
-                     switch: DeadManSwitch | None, sandbox_uid: int | None = None
-                     ) -> LocalSandbox:
+                     switch: DeadManSwitch | None, sandbox_uid: int | None = None,
+                     tests: Path | None = None) -> LocalSandbox:
     """The verifier's own container (not started yet): its image, workdir, `env`, limits
-    and network as verifiermode resolved them, `[verifier] user`, the task's tests unless
-    its image holds them, the task's workspace over the task's own image."""
+    and network as verifiermode resolved them, `[verifier] user`, `tests` (a step's merged
+    tests; default the task's) unless its image holds them, the task's workspace over the
+    task's own image."""
     separate = task.separate_verifier
     if separate is None or environment.root is None:
         raise SandboxRefused(f"{task.name}: no separate verifier's image was prepared "
@@ -55,7 +80,7 @@ def verifier_sandbox(task: Task, environment: Environment, *, runtime: str | Non
         session_key=str(uuid.uuid4()),  # a container of its own: its own hostname
         workdir=separate.workdir or environment.workdir,
         workspace=task.workspace if separate.source is None else None,
-        tests=None if separate.bundled else task.tests,
+        tests=None if separate.bundled else tests or task.tests,
         protected_paths=[task.folder],
         runtime=runtime,
         no_new_privileges=task.no_new_privileges,

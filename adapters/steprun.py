@@ -48,7 +48,7 @@ def refuse_here(task: Task, environment: Environment, settings: Mapping[str, obj
     """SandboxRefused, by name, where a multi-step task is not run: a host task whose
     workdir is / (each step's `workdir/` would go over the host's folder itself); over an
     image, a sandbox per phase (`verifier_isolation = strict`: Harbor's steps share one
-    container) or a separate verifier (its container replaces the agent's)."""
+    container)."""
     where = task.folder / "task.toml"
     if environment.root is None and str(settings["workdir"]) == "/":
         raise SandboxRefused(f"{where}: steps: a host task's multi-step run needs a workdir "
@@ -56,9 +56,6 @@ def refuse_here(task: Task, environment: Environment, settings: Mapping[str, obj
     if environment.root is not None and settings["verifier_isolation"] != "harbor":
         raise SandboxRefused(f"{where}: steps: over an image the steps share one container "
                              f"(verifier_isolation = harbor), not a sandbox per phase")
-    if task.separate_verifier is not None:
-        raise SandboxRefused(f"{where}: steps: with {task.separate_verifier.named} "
-                             f"(a separate verifier) are not run here yet")
 
 
 def step_task(task: Task, step: Step) -> Task:

@@ -28,6 +28,7 @@ from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.bwrap import VERIFIER_STDOUT
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.task import Task
+from trialledger.adapters.tasksteps import Step
 from trialledger.core import redact
 from trialledger.core.events import SCHEMA_VERSION
 from trialledger.core.settings import Settings
@@ -46,6 +47,7 @@ class AfterTheAgent:
     task: Task
     options: RunOptions
     environment: Environment
+    step: Step | None  # the step of a multi-step task its sessions run (None: not one)
 
     async def _collect(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings,
                        secrets: Sequence[str], hooks: Sequence[taskcollect.CollectHook]
@@ -99,28 +101,32 @@ class AfterTheAgent:
         (adapters/separateverifier.py)."""
         separate = self.task.separate_verifier
         assert separate is not None and self.environment.verifier is not None
-        await separateverifier.stop_agent(sandbox)
-        make = functools.partial(separateverifier.verifier_sandbox, self.task,
-                                 self.environment.verifier, runtime=self.options.runtime,
-                                 switch=self.options.switch,
-                                 sandbox_uid=self.options.sandbox_uid)
-        folder = artifacts.session_folder(settings.sandbox_logs_dir, rec.session_id)
-        with anyio.CancelScope(shield=True):  # (made is discarded, never dropped)
+        with separateverifier.tests_kept_apart(sandbox) as tests:
+            if self.step is None or self.step.index == len(self.task.steps):
+                await separateverifier.stop_agent(sandbox)  # (a step before the last: its
+                # container serves the next step, as Harbor keeps the agent's environment)
+            make = functools.partial(separateverifier.verifier_sandbox, self.task,
+                                     self.environment.verifier, runtime=self.options.runtime,
+                                     switch=self.options.switch,
+                                     sandbox_uid=self.options.sandbox_uid, tests=tests)
+            with anyio.CancelScope(shield=True):  # (made is discarded, never dropped)
+                try:
+                    verifier = await anyio.to_thread.run_sync(make)
+                except SandboxRefused as error:
+                    await rec.append([_not_run(f"the verifier's container: {error}", kept)])
+                    return
             try:
-                verifier = await anyio.to_thread.run_sync(make)
-            except SandboxRefused as error:
-                await rec.append([_not_run(f"the verifier's container: {error}", kept)])
-                return
-        try:
-            await anyio.to_thread.run_sync(separateverifier.bring_artifacts, verifier,
-                                           self.task.artifacts, folder)
-            env = {**phase_env(self.task, verifier, separate.env), **self.task.verifier_env}
-            await self._verify(rec, verifier, settings, secrets, kept, env=env,
-                               bundled=separate.bundled)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await verifier.close()
-                await anyio.to_thread.run_sync(verifier.discard)
+                folder = artifacts.session_folder(settings.sandbox_logs_dir, rec.session_id)
+                await anyio.to_thread.run_sync(separateverifier.bring_artifacts, verifier,
+                                               self.task.artifacts, folder)
+                env = {**phase_env(self.task, verifier, separate.env),
+                       **self.task.verifier_env}
+                await self._verify(rec, verifier, settings, secrets, kept, env=env,
+                                   bundled=separate.bundled)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await verifier.close()
+                    await anyio.to_thread.run_sync(verifier.discard)
 
     async def _verify(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings,
                       secrets: Sequence[str], kept: Sequence[dict[str, Any]] = (), *,
