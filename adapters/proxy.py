@@ -33,26 +33,27 @@ import logging
 import os
 import socket
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from aiohttp import web
 from aiohttp.abc import ResolveResult
 from aiohttp.resolver import ThreadedResolver
 
-from trialledger.adapters.sandbox.allowlist import as_address, routable
+from trialledger.adapters.sandbox.allowlist import routable
+
+# Where a proxy forwards (adapters/upstream.py, which needs no aiohttp), named here too.
+from trialledger.adapters.upstream import MODEL_ROUTES as MODEL_ROUTES
+from trialledger.adapters.upstream import CallSink as CallSink
+from trialledger.adapters.upstream import Upstream as Upstream
 from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
 from trialledger.core.events import DEADLINE, MAX_TOKENS
 from trialledger.core.usage import token_count
 
 REQUEST_LIMIT = 256 * 2**20  # bytes of one request body
 CONCURRENT_LIMIT = 8  # calls one proxy forwards at once (Codex itself makes one or two)
-# (method, path under the upstream's base path): what Codex asks a Responses endpoint.
-MODEL_ROUTES = frozenset({("POST", "/responses"), ("GET", "/models")})
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and what the proxy sets itself.
 DROPPED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
@@ -179,43 +180,6 @@ def _usage(raw: object) -> dict[str, int | None] | None:
             "total_tokens": inputs + outputs}
 
 
-@dataclass(frozen=True)
-class Upstream:
-    """Where a proxy forwards, and how it authenticates there."""
-
-    base_url: str  # scheme://host[:port][/prefix]
-    token: str | None = None  # what the client must present (Bearer); None: anything
-    authorization: str | None = None  # what replaces it upstream; None: no Authorization
-    # upstream when `token` is set (the token is the proxy's alone), else the client's own
-    extra_headers: Mapping[str, str] = field(default_factory=dict)
-    routes: frozenset[tuple[str, str]] | None = None  # (method, path under the base path)
-    # forwarded, e.g. MODEL_ROUTES; None: every request
-    call_max_s: float | None = None  # a call still open this long after it was forwarded
-    # is ended, `deadline`; None: no deadline
-    public_only: bool = False  # connect only to globally routable addresses (a task's MCP
-    # server, docs/SPEC.md §15): the name is resolved, checked, and the checked address used
-
-    def admits(self, method: str, raw_target: str) -> bool:
-        """Whether a request (its method and target exactly as sent) is forwarded. The raw
-        target is compared, so no encoding, dot segment or absolute form slips past."""
-        if self.routes is None:
-            return True
-        path = raw_target.split("?", 1)[0]
-        prefix = urlsplit(self.base_url).path.rstrip("/")
-        return any(method == m and path == prefix + under for m, under in self.routes)
-
-    def url_for(self, path_qs: str) -> str:
-        """The upstream URL of a request path as the client sent it."""
-        base = urlsplit(self.base_url)
-        return urlunsplit(base._replace(path="", query="", fragment="")) + path_qs
-
-    def unreachable(self) -> bool:
-        """Whether the upstream is an address literal `public_only` forbids (a name is
-        checked when it resolves: `PublicResolver`)."""
-        host = urlsplit(self.base_url).hostname or ""
-        return self.public_only and as_address(host) is not None and not routable(host)
-
-
 class PublicResolver(ThreadedResolver):
     """The system's resolver keeping only globally routable addresses: the connector
     connects to an address checked here, so a name cannot rebind between check and use."""
@@ -228,9 +192,6 @@ class PublicResolver(ThreadedResolver):
             raise OSError(errno.ECONNREFUSED, f"{host} resolves to no globally routable "
                           "address")
         return found
-
-
-CallSink = Callable[[str, dict[str, Any]], Awaitable[None]]  # (ended_at, model.call data)
 
 
 def _utc_now() -> str:

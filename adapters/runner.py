@@ -49,7 +49,6 @@ from trialledger.adapters.healthcheck import run_healthcheck
 from trialledger.adapters.journal import journal_dir, journal_record
 from trialledger.adapters.mcpservers import operator_allows
 from trialledger.adapters.preflight import check_store_room
-from trialledger.adapters.proxy import MODEL_ROUTES, Upstream
 from trialledger.adapters.recorder import STORE_RETRY_S, Recorder
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.container import survivors_gap
@@ -64,6 +63,7 @@ from trialledger.adapters.task import Task
 from trialledger.adapters.tasksteps import Step
 from trialledger.adapters.trial import Trial
 from trialledger.adapters.trial import next_attempt as next_attempt  # its old home
+from trialledger.adapters.upstream import MODEL_ROUTES, Upstream
 from trialledger.adapters.verifying import AfterTheAgent, phase_env
 from trialledger.core import SessionView, redact, scrub
 from trialledger.core.events import SCHEMA_VERSION, SessionSeeded, StepInfo

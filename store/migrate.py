@@ -7,12 +7,9 @@ import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -23,31 +20,44 @@ from trialledger.store.errors import SchemaOutOfDate as SchemaOutOfDate  # defin
 from trialledger.store.errors import store_error
 from trialledger.store.query import create_reader_role
 
+if TYPE_CHECKING:  # alembic is imported where a migration runs: opening a current store
+    # (every run's start) reads the revision with one query and never pays its import
+    from alembic.config import Config
+
 SCRIPT_LOCATION = str(Path(migrations.__file__).resolve().parent)
 
 
 def alembic_config() -> Config:
     """The alembic configuration for trialledger's revisions."""
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", SCRIPT_LOCATION)
     return config
 
 
 def head_revision() -> str:
-    """The newest revision the code knows."""
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-    assert head is not None
-    return head
+    """The newest revision the code knows: the highest-numbered file of
+    migrations/versions (a revision's id is its file's number; tests/test_migrations.py
+    checks that this is alembic's head)."""
+    return max(path.name.split("_", 1)[0]
+               for path in (Path(SCRIPT_LOCATION) / "versions").glob("[0-9]*_*.py"))
 
 
 def revisions() -> list[str]:
-    """Every revision, oldest first."""
+    """Every revision, oldest first (alembic's walk)."""
+    from alembic.script import ScriptDirectory
+
     script = ScriptDirectory.from_config(alembic_config())
     return [rev.revision for rev in reversed(list(script.walk_revisions()))]
 
 
 def _current(connection: Connection) -> str | None:
-    return MigrationContext.configure(connection).get_current_revision()
+    """The revision alembic recorded (its `alembic_version` table), None when none."""
+    if "alembic_version" not in inspect(connection).get_table_names():
+        return None
+    rows = connection.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+    return str(rows[0]) if len(rows) == 1 else None
 
 
 def _has_tables(connection: Connection) -> bool:
@@ -62,11 +72,15 @@ async def current_revision(engine: AsyncEngine) -> str | None:
 
 async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
     """Build or migrate a database to `revision`."""
+    from alembic import command
+
     await _run(engine, lambda config: command.upgrade(config, revision))
 
 
 async def downgrade(engine: AsyncEngine, revision: str) -> None:
     """Migrate a database down to `revision` (`base` removes everything)."""
+    from alembic import command
+
     await _run(engine, lambda config: command.downgrade(config, revision))
 
 

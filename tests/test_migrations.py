@@ -86,3 +86,24 @@ async def test_flags_are_integers_an_analyst_can_sum(
                 f"SELECT SUM(reward_valid), COUNT(*) FROM {view} WHERE reward_valid = 1"
             ))).one()
             assert total[0] == total[1] > 0
+
+
+async def test_the_revision_read_without_alembic_is_alembics(db: str) -> None:
+    """Opening a store reads its revision with one query and the code's head from the
+    revision files' numbers, never importing alembic: both agree with alembic's own
+    reading, at the head and at an earlier revision."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    from trialledger.store.migrate import alembic_config
+
+    assert head_revision() == ScriptDirectory.from_config(alembic_config()).get_current_head()
+    async with open_engines(db) as engines:
+        assert await current_revision(engines.writer) is None  # an empty database
+        for target in (revisions()[-3], "head"):
+            await upgrade(engines.writer, target)
+            async with engines.writer.connect() as conn:
+                theirs = await conn.run_sync(
+                    lambda c: MigrationContext.configure(c).get_current_revision())
+            assert await current_revision(engines.writer) == theirs
+    assert theirs == head_revision()

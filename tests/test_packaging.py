@@ -64,6 +64,40 @@ def test_help_and_replay_of_a_log_do_not_load_the_database_stack() -> None:
     assert done.returncode == 0 and done.stderr.strip() == "[0, 0] []", done.stderr
 
 
+ORACLE_START = """
+import sys, anyio
+from trialledger.cli import main
+from trialledger.adapters import jobs, runner
+from trialledger.store import Ledger
+
+async def opened(db):  # as every run opens its store
+    async with await Ledger.open(db):
+        pass
+
+anyio.run(opened, sys.argv[1])
+print(sorted({n.split(".")[0] for n in sys.modules} & {"alembic", "aiohttp"}), file=sys.stderr)
+"""
+
+
+def test_a_run_of_the_oracle_opens_a_current_store_without_alembic_or_aiohttp(
+        tmp_path: Path) -> None:
+    """A job's start loads neither alembic (a current store's revision is one query) nor
+    aiohttp (only a session with a proxy needs it; an oracle's has none): a fifth of a
+    second each, paid by every `job run` (BENCHMARKS.md, the warm figures)."""
+    import anyio
+
+    from trialledger.store import Ledger
+
+    async def build() -> None:
+        async with await Ledger.open(str(tmp_path / "t.db")):
+            pass
+
+    anyio.run(build)
+    done = subprocess.run([sys.executable, "-c", ORACLE_START, str(tmp_path / "t.db")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stderr.strip() == "[]", done.stderr
+
+
 @pytest.mark.slow
 def test_a_second_distribution_with_core_and_cli_neither_replaces_nor_removes_ours(
         tmp_path: Path) -> None:

@@ -18,11 +18,15 @@ import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from trialledger.adapters.proxy import CallSink, SessionProxy, Upstream
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.identity import libc
+from trialledger.adapters.upstream import CallSink, Upstream
+
+if TYPE_CHECKING:
+    from trialledger.adapters.proxy import SessionProxy
 
 CLONE_NEWNET = 0x40000000
 
@@ -103,6 +107,10 @@ class Network:
             await self._proxy(index, route).start(listener)
 
     def _proxy(self, index: int, route: Route) -> SessionProxy:
+        # Imported here, not at the top: aiohttp's import (~0.2 s of every run's start) is
+        # paid only by a session that has a proxy — an oracle's or nop's has none.
+        from trialledger.adapters.proxy import SessionProxy
+
         proxy = SessionProxy(route.upstream, sink=self.model_sink if index == 0 else None)
         self._proxies.append(proxy)
         return proxy
