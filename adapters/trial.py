@@ -109,15 +109,22 @@ class TrialRun:
 
 class Lease:
     """A job trial's hold (SPEC §13, "Claims, leases and fencing"): its token fences every
-    append of the trial; it is renewed every lease/3, each renewal under a deadline
-    2·lease/3 after the start of the last one that succeeded; and the sandbox keeps that
-    deadline too (`switch`: it kills itself unless extended, even when this process is
-    paused and cannot stop it)."""
+    append of the trial; it is renewed every lease/3, and kept until a deadline 2·lease/3
+    after the start of the last renewal that succeeded. The deadline is watched on its own,
+    never through a renewal call: a call that hangs, or whose cancellation waits on a
+    silent connection, cannot delay the stop. The sandbox keeps the deadline too (`switch`:
+    it kills itself unless extended, even when this process is paused and cannot stop it),
+    a twelfth of the lease later (`switch_grace_s`), so a holder that runs always stops its
+    session before the sandbox dies under it — a session whose agent the switch killed
+    is never verified and graded by a holder whose lease had ended."""
 
     def __init__(self, jobs: Jobs, claim: Claim, lease_s: float) -> None:
         self.jobs, self.claim, self.lease_s = jobs, claim, lease_s
-        self.switch = DeadManSwitch(2 * lease_s / 3)
+        self.switch_grace_s = lease_s / 12
+        self.switch = DeadManSwitch(2 * lease_s / 3 + self.switch_grace_s)
         self.why: str | None = None  # why it ended before its trial did (None: it did not)
+        self._deadline = 0.0  # when the hold ends unless renewed (anyio's clock)
+        self._error: Exception | None = None  # the last renewal's failure, for the warning
 
     @property
     def fence(self) -> Fence:
@@ -128,33 +135,44 @@ class Lease:
         """Renew the lease until cancelled (the database's expiry counts from a later
         moment than the deadline). Past the deadline — the store down, or a call that hangs
         — or once the trial was taken over, `trial` is cancelled, which stops its sandbox.
-        Each renewal also extends the sandbox's own deadline to the new one."""
-        claim, lease_s = self.claim, self.lease_s
-        deadline = anyio.current_time() + 2 * lease_s / 3
+        Each renewal also extends the sandbox's own deadline."""
+        self._deadline = anyio.current_time() + 2 * self.lease_s / 3
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._renew, trial, tg.cancel_scope)
+            while (left := self._deadline - anyio.current_time()) > 0:
+                await anyio.sleep(left)
+            self.why = "not renewed in time"
+            log.warning("lease of trial %s not renewed for %.0f s (%s); stopping its session",
+                        self.claim.trial_id, 2 * self.lease_s / 3,
+                        self._error or "the store did not answer")
+            trial.cancel()
+            tg.cancel_scope.cancel()
+
+    async def _renew(self, trial: anyio.CancelScope, keeping: anyio.CancelScope) -> None:
+        """Renew every lease/3 (after a failure every lease/10, at most 1 s), moving the
+        deadline `keep` watches; a renewal the store refuses (taken over) ends the hold."""
+        lease_s = self.lease_s
         while True:
-            await anyio.sleep(max(0.0, min(lease_s / 3, deadline - anyio.current_time())))
-            started, error = anyio.current_time(), None
-            with anyio.move_on_after(max(0.0, deadline - started)):
-                try:
-                    if not await self.jobs.renew(claim, lease_s):
-                        self.why = "taken over"
-                        log.warning("trial %s was taken over; stopping its session",
-                                    claim.trial_id)
-                        trial.cancel()
-                        return
-                    deadline = started + 2 * lease_s / 3
-                    self.switch.extend(deadline - anyio.current_time())
-                    continue
-                except Exception as failed:  # the store blinked: again until the deadline
-                    error = failed
-            if anyio.current_time() >= deadline:
-                self.why = "not renewed in time"
-                log.warning("lease of trial %s not renewed for %.0f s (%s); stopping its "
-                            "session", claim.trial_id, 2 * lease_s / 3,
-                            error or "the store did not answer")
-                trial.cancel()
+            await anyio.sleep(max(0.0, min(lease_s / 3,
+                                           self._deadline - anyio.current_time())))
+            started = anyio.current_time()
+            try:
+                kept = await self.jobs.renew(self.claim, lease_s)
+            except Exception as failed:  # the store blinked: again until the deadline
+                self._error = failed
+                await anyio.sleep(min(1.0, lease_s / 10))
+                continue
+            if self.why is not None:  # answered after the deadline: the hold had ended
                 return
-            await anyio.sleep(min(1.0, lease_s / 10))
+            if not kept:
+                self.why = "taken over"
+                log.warning("trial %s was taken over; stopping its session",
+                            self.claim.trial_id)
+                trial.cancel()
+                keeping.cancel()
+                return
+            self._deadline = started + 2 * lease_s / 3
+            self.switch.extend(self._deadline - anyio.current_time() + self.switch_grace_s)
 
     async def end(self, *, settled: bool) -> None:
         """Disarm the sandbox's deadline; a trial not settled is given back to the queue if

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -366,6 +367,49 @@ async def test_a_taken_over_holder_cannot_renew_its_lease(db: str) -> None:
         assert third is not None and third.trial_id == first.trial_id
         assert not await jobs.renew(second, 60) and await jobs.renew(third, 60)
 
+
+
+@pytest.mark.anyio
+async def test_a_renewal_whose_cancellation_waits_still_ends_the_hold_at_its_deadline(
+        tmp_path: Path) -> None:
+    """The first renewal succeeds; the next one hangs on its connection, and so does its
+    cancellation (a rollback on a silent server, shielded as a pool's clean-up is): the
+    trial is still cancelled at the deadline, 2·lease/3 after the last good renewal started
+    — never once the call gives up — and the sandbox's own switch fires a twelfth of the
+    lease later, so the holder always stops its session first."""
+    from tests.scenarios import claimed_session
+    from trialledger.adapters.trial import Lease
+    from trialledger.store import Ledger
+    from trialledger.store.jobs import Jobs
+
+    class Stalling(Jobs):
+        renewals = 0
+
+        async def renew(self, claim: Any, lease_s: float) -> bool:
+            self.renewals += 1
+            if self.renewals == 1:
+                return await super().renew(claim, lease_s)
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(1.5 * LEASE_S)  # a silent connection, even when cancelled
+            return True
+
+    async with await Ledger.open(str(tmp_path / "t.db")) as ledger:
+        _, claim, _, _ = await claimed_session(ledger, "holder", LEASE_S)
+        lease = Lease(Stalling(ledger), claim, LEASE_S)
+        trial = anyio.CancelScope()
+        with anyio.fail_after(8 * LEASE_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lease.keep, trial)
+                started = anyio.current_time()
+                with trial:
+                    await anyio.sleep(3 * LEASE_S)
+                stopped = anyio.current_time() - started
+                tg.cancel_scope.cancel()
+        lease.switch.close()
+    assert trial.cancelled_caught and lease.why == "not renewed in time"
+    # the first renewal started at lease/3: the deadline is 2·lease/3 later
+    assert LEASE_S - 0.05 < stopped < LEASE_S + 0.5, stopped
+    assert lease.switch_grace_s == LEASE_S / 12
 
 
 @pytest.mark.slow
