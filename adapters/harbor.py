@@ -347,11 +347,9 @@ def job_retries(job: AgentTree) -> int:
 
 async def import_job(ledger: Ledger, job: Path) -> list[Agreement]:
     """Import every trial folder of a Harbor job; compare each verdict with ours. Every
-    trial is read and checked before the first is stored; each is stored all or nothing."""
-    from trialledger.adapters.harborexport import ROWS_FILE, import_export
-
-    if os.path.lexists(job / ROWS_FILE):  # written by `export-harbor`: our own logs inside
-        return await import_export(ledger, job)
+    trial is read and checked before the first is stored; each is stored all or nothing.
+    (A folder `export-harbor` wrote, with our own logs inside, is `harborexport`'s to
+    import: `import-harbor` picks by its `trialledger.json`.)"""
     tree = job_tree(job)
     retries = job_retries(tree)
     trials = trial_folders(job)

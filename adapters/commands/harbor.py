@@ -4,6 +4,7 @@ each one's parser beside its handler."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,14 @@ from trialledger.adapters.console.render import out
 def cmd_import_harbor(args: argparse.Namespace) -> int:
     """Import a Harbor job folder; print how each trial's verdict compares with ours."""
     from trialledger.adapters.harbor import import_job
+    from trialledger.adapters.harborexport import ROWS_FILE, import_export
 
     job = Path(args.job_dir)
     if not job.is_dir():
         raise Refused(f"{job}: not a folder")
-
-    agreements = on_store(args.db, lambda ledger: import_job(ledger, job))
+    # A folder `export-harbor` wrote carries our own logs: imported as they are.
+    importing = import_export if os.path.lexists(job / ROWS_FILE) else import_job
+    agreements = on_store(args.db, lambda ledger: importing(ledger, job))
     print_agreements(agreements, as_json=args.json)
     return EXIT_FOUND if any(not a.agrees for a in agreements) else EXIT_OK
 
