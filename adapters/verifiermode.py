@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from trialledger.adapters.environment import (
     BUILD_TIMEOUT_S,
@@ -51,9 +51,6 @@ from trialledger.adapters.taskconfig import (
     wrong_type,
 )
 from trialledger.adapters.taskenv import EnvUnresolved, ResolvedEnv, resolve
-
-if TYPE_CHECKING:
-    from trialledger.adapters.task import Task
 
 MODES = ("shared", "separate")
 TABLE = "verifier.environment"
@@ -162,7 +159,27 @@ def _limits(table: Mapping[str, Any], where: str) -> dict[str, float]:
             for key in LIMITS if key in table}
 
 
-def refuse_outside_range(task: Task, *, in_range: bool) -> Task:
+class OfATask(Protocol):
+    """What `refuse_outside_range` and `prepare_task` read of a task: adapters/task.py's
+    `Task`, named by its shape, since `Task` is made with this module's parts."""
+
+    @property
+    def folder(self) -> Path: ...
+
+    @property
+    def source(self) -> Source | None: ...
+
+    @property
+    def limits(self) -> dict[str, float]: ...
+
+    @property
+    def separate_verifier(self) -> SeparateVerifier | None: ...
+
+
+TaskT = TypeVar("TaskT", bound=OfATask)
+
+
+def refuse_outside_range(task: TaskT, *, in_range: bool) -> TaskT:
     """`task`, or `UnsupportedField` (one line naming the field) when it has a separate
     verifier and the run is not in range mode: single-id mode, `--isolation
     process-group` (a host task's is refused at load)."""
@@ -174,7 +191,7 @@ def refuse_outside_range(task: Task, *, in_range: bool) -> Task:
     return task
 
 
-def prepare_task(task: Task, cache: Cache, *, owner: int | None, engine: str | None = None,
+def prepare_task(task: OfATask, cache: Cache, *, owner: int | None, engine: str | None = None,
                  pull: bool = False, force_build: bool = False,
                  progress: Progress | None = None) -> Environment:
     """The task's environment (`environment.prepare`) and, for a separate verifier, its

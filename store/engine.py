@@ -25,12 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import anyio
-from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url, text
-from sqlalchemy.exc import ArgumentError, DisconnectionError
+from sqlalchemy import URL, Connection, Engine, create_engine, event, text
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.util import await_
 
-from trialledger.store.errors import UnsupportedDatabase as UnsupportedDatabase
+from trialledger.store.urls import UnsupportedDatabase as UnsupportedDatabase
+from trialledger.store.urls import database_url as database_url
+from trialledger.store.urls import shown as shown
+from trialledger.store.urls import sqlite_path as sqlite_path
 
 WRITER_LOCK_KEY = 7_402_145_391  # pg_advisory_xact_lock key shared by every writer
 BUSY_TIMEOUT_MS = 30_000  # how long a SQLite statement waits for another's write lock
@@ -49,43 +52,6 @@ def driver_marks(dialect: str, count: int) -> list[str]:
     """`count` parameter marks in the driver's own style (`$1`… for asyncpg, `?` for
     sqlite3), for `exec_driver_sql`."""
     return [f"${i}" if dialect == "postgresql" else "?" for i in range(1, count + 1)]
-
-
-def database_url(db: str) -> URL:
-    """The SQLAlchemy async URL for `--db`: a file path, `sqlite:///PATH` or
-    `postgresql://…` (asyncpg). A path may hold `?`, `#` or `%` (it is never parsed)."""
-    if "://" not in db:
-        return URL.create("sqlite+aiosqlite", database=os.path.abspath(db))
-    scheme = db.split("://", 1)[0].split("+", 1)[0].lower()
-    if scheme not in ("sqlite", "postgresql", "postgres"):
-        raise UnsupportedDatabase(f"--db {scheme}://… is not supported: give a file path, "
-                                  "sqlite:///PATH or postgresql://USER@HOST/DB")
-    try:
-        url = make_url(db)
-    except ArgumentError:
-        raise UnsupportedDatabase(f"--db {shown(db)}: not a database URL") from None
-    return url.set(drivername="sqlite+aiosqlite" if scheme == "sqlite"
-                   else "postgresql+asyncpg")
-
-
-def shown(db: str, text: str | None = None) -> str:
-    """`db` (or `text` that may quote it) with the URL's password masked, for messages."""
-    if "://" not in db:
-        return db if text is None else text
-    try:
-        url = make_url(db)
-    except ArgumentError:
-        return "(an unparsable database URL)" if text is None else text
-    masked = url.render_as_string(hide_password=True)
-    if text is None:
-        return masked
-    return text.replace(url.password, "***") if url.password else text
-
-
-def sqlite_path(db: str) -> str | None:
-    """The file behind a `--db` (None for PostgreSQL)."""
-    url = database_url(db)
-    return url.database if url.get_backend_name() == "sqlite" else None
 
 
 @dataclass(frozen=True)

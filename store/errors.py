@@ -34,6 +34,8 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 from sqlalchemy import exc
 
 from trialledger.core.errors import ConcurrencyConflict, EventIdConflict, TrialLedgerError
+from trialledger.store.urls import UnsupportedDatabase as UnsupportedDatabase
+from trialledger.store.urls import shown, sqlite_path
 
 # PostgreSQL SQLSTATE classes of a statement that is wrong as written (retrying cannot help):
 # data exception, cardinality, syntax or access rule, feature not supported, invalid SQL
@@ -53,8 +55,6 @@ class StoreUnavailable(StoreError):
     @classmethod
     def of(cls, db: str, error: BaseException) -> StoreUnavailable:
         """The error for `db` (`disk full` however the driver words it)."""
-        from trialledger.store.engine import shown
-
         text = str(error).strip()
         reason = disk_full(db, error) or shown(db, text.splitlines()[0] if text
                                                else type(error).__name__)
@@ -68,8 +68,6 @@ class IntegrityViolation(StoreError):
     @classmethod
     def of(cls, db: str, error: BaseException) -> IntegrityViolation:
         """The error for `db`, naming the constraint (and the key, when the driver says)."""
-        from trialledger.store.engine import shown
-
         return cls(f"the database {shown(db)} refused a write: "
                    f"{shown(db, _first_line(error))}{_detail(error)}")
 
@@ -81,8 +79,6 @@ class StatementRefused(StoreError):
     @classmethod
     def of(cls, db: str, error: BaseException) -> StatementRefused:
         """The error for `db`, in the driver's words."""
-        from trialledger.store.engine import shown
-
         return cls(f"the database {shown(db)} refused a statement: "
                    f"{shown(db, _first_line(error))}")
 
@@ -128,8 +124,6 @@ def store_error(db: str, error: BaseException) -> StoreError:
 def disk_full(db: str, error: BaseException) -> str | None:
     """"disk full", whatever words the driver found for it (SQLite says "disk I/O error"
     when only a few KiB are left)."""
-    from trialledger.store.engine import sqlite_path
-
     text = str(error)
     if getattr(error, "errno", None) == errno.ENOSPC or "disk is full" in text:
         return "disk full"
@@ -203,10 +197,6 @@ class LeaseLost(TrialLedgerError):
 
 class SchemaOutOfDate(TrialLedgerError):
     """A database built by older (or newer) code; never migrated silently."""
-
-
-class UnsupportedDatabase(TrialLedgerError):
-    """A `--db` that names neither a SQLite file nor a PostgreSQL server."""
 
 
 class JobRefused(TrialLedgerError):
