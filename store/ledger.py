@@ -545,8 +545,8 @@ class Ledger:
         own) and return how many there are and those whose recorded decisions differ, at
         their first difference, by session id. `jobs` processes share the work (each loads
         `policy_files`, which register policies, first); `on_sessions(n)` reports progress."""
-        return await every_divergence(self, policy, jobs=jobs, policy_files=policy_files,
-                                      on_sessions=on_sessions)
+        return await every_divergence(self._engines, self.db, policy, jobs=jobs,
+                                      policy_files=policy_files, on_sessions=on_sessions)
 
     @guarded
     async def rebuild_projections(self) -> int:

@@ -19,7 +19,6 @@ import runpy
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import anyio
 from sqlalchemy import select
@@ -27,13 +26,11 @@ from sqlalchemy import select
 from trialledger.core import Event
 from trialledger.core.parsing import parse_stored
 from trialledger.core.replay import rederive
+from trialledger.store.engine import Engines, open_engines
 from trialledger.store.log import EVENTS, IN_LIMIT
 from trialledger.store.projections import TABLE_OF
 
 SESSIONS = TABLE_OF["sessions"]
-
-if TYPE_CHECKING:
-    from trialledger.store.ledger import Ledger
 
 CHUNKS_PER_PROCESS = 4  # more runs than processes: a slow one does not idle the others
 MAX_CHUNK = IN_LIMIT  # sessions per chunk: one query's `IN (…)`, and progress moves
@@ -61,12 +58,12 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
-async def chunk_differences(ledger: Ledger, session_ids: Sequence[str],
+async def chunk_differences(engines: Engines, session_ids: Sequence[str],
                             policy: str | None) -> list[Difference]:
     """Re-derive these sessions (their logs read in one query) and return those that
     differ, in the order given."""
     logs: dict[str, list[Event]] = {sid: [] for sid in session_ids}
-    async with ledger._engines.reader.begin() as conn:
+    async with engines.reader.begin() as conn:
         rows = await conn.execute(
             select(EVENTS.c.session_id, EVENTS.c.data)
             .where(EVENTS.c.session_id.in_(list(session_ids)))
@@ -88,14 +85,12 @@ def _worker_chunks(db: str, parts: list[list[str]], policy: str | None,
     """A run of chunks, in a worker process: load the policy files, open the store once
     (opening it for every chunk had been a large share of the work), and derive chunk by
     chunk (one chunk's logs in memory at a time)."""
-    from trialledger.store.ledger import Ledger
-
     for path in policy_files:
         runpy.run_path(path)
 
     async def go() -> list[list[Difference]]:
-        async with await Ledger.open(db, create=False) as ledger:
-            return [await chunk_differences(ledger, part, policy) for part in parts]
+        async with open_engines(db) as engines:  # (the parent checked its schema)
+            return [await chunk_differences(engines, part, policy) for part in parts]
 
     with _no_gc():  # the worker process is ours: no collector pauses during the fold
         return anyio.run(go)
@@ -118,25 +113,25 @@ def runs(parts: list[list[str]], processes: int) -> list[list[list[str]]]:
     return [parts[i:i + size] for i in range(0, len(parts), size)]
 
 
-async def divergences(ledger: Ledger, policy: str | None, *, jobs: int,
+async def divergences(engines: Engines, db: str, policy: str | None, *, jobs: int,
                       policy_files: Sequence[str] = (),
                       on_sessions: Callable[[int], object] | None = None
                       ) -> tuple[int, list[Difference]]:
     """Every stored session re-derived by `jobs` processes (1: this one)."""
-    session_ids = await ledger._engines.read(lambda conn: list(conn.execute(
+    session_ids = await engines.read(lambda conn: list(conn.execute(
         select(SESSIONS.c.session_id)).scalars()))
     parts = chunks(session_ids, jobs)
     found: list[Difference] = []
     if jobs <= 1:
         for part in parts:
-            found += await chunk_differences(ledger, part, policy)
+            found += await chunk_differences(engines, part, policy)
             if on_sessions is not None:
                 on_sessions(len(part))
         return len(session_ids), found
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
         batches = runs(parts, jobs)
-        futures = [pool.submit(_worker_chunks, ledger.db, batch, policy, tuple(policy_files))
+        futures = [pool.submit(_worker_chunks, db, batch, policy, tuple(policy_files))
                    for batch in batches]
         for batch, future in zip(batches, futures, strict=True):  # in order: deterministic
             derived = await anyio.to_thread.run_sync(future.result)
