@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from trialledger.core import why
 from trialledger.core.canonical import session_id_for_seed
 from trialledger.core.errors import IllegalTransition
 from trialledger.core.events import (
@@ -32,7 +31,7 @@ from trialledger.core.observations import Observations, observe
 from trialledger.core.parsing import parse_events
 from trialledger.core.policy import Policy
 from trialledger.core.seed import seal_seed
-from trialledger.core.why import Ending, Failure
+from trialledger.core.why import Ending, Failure, last_line, unscored_lines
 
 Outcome = Literal["retry", "verify", "unverified", "interrupted", "pending"]
 
@@ -206,7 +205,7 @@ def ending(view: SessionView) -> Ending:
                 for e in view.events if e.type == "verification.failed"]
     closed = [e.data.reason for e in view.events if e.type == "session.closed"]
     recorded = [e.data for e in view.events if e.type == "verification.recorded"]
-    said = (why.last_line(recorded[-1].stdout_tail) or why.last_line(recorded[-1].stderr_tail)
+    said = (last_line(recorded[-1].stdout_tail) or last_line(recorded[-1].stderr_tail)
             if recorded else None)
     return Ending(outcome=view.outcome, state=view.state,
                   action=None if d is None else d.action, rule=None if d is None else d.rule,
@@ -224,7 +223,7 @@ def why_unscored(view: SessionView) -> list[str]:
     `verification.failed`'s reason and detail, then, for a session that is not scored (no
     `verify` decision with a valid reward and a recorded verification), an `unscored:` line
     naming what ended it; nothing for a scored session without a failed verification."""
-    return why.unscored_lines(ending(view))
+    return unscored_lines(ending(view))
 
 
 def explain(view: SessionView) -> list[str]:
