@@ -12,6 +12,7 @@ changed recipe builds afresh:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -96,6 +97,21 @@ def storage_conf() -> Path:
         conf.write_text(f'[storage]\ndriver = "vfs"\ngraphroot = "{storage}/graph"\n'
                         f'runroot = "{storage}/run"\n')
     return conf
+
+
+@contextlib.contextmanager
+def private_storage() -> Iterator[None]:
+    """For the block, every engine call (a test's and the runner's) uses the tests' own
+    podman storage (`storage_conf`); the variable is restored after."""
+    before = os.environ.get("CONTAINERS_STORAGE_CONF")
+    os.environ["CONTAINERS_STORAGE_CONF"] = str(storage_conf())
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CONTAINERS_STORAGE_CONF"]
+        else:
+            os.environ["CONTAINERS_STORAGE_CONF"] = before
 
 
 def _podman(*args: str) -> subprocess.CompletedProcess[str]:

@@ -52,13 +52,8 @@ KINDS = ["task_env", "docker_image", "tests_dockerfile"]
 @pytest.fixture(scope="module", autouse=True)
 def private_storage() -> Iterator[None]:
     """Every engine call (ours and the runner's) uses the tests' own podman storage."""
-    before = os.environ.get("CONTAINERS_STORAGE_CONF")
-    os.environ["CONTAINERS_STORAGE_CONF"] = str(images.storage_conf())
-    yield
-    if before is None:
-        del os.environ["CONTAINERS_STORAGE_CONF"]
-    else:
-        os.environ["CONTAINERS_STORAGE_CONF"] = before
+    with images.private_storage():
+        yield
 
 
 @pytest.fixture(scope="module")
