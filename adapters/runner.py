@@ -21,11 +21,9 @@ import dataclasses
 import functools
 import os
 import secrets as tokens
-import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -49,24 +47,26 @@ from trialledger.adapters.healthcheck import run_healthcheck
 from trialledger.adapters.journal import journal_dir, journal_record
 from trialledger.adapters.mcpservers import operator_allows
 from trialledger.adapters.preflight import check_store_room
-from trialledger.adapters.recorder import STORE_RETRY_S, Recorder
+from trialledger.adapters.recorder import Recorder
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.container import survivors_gap
-from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.folders import sweep_stale_sessions
 from trialledger.adapters.sandbox.identity import cache_dir
 from trialledger.adapters.sandbox.leftovers import sweep_image_views, sweep_session_cgroups
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.process import LocalRun
+from trialledger.adapters.sessions import OpenSandbox as OpenSandbox
+from trialledger.adapters.sessions import RunOptions as RunOptions
+from trialledger.adapters.sessions import SessionResult as SessionResult
 from trialledger.adapters.task import Task
 from trialledger.adapters.tasksteps import Step
 from trialledger.adapters.trial import Trial
 from trialledger.adapters.trial import next_attempt as next_attempt  # its old home
 from trialledger.adapters.upstream import MODEL_ROUTES, Upstream
 from trialledger.adapters.verifying import AfterTheAgent, phase_env
-from trialledger.core import SessionView, redact, scrub
-from trialledger.core.events import SCHEMA_VERSION, SessionSeeded, StepInfo
+from trialledger.core import redact, scrub
+from trialledger.core.events import SCHEMA_VERSION, StepInfo
 from trialledger.core.seed import SkippedGrant, ValidSeed, validate_seed
 from trialledger.core.settings import Settings
 from trialledger.store import LeaseLost, Ledger
@@ -80,34 +80,6 @@ CONTAINER_END_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
-class RunOptions:
-    """How to run sessions: the agent, the model endpoint, grants, settings and the runner."""
-
-    model_base_url: str = ""  # the model endpoint and model: Codex's only (SPEC §15)
-    model: str = ""
-    api_key: str | None = None
-    grants: Sequence[Mapping[str, Any]] = ()
-    overrides: Mapping[str, Any] = field(default_factory=dict)
-    codex_bin: str | None = None
-    max_attempts: int = 1
-    runner_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    readonly_paths: Sequence[Path] = ()  # granted read-only (never the store, task, home)
-    isolation: str = "bwrap"  # or "process-group": unconfined, only when asked for
-    runtime: str | None = None  # what starts a range-mode container: bwrap or runc (§16)
-    sandbox_uid: int | None = None  # when root: the agent's uid (default trialledger-sandbox)
-    protected_paths: Sequence[Path] = ()  # never mounted (the store's file, say)
-    grace_s: float = 5.0
-    probe_command: Sequence[str] | None = None  # None: our init's own probe
-    store_retry_s: float = STORE_RETRY_S  # appends retry this long through a store's blink
-    agent: str = "codex"  # or oracle / nop (SPEC §15): no model, no proxy, no grants
-    switch: DeadManSwitch | None = None  # a job trial's lease, kept by the sandbox too
-    lease_s: float | None = None  # a job trial's lease: a stopped session's close waits at
-    # most a third of it for the store (then journalled; the next holder recovers it)
-    task_mcp_hosts: Sequence[str] = ()  # hosts a task's MCP servers may be at though not
-    # public (`--task-mcp-host`, docs/SPEC.md §15); an operator's grants are trusted anyway
-
-
-@dataclass(frozen=True)
 class _Launch:
     """What the agent's process is started with, and what `agent.launched` says of it."""
 
@@ -117,42 +89,6 @@ class _Launch:
     config_sha256: str
     model_proxy: bool
     oracle: scripted.OraclePlaces | None = None  # where the oracle's files are
-
-
-@dataclass(frozen=True)
-class OpenSandbox:
-    """A sandbox made for sessions, its network and the proxy's token for Codex."""
-
-    sandbox: LocalSandbox
-    network: Network
-    token: str
-
-    async def close(self) -> None:
-        """Its network and sandbox closed and discarded (shielded: never left behind)."""
-        with anyio.CancelScope(shield=True):
-            await self.network.aclose()
-            await self.sandbox.close()
-            await anyio.to_thread.run_sync(self.sandbox.discard)
-
-
-@dataclass(frozen=True)
-class SessionResult:
-    """One session of a trial and how it ended."""
-
-    session_id: str
-    view: SessionView
-
-    @property
-    def attempt(self) -> int:
-        """The attempt number, as the session's seed records it."""
-        seed = self.view.events[0]
-        assert isinstance(seed, SessionSeeded)  # a view's first event is its seed
-        return seed.data.attempt
-
-    @property
-    def outcome(self) -> str:
-        """retry, verify, unverified, interrupted or pending."""
-        return self.view.outcome
 
 
 _swept = False

@@ -21,7 +21,6 @@ import shutil
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import anyio
 
@@ -30,15 +29,13 @@ from trialledger.adapters.recorder import Recorder
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.bwrap import TESTS_INSIDE, VERIFIER_LOGS_INSIDE
 from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.sessions import SessionResult, StepSessions
 from trialledger.adapters.task import Task
 from trialledger.adapters.tasksteps import Step
 from trialledger.adapters.verifying import phase_env
 from trialledger.core.events import StepInfo
 from trialledger.core.settings import Settings
 from trialledger.core.steps import AttemptEnd, StepRun, attempt_end
-
-if TYPE_CHECKING:  # the runner imports this module
-    from trialledger.adapters.runner import SessionResult, SessionRunner
 
 SETUP_SHOWN = 300  # characters of a failing setup.sh's output in its gap
 
@@ -73,7 +70,7 @@ def finished(result: SessionResult) -> bool:
     return result.outcome in ("verify", "unverified")
 
 
-async def run_attempt(runner: SessionRunner, *, attempt: int, retry_of: str | None,
+async def run_attempt(runner: StepSessions, *, attempt: int, retry_of: str | None,
                       trial_id: str | None, lease: str | None) -> list[SessionResult]:
     """Every step of one attempt in one sandbox, until one cannot go on (`attempt_end`);
     the step sessions it ran."""
@@ -114,7 +111,7 @@ def forget_rollouts(sandbox: LocalSandbox) -> None:
         shutil.rmtree(rollouts, ignore_errors=True)
 
 
-async def prepare(runner: SessionRunner, step: Step, rec: Recorder, sandbox: LocalSandbox,
+async def prepare(runner: StepSessions, step: Step, rec: Recorder, sandbox: LocalSandbox,
                   settings: Settings) -> None:
     """Before the step's agent: its tests staged for its verifier; in a container, the
     previous step's `/tests` and `/logs/verifier` emptied (Harbor's reset after a shared
@@ -157,7 +154,7 @@ def stage_tests(step: Step, sandbox: LocalSandbox) -> Path | None:
     return target
 
 
-async def run_setup(runner: SessionRunner, step: Step, rec: Recorder, sandbox: LocalSandbox,
+async def run_setup(runner: StepSessions, step: Step, rec: Recorder, sandbox: LocalSandbox,
                     settings: Settings) -> None:
     """`bash <workdir>/setup.sh` (`sh` without bash) in the workdir as the step's agent
     user, within the step's agent timeout; a failure is gap `step_setup_failed`."""

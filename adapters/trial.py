@@ -28,6 +28,7 @@ import anyio
 
 from trialledger.adapters.journal import delivery
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
+from trialledger.adapters.sessions import SessionResult, Sessions
 from trialledger.core import SessionView
 from trialledger.core.steps import StepRun, attempt_end, trial_reward
 from trialledger.store import LeaseLost, Ledger, StoreUnavailable
@@ -35,8 +36,7 @@ from trialledger.store.jobs import UNCOUNTED_CAP, Claim, Jobs
 from trialledger.store.ledger import RunnerAlive, gone_from_this_host
 from trialledger.store.writer import Fence
 
-if TYPE_CHECKING:  # the runner imports this module: its sessions are run through ours
-    from trialledger.adapters.runner import SessionResult, SessionRunner
+if TYPE_CHECKING:
     from trialledger.adapters.task import Task
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ class Trial:
             deliver=delivery(self.ledger))
         return await self.sessions()
 
-    async def run(self, runner: SessionRunner) -> TrialRun:
+    async def run(self, runner: Sessions) -> TrialRun:
         """Run its next attempts with `runner` until one ends final, `max_attempts` have
         counted or the uncounted ones are used up (`next_attempt`), reading its sessions
         from the store before each."""
@@ -302,7 +302,7 @@ class Trial:
             return ran[-1].view
         return await self.ledger.view(final)
 
-    async def hold(self, runner: Callable[[DeadManSwitch], SessionRunner]
+    async def hold(self, runner: Callable[[DeadManSwitch], Sessions]
                    ) -> TrialRun | None:
         """Run the trial (a job's, under its lease) with the runner `runner(switch)` makes,
         while the lease is kept (`Lease.keep`). None when the lease ended first — taken

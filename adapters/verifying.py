@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
@@ -27,15 +27,13 @@ from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.bwrap import VERIFIER_STDOUT
 from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.sessions import RunOptions
 from trialledger.adapters.task import Task
 from trialledger.adapters.tasksteps import Step
 from trialledger.core import redact
 from trialledger.core.events import SCHEMA_VERSION
 from trialledger.core.settings import Settings
 from trialledger.store.writer import now
-
-if TYPE_CHECKING:  # the runner imports this module
-    from trialledger.adapters.runner import RunOptions
 
 PROBE_LIMIT_S = 10.0
 
