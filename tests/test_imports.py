@@ -12,15 +12,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("adapters", "core", "store")
 
-# The groups left, each a layering still to take apart: images and the sandbox's id range
-# and runtime; the sandbox's container, layout and launch.
+# The group left, a layering still to take apart: the images (environments, builds, the
+# session image store) and the sandbox's id range and OCI runtime, which prepare them.
 KNOWN = {
     frozenset({"adapters.build", "adapters.buildbox", "adapters.builder",
                "adapters.environment", "adapters.imagestore", "adapters.sandbox.folders",
                "adapters.sandbox.idrange", "adapters.sandbox.oci",
                "adapters.sandbox.ociruntime", "adapters.sandbox.runc"}),
-    frozenset({"adapters.sandbox.container", "adapters.sandbox.layout",
-               "adapters.sandbox.local", "adapters.sandbox.runclaunch"}),
 }
 
 

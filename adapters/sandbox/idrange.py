@@ -27,7 +27,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from trialledger.adapters.sandbox.cgroup import LimitsNotEnforced, delegated, v1
 from trialledger.adapters.sandbox.hostside import host_env
 from trialledger.adapters.sandbox.identity import (
     SANDBOX_USER,
+    SandboxUser,
     built_static,
     cache_dir,
     ensure_init,
@@ -397,3 +398,18 @@ def supplementary_groups(root: Path, uid: int, gid: int) -> list[int]:
                 and names[0] in fields[3].split(",")):
             found.append(int(fields[2]))
     return sorted(set(found))[:32]
+
+
+@dataclass(frozen=True)
+class RangeIds:
+    """A range-mode session's ids: its slot, its user namespace, the user it runs as."""
+
+    slot: Slot
+    userns_fd: int
+    users: Mapping[str, InnerUser]  # each role's user inside (agent, probe, verifier)
+    netns_fd: int | None = None  # (runc) the network namespace made inside the user one
+
+    @property
+    def runs_as(self) -> SandboxUser:
+        """bwrap's host uid: the slot's first id, the owner of the user namespace."""
+        return SandboxUser(self.slot.start, self.slot.start)

@@ -32,10 +32,8 @@ from trialledger.adapters.sandbox.bwrap import PRIVATE, Mount, Role
 from trialledger.adapters.sandbox.folders import remove_tree
 from trialledger.adapters.sandbox.hostside import host_env, program
 from trialledger.adapters.sandbox.identity import SandboxUser
+from trialledger.adapters.sandbox.idrange import RangeIds
 from trialledger.adapters.sandbox.mountpoints import Want, make_mount_point
-
-if TYPE_CHECKING:
-    from trialledger.adapters.sandbox.local import RangeIds
 
 _overlays_made: set[tuple[int, int, bool]] = set()  # (lower's device, upper's,
 # range mode): overlays work

@@ -39,7 +39,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +91,7 @@ from trialledger.adapters.sandbox.identity import (
 from trialledger.adapters.sandbox.idrange import (
     DOCKER_CAPS,
     InnerUser,
+    RangeIds,
     Slot,
     UsernsMaker,
     ensure_filter,
@@ -140,21 +140,6 @@ def bwrap_problem(user: SandboxUser, cgroups: Sequence[Path] = (),
         if done.returncode == 0:
             return None
     return f"bwrap cannot create its namespaces here: {done.stderr.strip()[-200:]}"
-
-
-@dataclass(frozen=True)
-class RangeIds:
-    """A range-mode session's ids: its slot, its user namespace, the user it runs as."""
-
-    slot: Slot
-    userns_fd: int
-    users: Mapping[str, InnerUser]  # each role's user inside (agent, probe, verifier)
-    netns_fd: int | None = None  # (runc) the network namespace made inside the user one
-
-    @property
-    def runs_as(self) -> SandboxUser:
-        """bwrap's host uid: the slot's first id, the owner of the user namespace."""
-        return SandboxUser(self.slot.start, self.slot.start)
 
 
 class LocalSandbox(RuncLaunch):
