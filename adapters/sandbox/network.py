@@ -13,9 +13,11 @@ sandbox for this, and nothing else is reachable.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from trialledger.adapters.proxy import SessionProxy
 
 CLONE_NEWNET = 0x40000000
+LOOPBACK_WAIT_S = 10.0  # how long a proxy waits for the sandbox's loopback to be up
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,22 @@ class Network:
         self._proxies.clear()
 
 
+def _bind_when_up(listener: socket.socket, port: int) -> None:
+    """Bind `listener` to 127.0.0.1:`port` in the namespace this thread is in, waiting (at
+    most `LOOPBACK_WAIT_S`) while the address is not there (EADDRNOTAVAIL): bwrap reports
+    its child's pid while that child is still setting up the namespace's loopback (a
+    session on a busy machine was lost with "Cannot assign requested address")."""
+    deadline = time.monotonic() + LOOPBACK_WAIT_S
+    while True:
+        try:
+            listener.bind(("127.0.0.1", port))
+            return
+        except OSError as error:
+            if error.errno != errno.EADDRNOTAVAIL or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.002)
+
+
 def listen_inside(namespace_pid: int, ports: Sequence[int]) -> list[socket.socket]:
     """Listening sockets on 127.0.0.1 in the network namespace of `namespace_pid`."""
     c = libc()
@@ -138,12 +157,15 @@ def listen_inside(namespace_pid: int, ports: Sequence[int]) -> list[socket.socke
                 os.close(fd)
             for port in ports:
                 listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                made.append(listener)
                 listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener.bind(("127.0.0.1", port))
+                _bind_when_up(listener, port)
                 listener.listen(64)
                 listener.setblocking(False)
-                made.append(listener)
-        except BaseException as error:  # handed to the caller's thread
+        except OSError as error:  # handed to the caller's thread, saying where it was
+            failure.append(OSError(error.errno, f"listening inside the sandbox's network: "
+                                                f"{error.strerror or error}"))
+        except BaseException as error:
             failure.append(error)
 
     worker = threading.Thread(target=enter_and_listen, name="sandbox-netns")
