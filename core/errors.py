@@ -52,11 +52,16 @@ class UnknownPolicy(TrialLedgerError, KeyError):
     """A decision-policy version that is not registered."""
 
     def __init__(self, name: str, known: Iterable[str]) -> None:
-        self.name = name
-        super().__init__(f"unknown policy {name!r}; known: {', '.join(sorted(known))}")
+        self.name, self.known = name, sorted(known)
+        super().__init__(f"unknown policy {name!r}; known: {', '.join(self.known)}")
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+    def __reduce__(self) -> tuple[type[UnknownPolicy], tuple[str, list[str]]]:
+        """Pickled by its arguments: raised in a re-derivation worker, it reaches the
+        parent whole (its default pickling lost `known`, and the pool broke instead)."""
+        return type(self), (self.name, self.known)
 
 
 class ConcurrencyConflict(TrialLedgerError):

@@ -28,6 +28,7 @@ from trialledger.core.parsing import parse_stored
 from trialledger.core.replay import rederive
 from trialledger.store.engine import Engines, open_engines
 from trialledger.store.log import EVENTS, IN_LIMIT
+from trialledger.store.policies import load_installed_policies
 from trialledger.store.projections import TABLE_OF
 
 SESSIONS = TABLE_OF["sessions"]
@@ -85,6 +86,7 @@ def _worker_chunks(db: str, parts: list[list[str]], policy: str | None,
     """A run of chunks, in a worker process: load the policy files, open the store once
     (opening it for every chunk had been a large share of the work), and derive chunk by
     chunk (one chunk's logs in memory at a time)."""
+    load_installed_policies()  # as the parent's Ledger did when it opened
     for path in policy_files:
         runpy.run_path(path)
 

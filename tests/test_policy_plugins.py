@@ -76,3 +76,16 @@ def test_a_broken_entry_point_is_one_line_naming_it(tmp_path: Path) -> None:
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done.stderr
         assert "policy entry point acme-no-probe" in lines[0] and said in lines[0], lines
+
+
+def test_an_unknown_policy_raised_in_a_worker_reaches_the_parent_whole() -> None:
+    """A re-derivation worker that meets a policy it does not know raises UnknownPolicy;
+    the pool pickles it back to the parent, which prints its one line (it broke the pool,
+    a traceback, when its pickling lost an argument)."""
+    import pickle
+
+    from trialledger.core.errors import UnknownPolicy
+
+    raised = UnknownPolicy("acme", ["v1", "v3", "v2"])
+    back = pickle.loads(pickle.dumps(raised))
+    assert type(back) is UnknownPolicy and str(back) == str(raised) and back.name == "acme"
