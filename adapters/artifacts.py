@@ -4,7 +4,7 @@ what a verification event lists in it.
 The folder is `<sandbox_logs_dir>/<session>` when the session's settings name
 `sandbox_logs_dir`, else `<cache>/artifacts/<session>`, where `<cache>` is the default
 cache folder (`$XDG_CACHE_HOME/trialledger`, else `~/.cache/trialledger`;
-`environment.default_cache_dir`). Only the machine that ran the session has it. Reading
+`places.default_cache_dir`). Only the machine that ran the session has it. Reading
 back trusts nothing on disk: a path must be one the event lists, is opened without
 following any link, and its bytes must still have the event's sha256.
 """
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trialledger.adapters.capture import MAX_KEPT_BYTES, write_private
-from trialledger.adapters.environment import default_cache_dir
+from trialledger.adapters.places import default_cache_dir
 from trialledger.adapters.sandbox.agentfiles import AgentTree, UnsafeAgentFile
 from trialledger.core.errors import TrialLedgerError
 from trialledger.core.events import KeptFile

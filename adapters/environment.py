@@ -39,6 +39,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from trialledger.adapters.places import default_cache_dir as default_cache_dir
+from trialledger.adapters.places import resolve_inside as resolve_inside
+from trialledger.adapters.places import within as within
 from trialledger.core.errors import TrialLedgerError
 
 if TYPE_CHECKING:
@@ -140,40 +143,6 @@ class Environment:
 HOST = Environment()
 
 
-def resolve_inside(root: Path, path: str, *, hops: int = 40) -> str:
-    """`path` resolved as a chroot into `root` would: symlinks followed inside `root`,
-    never out of it (the seed checks a workdir this way, docs/SPEC.md §5)."""
-    done: list[str] = []
-    todo = [p for p in path.split("/") if p and p != "."]
-    while todo:
-        part = todo.pop(0)
-        if part == "..":
-            if done:
-                done.pop()
-            continue
-        here = root.joinpath(*done, part)
-        if here.is_symlink() and hops > 0:
-            hops -= 1
-            target = os.readlink(here)
-            if target.startswith("/"):
-                done = []
-            todo = [p for p in target.split("/") if p and p != "."] + todo
-            continue
-        done.append(part)
-    return "/" + "/".join(done)
-
-
-def within(folder: Path, relative: str) -> Path | None:
-    """`folder/relative` with every symbolic link on the way resolved (`folder` resolved
-    too), or None when that leaves `folder`: an absolute path, a `..`, or a link anywhere
-    on the way that leads out — so a task never packs or mounts a host folder."""
-    top = Path(os.path.realpath(folder))
-    if Path(relative).is_absolute():
-        return None
-    real = Path(os.path.realpath(top / relative))
-    return real if real.is_relative_to(top) else None
-
-
 @dataclass(frozen=True)
 class Entry:
     """One cache entry (for `cache ls`)."""
@@ -184,12 +153,6 @@ class Entry:
     size: int
     created: str
     folder: Path = field(compare=False)
-
-
-def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/trialledger`, else `~/.cache/trialledger`."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "trialledger"
 
 
 def pick_engine(choice: str | None = None) -> str:

@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trialledger.adapters.environment import default_cache_dir
 from trialledger.adapters.journalfile import (
     FORMAT,
     Batch,
@@ -36,6 +35,7 @@ from trialledger.adapters.journalfile import (
     keep_damaged,
     read_journal,
 )
+from trialledger.adapters.places import default_cache_dir
 from trialledger.core.errors import ConcurrencyConflict, EventIdConflict
 from trialledger.core.redact import scrub_data
 from trialledger.store import Ledger, StoredEvent

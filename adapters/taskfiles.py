@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trialledger.adapters.environment import within
+from trialledger.adapters.places import within
 from trialledger.adapters.taskconfig import TaskInvalid
 from trialledger.core.errors import SeedRejected
 from trialledger.core.settings import TASK_FILE_MAX_BYTES, Settings

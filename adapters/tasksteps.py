@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trialledger.adapters.environment import within
+from trialledger.adapters.places import within
 from trialledger.adapters.taskconfig import (
     HONOURED,
     Key,

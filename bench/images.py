@@ -25,8 +25,8 @@ import anyio
 from tests import images
 from trialledger.adapters.environment import HOST, Cache, Environment, prepare_archive
 from trialledger.adapters.sandbox.identity import sandbox_user
-from trialledger.adapters.sandbox.idrange import range_problem
 from trialledger.adapters.sandbox.local import LocalSandbox, bwrap_problem
+from trialledger.adapters.sandbox.rangemode import range_problem
 
 
 def _p(values: list[float], q: int) -> float:

@@ -261,7 +261,8 @@ def test_idmapped_layers_are_tried_once_and_where_they_cannot_be_mounted_range_m
     from tests.test_range_mode import oracle_falling_back
     from trialledger.adapters import imagestore
     from trialledger.adapters.sandbox.identity import ensure_init
-    from trialledger.adapters.sandbox.idrange import range_problem, reserved_range
+    from trialledger.adapters.sandbox.idrange import reserved_range
+    from trialledger.adapters.sandbox.rangemode import range_problem
 
     ids = reserved_range()
     assert ids is not None and range_problem() is None

@@ -12,13 +12,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("adapters", "core", "store")
 
-# The group left, a layering still to take apart: the images (environments, builds, the
-# session image store) and the sandbox's id range and OCI runtime, which prepare them.
+# The group left, a layering still to take apart: the environments and the cache, the
+# Dockerfile builds and the session image store, which prepare and hold them (the cache
+# makes its image store, `prepare` dispatches to the build, both of which use its types).
 KNOWN = {
     frozenset({"adapters.build", "adapters.buildbox", "adapters.builder",
-               "adapters.environment", "adapters.imagestore", "adapters.sandbox.folders",
-               "adapters.sandbox.idrange", "adapters.sandbox.oci",
-               "adapters.sandbox.ociruntime", "adapters.sandbox.runc"}),
+               "adapters.environment", "adapters.imagestore"}),
 }
 
 

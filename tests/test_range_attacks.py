@@ -24,7 +24,7 @@ import pytest
 
 from tests.test_range_mode import _debian_into, run_oracle
 from trialledger.adapters.sandbox import folders
-from trialledger.adapters.sandbox.idrange import range_problem
+from trialledger.adapters.sandbox.rangemode import range_problem
 
 DEPTH = 1500  # beyond Python's default recursion limit (1,000)
 DEEP_SOLUTION = f"""#!/bin/bash

@@ -25,8 +25,9 @@ from trialledger import cli
 from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.environment import Cache, prepare
 from trialledger.adapters.sandbox import runc
-from trialledger.adapters.sandbox.idrange import DOCKER_CAPS, SLOT, range_problem, reserved_range
+from trialledger.adapters.sandbox.idrange import DOCKER_CAPS, SLOT, reserved_range
 from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.sandbox.rangemode import range_problem
 from trialledger.store.ledger import Ledger
 
 pytestmark = pytest.mark.anyio

@@ -23,9 +23,10 @@ import pytest
 
 from tests import images
 from tests.test_range_mode import SECRET, busybox_with, oracle_falling_back, run_oracle
-from trialledger.adapters.sandbox.idrange import SLOT, range_problem
+from trialledger.adapters.sandbox.idrange import SLOT
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.ociruntime import runtime_problem
+from trialledger.adapters.sandbox.rangemode import range_problem
 
 SETUID_IMAGE = "localhost/tl-busybox:setuid-helper-2"
 HELPER = "/usr/local/bin/rootcat"

@@ -188,7 +188,7 @@ def range_mode(args: argparse.Namespace) -> bool:
     """Whether image and rootfs sessions run in range mode (docs/SPEC.md §15, §16): a root
     runner after `setup`, the default sandbox user, bwrap, a runtime that can start a
     container here (else single-id mode, said once naming why)."""
-    from trialledger.adapters.sandbox.idrange import range_problem
+    from trialledger.adapters.sandbox.rangemode import range_problem
 
     return (getattr(args, "sandbox_uid", None) is None
             and getattr(args, "isolation", "bwrap") == "bwrap"

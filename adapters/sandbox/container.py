@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import anyio
 
-from trialledger.adapters.environment import resolve_inside
+from trialledger.adapters.places import resolve_inside
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.base import (
     SUPERVISOR_ENV,

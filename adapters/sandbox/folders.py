@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trialledger.adapters.environment import default_cache_dir
+from trialledger.adapters.places import default_cache_dir
 from trialledger.adapters.sandbox.hostside import host_env, program
 
 FOLDER_PREFIX = "trialledger-"

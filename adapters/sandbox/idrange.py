@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import grp
 import hashlib
 import os
@@ -31,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from trialledger.adapters.environment import resolve_inside
+from trialledger.adapters.places import resolve_inside
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.cgroup import LimitsNotEnforced, delegated, v1_hierarchies
 from trialledger.adapters.sandbox.hostside import host_env
@@ -40,7 +39,6 @@ from trialledger.adapters.sandbox.identity import (
     SandboxUser,
     built_static,
     cache_dir,
-    ensure_init,
 )
 
 SLOT = 65_536
@@ -170,55 +168,6 @@ def has_pids_controller() -> bool:
         delegated()
         return True
     return "pids" in v1_hierarchies()
-
-
-@functools.cache
-def _problem_once(problem: str) -> None:
-    import logging
-
-    logging.getLogger(__name__).warning(
-        "range mode is unavailable (%s): image and rootfs sessions run in single-id mode "
-        "(gap root_emulated)", problem)
-
-
-def _runtime_problem(runtime: str | None) -> str | None:
-    """Why `runtime` (None: range mode's default) cannot start range-mode containers, as
-    `setup` recorded (None: it found it able, or never checked it)."""
-    from trialledger.adapters.sandbox.ociruntime import chosen_runtime, recorded_problem
-
-    if runtime is not None:
-        return recorded_problem(runtime)
-    chosen, why = chosen_runtime()
-    return None if chosen is not None else f"no OCI runtime can start a container here ({why})"
-
-
-def range_problem(runtime: str | None = None) -> str | None:
-    """Why image sessions cannot run in range mode here (None: they can) with `runtime`
-    starting their containers (None: the OCI runtime `setup` found able; bwrap needs
-    none). Said once."""
-    problem = None
-    if os.geteuid() != 0:
-        problem = "the runner is not root"
-    elif reserved_range() is None:
-        problem = f"{SANDBOX_USER} has no subordinate range: run `trialledger setup`"
-    elif not has_pids_controller():
-        problem = "no pids controller for a cgroup of each session's own"
-    else:
-        try:
-            ensure_filter()
-            init = ensure_init()
-        except SandboxRefused as error:
-            problem = str(error)
-        else:  # (sessions lay their overlay on the image store's layers, each idmapped)
-            from trialledger.adapters.imagestore import idmapped_layers_problem
-
-            ids = reserved_range()
-            problem = idmapped_layers_problem(init, ids.start) if ids else None
-    if problem is None and runtime != "bwrap":
-        problem = _runtime_problem(runtime)
-    if problem is not None:
-        _problem_once(problem)
-    return problem
 
 
 def check_plain_folder(folder: Path) -> None:

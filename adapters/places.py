@@ -1,0 +1,50 @@
+"""Where things are, for every layer to ask: a path inside an image's root resolved as a
+chroot would, a path within a task's folder, and the folder of trialledger's cache.
+Nothing here imports another trialledger module, so the environments, the sandbox and the
+journal all use it without importing each other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def resolve_inside(root: Path, path: str, *, hops: int = 40) -> str:
+    """`path` resolved as a chroot into `root` would: symlinks followed inside `root`,
+    never out of it (the seed checks a workdir this way, docs/SPEC.md §5)."""
+    done: list[str] = []
+    todo = [p for p in path.split("/") if p and p != "."]
+    while todo:
+        part = todo.pop(0)
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        here = root.joinpath(*done, part)
+        if here.is_symlink() and hops > 0:
+            hops -= 1
+            target = os.readlink(here)
+            if target.startswith("/"):
+                done = []
+            todo = [p for p in target.split("/") if p and p != "."] + todo
+            continue
+        done.append(part)
+    return "/" + "/".join(done)
+
+
+def within(folder: Path, relative: str) -> Path | None:
+    """`folder/relative` with every symbolic link on the way resolved (`folder` resolved
+    too), or None when that leaves `folder`: an absolute path, a `..`, or a link anywhere
+    on the way that leads out — so a task never packs or mounts a host folder."""
+    top = Path(os.path.realpath(folder))
+    if Path(relative).is_absolute():
+        return None
+    real = Path(os.path.realpath(top / relative))
+    return real if real.is_relative_to(top) else None
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/trialledger`, else `~/.cache/trialledger`."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "trialledger"
