@@ -46,6 +46,7 @@ from trialledger.adapters.environment import (
     copy_tree,
     prepare_archive,
 )
+from trialledger.adapters.imagestore import ImageStore
 from trialledger.adapters.sandbox.cgroup import BUILD_PREFIX
 from trialledger.adapters.sandbox.slirp import RESOLVER
 
@@ -122,12 +123,12 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
             cache.remember(f"build-{key}", digest)
             if (found := cache.image(digest)) is not None:
                 return found
-            if cache.store is not None:  # the layers the store lacks, copied in below
+            if isinstance(cache.store, ImageStore):  # the layers it lacks, copied in below
                 exported = cache.store.export_built(box, work.inner / "layout",
                                                     work.outer / "layout", tag, WHAT)
             else:
                 archive = _save(box, work, tag)
-        if cache.store is not None:
+        if isinstance(cache.store, ImageStore):
             return cache.store.take(exported, digest, kind="image", ref="Dockerfile",
                                     what=WHAT)
         return prepare_archive(archive, "Dockerfile", cache, owner, digest=digest)

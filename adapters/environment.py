@@ -1,5 +1,6 @@
 """Task environments (docs/SPEC.md §12): images and root filesystems, prepared before any
-session and unpacked once per digest into a cache that sessions only read.
+session (adapters/prepare.py picks the way by the source) and unpacked once per digest
+into a cache that sessions only read.
 
 Sources (`task.toml` `[environment]`, at most one):
     docker_image = "REF"      podman or docker storage: `image inspect` + `save`; when missing,
@@ -37,15 +38,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from trialledger.adapters.places import default_cache_dir as default_cache_dir
 from trialledger.adapters.places import resolve_inside as resolve_inside
 from trialledger.adapters.places import within as within
 from trialledger.core.errors import TrialLedgerError
-
-if TYPE_CHECKING:
-    from trialledger.adapters.imagestore import ImageStore
 
 Kind = Literal["host", "image", "rootfs"]
 # What a Dockerfile build tells whoever waits on it (the live display): "waiting" for another
@@ -184,21 +182,30 @@ def _tool(argv: Sequence[str], what: str, *, timeout: float = TOOL_TIMEOUT_S,
     return done.stdout
 
 
+class HeldImages(Protocol):
+    """What a cache asks of the session image store (adapters/imagestore.py's `ImageStore`,
+    which is built on this module): an image by its digest, and one copied in."""
+
+    def environment(self, digest: str, *, kind: Kind, ref: str) -> Environment | None: ...
+
+    def take(self, source: str, digest: str, *, kind: Kind, ref: str, what: str,
+             env: dict[str, str] | None = None) -> Environment: ...
+
+
 class Cache:
     """Unpacked environments, one folder per digest and ownership, filled once under a
     file lock. A `plain` cache (range mode) holds the images' own ownership and setuid
     files: its folder must be root's alone (`check_plain_folder`)."""
 
     def __init__(self, folder: Path | None = None, *, plain: bool = False,
-                 store: ImageStore | None = None) -> None:
+                 store: HeldImages | None = None) -> None:
         self.folder = (folder or default_cache_dir()).absolute()
         self.plain = plain
         # (range mode) images are copied into the session image store and used from there
         # in place; the cache keeps root filesystems and its file → digest index
         if plain and store is None:
-            from trialledger.adapters.imagestore import ImageStore  # it builds on this module
-
-            store = ImageStore()
+            raise ValueError("a plain cache keeps its images in the session image store: "
+                             "imagestore.plain_cache makes one")
         self.store = store
 
     def image(self, digest: str) -> Environment | None:
@@ -499,28 +506,6 @@ def missing(ref: str, engine: str) -> str | None:
     return None
 
 
-def prepare_docker_image(source: Source, engine: str, cache: Cache, owner: int | None, *,
-                         pull: bool = False, force_build: bool = False,
-                         progress: Progress | None = None) -> Environment:
-    """A `docker_image` task (docs/SPEC.md §15): the image when the engine has it (pulled
-    first with `pull`); else, or always with `force_build`, built from the task's
-    environment/Dockerfile and tagged like any build, never with the image's name."""
-    ref = source.value
-    dockerfile = os.path.lexists(source.folder / "environment" / "Dockerfile")
-    absent = None if dockerfile and force_build else missing(ref, engine)
-    if dockerfile and (force_build or (absent is not None and not pull)):
-        built = _build(dataclasses.replace(source, kind="dockerfile", value="Dockerfile"),
-                       engine, cache, owner, pull=pull, progress=progress)
-        return dataclasses.replace(built, ref=f"Dockerfile (for {ref})")
-    if absent is not None and pull:
-        _tool([engine, "pull", ref], f"docker_image {ref}: pull failed")
-    elif absent is not None:
-        raise EnvironmentUnavailable(f"docker_image {ref}: not in {engine}'s local storage "
-                                     f"({absent}); --pull pulls it")
-    made = prepare_engine_image(ref, engine, cache, owner)
-    return dataclasses.replace(made, ref=ref, upload=_upload(source))
-
-
 def _upload(source: Source) -> Path | None:
     """The environment/ folder Harbor uploads onto the workdir of a prebuilt image's
     container: one that is not empty and holds no build spec (its `definition.py`)."""
@@ -672,44 +657,9 @@ def _inside_task(source: Source, *paths: str) -> Path:
     return found[0]
 
 
-def _build(source: Source, engine: str, cache: Cache, owner: int | None, *,
-           pull: bool = False, progress: Progress | None = None) -> Environment:
-    """environment/Dockerfile (or tests/Dockerfile: the source's `context`), built by the
-    build user (adapters/build.py); a `FROM` image missing from the build storage (and the
-    operator's) is pulled only with `pull`; `progress` hears what the build waits on and
-    the step it is at."""
-    from trialledger.adapters.build import prepare_dockerfile  # it builds on this module
-
-    _inside_task(source, source.context, f"{source.context}/Dockerfile")
-    return prepare_dockerfile(source, engine, cache, owner, pull=pull, progress=progress)
-
-
 def with_limits(source: Source | None, limits: Mapping[str, float]) -> Source | None:
     """`source` with its task's `pids` and `memory_mb`, which bound a build of it (§12)."""
     if source is None:
         return None
     return dataclasses.replace(source, pids=limits.get("pids"),
                                memory_mb=limits.get("memory_mb"))
-
-
-def prepare(source: Source | None, cache: Cache, *, owner: int | None,
-            engine: str | None = None, pull: bool = False, force_build: bool = False,
-            progress: Progress | None = None) -> Environment:
-    """Resolve, build and unpack a task's environment before any session is seeded (`pull`:
-    a missing `docker_image`, or a Dockerfile's missing `FROM` image, is pulled; `pull` and
-    `force_build`: what a missing or present `docker_image` gets, §15; `progress`: what a
-    Dockerfile build waits on and the step it is at, for the live display)."""
-    if source is None:
-        return HOST
-    if source.kind == "docker_image":
-        return prepare_docker_image(source, pick_engine(engine), cache, owner, pull=pull,
-                                    force_build=force_build, progress=progress)
-    if source.kind == "dockerfile":
-        made = _build(source, pick_engine(engine), cache, owner, pull=pull,
-                      progress=progress)
-    elif source.kind == "image_archive":
-        made = prepare_archive(_inside_task(source, source.value), source.value, cache, owner)
-    else:
-        made = prepare_rootfs(_inside_task(source, source.value), source.value, cache, owner)
-    # One entry serves every source of the same digest; the record names this task's.
-    return dataclasses.replace(made, ref=source.value)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from trialledger.adapters.environment import (
     TOOL_TIMEOUT_S,
+    Cache,
     Entry,
     Environment,
     EnvironmentUnavailable,
@@ -456,3 +457,8 @@ def _root_tool(argv: Sequence[str], what: str, *, cwd: Path | None = None,
         lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
         raise EnvironmentUnavailable(f"{what}: {(lines or [f'exit {done.returncode}'])[-1][-300:]}")
     return done.stdout
+
+
+def plain_cache(folder: Path | None = None) -> Cache:
+    """A cache for range mode: plain entries, its images in the session image store."""
+    return Cache(folder, plain=True, store=ImageStore())

@@ -138,7 +138,7 @@ class SessionRunner(AfterTheAgent):
     def __init__(self, ledger: Ledger, task: Task, options: RunOptions,
                  environment: Environment = HOST) -> None:
         self.ledger, self.task, self.options = ledger, task, options
-        self.environment = environment  # prepared before any session (environment.prepare)
+        self.environment = environment  # prepared before any session (prepare.prepare)
         if options.agent not in scripted.AGENTS:
             raise scripted.UnknownAgent(f"agent {options.agent!r}: expected one of "
                                         f"{', '.join(scripted.AGENTS)}")

@@ -36,10 +36,10 @@ from trialledger.adapters.environment import (
     _tool,
     missing,
     pick_engine,
-    prepare,
     prepare_engine_image,
     with_limits,
 )
+from trialledger.adapters.prepare import prepare
 from trialledger.adapters.taskconfig import (
     LIMITS,
     TaskInvalid,
@@ -194,7 +194,7 @@ def refuse_outside_range(task: TaskT, *, in_range: bool) -> TaskT:
 def prepare_task(task: OfATask, cache: Cache, *, owner: int | None, engine: str | None = None,
                  pull: bool = False, force_build: bool = False,
                  progress: Progress | None = None) -> Environment:
-    """The task's environment (`environment.prepare`) and, for a separate verifier, its
+    """The task's environment (`prepare.prepare`) and, for a separate verifier, its
     own as `verifier`: every image ready before any session is seeded."""
     made = prepare(with_limits(task.source, task.limits), cache, owner=owner, engine=engine,
                    pull=pull, force_build=force_build, progress=progress)

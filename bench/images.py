@@ -24,6 +24,7 @@ import anyio
 
 from tests import images
 from trialledger.adapters.environment import HOST, Cache, Environment, prepare_archive
+from trialledger.adapters.imagestore import plain_cache
 from trialledger.adapters.sandbox.identity import sandbox_user
 from trialledger.adapters.sandbox.local import LocalSandbox, bwrap_problem
 from trialledger.adapters.sandbox.rangemode import range_problem
@@ -97,8 +98,7 @@ def report(starts: int) -> None:
         unpack_s = time.perf_counter() - begin
         size_mb = sum(e.size for e in cache.entries()) / 1e6
         found_ms = [_second_process(archive, cache.folder) for _ in range(5)]
-        plain = (prepare_archive(archive, "image.tar", Cache(Path(work) / "plain",
-                                                             plain=True), None)
+        plain = (prepare_archive(archive, "image.tar", plain_cache(Path(work) / "plain"), None)
                  if range_problem() is None else None)
         host, image, in_range, container, checks = anyio.run(_starts, debian, plain, starts)
     print(f"{'sandbox start (probe)':<34} {'p50 ms':>8} {'p95 ms':>8}")

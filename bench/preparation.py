@@ -35,7 +35,7 @@ _LOCK = threading.Lock()
 # (module[:class], attribute, label): the steps timed; a missing one is skipped, so the same
 # table serves before and after a step is removed.
 STEPS: list[tuple[str, str, str]] = [
-    ("environment", "prepare", "preparation, whole"),
+    ("prepare", "prepare", "preparation, whole"),
     ("build", "_copy_base_images", "FROM images into the build storage"),
     ("build", "resolve_base", "FROM image ids"),
     ("build", "_image_id", "image ids (podman inspect)"),

@@ -38,8 +38,8 @@ from trialledger.adapters.environment import (
     EnvironmentUnavailable,
     Source,
     copy_tree,
-    prepare,
 )
+from trialledger.adapters.prepare import prepare
 from trialledger.adapters.sandbox.cgroup import BUILD_PREFIX
 
 LEAVE_CHROOT_C = r"""

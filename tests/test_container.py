@@ -24,7 +24,8 @@ from tests import images
 from tests.runs import make_task, read_shell, run_task
 from tests.test_range_mode import DOCKER_CAP_MASK, _debian_into, private_storage
 from trialledger.adapters.demo.endpoint import message, shell
-from trialledger.adapters.environment import Cache, prepare
+from trialledger.adapters.imagestore import plain_cache
+from trialledger.adapters.prepare import prepare
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.network import Network
@@ -81,7 +82,7 @@ async def _rootfs_run(tmp_path: Path, environment: str, command: str, *,
     _debian_into(task_dir)
     task = make_task(task_dir, test_sh=test_sh,
                      toml=f'[environment]\nrootfs = "rootfs.tar"\n{environment}')
-    env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
+    env = prepare(task.source, plain_cache(tmp_path / "cache"), owner=None)
     reply = read_shell(command) if yield_ms is None else shell(command, yield_ms=yield_ms)
     ran = await run_task(str(tmp_path / "t.db"), task, [reply, message()],
                          environment=env, settings=settings)
@@ -221,7 +222,7 @@ def entry_image(ref: str, entrypoint: str) -> str:
 async def _entry_run(tmp_path: Path, ref: str, test_sh: str) -> Any:
     task = make_task(tmp_path / "task", test_sh=test_sh,
                      toml=f'[environment]\ndocker_image = "{ref}"\n')
-    env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
+    env = prepare(task.source, plain_cache(tmp_path / "cache"), owner=None)
     return await run_task(str(tmp_path / "t.db"), task, [message()], environment=env)
 
 
@@ -401,7 +402,7 @@ async def test_what_the_agent_left_in_the_verifiers_logs_is_gone_before_it_runs(
     _debian_into(task_dir)
     task = make_task(task_dir, test_sh="exit 0\n", exit_code_reward=False,
                      toml='[environment]\nrootfs = "rootfs.tar"\n')
-    env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
+    env = prepare(task.source, plain_cache(tmp_path / "cache"), owner=None)
     plant = ("cd /logs/verifier && echo 1 > reward.txt && "
              "for n in $(seq 1 3000); do : > f$n; done; ls | wc -l; echo done")
     ran = await run_task(str(tmp_path / "t.db"), task, [read_shell(plant), message()],

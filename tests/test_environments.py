@@ -20,7 +20,8 @@ from tests.runs import make_task, read_shell, run_task
 from trialledger import cli
 from trialledger.adapters import environment as environments
 from trialledger.adapters.demo.endpoint import message, shell
-from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable, prepare
+from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable
+from trialledger.adapters.prepare import prepare
 from trialledger.adapters.sandbox.identity import sandbox_user
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.task import Task, TaskInvalid

@@ -27,7 +27,8 @@ from tests.test_environments import (  # the autouse fixture: the tests' own pod
 from trialledger import cli
 from trialledger.adapters import builder as builders
 from trialledger.adapters.demo.endpoint import message, shell
-from trialledger.adapters.environment import Cache, EnvironmentUnavailable, prepare
+from trialledger.adapters.environment import Cache, EnvironmentUnavailable
+from trialledger.adapters.prepare import prepare
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.task import Task
 

@@ -27,8 +27,9 @@ from tests.runs import make_task, run_task
 from tests.test_builds import LEAVE_CHROOT_C
 from trialledger import cli
 from trialledger.adapters.demo.endpoint import message, shell
-from trialledger.adapters.environment import Cache, Environment, Source, prepare
-from trialledger.adapters.imagestore import ImageStore, hold_view
+from trialledger.adapters.environment import Cache, Environment, Source
+from trialledger.adapters.imagestore import ImageStore, hold_view, plain_cache
+from trialledger.adapters.prepare import prepare
 
 pytestmark = pytest.mark.anyio
 
@@ -63,7 +64,7 @@ def private_storage(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _cache(tmp_path: Path) -> Cache:
-    return Cache(tmp_path / "cache", plain=True)  # range mode: the image store
+    return plain_cache(tmp_path / "cache")  # range mode: the image store
 
 
 def _built(folder: Path, dockerfile: str, tmp_path: Path) -> Environment:

@@ -1,8 +1,7 @@
 """Modules that import each other (issue 42's "no modules importing each other, lazily or
 not"): every import of one trialledger module by another — at the top, inside a function
 or under TYPE_CHECKING — read from the source, and the groups of modules that reach each
-other through them. The groups not yet taken apart are named below; a new group, or a
-module joining one, fails."""
+other through them: there is none, and a new one fails, naming its modules."""
 
 from __future__ import annotations
 
@@ -12,13 +11,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("adapters", "core", "store")
 
-# The group left, a layering still to take apart: the environments and the cache, the
-# Dockerfile builds and the session image store, which prepare and hold them (the cache
-# makes its image store, `prepare` dispatches to the build, both of which use its types).
-KNOWN = {
-    frozenset({"adapters.build", "adapters.buildbox", "adapters.builder",
-               "adapters.environment", "adapters.imagestore"}),
-}
 
 
 def modules() -> dict[str, Path]:
@@ -91,12 +83,10 @@ def groups(edges: dict[str, set[str]]) -> set[frozenset[str]]:
     return found
 
 
-def test_no_modules_import_each_other_beyond_the_groups_left() -> None:
+def test_no_modules_import_each_other() -> None:
     found = modules()
     edges = {name: imports(path, set(found)) - {name} for name, path in found.items()}
-    found_groups = groups(edges)
-    assert found_groups <= KNOWN, sorted(map(sorted, found_groups - KNOWN))
-    assert found_groups == KNOWN, "a group was taken apart: strike it from KNOWN"
+    assert not groups(edges), sorted(map(sorted, groups(edges)))
 
 
 def test_the_check_sees_a_cycle_a_lazy_import_makes() -> None:

@@ -21,7 +21,8 @@ from tests.test_builds import builder, containers, dockerfile_task, running, sti
 from trialledger.adapters import build
 from trialledger.adapters.buildbox import build_alive
 from trialledger.adapters.builder import Builder
-from trialledger.adapters.environment import Cache, prepare
+from trialledger.adapters.environment import Cache
+from trialledger.adapters.prepare import prepare
 from trialledger.adapters.sandbox import leftovers
 from trialledger.adapters.sandbox.cgroup import build_cgroups
 from trialledger.adapters.sandbox.local import LocalSandbox
@@ -64,7 +65,8 @@ def test_a_build_killed_with_its_runner_is_ended_by_the_next_recover(
     dockerfile_task(tmp_path / "task", f"FROM {base}\nRUN sleep {marker}\n")
     before = containers(builder)
     runner = (f"from pathlib import Path\n"
-              f"from trialledger.adapters.environment import Cache, Source, prepare\n"
+              f"from trialledger.adapters.environment import Cache, Source\n"
+              f"from trialledger.adapters.prepare import prepare\n"
               f"prepare(Source('dockerfile', 'Dockerfile', Path({str(tmp_path / 'task')!r}), "
               f"600), Cache(Path({str(tmp_path / 'cache')!r})), owner=None)\n")
     process = subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.DEVNULL,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.runs import in_process, make_task
-from trialledger.adapters.environment import Cache, EnvironmentUnavailable, prepare, within
+from trialledger.adapters.environment import Cache, EnvironmentUnavailable, within
+from trialledger.adapters.prepare import prepare
 from trialledger.adapters.task import Task, TaskInvalid
 
 CANARY = "canary-5d1c-host-folder"

@@ -23,7 +23,8 @@ from tests import images
 from tests.runs import make_task, run_task
 from trialledger import cli
 from trialledger.adapters.demo.endpoint import message, shell
-from trialledger.adapters.environment import Cache, prepare
+from trialledger.adapters.imagestore import plain_cache
+from trialledger.adapters.prepare import prepare
 from trialledger.adapters.sandbox import runc
 from trialledger.adapters.sandbox.idrange import DOCKER_CAPS, SLOT, reserved_range
 from trialledger.adapters.sandbox.local import LocalSandbox
@@ -245,7 +246,7 @@ async def test_range_mode_escape_suite_through_a_codex_tool_call(
     task_dir = tmp_path / "task"
     task = make_task(task_dir, test_sh="exit 0\n",
                      toml=f'[environment]\ndocker_image = "{ref}"\n')
-    env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
+    env = prepare(task.source, plain_cache(tmp_path / "cache"), owner=None)
     assert env.plain and env.uid == 1000
     ran = await run_task(str(tmp_path / "t.db"), task, [shell(ATTACK), message()],
                          environment=env, runtime=runtime)
@@ -280,7 +281,7 @@ async def test_inner_root_has_exactly_dockers_capabilities(
     task_dir.mkdir()
     _debian_into(task_dir)
     task = make_task(task_dir, test_sh="exit 0\n", toml='[environment]\nrootfs = "rootfs.tar"\n')
-    env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
+    env = prepare(task.source, plain_cache(tmp_path / "cache"), owner=None)
     ran = await run_task(str(tmp_path / "t.db"), task, [shell(ATTACK), message()],
                          environment=env, runtime=runtime)
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)

@@ -173,13 +173,14 @@ async def test_a_leases_extensions_reach_the_runc_containers_pid_1(
     extensions reach PID 1 (descriptor 3, `--preserve-fds`), and a lapse ends it."""
     import uuid
 
-    from trialledger.adapters.environment import Cache, prepare
+    from trialledger.adapters.imagestore import plain_cache
+    from trialledger.adapters.prepare import prepare
     from trialledger.adapters.sandbox.deadline import DeadManSwitch
     from trialledger.adapters.task import Task
 
     task = Task.load(setuid_task(tmp_path / "task"))
     assert task.source is not None
-    env = prepare(task.source, Cache(tmp_path / "cache", plain=True), owner=None)
+    env = prepare(task.source, plain_cache(tmp_path / "cache"), owner=None)
     switch = DeadManSwitch(1.0)
     sandbox = LocalSandbox(session_key=str(uuid.uuid4()), workdir="/work", environment=env,
                            lifetime="harbor", runtime="runc", switch=switch)

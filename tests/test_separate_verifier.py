@@ -23,6 +23,7 @@ from tests.test_range_mode import _as_root
 from trialledger.adapters.demo import samples
 from trialledger.adapters.demo.endpoint import message
 from trialledger.adapters.environment import Cache, Environment, EnvironmentUnavailable
+from trialledger.adapters.imagestore import plain_cache
 from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.sandbox.identity import sandbox_user
 from trialledger.adapters.sandbox.local import LocalSandbox
@@ -59,7 +60,7 @@ def private_storage() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Cache:
     """A plain cache (range mode), shared by the module's tests."""
-    return Cache(tmp_path_factory.mktemp("cache"), plain=True)
+    return plain_cache(tmp_path_factory.mktemp("cache"))
 
 
 def busybox_image(name: str, files: dict[str, str]) -> str:

@@ -17,7 +17,8 @@ import pytest
 from tests import images
 from tests.runs import make_task, run_task
 from trialledger.adapters.demo.endpoint import message
-from trialledger.adapters.environment import Cache, prepare
+from trialledger.adapters.environment import Cache
+from trialledger.adapters.prepare import prepare
 from trialledger.adapters.sandbox.identity import sandbox_user
 from trialledger.adapters.task import TaskInvalid
 

@@ -199,11 +199,12 @@ def environment_cache(args: argparse.Namespace) -> Any:
     """The environment cache sessions read: plain entries for range mode (a root runner
     after `setup`, the default sandbox user, bwrap), else rootless ones (single-id mode)."""
     from trialledger.adapters.environment import Cache
+    from trialledger.adapters.imagestore import plain_cache
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.sandbox.idrange import check_plain_folder
 
-    plain = range_mode(args)
-    cache = Cache(args.cache_dir, plain=plain)  # plain: images from the session image store
+    plain = range_mode(args)  # plain: images from the session image store
+    cache = plain_cache(args.cache_dir) if plain else Cache(args.cache_dir)
     if plain:
         try:
             check_plain_folder(cache.folder)

@@ -11,7 +11,7 @@ import functools
 import logging
 import os
 
-from trialledger.adapters.imagestore import idmapped_layers_problem
+from trialledger.adapters import imagestore
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.identity import SANDBOX_USER, ensure_init
 from trialledger.adapters.sandbox.idrange import (
@@ -57,7 +57,7 @@ def range_problem(runtime: str | None = None) -> str | None:
             problem = str(error)
         else:  # (sessions lay their overlay on the image store's layers, each idmapped)
             ids = reserved_range()
-            problem = idmapped_layers_problem(init, ids.start) if ids else None
+            problem = imagestore.idmapped_layers_problem(init, ids.start) if ids else None
     if problem is None and runtime != "bwrap":
         problem = _runtime_problem(runtime)
     if problem is not None:
