@@ -20,6 +20,9 @@ Earlier attempts stay inside their trial's folder: Harbor's resume deletes every
 subfolder without a `result.json`. A trial that never ran (its environment failed, no
 solution) still has a folder, with the reason as its exception. The folder is written
 beside DIR under a temporary name and renamed at the end: nothing is half-written.
+
+Over 500 lines on purpose: the folder's format is written and read back here, so the
+export and its import cannot drift apart.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ The JSONL form of an event is `{"type", "at", "data"}` plus the optional `sessio
 without its `type`, kept whole (unknown fields included); our own event types forbid
 unknown fields so a typo is an error, not silently dropped evidence. Reading them from
 JSONL (and upcasting an older schema) is core/parsing.py's.
+
+Over 500 lines on purpose: the schema is one idea, and every type, its data fields and its
+limits read together here (docs/SPEC.md §2 lists them in the same order).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@
 Every append runs through the core machine (its `outcome.decided` lands in the same
 transaction) after every string of its data is scrubbed with the session's secrets.
 Writes go through one `store.writer.Writer`, which group-commits concurrent appends.
+
+Over 500 lines on purpose: it is the store's public surface (SPEC §10), one method per
+operation, each a few lines over the writer, the reads and the projections it delegates to.
 """
 
 from __future__ import annotations
