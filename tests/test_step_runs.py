@@ -212,34 +212,26 @@ def test_a_killed_job_resumes_a_multi_step_trial_from_step_1_never_two_at_once(
     names the last one before), and no step of the killed attempt still runs once the
     resumed one starts — step sessions never overlap."""
     import os
-    import signal
     import subprocess
     import sys
     import time
+
+    from tests.test_leases import _sleeping
+    from tests.test_trial import killed_while_sleeping
 
     marker = f"7{os.getpid() % 1000}.{time.time_ns() % 10**6}"  # the sleep step two runs
     folder = three_steps(tmp_path / "data" / "multi")
     samples.executable(folder / "steps" / "two" / "solution" / "solve.sh",
                        f"sleep {marker}; cp given.txt two.txt\n")
     db = tmp_path / "t.db"
-    argv = [sys.executable, "-m", "trialledger.cli", "job", "run", "steps",
-            str(tmp_path / "data"), "--agent", "oracle", "--db", str(db)]
-    killed = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not sleeping(marker):
-            assert killed.poll() is None, killed.communicate()
-            assert time.monotonic() < deadline, "step two never started"
-            time.sleep(0.05)
-    finally:
-        killed.send_signal(signal.SIGKILL)
-        killed.wait(timeout=30)
+    argv = ["job", "run", "steps", str(tmp_path / "data"), "--agent", "oracle", "--db", str(db)]
+    killed_while_sleeping(*argv, marker=marker)
     samples.executable(folder / "steps" / "two" / "solution" / "solve.sh",
                        "cp given.txt two.txt\n")
-    resumed = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    resumed = subprocess.run([sys.executable, "-m", "trialledger.cli", *argv],
+                             capture_output=True, text=True, timeout=300, check=False)
     assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr
-    assert not sleeping(marker)  # the killed attempt's step is not left running
+    assert not _sleeping(marker)  # the killed attempt's step is not left running
     found = rows(db, "SELECT attempt, step_name, close_reason, outcome, created_at, "
                      "closed_at, retry_of, session_id FROM sessions ORDER BY created_at")
     assert [r[:3] for r in found] == [
@@ -251,16 +243,3 @@ def test_a_killed_job_resumes_a_multi_step_trial_from_step_1_never_two_at_once(
     shown = json.loads(in_process("job", "show", "steps", "--db", str(db), "--json").stdout)
     (trial,) = shown["trials"]
     assert trial["rewards"] == {"reward": pytest.approx(2.5 / 3)}
-
-
-def sleeping(marker: str) -> bool:
-    """Whether a `sleep MARKER` runs anywhere on this host (inside a sandbox)."""
-    wanted = f"sleep\0{marker}".encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().startswith(wanted):
-                    return True
-            except OSError:
-                continue
-    return False

@@ -38,6 +38,12 @@ def _killed_midway(task: Path, *argv: str, marker: str) -> None:
     """`trialledger ARGV` in its own process, SIGKILLed while its oracle sleeps: a runner
     that died holding its trial, the session left open."""
     _solve(task, f"sleep {marker}")
+    killed_while_sleeping(*argv, marker=marker)
+
+
+def killed_while_sleeping(*argv: str, marker: str) -> None:
+    """`trialledger ARGV` in its own process, SIGKILLed once a `sleep MARKER` runs (in
+    its sandbox)."""
     proc = subprocess.Popen([sys.executable, "-m", "trialledger.cli", *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
