@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -415,15 +416,20 @@ async def test_what_the_agent_left_in_the_verifiers_logs_is_gone_before_it_runs(
 
 
 def _kill_our_slirp(stop: threading.Event, killed: list[int]) -> None:
-    """SIGKILL the first slirp4netns this process starts (as an OOM killer might)."""
+    """SIGKILL the first slirp4netns this process starts (as an OOM killer might) once it
+    has run a second — mid-session, while the agent sleeps, not while the runner is still
+    setting it up (a kill then is a network that could not be set up: the session lost)."""
+    seen: dict[int, float] = {}
     while not stop.wait(0.05) and not killed:
         for pid in filter(str.isdigit, os.listdir("/proc")):
             with contextlib.suppress(OSError):
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 if int(fields[1]) == os.getpid() and \
                         Path(f"/proc/{pid}/comm").read_text().strip() == "slirp4netns":
-                    os.kill(int(pid), signal.SIGKILL)
-                    killed.append(int(pid))
+                    first = seen.setdefault(int(pid), time.monotonic())
+                    if time.monotonic() - first >= 1.0:
+                        os.kill(int(pid), signal.SIGKILL)
+                        killed.append(int(pid))
 
 
 async def test_a_slirp4netns_that_dies_mid_session_is_recorded_and_replaced(
