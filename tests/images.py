@@ -12,7 +12,6 @@ changed recipe builds afresh:
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import os
@@ -21,6 +20,8 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / ".images"
@@ -99,7 +100,7 @@ def storage_conf() -> Path:
     return conf
 
 
-@contextlib.contextmanager
+@contextmanager
 def private_storage() -> Iterator[None]:
     """For the block, every engine call (a test's and the runner's) uses the tests' own
     podman storage (`storage_conf`); the variable is restored after."""
@@ -112,6 +113,14 @@ def private_storage() -> Iterator[None]:
             del os.environ["CONTAINERS_STORAGE_CONF"]
         else:
             os.environ["CONTAINERS_STORAGE_CONF"] = before
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_private_storage() -> Iterator[None]:
+    """For a test module that imports it: every engine call (the tests' and the runner's)
+    uses the tests' own podman storage."""
+    with private_storage():
+        yield
 
 
 def _podman(*args: str) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,6 @@ import os
 import shutil
 import sqlite3
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import anyio
 import pytest
 
 from tests import images
+from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
 from tests.runs import make_task, read_shell, run_task
 from trialledger import cli
 from trialledger.adapters import environment as environments
@@ -33,13 +33,6 @@ DEBIAN_TEST = (f"grep -q {images.DEBIAN_MARKER} /etc/trialledger-marker && "
 GIT_WORK = ("git init -q /repo && cd /repo && git config user.email a@b && "
             "git config user.name a && echo hi > f && git add f && git commit -qm first && "
             "git log --oneline | wc -l > /committed.txt && cat /etc/trialledger-marker")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_storage() -> Iterator[None]:
-    """Every engine call (ours and the runner's) uses the tests' own podman storage."""
-    with images.private_storage():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,9 @@ from typing import Any
 import pytest
 
 from tests import images
+from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
 from tests.runs import make_task, run_task
-from tests.test_environments import (  # the autouse fixture: the tests' own podman storage
-    launched,
-    owner,
-    private_storage,  # noqa: F401
-    tool_output,
-)
+from tests.test_environments import launched, owner, tool_output
 from trialledger import cli
 from trialledger.adapters import builder as builders
 from trialledger.adapters.demo.endpoint import message, shell

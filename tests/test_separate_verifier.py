@@ -10,7 +10,6 @@ import io
 import json
 import os
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import anyio
 import pytest
 
 from tests import images
+from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
 from tests.runs import in_process, make_task, read_shell, run_task
 from tests.test_range_mode import _as_root
 from trialledger.adapters.demo import samples
@@ -48,13 +48,6 @@ WRITES = ("echo declared > /work/out.txt; echo hidden > /work/undeclared.txt; "
 SOLVE = f"#!/bin/sh\n{WRITES}\n"
 DAEMON = "4242"  # the argument that names the daemon the agent leaves behind
 KINDS = ["task_env", "docker_image", "tests_dockerfile"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_storage() -> Iterator[None]:
-    """Every engine call (ours and the runner's) uses the tests' own podman storage."""
-    with images.private_storage():
-        yield
 
 
 @pytest.fixture(scope="module")
