@@ -81,6 +81,7 @@ class Source:
     pids: float | None = None  # the task's `pids`: a build's pids.max when above 4,096
     memory_mb: float | None = None  # the task's `memory_mb`: a build's memory limit
     context: str = "environment"  # a Dockerfile's folder (a separate verifier's: tests)
+    build_args: Mapping[str, str] = field(default_factory=dict)  # a compose service's `args`
 
     @property
     def path(self) -> Path:
@@ -108,12 +109,15 @@ class Environment:
     upload: Path | None = None
     plain: bool = False  # the image's own ownership (range mode), else rootless
     entrypoint: tuple[str, ...] = ()  # the image's ENTRYPOINT (a container's PID 1 runs it)
+    cmd: tuple[str, ...] = ()  # (range mode) the image's CMD, a compose service's command
     # (range mode) the image's layer folders in the session image store, top first: each
     # mounted idmapped onto the session's slot, its overlay over them; `root` is then the
     # store's read-only view of them merged (adapters/imagestore.py)
     layers: tuple[Path, ...] = ()
     # A task's separate verifier's own (docs/SPEC.md §17; adapters/verifiermode.py)
     verifier: Environment | None = None
+    # A compose task's other services' images, by name (adapters/compose.py, §17)
+    services: tuple[tuple[str, Environment], ...] = ()
 
     def record(self) -> dict[str, Any]:
         """`agent.launched.environment`."""

@@ -179,7 +179,8 @@ class ImageStore:
         record = {"digest": digest, "ref": ref, "layers": ids, "size": sum(sizes[i] for i in ids),
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": {
             "Env": inner.get("Env") or [], "WorkingDir": inner.get("WorkingDir") or "",
-            "User": inner.get("User") or "", "Entrypoint": inner.get("Entrypoint") or []}}
+            "User": inner.get("User") or "", "Entrypoint": inner.get("Entrypoint") or [],
+            "Cmd": inner.get("Cmd") or []}}
         scratch = self.folder / "meta" / f".{_hex(digest)}.json"
         scratch.write_text(json.dumps(record), encoding="utf-8")
         os.replace(scratch, self.folder / "meta" / f"{_hex(digest)}.json")
@@ -215,8 +216,11 @@ class ImageStore:
         folders = self.layer_folders(digest)
         if folders is None:
             return None
-        record = json.loads((self.folder / "meta" / f"{_hex(digest)}.json").read_text(
-            encoding="utf-8"))
+        meta = self.folder / "meta" / f"{_hex(digest)}.json"
+        record = json.loads(meta.read_text(encoding="utf-8"))
+        if "Cmd" not in record["config"]:  # recorded before CMD was (a compose service's)
+            self._record(digest, record["ref"], f"image {ref}")
+            record = json.loads(meta.read_text(encoding="utf-8"))
         view = self._view_of(digest, folders)
         config = record["config"]
         env = tuple(tuple(item.split("=", 1)) for item in config["Env"] if "=" in item)
@@ -235,6 +239,7 @@ class ImageStore:
                            env=tuple((k, v) for k, v in env),
                            workdir=config["WorkingDir"] or "/", uid=user.uid, gid=user.gid,
                            home=home, plain=True, entrypoint=tuple(str(a) for a in entrypoint),
+                           cmd=tuple(str(a) for a in config["Cmd"] or ()),
                            layers=tuple(folders))
 
     # --- views: mounted while held -------------------------------------------------------

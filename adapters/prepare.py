@@ -80,4 +80,5 @@ def _build(source: Source, engine: str, cache: Cache, owner: int | None, *,
     operator's) is pulled only with `pull`; `progress` hears what the build waits on and
     the step it is at."""
     _inside_task(source, source.context, f"{source.context}/Dockerfile")
-    return prepare_dockerfile(source, engine, cache, owner, pull=pull, progress=progress)
+    return prepare_dockerfile(source, engine, cache, owner, pull=pull, progress=progress,
+                              build_args=source.build_args)

@@ -341,6 +341,7 @@ class SessionRunner(AfterTheAgent):
             lifetime=str(settings_raw["verifier_isolation"]),
             task_env=self.task.env,
             allowed_hosts=self.task.allowed_hosts,
+            compose=self.task.compose,
             network_modes=({"healthcheck": modes["environment"], "agent": modes["agent"],
                             "verifier": modes["verifier"]}
                            if (modes := self.task.network_modes) else None),
@@ -588,6 +589,8 @@ class SessionRunner(AfterTheAgent):
             *([{"type": "gap.recorded", "at": now(), "data": survived}] if survived else []),
             *([{"type": "gap.recorded", "at": now(),
                 "data": {"code": "network_lost", "detail": lost}}] if lost else []),
+            *({"type": "gap.recorded", "at": now(), "data": gap}
+              for gap in sandbox.services_exited()),
             {"type": "cleanup.reported", "at": now(),
              "data": {"confirmed": report.confirmed, "error": report.error}}])
 

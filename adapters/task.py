@@ -6,6 +6,8 @@
                      [environment] one of docker_image / image_archive / rootfs (§12),
                      pids, [metadata.trialledger] reward_from_exit_code, no_new_privileges
     environment/Dockerfile  optional: the task's image, built when no source is named
+    environment/docker-compose.yaml  optional: the session's other services
+                     (adapters/compose.py, §17)
     workspace/       optional: copied into a fresh workdir
     tests/test.sh    the verifier (a separate verifier's image may hold its own, §17;
                      tests/Dockerfile builds that image: adapters/verifiermode.py)
@@ -17,12 +19,13 @@ is checked to stay inside the folder, so a link never leads a task to a host fol
 
 from __future__ import annotations
 
-import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trialledger.adapters.compose import Compose
+from trialledger.adapters.compose import load as load_compose
 from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source, SourceKind, within
 from trialledger.adapters.healthcheck import Healthcheck
 from trialledger.adapters.mcpservers import McpServers
@@ -46,7 +49,7 @@ from trialledger.adapters.taskconfig import TaskInvalid as TaskInvalid
 from trialledger.adapters.taskconfig import UnsupportedField as UnsupportedField
 from trialledger.adapters.taskconfig import is_task_folder as is_task_folder
 from trialledger.adapters.taskenv import EnvUnresolved, ResolvedEnv, resolve
-from trialledger.adapters.taskfiles import check_task_file, read_task_text
+from trialledger.adapters.taskfiles import read_task_text
 from trialledger.adapters.tasksteps import Step, StepInvalid, load_steps, reward_strategy
 from trialledger.adapters.verifiermode import SeparateVerifier
 from trialledger.adapters.verifiermode import parse as parse_separate
@@ -97,6 +100,7 @@ class Task:
     separate_verifier: SeparateVerifier | None = None
     steps: tuple[Step, ...] = ()  # [[steps]] (docs/SPEC.md §17): none for a one-step task
     reward_strategy: Strategy = "mean"  # multi_step_reward_strategy: the trial's reward
+    compose: Compose | None = None  # environment/docker-compose.yaml's services (§17)
 
     def unhonoured(self, in_range: bool) -> dict[str, str]:
         """Every field of the task a runner warns about → why: `ignored_fields`, plus the
@@ -133,7 +137,6 @@ class Task:
         # A multi-step task's prompts are its steps' (Harbor reads no root instruction.md)
         prompt = read_task_text(folder, "instruction.md", max_bytes) \
             if instruction.is_file() else ""
-        check_task_file(folder, COMPOSE, max_bytes)  # refused below, by size first
         environment, modes, ignored = _fields(meta, folder)
         settings = _settings(meta, environment, folder)
         tests = folder / "tests"
@@ -152,6 +155,11 @@ class Task:
         limits = _limits(environment, folder)
         separate = _separate(meta, folder, environment, limits, tables["environment"].values,
                              source)
+        composed = load_compose(folder, max_bytes, tables["environment"].values,
+                                float(environment.get("build_timeout_sec", BUILD_TIMEOUT_S)))
+        if composed is not None and source is None:
+            raise UnsupportedField(f"{folder / COMPOSE}: a compose environment needs the "
+                                   f"task's image (environment/Dockerfile or docker_image)")
         return cls(
             allowed_hosts=(AllowList.parse(allowed, str(folder / "task.toml"))
                            if allowed is not None else None),
@@ -172,7 +180,8 @@ class Task:
             solution_env=tables["solution"].values,
             secrets=(*(secret for table in tables.values() for secret in table.secrets),
                      *servers.secrets, *(separate.secrets if separate else ()),
-                     *(secret for step in steps for secret in step.secrets)),
+                     *(secret for step in steps for secret in step.secrets),
+                     *(composed.secrets if composed else ())),
             mcp_servers=servers,
             allow_internet=modes["agent"] == "public",  # (a container switches per phase)
             network_modes=modes,
@@ -182,8 +191,10 @@ class Task:
             separate_verifier=separate,
             ignored_fields=dict(sorted({**ignored, **servers.ignored, **warned, **unknown,
                                         **(separate.ignored if separate else {}),
-                                        **step_ignored}.items())),
+                                        **step_ignored,
+                                        **(composed.ignored if composed else {})}.items())),
             steps=steps,
+            compose=composed,
             reward_strategy=reward_strategy(meta, str(folder / "task.toml")),
             reward_from_exit_code=_flag(meta.get("metadata", {}).get("trialledger", {}),
                                         "reward_from_exit_code", folder, default=False,
@@ -270,9 +281,6 @@ def _fields(meta: dict[str, Any], folder: Path
     legacy sizes read, each phase's network mode, and the warned fields, sorted."""
     where = str(folder / "task.toml")
     ignored = review(meta, where)
-    if os.path.lexists(folder / COMPOSE):
-        raise UnsupportedField(f"{folder / COMPOSE}: multi-container (Docker Compose) tasks "
-                               f"are not supported here")
     modes, legacy_internet = network_modes(meta, where)
     environment, legacy_size = legacy_sizes(meta.get("environment", {}), where)
     ignored = {**ignored, **legacy_internet, **legacy_size}

@@ -87,7 +87,7 @@ def _hook(raw: Any, index: int, where: str, warned: dict[str, str]) -> CollectHo
                           f"service name (letters, digits, '_', '.', '-')")
     if service.strip() != MAIN_SERVICE:
         raise UnsupportedField(f"{where}: {named} service = {service.strip()!r}: only the "
-                               f"main service exists here (no compose environments)")
+                               f"main service's hooks run here (a compose service's: not yet)")
     timeout = raw.get("timeout_sec", DEFAULT_TIMEOUT_S)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or not math.isfinite(timeout) or timeout <= 0:

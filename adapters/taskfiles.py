@@ -1,5 +1,5 @@
 """Files of a task folder the loader reads whole (docs/tasks.md "Sizes"): `task.toml`,
-`instruction.md`, and the compose file it refuses, each capped by the run's or job's
+`instruction.md` and `environment/docker-compose.yaml`, each capped by the run's or job's
 `task_file_max_bytes` (docs/SPEC.md §5).
 
 A file is opened without following a link in its last component, its size taken from
@@ -90,18 +90,3 @@ def read_task_text(folder: Path, relative: str, limit: int) -> str:
         return read_task_file(folder, relative, limit).decode("utf-8")
     except UnicodeDecodeError as error:
         raise TaskInvalid(f"{folder / relative}: not UTF-8 text (byte {error.start})") from None
-
-
-def check_task_file(folder: Path, relative: str, limit: int) -> None:
-    """`TaskFileTooLarge` when a file the loader refuses unread is over `limit` (its size
-    from `fstat`: nothing is read); nothing when it is not a regular file or is missing."""
-    try:
-        fd, shown = _open(folder, relative)
-    except TaskInvalid:
-        return  # not this rule's to refuse: the caller's refusal names it
-    try:
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-    if size > limit:
-        raise _too_large(shown, size, limit)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from trialledger.adapters.compose import FILE as COMPOSE_FILE
+from trialledger.adapters.compose import Compose, Service
 from trialledger.adapters.environment import (
     BUILD_TIMEOUT_S,
     Cache,
@@ -175,6 +177,9 @@ class OfATask(Protocol):
     @property
     def separate_verifier(self) -> SeparateVerifier | None: ...
 
+    @property
+    def compose(self) -> Compose | None: ...
+
 
 TaskT = TypeVar("TaskT", bound=OfATask)
 
@@ -188,6 +193,10 @@ def refuse_outside_range(task: TaskT, *, in_range: bool) -> TaskT:
             f"{task.folder / 'task.toml'}: {task.separate_verifier.named}: a separate verifier "
             f"needs range mode (a root runner after setup, under bwrap), which this run does "
             f"not have")
+    if task.compose is not None and not in_range:
+        raise UnsupportedField(
+            f"{task.folder / COMPOSE_FILE}: a compose environment needs range mode (a root "
+            f"runner after setup, on an OCI runtime), which this run does not have")
     return task
 
 
@@ -198,6 +207,11 @@ def prepare_task(task: OfATask, cache: Cache, *, owner: int | None, engine: str 
     own as `verifier`: every image ready before any session is seeded."""
     made = prepare(with_limits(task.source, task.limits), cache, owner=owner, engine=engine,
                    pull=pull, force_build=force_build, progress=progress)
+    if task.compose is not None:
+        made = dataclasses.replace(made, services=tuple(
+            (service.name, _service_image(service, cache, owner, engine=engine, pull=pull,
+                                          progress=progress))
+            for service in task.compose.others))
     separate = task.separate_verifier
     if separate is None:
         return made
@@ -214,6 +228,21 @@ def prepare_task(task: OfATask, cache: Cache, *, owner: int | None, engine: str 
     except EnvironmentUnavailable as error:
         raise EnvironmentUnavailable(f"{what}: {error}") from None
     return dataclasses.replace(made, verifier=mine)
+
+
+def _service_image(service: Service, cache: Cache, owner: int | None, *,
+                   engine: str | None, pull: bool, progress: Progress | None) -> Environment:
+    """A compose service's image: built from its context, else its `image` from the
+    engine's storage (pulled only with `pull`)."""
+    assert service.source is not None
+    try:
+        if service.source.kind == "docker_image":
+            return _engine_image(service.source.value, pick_engine(engine), cache, owner,
+                                 pull=pull)
+        return prepare(service.source, cache, owner=owner, engine=engine, pull=pull,
+                       progress=progress)
+    except EnvironmentUnavailable as error:
+        raise EnvironmentUnavailable(f"compose service {service.name}: {error}") from None
 
 
 def _engine_image(ref: str, engine: str, cache: Cache, owner: int | None, *, pull: bool

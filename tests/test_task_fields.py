@@ -26,7 +26,8 @@ CHECK = "grep -qx solved answer.txt\n"
 
 ROOTFS = "[environment]\nrootfs = 'rootfs.tar'\n"  # an image task (an empty root)
 
-# (task.toml, the field the refusal names); "compose" writes environment/docker-compose.yaml,
+# (task.toml, the field the refusal names); "compose" writes environment/docker-compose.yaml
+# (on a host task: refused, it needs the task's image),
 # "verifier-compose" tests/docker-compose.yaml under a separate verifier
 REFUSED = [
     ("[environment]\ngpus = 1\n", "[environment] gpus"),
@@ -50,7 +51,7 @@ REFUSED = [
     (f"{ROOTFS}[verifier.environment]\ngpus = 1\n", "[verifier.environment] gpus"),
     (f"{ROOTFS}[verifier.environment]\nos = 'windows'\n", "[verifier.environment] os"),
     ("verifier-compose", "tests/docker-compose.yaml"),
-    # honoured (tests/test_collect_hooks.py), but no compose service exists beside main
+    # honoured (tests/test_collect_hooks.py) in main; a compose service's hooks: not yet
     ("[[verifier.collect]]\ncommand = 'true'\nservice = 'db'\n",
      "[[verifier.collect]] 1 service = 'db'"),
     ("[[artifacts]]\nsource = '/data/db.sql'\nservice = 'db'\n", "artifacts"),

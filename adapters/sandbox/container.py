@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import anyio
 
+from trialledger.adapters.compose import Condition, Service
 from trialledger.adapters.places import resolve_inside
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.base import (
@@ -64,6 +65,7 @@ from trialledger.adapters.sandbox.ocifilter import docker_filter
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import pids_in_namespace
 from trialledger.adapters.sandbox.runc import RuncContainer
+from trialledger.adapters.sandbox.services import Services
 from trialledger.adapters.sandbox.slirp import Slirp, injected_files, start_slirp
 
 # The capability numbers of linux/capability.h for the names range mode grants.
@@ -237,6 +239,9 @@ class ContainerPhases(SessionLayout):
     incoming: list[tuple[Path, str]]  # staged copies placed before the verifier (bring_in)
     no_new_privileges: bool  # (runc) a task's `[metadata.trialledger]` asks for it
     _runc: RuncContainer | None  # the container's runc, when it runs under runc
+    services: Services | None  # (a compose task) its other services, started before it
+    compose_needs: dict[str, Condition]  # (a compose task) what main's depends_on waits for
+    shares: tuple[Any, Service] | None  # (a compose service's own) the session's, its service
 
     if TYPE_CHECKING:  # LocalSandbox's: spawning, and the verifier's parts
         def owner(self, role: Role = "agent") -> tuple[int, int]: ...
@@ -284,10 +289,13 @@ class ContainerPhases(SessionLayout):
         if self.runs_as.switches:
             os.chown(logs, *self.owner("verifier"))
         assert self.image is not None  # harbor runs image and rootfs sessions only
-        self._prepare_layer(resolver="public" in self.phase_modes.values()
-                            or self.allowed_hosts is not None)
-        run = await self._spawn(entry_command(self.image.entrypoint, INIT_INSIDE),
-                                env=self._container_env(),
+        if self.services is not None:  # (what the session's container depends on, first)
+            await self.services.start(self.compose_needs)
+        self._prepare_layer(resolver=self._resolves)
+        command = (self.shares[1].argv(self.image.entrypoint, self.image.cmd)
+                   if self.shares is not None
+                   else entry_command(self.image.entrypoint, INIT_INSIDE))
+        run = await self._spawn(command, env=self._container_env(),
                                 role="container", verifier_logs=logs)
         info = await anyio.to_thread.run_sync(run.info)
         pid, namespace = info.get("child-pid"), info.get("pid-namespace")
@@ -297,16 +305,69 @@ class ContainerPhases(SessionLayout):
             self.container = await Container.attach(run, pid, namespace)
             net = info.get("net-namespace")
             self._net_namespace = net if isinstance(net, int) else None
-        except BaseException:
+        except BaseException as error:
             if self.slirp is not None:
                 await self.slirp.stop()
                 self.slirp = None
             if self.container is not None:
                 self.container.release()
                 self.container = None
+            if isinstance(error, ContainerFailed):
+                await self._note_end(run)
             await run.aclose()
             raise
         return self.container
+
+    @property
+    def _resolves(self) -> bool:
+        """Whether some phase of the session is connected outward (its resolver answers):
+        a service's session decides for it."""
+        session = self.shares[0] if self.shares is not None else self
+        return "public" in session.phase_modes.values() or session.allowed_hosts is not None
+
+    @property
+    def _neighbours(self) -> list[str]:
+        """The compose services' names, each at 127.0.0.1 in every container's
+        /etc/hosts (they share one network namespace)."""
+        session = self.shares[0] if self.shares is not None else self
+        return session.services.names if session.services is not None else []
+
+    async def start_service(self) -> int | None:
+        """(a compose service's sandbox) its container started: None while it runs, its
+        exit code when it ended as it started (OSError: it could not start)."""
+        try:
+            await self._ensure_container()
+        except ContainerFailed:
+            if self.ended_code is not None:
+                return self.ended_code
+            raise
+        return None
+
+    ended_code: int | None = None  # a container that ended as it started: its exit code
+
+    def services_exited(self) -> list[dict[str, str]]:
+        """Gap `service_exited` for each compose service that ended while the session ran
+        (each once; one whose end `main` waited for is none)."""
+        if self.services is None:
+            return []
+        return [{"code": "service_exited", "detail": f"compose service {name} exited with "
+                                                      f"{code}"}
+                for name, code in self.services.exited()]
+
+    async def _note_end(self, run: LocalRun) -> None:
+        """Keep the exit code of a container that ended as it started (runc's is its PID
+        1's: a compose service that completed at once)."""
+        with anyio.move_on_after(READY_S):
+            await run.process.wait()
+        self.ended_code = run.process.returncode
+
+    def service_exit(self) -> int | None:
+        """(a compose service's sandbox) its container's exit code once it ended."""
+        if self.container is None:
+            return self.ended_code
+        if self.container.lost() is None:
+            return None
+        return self.container.run.process.returncode
 
     async def _connect(self) -> None:
         """slirp4netns started on the container's network (OSError: it could not be)."""
@@ -325,6 +386,8 @@ class ContainerPhases(SessionLayout):
         `no-network` without either (the tap device goes with slirp4netns). A process left
         running from an earlier phase finds the network the phase it runs beside has."""
         assert self.container is not None
+        if self.shares is not None:  # a compose service's: the session's container's to set
+            return
         mode = self.phase_modes.get(phase, "no-network")
         if mode == "no-network" and self.slirp is not None:  # cut off before the rules go
             await self.slirp.stop()
@@ -397,7 +460,8 @@ class ContainerPhases(SessionLayout):
         owner = self._root_owner if self.runs_as.switches else None
         if owner is not None:
             os.chown(etc, *owner)
-        for path, content in injected_files(self.marker, resolver=resolver).items():
+        for path, content in injected_files(self.marker, resolver=resolver,
+                                            neighbours=self._neighbours).items():
             target = self.root / "upper" / path.lstrip("/")
             with contextlib.suppress(FileNotFoundError):
                 target.unlink()
@@ -494,6 +558,8 @@ class ContainerPhases(SessionLayout):
             await self.container.stop()
         if self._runc is not None:  # a runc killed at the end leaves its container
             await anyio.to_thread.run_sync(self._runc.delete)
+        if self.services is not None:
+            await self.services.close()
 
     async def _disconnect(self) -> None:
         """The egress proxy and slirp4netns stopped (idempotent)."""

@@ -992,6 +992,9 @@ int main(int argc, char **argv) {
         else
             snprintf(line, sizeof line, "{\"exit\": %d%s}\n", WEXITSTATUS(wstatus), gone);
         report(status_fd, line);
+        if (lifeline_fd >= 0) /* a container's PID 1 (runc): its exit is its command's, as
+                                 Docker reports a container's (a compose service's end) */
+            return WIFSIGNALED(wstatus) ? 128 + WTERMSIG(wstatus) : WEXITSTATUS(wstatus);
         return 0;
     }
 }

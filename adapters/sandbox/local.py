@@ -38,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from typing import Any
 import anyio
 
 from trialledger.adapters.codex.install import CodexInstall
+from trialledger.adapters.compose import Compose, Service
 from trialledger.adapters.environment import HOST, Environment, resolve_inside
 from trialledger.adapters.imagestore import ViewHold, hold_view
 from trialledger.adapters.sandbox import runc as runtimes
@@ -104,6 +106,7 @@ from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import kill_marked, pids_in_namespace
 from trialledger.adapters.sandbox.runc import RuncContainer
 from trialledger.adapters.sandbox.runclaunch import RuncLaunch
+from trialledger.adapters.sandbox.services import Services
 from trialledger.adapters.sandbox.slirp import RESOLVER, Slirp, hostname_of, slirp_problem
 
 log = logging.getLogger(__name__)
@@ -173,6 +176,8 @@ class LocalSandbox(RuncLaunch):
         network_modes: Mapping[str, str] | None = None,
         runtime: str | None = None,
         no_new_privileges: bool = False,
+        compose: Compose | None = None,
+        shares: tuple[LocalSandbox, Service] | None = None,
     ) -> None:
         self.workdir = workdir
         self.environment = environment
@@ -255,15 +260,25 @@ class LocalSandbox(RuncLaunch):
         self.range: RangeIds | None = None
         self.users = dict(users or {})  # phase → its `user` (range mode honours them)
         self.switch = switch  # a job trial's lease: every process killed once it lapses
+        # (a compose service's sandbox) the session's it shares a slot, user and network
+        # namespaces and cgroups with, and the service it runs (adapters/sandbox/services.py)
+        self.shares = shares
+        self.services: Services | None = None  # (a compose task) the other services
+        self.compose_needs = dict(compose.main.depends_on) if compose is not None else {}
         making = None  # (range mode) the session's user namespace, begun first
         try:
             if self.image is not None:  # read through its view while the session lives
                 self._view = hold_view(self.image)
-            if self.image is not None and self.image.plain:
-                making = self._begin_range()
-            self.cgroup, self.limits_reason = hold(self.limits, self.root.name)
+            if shares is not None:
+                self.range, self.cgroup = self._shared_range(*shares), shares[0].cgroup
+            else:
+                if self.image is not None and self.image.plain:
+                    making = self._begin_range()
+                self.cgroup, self.limits_reason = hold(self.limits, self.root.name)
             if making is not None:
                 self.range, making = self._take_range(making), None
+            if compose is not None and compose.others:
+                self.services = self._compose_services(compose)
             if self.on_runc and not has_program(self.runtime or ""):
                 raise SandboxRefused(f"--runtime {self.runtime}: {self.runtime} is not "
                                      f"installed (apt-get install {self.runtime})")
@@ -363,6 +378,40 @@ class LocalSandbox(RuncLaunch):
         users = {role: resolved[spec] for role, spec in specs.items()}
         userns = making.finish()
         return RangeIds(making.slot, userns, users, making.net_fd)
+
+    def _shared_range(self, session: LocalSandbox, service: Service) -> RangeIds:
+        """A compose service's range ids: the session's slot and namespaces, its users the
+        service's `user` (else its image's), read from its own image."""
+        assert self.image is not None and self.image.root is not None
+        if session.range is None or not session.on_runc:
+            raise SandboxRefused("a compose service runs only beside a range-mode session's "
+                                 "container on an OCI runtime")
+        user = resolve_user(self.image.root, service.user, (self.image.uid, self.image.gid))
+        return RangeIds(session.range.slot, session.range.userns_fd,
+                        dict.fromkeys(("agent", "probe", "verifier", "container"), user),
+                        session.range.netns_fd)
+
+    def _compose_services(self, compose: Compose) -> Services:
+        """The other services of a compose task, each made (when it starts) as a sandbox
+        sharing this one's (services.py)."""
+        if self.range is None or not self.on_runc or self.lifetime != "harbor":
+            raise SandboxRefused("a compose environment needs range mode on an OCI runtime "
+                                 "(runc) and verifier_isolation = harbor")
+        images = dict(self.environment.services)
+        missing = [s.name for s in compose.others if s.name not in images]
+        if missing:
+            raise SandboxRefused(f"compose service {missing[0]}: no image was prepared for it "
+                                 f"(verifiermode.prepare_task prepares it)")
+
+        def make(service: Service) -> LocalSandbox:
+            image = images[service.name]
+            return LocalSandbox(
+                session_key=str(uuid.uuid4()), workdir=service.working_dir or image.workdir,
+                environment=image, runtime=self.runtime, lifetime="harbor",
+                no_new_privileges=self.no_new_privileges, sandbox_uid=self.user.uid,
+                task_env=service.env, switch=self.switch, shares=(self, service),
+                network_modes=self.phase_modes)
+        return Services([s for s in compose.services if s.name != "main"], make)
 
     @property
     def _wants_runc(self) -> bool:
@@ -831,9 +880,11 @@ class LocalSandbox(RuncLaunch):
                 with contextlib.suppress(OSError):
                     os.close(self._lifeline)
                 self._lifeline = None
-            if self.cgroup is not None:
-                self.cgroup.remove()
-                self.cgroup = None
+            if self.services is not None:  # their containers, in the cgroup removed below
+                self.services.discard()
+            if self.cgroup is not None and self.shares is None:  # (a service's is the
+                self.cgroup.remove()  # session's)
+            self.cgroup = None
             try:
                 remove_lock_last(self.root)
             finally:
@@ -844,13 +895,14 @@ class LocalSandbox(RuncLaunch):
             if self._view is not None:  # unmounted unless another session holds it
                 self._view.release()
                 self._view = None
-            if self.range is not None:  # the slot is free once the folder is gone
+            if self.range is not None and self.shares is None:  # the slot is free once
+                # the folder is gone (a service's are the session's)
                 for fd in (self.range.userns_fd, self.range.netns_fd):
                     if fd is not None:
                         with contextlib.suppress(OSError):
                             os.close(fd)
                 self.range.slot.release()
-                self.range = None
+            self.range = None
 
 
 def _minimal_env() -> dict[str, str]:

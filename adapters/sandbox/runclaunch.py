@@ -132,7 +132,9 @@ class RuncLaunch(ContainerPhases):
                     await self.network.open_inside(pid)  # before any phase joins
                 except FileNotFoundError:  # (PID 1 gone meanwhile: its /proc/PID/ns/net)
                     raise ContainerFailed("the container stopped as it started") from None
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, ContainerFailed):
+                await self._note_end(run)
             await run.aclose()
             await anyio.to_thread.run_sync(runc.delete)
             os.close(self._lifeline)

@@ -1,0 +1,358 @@
+"""A task's compose environment (`environment/docker-compose.yaml`; docs/SPEC.md §17,
+docs/tasks.md "Compose environments"), read as Harbor's docker environment merges it over
+its own `main` service (the task's image, `sh -c "sleep infinity"`).
+
+Every other service is a container of the session, its image built from its `build`
+context (inside `environment/`) or taken from the engine's storage (`image`); each key is
+honoured, ignored with a reason (warned), or refused by name (`UnsupportedField`):
+- every service: `environment`, `depends_on` (a list, or conditions `service_started`,
+  `service_healthy`, `service_completed_successfully`), ignored `container_name`,
+  `expose`, `tty`, `stdin_open`, `labels`, `pull_policy`, `restart`;
+- a service other than `main`: `image`, `build` (a context, or `context` and `args`),
+  `command`, `entrypoint`, `working_dir`, `user`, `healthcheck` (Docker's `test` forms,
+  its durations and defaults);
+- `main`: its image, command, working directory and user are the task's (`[environment]`,
+  `[agent] user`), so those keys are refused on it.
+Values are interpolated as Compose does (`$$`, `$NAME`, `${NAME}`, `${NAME:-default}`,
+`${NAME-default}`) from the task's `[environment] env`, then the operator's environment
+(Harbor's compose process has both); a value taken from the operator's environment is a
+secret. The top level's `services` is read; `version`, `name` and `x-` keys are ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import yaml
+
+from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source
+from trialledger.adapters.healthcheck import Healthcheck
+from trialledger.adapters.places import within
+from trialledger.adapters.taskconfig import MAIN_SERVICE, TaskInvalid, UnsupportedField
+from trialledger.adapters.taskfiles import read_task_text
+
+FILE = "environment/docker-compose.yaml"
+Condition = Literal["service_started", "service_healthy", "service_completed_successfully"]
+CONDITIONS: tuple[Condition, ...] = ("service_started", "service_healthy",
+                                     "service_completed_successfully")
+NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")  # Compose's service names
+IGNORED = {key: "has no effect on a session's containers here" for key in (
+    "container_name", "expose", "tty", "stdin_open", "labels", "pull_policy", "restart")}
+MAIN_KEYS = frozenset({"environment", "depends_on", *IGNORED})
+SERVICE_KEYS = frozenset({*MAIN_KEYS, "image", "build", "command", "entrypoint",
+                          "working_dir", "user", "healthcheck"})
+TOP_KEYS = frozenset({"services", "version", "name"})
+# Docker's healthcheck defaults (seconds), as Compose passes them on
+DOCKER_CHECK = {"interval": 30.0, "timeout": 30.0, "start_period": 0.0, "start_interval": 5.0}
+DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|us|ns)")
+UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+VARIABLE = re.compile(r"\$(?:(\$)|([A-Za-z_][A-Za-z0-9_]*)|\{([A-Za-z_][A-Za-z0-9_]*)"
+                      r"(?:(:?-)([^}]*))?\})")
+
+
+@dataclass(frozen=True)
+class Service:
+    """One compose service as the session runs it (`main`: the task's own container)."""
+
+    name: str
+    source: Source | None = None  # its image (None: main, the task's environment)
+    env: dict[str, str] = field(default_factory=dict)  # `environment`, over the image's
+    command: tuple[str, ...] | None = None  # None: the image's CMD
+    entrypoint: tuple[str, ...] | None = None  # None: the image's ENTRYPOINT
+    working_dir: str | None = None  # None: the image's WorkingDir
+    user: str | None = None  # None: the image's User
+    depends_on: dict[str, Condition] = field(default_factory=dict)
+    healthcheck: Healthcheck | None = None  # `service_healthy` waits on it
+
+    def argv(self, entrypoint: tuple[str, ...], cmd: tuple[str, ...]) -> list[str]:
+        """PID 1's command as Docker makes it: the entrypoint (the service's, else the
+        image's), then the command (the service's, else the image's CMD — dropped when
+        the service sets its own entrypoint, as Docker does)."""
+        first = self.entrypoint if self.entrypoint is not None else entrypoint
+        rest = self.command if self.command is not None else (
+            () if self.entrypoint is not None else cmd)
+        return [*first, *rest]
+
+
+@dataclass(frozen=True)
+class Compose:
+    """A task's compose file: its services (`main` among them) in the order they start."""
+
+    services: tuple[Service, ...]  # started in this order (depends_on first), main last
+    secrets: tuple[str, ...] = ()  # values interpolated from the operator's environment
+    ignored: dict[str, str] = field(default_factory=dict)  # warned keys → why
+
+    @property
+    def main(self) -> Service:
+        return next(s for s in self.services if s.name == MAIN_SERVICE)
+
+    @property
+    def others(self) -> tuple[Service, ...]:
+        return tuple(s for s in self.services if s.name != MAIN_SERVICE)
+
+
+def load(folder: Path, max_bytes: int, task_env: Mapping[str, str],
+         build_timeout_s: float = BUILD_TIMEOUT_S) -> Compose | None:
+    """The task's compose file read (None: it has none); `TaskInvalid` when it is not one
+    Compose would read, `UnsupportedField` naming a key we cannot honour."""
+    if not os.path.lexists(folder / FILE):
+        return None
+    where = str(folder / FILE)
+    try:
+        document = yaml.safe_load(read_task_text(folder, FILE, max_bytes))
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" (line {mark.line + 1})" if mark is not None else ""
+        raise TaskInvalid(f"{where}: not YAML{at}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("services"), dict):
+        raise TaskInvalid(f"{where}: expected a mapping with `services`")
+    ignored: dict[str, str] = {}
+    for key in document:
+        if not isinstance(key, str) or not (key in TOP_KEYS or key.startswith("x-")):
+            raise UnsupportedField(f"{where}: {key}: not supported here (only `services`)")
+        if key != "services":
+            ignored[f"{FILE} {key}"] = "has no effect here"
+    reader = _Reader(where, folder, task_env, build_timeout_s)
+    services = {MAIN_SERVICE: Service(MAIN_SERVICE)}
+    for name, raw in document["services"].items():
+        if not isinstance(name, str) or not NAME.match(name):
+            raise TaskInvalid(f"{where}: services: {name!r} is not a service name")
+        services[name] = reader.service(name, raw, ignored)
+    return Compose(_ordered(services, where), tuple(dict.fromkeys(reader.secrets)),
+                   dict(sorted(ignored.items())))
+
+
+class _Reader:
+    """One compose file's services read (`where` names it in errors)."""
+
+    def __init__(self, where: str, folder: Path, task_env: Mapping[str, str],
+                 build_timeout_s: float) -> None:
+        self.where, self.folder = where, folder
+        self.task_env = task_env
+        self.build_timeout_s = build_timeout_s
+        self.secrets: list[str] = []
+
+    def service(self, name: str, raw: Any, ignored: dict[str, str]) -> Service:
+        if not isinstance(raw, dict):
+            raise TaskInvalid(f"{self.where}: services.{name}: expected a mapping")
+        allowed = MAIN_KEYS if name == MAIN_SERVICE else SERVICE_KEYS
+        for key in raw:
+            if key not in allowed:
+                why = ("is the task's own ([environment], [agent] user)"
+                       if name == MAIN_SERVICE and key in SERVICE_KEYS else "not supported here")
+                raise UnsupportedField(f"{self.where}: services.{name}.{key}: {why}")
+            if key in IGNORED:
+                ignored[f"{FILE} services.{name}.{key}"] = IGNORED[key]
+        at = f"services.{name}"
+        if name != MAIN_SERVICE and "image" not in raw and "build" not in raw:
+            raise TaskInvalid(f"{self.where}: {at}: needs an `image` or a `build`")
+        return Service(
+            name=name,
+            source=self._source(raw, at) if name != MAIN_SERVICE else None,
+            env=self._environment(raw.get("environment", {}), f"{at}.environment"),
+            command=self._words(raw.get("command"), f"{at}.command"),
+            entrypoint=self._words(raw.get("entrypoint"), f"{at}.entrypoint"),
+            working_dir=self._path(raw.get("working_dir"), f"{at}.working_dir"),
+            user=self._text(raw["user"], f"{at}.user") if "user" in raw else None,
+            depends_on=self._depends_on(raw.get("depends_on", {}), f"{at}.depends_on"),
+            healthcheck=self._healthcheck(raw.get("healthcheck"), f"{at}.healthcheck"))
+
+    def _text(self, value: Any, at: str) -> str:
+        """A scalar as Compose reads it, interpolated."""
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise TaskInvalid(f"{self.where}: {at}: expected a string, not {value!r}")
+        return self._interpolate(str(value), at)
+
+    def _interpolate(self, text: str, at: str) -> str:
+        def one(found: re.Match[str]) -> str:
+            if found[1]:
+                return "$"
+            variable = found[2] or found[3]
+            if variable in self.task_env:
+                value: str | None = self.task_env[variable]
+            elif variable in os.environ:
+                value = os.environ[variable]
+                self.secrets.append(value)
+            else:
+                value = None
+            if found[4] == ":-" and not value:
+                return found[5]
+            if found[4] == "-" and value is None:
+                return found[5]
+            if value is None:
+                raise TaskInvalid(f"{self.where}: {at}: ${{{variable}}} is not set (neither "
+                                  f"in [environment] env nor in this environment)")
+            return value
+        if "$" in VARIABLE.sub("", text):
+            raise TaskInvalid(f"{self.where}: {at}: {text!r}: a `$` Compose cannot "
+                              f"interpolate (`$$` writes one)")
+        return VARIABLE.sub(one, text)
+
+    def _words(self, value: Any, at: str) -> tuple[str, ...] | None:
+        """`command`/`entrypoint`: a list, or a string split as a shell would (no shell)."""
+        if value is None:
+            return None
+        if isinstance(value, list):
+            return tuple(self._text(word, at) for word in value)
+        try:
+            return tuple(shlex.split(self._text(value, at)))
+        except ValueError as error:
+            raise TaskInvalid(f"{self.where}: {at}: {error}") from None
+
+    def _path(self, value: Any, at: str) -> str | None:
+        if value is None:
+            return None
+        path = self._text(value, at)
+        if not path.startswith("/"):
+            raise TaskInvalid(f"{self.where}: {at}: {path!r}: an absolute path is needed")
+        return path
+
+    def _environment(self, value: Any, at: str) -> dict[str, str]:
+        """`environment`: a mapping, or a list of `NAME=value` (`NAME` alone: the
+        operator's value, as Compose takes it from its own environment)."""
+        pairs: list[tuple[str, Any]]
+        if isinstance(value, dict):
+            pairs = list(value.items())
+        elif isinstance(value, list):
+            pairs = []
+            for item in value:
+                text = self._text(item, at)
+                name, equals, rest = text.partition("=")
+                pairs.append((name, rest if equals else os.environ.get(name)))
+        else:
+            raise TaskInvalid(f"{self.where}: {at}: expected a mapping or a list")
+        env: dict[str, str] = {}
+        for name, raw in pairs:
+            if not isinstance(name, str) or not re.fullmatch(r"[^=\0]+", name):
+                raise TaskInvalid(f"{self.where}: {at}: {name!r} is not a variable name")
+            if raw is None:
+                continue  # unset, as Compose leaves it
+            env[name] = (str(raw).lower() if isinstance(raw, bool) and isinstance(value, dict)
+                         else self._text(raw, f"{at}.{name}"))
+        return env
+
+    def _depends_on(self, value: Any, at: str) -> dict[str, Condition]:
+        if isinstance(value, list):
+            return {self._text(name, at): "service_started" for name in value}
+        if not isinstance(value, dict):
+            raise TaskInvalid(f"{self.where}: {at}: expected a list or a mapping")
+        wanted: dict[str, Condition] = {}
+        for name, spec in value.items():
+            spec = spec if spec is not None else {}
+            if not isinstance(spec, dict) or set(spec) - {"condition", "required", "restart"}:
+                raise UnsupportedField(f"{self.where}: {at}.{name}: only `condition` is "
+                                       f"supported here")
+            condition = spec.get("condition", "service_started")
+            if condition not in CONDITIONS:
+                raise TaskInvalid(f"{self.where}: {at}.{name}.condition: {condition!r}: "
+                                  f"expected one of {', '.join(CONDITIONS)}")
+            wanted[str(name)] = cast(Condition, condition)
+        return wanted
+
+    def _source(self, raw: Mapping[str, Any], at: str) -> Source:
+        """The service's image: `build` (a context inside `environment/`, its Dockerfile,
+        `args`), else `image` from the engine's storage."""
+        build = raw.get("build")
+        if build is None:
+            return Source("docker_image", self._text(raw["image"], f"{at}.image"),
+                          self.folder, self.build_timeout_s)
+        spec = {"context": build} if isinstance(build, str) else build
+        if not isinstance(spec, dict):
+            raise TaskInvalid(f"{self.where}: {at}.build: expected a path or a mapping")
+        for key in spec:
+            if key not in ("context", "args", "dockerfile"):
+                raise UnsupportedField(f"{self.where}: {at}.build.{key}: not supported here")
+        if spec.get("dockerfile", "Dockerfile") != "Dockerfile":
+            raise UnsupportedField(f"{self.where}: {at}.build.dockerfile: only the context's "
+                                   f"`Dockerfile` is supported here")
+        relative = os.path.normpath(f"environment/{self._text(spec.get('context', '.'), at)}")
+        if (relative.startswith("..") or os.path.isabs(relative)
+                or within(self.folder, relative) is None):
+            raise TaskInvalid(f"{self.where}: {at}.build.context: must be a folder inside "
+                              f"the task folder")
+        args = self._environment(spec.get("args", {}), f"{at}.build.args")
+        return Source("dockerfile", f"{relative}/Dockerfile", self.folder,
+                      self.build_timeout_s, context=relative, build_args=args)
+
+    def _healthcheck(self, value: Any, at: str) -> Healthcheck | None:
+        """Docker's healthcheck as our healthcheck's tries: `test` as `CMD`, `CMD-SHELL`
+        or a string (run by `sh -c`); `NONE` or `disable: true` none."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise TaskInvalid(f"{self.where}: {at}: expected a mapping")
+        unknown = set(value) - {"test", "disable", *DOCKER_CHECK, "retries"}
+        if unknown:
+            raise UnsupportedField(f"{self.where}: {at}.{sorted(unknown)[0]}: not supported "
+                                   f"here")
+        test = value.get("test")
+        if value.get("disable") is True or test in (["NONE"], "NONE"):
+            return None
+        if isinstance(test, str):
+            command = self._text(test, f"{at}.test")
+        elif isinstance(test, list) and len(test) >= 2 and test[0] in ("CMD", "CMD-SHELL"):
+            words = [self._text(word, f"{at}.test") for word in test[1:]]
+            command = shlex.join(words) if test[0] == "CMD" else " ".join(words)
+        else:
+            raise TaskInvalid(f"{self.where}: {at}.test: expected a string or "
+                              f"[\"CMD\", ...] / [\"CMD-SHELL\", ...]")
+        times = {key: _duration(value[key], f"{self.where}: {at}.{key}")
+                 if key in value else default for key, default in DOCKER_CHECK.items()}
+        retries = value.get("retries", 3)
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 1:
+            raise TaskInvalid(f"{self.where}: {at}.retries: a whole number from 1 is needed")
+        return Healthcheck(command, interval_sec=times["interval"],
+                           timeout_sec=times["timeout"],
+                           start_period_sec=times["start_period"],
+                           start_interval_sec=times["start_interval"], retries=retries)
+
+
+def _duration(value: Any, where: str) -> float:
+    """A Compose duration (`1m30s`, `500ms`; a bare number is seconds) in seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    text = str(value).strip()
+    if not text or DURATION.sub("", text):
+        raise TaskInvalid(f"{where}: {value!r}: expected a duration such as 10s or 1m30s")
+    return sum(float(n) * UNITS[unit] for n, unit in DURATION.findall(text))
+
+
+def _ordered(services: Mapping[str, Service], where: str) -> tuple[Service, ...]:
+    """The services in a start order where each comes after what it depends on (`main`
+    as late as it can: the agent's container starts last), or `TaskInvalid` naming an
+    unknown service or a cycle."""
+    for service in services.values():
+        for name in service.depends_on:
+            if name not in services:
+                raise TaskInvalid(f"{where}: services.{service.name}.depends_on: no service "
+                                  f"named {name!r}")
+    order: list[Service] = []
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if state.get(name) == "done":
+            return
+        if state.get(name) == "visiting":
+            raise TaskInvalid(f"{where}: depends_on makes a cycle: "
+                              f"{' -> '.join((*path, name))}")
+        state[name] = "visiting"
+        for needed in services[name].depends_on:
+            visit(needed, (*path, name))
+        state[name] = "done"
+        order.append(services[name])
+
+    for name in sorted(services, key=lambda n: n == MAIN_SERVICE):
+        visit(name, ())
+    main = next(s for s in order if s.name == MAIN_SERVICE)
+    needed_by_others = {n for s in services.values() if s.name != MAIN_SERVICE
+                        for n in s.depends_on}
+    if MAIN_SERVICE in needed_by_others:
+        raise UnsupportedField(f"{where}: a service that depends on `main` is not supported "
+                               f"here (main, the agent's container, starts last)")
+    return (*(s for s in order if s is not main), main)

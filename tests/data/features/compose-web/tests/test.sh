@@ -1,0 +1,3 @@
+#!/bin/bash
+if grep -qx compose-page-4711 /app/page.txt 2>/dev/null; then echo 1; else echo 0; fi \
+    > /logs/verifier/reward.txt

@@ -1,0 +1,231 @@
+"""Compose environments (docs/SPEC.md §17 "Compose environments"; adapters/compose.py,
+adapters/sandbox/services.py): a task's `environment/docker-compose.yaml` read as Harbor's
+docker environment merges it (each key honoured, warned or refused by name), and its
+services run as real runc containers of the session over images built offline
+(tests/images.py) — started in `depends_on` order, healthy before `main`, in one network
+namespace with the agent's container, stopped with the session."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests import images
+from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
+from tests.runs import in_process
+from tests.test_task_artifacts import gaps, session, verification
+from trialledger.adapters import compose
+from trialledger.adapters.task import Task, TaskInvalid, UnsupportedField
+
+DATASET = Path(__file__).parent / "data" / "features"
+TOML = '[environment]\ndocker_image = "localhost/tl-debian:plain"\nworkdir = "/app"\n'
+
+
+def task_with(folder: Path, yaml: str, toml: str = TOML) -> Path:
+    """A task folder with `yaml` as its compose file."""
+    (folder / "environment").mkdir(parents=True)
+    (folder / "instruction.md").write_text("compose\n")
+    (folder / "task.toml").write_text(toml)
+    (folder / "environment" / "docker-compose.yaml").write_text(yaml)
+    return folder
+
+
+def load(tmp_path: Path, yaml: str, toml: str = TOML) -> Task:
+    return Task.load(task_with(tmp_path / "task", yaml, toml))
+
+
+# --- reading the file ---------------------------------------------------------------------
+
+
+def test_services_are_read_in_depends_on_order_with_main_last(tmp_path: Path) -> None:
+    task = load(tmp_path, """
+services:
+  main: {depends_on: {api: {condition: service_healthy}}}
+  api:
+    image: localhost/tl-busybox:configured
+    depends_on: [db]
+    command: httpd -f -p "80 80"
+    healthcheck: {test: "wget -q localhost", interval: 1m30s, timeout: 500ms}
+  db: {build: {context: ./db, args: {V: "1"}}, environment: [A=b, C]}
+""")
+    assert task.compose is not None
+    assert [s.name for s in task.compose.services] == ["db", "api", "main"]
+    db, api, main = task.compose.services
+    assert main.depends_on == {"api": "service_healthy"}
+    assert api.depends_on == {"db": "service_started"}
+    assert api.command == ("httpd", "-f", "-p", "80 80")  # split as a shell would, no shell
+    assert api.healthcheck is not None and api.healthcheck.command == "wget -q localhost"
+    assert (api.healthcheck.interval_sec, api.healthcheck.timeout_sec) == (90.0, 0.5)
+    assert api.healthcheck.retries == 3  # Docker's default
+    assert db.source is not None and db.source.context == "environment/db"
+    assert dict(db.source.build_args) == {"V": "1"}
+    assert db.env == {"A": "b"}  # `C` alone: unset here, as Compose leaves it
+
+
+@pytest.mark.parametrize(("yaml", "named"), [
+    ("services:\n  db: {image: x, ports: ['5432:5432']}\n", "services.db.ports"),
+    ("services:\n  db: {image: x, volumes: ['/etc:/host']}\n", "services.db.volumes"),
+    ("services:\n  db: {image: x, privileged: true}\n", "services.db.privileged"),
+    ("services:\n  db: {image: x, network_mode: host}\n", "services.db.network_mode"),
+    ("services:\n  main: {image: other}\n", "services.main.image"),
+    ("services:\n  main: {command: [sh]}\n", "services.main.command"),
+    ("services: {}\nvolumes: {data: {}}\n", "volumes"),
+    ("services:\n  db: {build: {context: ., target: dev}}\n", "services.db.build.target"),
+    ("services:\n  db: {image: x, depends_on: {main: {}}}\n", "depends on `main`"),
+])
+def test_a_key_we_cannot_honour_is_refused_by_name(tmp_path: Path, yaml: str,
+                                                   named: str) -> None:
+    with pytest.raises(UnsupportedField, match=named.replace(".", r"\.")):
+        load(tmp_path, yaml)
+
+
+@pytest.mark.parametrize(("yaml", "why"), [
+    ("services:\n  db: {image: x, depends_on: [web]}\n  web: {image: x, depends_on: [db]}\n",
+     "cycle"),
+    ("services:\n  db: {image: x, depends_on: [nope]}\n", "no service named 'nope'"),
+    ("services:\n  db: {build: ../../..}\n", "inside the task folder"),
+    ("services:\n  db: {command: [sh]}\n", "needs an `image` or a `build`"),
+    ("services:\n  db: {image: '${NOT_SET_ANYWHERE_42}'}\n", "NOT_SET_ANYWHERE_42"),
+    ("services:\n  db: {image: 'a$b$'}\n", "cannot interpolate"),
+    ("services: [a]\n", "expected a mapping"),
+    ("services:\n  db: {image: x, healthcheck: {test: [CMD]}}\n", "test"),
+    ("services:\n  db: {image: x, healthcheck: {test: ls, interval: soon}}\n", "duration"),
+    ("services: {db: {image: x}\n", "not YAML"),
+])
+def test_a_file_compose_would_not_read_is_refused_in_one_message(tmp_path: Path, yaml: str,
+                                                                 why: str) -> None:
+    with pytest.raises(TaskInvalid, match=why) as raised:
+        load(tmp_path, yaml)
+    assert "docker-compose.yaml" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_build_context_that_is_a_link_out_of_the_task_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder = task_with(tmp_path / "task", "services:\n  db: {build: ./db}\n")
+    (folder / "environment" / "db").symlink_to(outside)
+    with pytest.raises(TaskInvalid, match="inside the task folder"):
+        Task.load(folder)
+
+
+def test_values_are_interpolated_as_compose_does(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TL_COMPOSE_OPERATOR", "from-the-operator")
+    task = load(tmp_path, """
+services:
+  db:
+    image: localhost/tl-busybox:configured
+    environment:
+      A: "${WORD}-$WORD-${NOPE:-dflt}-${EMPTY:-dflt}-${EMPTY-kept}-$$WORD"
+      B: ${TL_COMPOSE_OPERATOR}
+""", TOML + '[environment.env]\nWORD = "w"\nEMPTY = ""\n')
+    assert task.compose is not None
+    (db,) = task.compose.others
+    assert db.env == {"A": "w-w-dflt-dflt--$WORD", "B": "from-the-operator"}
+    assert "from-the-operator" in task.secrets  # the operator's values are scrubbed
+
+
+def test_ignored_keys_are_warned_and_a_host_task_is_refused(tmp_path: Path) -> None:
+    task = load(tmp_path, "version: '3'\nservices:\n  db: {image: x, container_name: d}\n")
+    assert set(task.ignored_fields) >= {"environment/docker-compose.yaml version",
+                                        "environment/docker-compose.yaml "
+                                        "services.db.container_name"}
+    with pytest.raises(UnsupportedField, match="needs the task's image"):
+        load(tmp_path / "host", "services: {}\n", toml="")
+
+
+@given(st.lists(st.tuples(st.integers(0, 500), st.sampled_from(list(compose.UNITS))),
+                min_size=1, max_size=4))
+def test_a_duration_is_the_sum_of_its_parts(parts: list[tuple[int, str]]) -> None:
+    text = "".join(f"{n}{unit}" for n, unit in parts)
+    expected = sum(n * compose.UNITS[unit] for n, unit in parts)
+    assert compose._duration(text, "here") == pytest.approx(expected)
+
+
+# --- running the services ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bases() -> None:
+    """The two images the compose tasks name, in the tests' podman storage."""
+    images.podman_image(images.DEBIAN_REF)
+    images.podman_image(images.BUSYBOX_REF)
+
+
+def variant(tmp_path: Path, name: str) -> Path:
+    target = tmp_path / name
+    shutil.copytree(DATASET / name, target, symlinks=True)
+    return target
+
+
+def oracle_run(task: Path, db: Path, *extra: str) -> tuple[Any, str]:
+    """`run TASK --agent oracle`: its session's view and what the CLI printed."""
+    done = in_process("run", str(task), "--agent", "oracle", "--db", str(db),
+                      "--cache-dir", str(db.parent / "cache"), *extra)
+    return session(db), done.stdout + done.stderr
+
+
+def test_a_service_that_never_becomes_healthy_loses_the_session_naming_it(
+        tmp_path: Path) -> None:
+    task = variant(tmp_path, "compose-web")
+    yaml = task / "environment" / "docker-compose.yaml"
+    yaml.write_text(yaml.read_text().replace("http://127.0.0.1:8080/", "http://127.0.0.1:1/")
+                    .replace("retries: 20", "retries: 2"))
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    (lost,) = [e for e in view.events if e.type == "sandbox.lost"]
+    assert "compose service web did not become healthy" in lost.data.detail, printed
+    assert "Traceback" not in printed
+
+
+def test_a_service_that_exits_while_the_agent_runs_is_a_gap(tmp_path: Path) -> None:
+    """The oracle stops the greeter (one PID namespace per container: it cannot, so the
+    greeter's own command ends itself after the first answer): gap `service_exited`."""
+    task = variant(tmp_path, "compose-order")
+    yaml = task / "environment" / "docker-compose.yaml"
+    yaml.write_text(yaml.read_text().replace("exec httpd -f -p 9000 -h /srv/www",
+                                             "timeout 2 httpd -f -p 9000 -h /srv/www; exit 3"))
+    (task / "solution" / "solve.sh").write_text(
+        (task / "solution" / "solve.sh").read_text().replace("exit 0\n", "sleep 4; exit 0\n",
+                                                              1))
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    assert gaps(view, "service_exited") == ["compose service greeter exited with 3"], printed
+    assert not [e for e in view.events if e.type == "sandbox.lost"]
+
+
+def test_services_share_the_agents_network_even_when_its_phase_has_none(
+        tmp_path: Path) -> None:
+    """`[agent] network_mode = "no-network"`: main and the services share one namespace
+    (one policy), so `localhost` and the service's name still reach it; nothing else."""
+    task = variant(tmp_path, "compose-web")
+    with (task / "task.toml").open("a") as toml:
+        toml.write('\n[agent]\nnetwork_mode = "no-network"\n')
+    (task / "solution" / "solve.sh").write_text(
+        (task / "solution" / "solve.sh").read_text()
+        + "(exec 4<>/dev/tcp/10.0.2.2/1) 2>/dev/null && echo escaped > /app/page.txt\n")
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    assert verification(view).data.rewards == {"reward": 1.0}, printed
+
+
+def test_the_agent_cannot_see_or_touch_a_services_files(tmp_path: Path) -> None:
+    """The service's root is its own overlay: the agent's container does not hold its
+    files, and what the agent writes never appears in it (the page it serves is its own)."""
+    task = variant(tmp_path, "compose-web")
+    (task / "solution" / "solve.sh").write_text(
+        "#!/bin/bash\n"
+        "ls /www/index.html 2>/dev/null && exit 1\n"
+        "mkdir -p /www && echo forged > /www/index.html\n"
+        + (DATASET / "compose-web" / "solution" / "solve.sh").read_text().split("\n", 1)[1])
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    assert verification(view).data.rewards == {"reward": 1.0}, printed
+
+
+def test_a_refused_compose_key_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    folder = task_with(tmp_path / "task", "services:\n  db: {image: x, ports: ['80:80']}\n")
+    done = in_process("run", str(folder), "--agent", "oracle", "--db", str(tmp_path / "t.db"))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "services.db.ports" in done.stderr
