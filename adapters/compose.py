@@ -44,16 +44,27 @@ CONDITIONS: tuple[Condition, ...] = ("service_started", "service_healthy",
 NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")  # Compose's service names
 IGNORED = {key: "has no effect on a session's containers here" for key in (
     "container_name", "expose", "tty", "stdin_open", "labels", "pull_policy", "restart")}
-MAIN_KEYS = frozenset({"environment", "depends_on", *IGNORED})
+MAIN_KEYS = frozenset({"environment", "depends_on", "volumes", *IGNORED})
 SERVICE_KEYS = frozenset({*MAIN_KEYS, "image", "build", "command", "entrypoint",
                           "working_dir", "user", "healthcheck"})
-TOP_KEYS = frozenset({"services", "version", "name"})
+TOP_KEYS = frozenset({"services", "volumes", "version", "name"})
 # Docker's healthcheck defaults (seconds), as Compose passes them on
 DOCKER_CHECK = {"interval": 30.0, "timeout": 30.0, "start_period": 0.0, "start_interval": 5.0}
 DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|us|ns)")
 UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 VARIABLE = re.compile(r"\$(?:(\$)|([A-Za-z_][A-Za-z0-9_]*)|\{([A-Za-z_][A-Za-z0-9_]*)"
                       r"(?:(:?-)([^}]*))?\})")
+
+
+@dataclass(frozen=True)
+class Volume:
+    """One entry of a service's `volumes`: a named volume of the session (shared by every
+    service that names it), or a folder of the task bound in (a copy: never written)."""
+
+    kind: Literal["volume", "bind"]
+    source: str  # the volume's name, or the task folder's path (resolved, inside it)
+    target: str  # an absolute path in the container
+    read_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,7 @@ class Service:
     user: str | None = None  # None: the image's User
     depends_on: dict[str, Condition] = field(default_factory=dict)
     healthcheck: Healthcheck | None = None  # `service_healthy` waits on it
+    volumes: tuple[Volume, ...] = ()
 
     def argv(self, entrypoint: tuple[str, ...], cmd: tuple[str, ...]) -> list[str]:
         """PID 1's command as Docker makes it: the entrypoint (the service's, else the
@@ -115,10 +127,12 @@ def load(folder: Path, max_bytes: int, task_env: Mapping[str, str],
     ignored: dict[str, str] = {}
     for key in document:
         if not isinstance(key, str) or not (key in TOP_KEYS or key.startswith("x-")):
-            raise UnsupportedField(f"{where}: {key}: not supported here (only `services`)")
-        if key != "services":
+            raise UnsupportedField(f"{where}: {key}: not supported here (only `services` "
+                                   f"and `volumes`)")
+        if key not in ("services", "volumes"):
             ignored[f"{FILE} {key}"] = "has no effect here"
-    reader = _Reader(where, folder, task_env, build_timeout_s)
+    reader = _Reader(where, folder, task_env, build_timeout_s,
+                     _declared_volumes(document.get("volumes"), where))
     services = {MAIN_SERVICE: Service(MAIN_SERVICE)}
     for name, raw in document["services"].items():
         if not isinstance(name, str) or not NAME.match(name):
@@ -132,8 +146,9 @@ class _Reader:
     """One compose file's services read (`where` names it in errors)."""
 
     def __init__(self, where: str, folder: Path, task_env: Mapping[str, str],
-                 build_timeout_s: float) -> None:
+                 build_timeout_s: float, volumes: frozenset[str]) -> None:
         self.where, self.folder = where, folder
+        self.volumes = volumes  # the top level's named volumes
         self.task_env = task_env
         self.build_timeout_s = build_timeout_s
         self.secrets: list[str] = []
@@ -161,7 +176,58 @@ class _Reader:
             working_dir=self._path(raw.get("working_dir"), f"{at}.working_dir"),
             user=self._text(raw["user"], f"{at}.user") if "user" in raw else None,
             depends_on=self._depends_on(raw.get("depends_on", {}), f"{at}.depends_on"),
-            healthcheck=self._healthcheck(raw.get("healthcheck"), f"{at}.healthcheck"))
+            healthcheck=self._healthcheck(raw.get("healthcheck"), f"{at}.healthcheck"),
+            volumes=self._volumes(raw.get("volumes", []), f"{at}.volumes"))
+
+    def _volumes(self, value: Any, at: str) -> tuple[Volume, ...]:
+        """`volumes`: `SOURCE:TARGET[:ro|rw]` (a declared volume's name, or a path starting
+        `.` relative to `environment/`), or the long form's `type` (`volume`, `bind`),
+        `source`, `target`, `read_only`. An anonymous volume or a host path is refused."""
+        if not isinstance(value, list):
+            raise TaskInvalid(f"{self.where}: {at}: expected a list")
+        volumes = []
+        for item in value:
+            if isinstance(item, dict):
+                unknown = set(item) - {"type", "source", "target", "read_only"}
+                if unknown or item.get("type") not in ("volume", "bind"):
+                    what = sorted(unknown)[0] if unknown else f"type = {item.get('type')!r}"
+                    raise UnsupportedField(f"{self.where}: {at}: {what}: not supported here")
+                source = self._text(item.get("source", ""), at)
+                target = self._text(item.get("target", ""), at)
+                read_only = item.get("read_only", False) is True
+                bind = item["type"] == "bind"
+            else:
+                parts = self._text(item, at).split(":")
+                if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+                    raise UnsupportedField(f"{self.where}: {at}: {item!r}: only SOURCE:TARGET "
+                                           f"or SOURCE:TARGET:ro|rw is supported here")
+                source, target = parts[0], parts[1]
+                read_only = len(parts) == 3 and parts[2] == "ro"
+                bind = source.startswith((".", "/", "~"))
+            if not target.startswith("/"):
+                raise TaskInvalid(f"{self.where}: {at}: {target!r}: the target must be an "
+                                  f"absolute path")
+            if bind:
+                volumes.append(Volume("bind", self._bind_source(source, at), target,
+                                      read_only))
+            elif source not in self.volumes:
+                raise TaskInvalid(f"{self.where}: {at}: volume {source!r} is not declared in "
+                                  f"the top-level `volumes`")
+            else:
+                volumes.append(Volume("volume", source, target, read_only))
+        return tuple(volumes)
+
+    def _bind_source(self, source: str, at: str) -> str:
+        """A bind's source: a path relative to `environment/`, inside the task folder."""
+        if not source.startswith("."):
+            raise UnsupportedField(f"{self.where}: {at}: {source!r}: a host path outside the "
+                                   f"task folder is never bound in")
+        relative = os.path.normpath(f"environment/{source}")
+        real = within(self.folder, relative)
+        if relative.startswith("..") or real is None or not os.path.exists(real):
+            raise TaskInvalid(f"{self.where}: {at}: {source!r}: must be a file or folder "
+                              f"inside the task folder")
+        return str(real)
 
     def _text(self, value: Any, at: str) -> str:
         """A scalar as Compose reads it, interpolated."""
@@ -311,6 +377,19 @@ class _Reader:
                            timeout_sec=times["timeout"],
                            start_period_sec=times["start_period"],
                            start_interval_sec=times["start_interval"], retries=retries)
+
+
+def _declared_volumes(value: Any, where: str) -> frozenset[str]:
+    """The top level's `volumes`: names, each with no options (a driver is refused)."""
+    if value is None:
+        return frozenset()
+    if not isinstance(value, dict):
+        raise TaskInvalid(f"{where}: volumes: expected a mapping of names")
+    for name, spec in value.items():
+        if spec not in (None, {}):
+            raise UnsupportedField(f"{where}: volumes.{name}: options (a driver, an external "
+                                   f"volume) are not supported here")
+    return frozenset(str(name) for name in value)
 
 
 def _duration(value: Any, where: str) -> float:

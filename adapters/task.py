@@ -33,7 +33,7 @@ from trialledger.adapters.mcpservers import parse as parse_mcp_servers
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.taskartifacts import CONVENTION_ONLY, Artifact, parse_artifacts
 from trialledger.adapters.taskcollect import NAME as COLLECT
-from trialledger.adapters.taskcollect import CollectHook, parse_collect
+from trialledger.adapters.taskcollect import CollectHook, check_services, parse_collect
 from trialledger.adapters.taskconfig import (
     COMPOSE,
     LIMITS,
@@ -160,6 +160,9 @@ class Task:
         if composed is not None and source is None:
             raise UnsupportedField(f"{folder / COMPOSE}: a compose environment needs the "
                                    f"task's image (environment/Dockerfile or docker_image)")
+        check_services(hooks, kept,
+                       [s.name for s in composed.others] if composed else [],
+                       str(folder / "task.toml"))
         return cls(
             allowed_hosts=(AllowList.parse(allowed, str(folder / "task.toml"))
                            if allowed is not None else None),

@@ -40,7 +40,7 @@ from trialledger.adapters.sandbox.agentfiles import (
     UnsafeAgentFile,
     kind,
 )
-from trialledger.adapters.taskconfig import TaskInvalid
+from trialledger.adapters.taskconfig import MAIN_SERVICE, TaskInvalid
 from trialledger.store.writer import now
 
 if TYPE_CHECKING:
@@ -67,12 +67,12 @@ def _relative(path: str) -> str:
 
 @dataclass(frozen=True)
 class Artifact:
-    """One entry of task.toml's `artifacts` (Harbor's `ArtifactConfig` of the main
-    service)."""
+    """One entry of task.toml's `artifacts` (Harbor's `ArtifactConfig`)."""
 
     source: str  # a path in the sandbox (a relative one starts at `/`, as `docker cp`'s)
     destination: str | None = None  # in `artifacts/`; None: the source's path
     exclude: tuple[str, ...] = ()  # for a folder: tar's --exclude patterns
+    service: str = MAIN_SERVICE  # a compose service's name (task.py checks it is one)
 
     @property
     def kept(self) -> str:
@@ -107,8 +107,11 @@ def _entry(raw: Any, where: str, warned: dict[str, str]) -> Artifact:
     exclude = raw.get("exclude", [])
     if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
         raise TaskInvalid(f"{where}: artifacts: {source!r}: exclude must be a list of patterns")
+    service = raw.get("service", MAIN_SERVICE)
+    if not isinstance(service, str) or not service.strip():
+        raise TaskInvalid(f"{where}: artifacts: {source!r}: service must be a service name")
     return Artifact(source, _destination(raw.get("destination"), source, where),
-                    tuple(p.rstrip("/") or p for p in exclude))
+                    tuple(p.rstrip("/") or p for p in exclude), service.strip())
 
 
 def _source(value: Any, where: str) -> str:

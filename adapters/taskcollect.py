@@ -3,12 +3,13 @@
 task.toml's `[[verifier.collect]]` lists shell commands that snapshot the environment's
 state into files after the agent and before the artifacts are collected, so an artifact
 entry can then keep those files for the verifier. Each entry is read and validated as
-Harbor's `VerifierCollectConfig` is: `command` (required), `service` (default `main`; any
-other is refused by name: no compose services exist here), `timeout_sec` (default 60),
+Harbor's `VerifierCollectConfig` is: `command` (required), `service` (default `main`, else
+one of the task's compose services: `check_services`), `timeout_sec` (default 60),
 `user` (default the image's user). A key Harbor's model does not have is warned by name.
 
 `run_hooks` runs a list of hooks in order (the task's; a step's are appended to them by
-its caller) in the session's sandbox, each as its user (honoured in range mode; warned
+its caller) in the session's sandbox or a compose service's (adapters/verifying.py: `main`'s
+first, then the artifacts, then each service's), each as its user (honoured in range mode; warned
 elsewhere, as phase users are), under its timeout, with `bash -c` (`sh` without bash) in
 the workdir and the environment a healthcheck gets. Each one's output (stdout and stderr
 as they came, the last `OUTPUT_KEPT` bytes, scrubbed) is kept in the session's artifact
@@ -53,17 +54,18 @@ SHOWN = 200  # characters of a hook's command in a gap's detail
 
 @dataclass(frozen=True)
 class CollectHook:
-    """One `[[verifier.collect]]` entry of the main service."""
+    """One `[[verifier.collect]]` entry."""
 
     command: str
     timeout_s: float = DEFAULT_TIMEOUT_S
     user: str | None = None  # None: the image's user
+    service: str = MAIN_SERVICE  # a compose service's name (task.py checks it is one)
 
 
 def parse_collect(value: Any, where: str) -> tuple[tuple[CollectHook, ...], dict[str, str]]:
     """`[verifier] collect` as Harbor's model reads it, and the warned keys (name → why).
-    A value Harbor refuses is `TaskInvalid` (one line); a hook in a service other than
-    `main` is `UnsupportedField`."""
+    A value Harbor refuses is `TaskInvalid` (one line); whether a hook's `service` exists
+    is the task's to check (`check_services`)."""
     if not isinstance(value, list):
         raise wrong_type(where, "[verifier] collect", value, f"an array of tables ({NAME})")
     warned: dict[str, str] = {}
@@ -85,9 +87,6 @@ def _hook(raw: Any, index: int, where: str, warned: dict[str, str]) -> CollectHo
     if not isinstance(service, str) or not SERVICE_NAME.match(service.strip()):
         raise TaskInvalid(f"{where}: {named} service = {service!r}: expected a compose "
                           f"service name (letters, digits, '_', '.', '-')")
-    if service.strip() != MAIN_SERVICE:
-        raise UnsupportedField(f"{where}: {named} service = {service.strip()!r}: only the "
-                               f"main service's hooks run here (a compose service's: not yet)")
     timeout = raw.get("timeout_sec", DEFAULT_TIMEOUT_S)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or not math.isfinite(timeout) or timeout <= 0:
@@ -97,22 +96,39 @@ def _hook(raw: Any, index: int, where: str, warned: dict[str, str]) -> CollectHo
                              or str(user) == "" or "\0" in str(user)):
         raise wrong_type(where, f"{named} user", user,
                          "a user name, a uid, uid:gid or name:group")
-    return CollectHook(command, float(timeout), None if user is None else str(user))
+    return CollectHook(command, float(timeout), None if user is None else str(user),
+                       service.strip())
+
+
+def check_services(hooks: Sequence[CollectHook], artifacts: Sequence[Any],
+                   services: Sequence[str], where: str) -> None:
+    """`UnsupportedField` naming the first hook or artifact whose `service` is neither
+    `main` nor one of the task's compose `services`."""
+    for index, hook in enumerate(hooks):
+        if hook.service != MAIN_SERVICE and hook.service not in services:
+            raise UnsupportedField(f"{where}: {NAME} {index + 1} service = {hook.service!r}: "
+                                   f"the task has no such compose service")
+    for artifact in artifacts:
+        if artifact.service != MAIN_SERVICE and artifact.service not in services:
+            raise UnsupportedField(f"{where}: artifacts: {artifact.source!r} from service "
+                                   f"{artifact.service!r}: the task has no such compose "
+                                   f"service")
 
 
 async def run_hooks(rec: Recording, hooks: Sequence[CollectHook], sandbox: LocalSandbox,
-                    settings: Settings, secrets: Sequence[str], env: Mapping[str, str]
-                    ) -> list[dict[str, Any]]:
-    """Run `hooks` in order in the session's sandbox (none when it is lost), each one's
-    output kept as `collect/<n>.txt`; a failure is gap `collect_failed`, never the
-    session's end. The `files` entries of the outputs, for the verification event."""
+                    settings: Settings, secrets: Sequence[str], env: Mapping[str, str],
+                    first: int = 1) -> list[dict[str, Any]]:
+    """Run `hooks` in order in `sandbox` (the session's, or a compose service's; none when
+    the session's is lost), each one's output kept as `collect/<n>.txt` (n from `first`);
+    a failure is gap `collect_failed`, never the session's end. The `files` entries of the
+    outputs, for the verification event."""
     if not hooks or any(s.event.type == "sandbox.lost" for s in rec.log):
         return []
     image = sandbox.image
     shell = "bash" if image is None or image.has("bash") else "sh"
     folder = artifacts.session_folder(settings.sandbox_logs_dir, rec.session_id)
     files: list[dict[str, Any]] = []
-    for number, hook in enumerate(hooks, start=1):
+    for number, hook in enumerate(hooks, start=first):
         try:
             ran = await sandbox.run_command([shell, "-c", hook.command], hook.timeout_s,
                                             env=env, user=hook.user, keep=OUTPUT_KEPT)

@@ -87,7 +87,7 @@ FIELDS: dict[Path, Key] = {
     ("metadata", "trialledger", "no_new_privileges"): HONOURED,
     ("multi_step_reward_strategy",): HONOURED,  # adapters/tasksteps.py (§17)
     ("steps",): HONOURED,  # adapters/tasksteps.py: each step's keys in its own table
-    ("artifacts",): HONOURED,  # adapters/taskartifacts.py (a non-main service refused below)
+    ("artifacts",): HONOURED,  # adapters/taskartifacts.py (a service the task has: task.py)
     ("agent", "timeout_sec"): HONOURED,
     ("agent", "user"): HONOURED,  # range mode (else warned at run: SINGLE_ID_USER)
     ("agent", "network_mode"): HONOURED,  # public, no-network; allowlist refused below
@@ -119,8 +119,8 @@ FIELDS: dict[Path, Key] = {
     ("verifier", "environment", "tpu"): Key("refused", "TPUs are not supported here"),
     ("verifier", "environment", "mcp_servers"): Key("warned", NO_AGENT, _nothing),
     ("verifier", "environment", "skills_dir"): Key("warned", NO_AGENT),
-    ("verifier", "collect"): HONOURED,  # adapters/taskcollect.py (a non-main service
-    # refused there; its `user` honoured in range mode, else warned at run: SINGLE_ID_USER)
+    ("verifier", "collect"): HONOURED,  # adapters/taskcollect.py (a service the task has:
+    # check_services; its `user` honoured in range mode, else warned at run: SINGLE_ID_USER)
     ("solution", "env"): HONOURED,
     ("environment", "build_timeout_sec"): HONOURED,
     ("environment", "docker_image"): HONOURED,
@@ -172,11 +172,6 @@ def review(meta: Mapping[str, Any], where: str) -> dict[str, str]:
     a refused one raises `UnsupportedField` naming it."""
     ignored: dict[str, str] = {}
     _walk(meta, (), where, ignored)
-    for entry in meta.get("artifacts", []) if isinstance(meta.get("artifacts"), list) else []:
-        service = entry.get("service") if isinstance(entry, dict) else None
-        if service is not None and str(service).strip() != MAIN_SERVICE:
-            raise UnsupportedField(f"{where}: artifacts: {entry.get('source')!r} from service "
-                                   f"{service!r}: only the main service exists here")
     return ignored
 
 

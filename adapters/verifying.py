@@ -29,6 +29,7 @@ from trialledger.adapters.sandbox.bwrap import VERIFIER_STDOUT
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sessions import RunOptions
 from trialledger.adapters.task import Task
+from trialledger.adapters.taskconfig import MAIN_SERVICE
 from trialledger.adapters.tasksteps import Step
 from trialledger.core import redact
 from trialledger.core.events import SCHEMA_VERSION
@@ -50,12 +51,25 @@ class AfterTheAgent:
     async def _collect(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings,
                        secrets: Sequence[str], hooks: Sequence[taskcollect.CollectHook]
                        ) -> list[dict[str, Any]]:
-        """Harbor's collection pass of the main service (docs/SPEC.md §17): `hooks` in
-        order, then the task's artifacts; the `files` entries of both, for the verifier."""
+        """Harbor's collection pass (docs/SPEC.md §17): `main`'s hooks in order, then the
+        task's artifacts, then each compose service's hooks (in its container, as its
+        user, with its environment) and artifacts (read from its layers, as its user); the
+        `files` entries of all, for the verifier."""
         env = {**sandbox.base_env(), **phase_env(self.task, sandbox)}
-        outputs = await taskcollect.run_hooks(rec, hooks, sandbox, settings, secrets, env)
-        return [*outputs, *await taskartifacts.keep(rec, self.task.artifacts, sandbox,
-                                                     settings, secrets)]
+        mine = [hook for hook in hooks if hook.service == MAIN_SERVICE]
+        outputs = await taskcollect.run_hooks(rec, mine, sandbox, settings, secrets, env)
+        outputs += await taskartifacts.keep(rec, [a for a in self.task.artifacts
+                                                  if a.service == MAIN_SERVICE],
+                                            sandbox, settings, secrets)
+        number = len(mine) + 1
+        for name, box in sandbox.service_boxes():
+            theirs = [hook for hook in hooks if hook.service == name]
+            outputs += await taskcollect.run_hooks(rec, theirs, box, settings, secrets,
+                                                   box.hook_env(), first=number)
+            number += len(theirs)
+            if entries := [a for a in self.task.artifacts if a.service == name]:
+                outputs += await taskartifacts.keep(rec, entries, box, settings, secrets)
+        return outputs
 
     async def _probe(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings) -> None:
         result = await sandbox.probe(max(0.1, min(PROBE_LIMIT_S, rec.left())),

@@ -69,12 +69,14 @@ services:
 
 @pytest.mark.parametrize(("yaml", "named"), [
     ("services:\n  db: {image: x, ports: ['5432:5432']}\n", "services.db.ports"),
-    ("services:\n  db: {image: x, volumes: ['/etc:/host']}\n", "services.db.volumes"),
+    ("services:\n  db: {image: x, volumes: ['/etc:/host']}\n", "never bound in"),
+    ("services:\n  db: {image: x, volumes: ['/data']}\n", "SOURCE:TARGET"),
+    ("services:\n  db: {image: x, volumes: [{type: tmpfs, target: /t}]}\n", "tmpfs"),
+    ("services: {}\nvolumes: {data: {driver: nfs}}\n", "volumes.data"),
     ("services:\n  db: {image: x, privileged: true}\n", "services.db.privileged"),
     ("services:\n  db: {image: x, network_mode: host}\n", "services.db.network_mode"),
     ("services:\n  main: {image: other}\n", "services.main.image"),
     ("services:\n  main: {command: [sh]}\n", "services.main.command"),
-    ("services: {}\nvolumes: {data: {}}\n", "volumes"),
     ("services:\n  db: {build: {context: ., target: dev}}\n", "services.db.build.target"),
     ("services:\n  db: {image: x, depends_on: {main: {}}}\n", "depends on `main`"),
 ])
@@ -96,12 +98,38 @@ def test_a_key_we_cannot_honour_is_refused_by_name(tmp_path: Path, yaml: str,
     ("services:\n  db: {image: x, healthcheck: {test: [CMD]}}\n", "test"),
     ("services:\n  db: {image: x, healthcheck: {test: ls, interval: soon}}\n", "duration"),
     ("services: {db: {image: x}\n", "not YAML"),
+    ("services:\n  db: {image: x, volumes: ['data:/d']}\n", "not declared"),
+    ("services:\n  db: {image: x, volumes: ['./nope:/d']}\n", "inside the task folder"),
+    ("services:\n  db: {image: x, volumes: ['../../..:/d']}\n", "inside the task folder"),
 ])
 def test_a_file_compose_would_not_read_is_refused_in_one_message(tmp_path: Path, yaml: str,
                                                                  why: str) -> None:
     with pytest.raises(TaskInvalid, match=why) as raised:
         load(tmp_path, yaml)
     assert "docker-compose.yaml" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_volumes_are_named_volumes_or_task_folders(tmp_path: Path) -> None:
+    folder = task_with(tmp_path / "task", """
+services:
+  db:
+    image: x
+    volumes: ["data:/var/lib/db", "./conf:/etc/db:ro",
+              {type: bind, source: ../tests, target: /t, read_only: true}]
+  main: {volumes: ["data:/mnt/data:ro"]}
+volumes: {data: }
+""")
+    (folder / "environment" / "conf").mkdir()
+    (folder / "tests").mkdir()
+    task = Task.load(folder)
+    assert task.compose is not None
+    db, main = task.compose.services
+    real = folder.resolve()
+    assert db.volumes == (
+        compose.Volume("volume", "data", "/var/lib/db"),
+        compose.Volume("bind", f"{real}/environment/conf", "/etc/db", read_only=True),
+        compose.Volume("bind", f"{real}/tests", "/t", read_only=True))
+    assert main.volumes == (compose.Volume("volume", "data", "/mnt/data", read_only=True),)
 
 
 def test_a_build_context_that_is_a_link_out_of_the_task_is_refused(tmp_path: Path) -> None:
@@ -197,18 +225,70 @@ def test_a_service_that_exits_while_the_agent_runs_is_a_gap(tmp_path: Path) -> N
     assert not [e for e in view.events if e.type == "sandbox.lost"]
 
 
-def test_services_share_the_agents_network_even_when_its_phase_has_none(
+def test_with_a_phase_not_public_the_services_share_the_agents_one_network(
         tmp_path: Path) -> None:
-    """`[agent] network_mode = "no-network"`: main and the services share one namespace
-    (one policy), so `localhost` and the service's name still reach it; nothing else."""
-    task = variant(tmp_path, "compose-web")
-    with (task / "task.toml").open("a") as toml:
-        toml.write('\n[agent]\nnetwork_mode = "no-network"\n')
-    (task / "solution" / "solve.sh").write_text(
-        (task / "solution" / "solve.sh").read_text()
-        + "(exec 4<>/dev/tcp/10.0.2.2/1) 2>/dev/null && echo escaped > /app/page.txt\n")
+    """compose-order's agent phase is `no-network`: main and the services share one
+    namespace (one policy), so `localhost` reaches the greeter — and that namespace has
+    nothing but loopback while the agent runs (no slirp4netns, no bridge)."""
+    task = variant(tmp_path, "compose-order")
+    solve = task / "solution" / "solve.sh"
+    solve.write_text(solve.read_text().replace(
+        "\n", "\n[ \"$(ls /sys/class/net)\" = lo ] || "
+              "{ echo \"escaped: $(ls /sys/class/net)\" > /app/greeting.txt; exit 0; }\n", 1))
     view, printed = oracle_run(task, tmp_path / "t.db")
     assert verification(view).data.rewards == {"reward": 1.0}, printed
+
+
+def test_with_every_phase_public_each_service_has_its_own_network_on_a_bridge(
+        tmp_path: Path) -> None:
+    """compose-web's phases are all public: web and mirror both listen on 8080 (each in a
+    namespace of its own; in main's one the second bind would fail), each reached by its
+    name at its bridge address; main's namespace holds its way out, the bridge and one
+    port per service — nothing of it is on the host's network."""
+    task = variant(tmp_path, "compose-web")
+    solve = task / "solution" / "solve.sh"
+    solve.write_text(solve.read_text() + "ls /sys/class/net | tr '\\n' ' ' > /app/nets\n"
+                                          "getent hosts web mirror main | tr -s ' ' > /app/hosts\n")
+    test = task / "tests" / "test.sh"
+    test.write_text(
+        "#!/bin/bash\n"
+        "hosts=$(printf '10.89.0.2 web\\n10.89.0.3 mirror\\n10.89.0.1 main')\n"
+        "if grep -qx compose-page-4711 /app/page.txt && grep -qx mirror-page-0815 "
+        "/app/mirror.txt && [ \"$(cat /app/nets)\" = 'lo tap0 tlbr0 tlv0 tlv1 ' ] "
+        "&& [ \"$(cat /app/hosts)\" = \"$hosts\" ]; then echo 1; else echo 0; fi "
+        "> /logs/verifier/reward.txt\n")
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    assert verification(view).data.rewards == {"reward": 1.0}, printed + test.read_text()
+
+
+def test_a_services_hooks_and_artifacts_are_taken_from_its_container(tmp_path: Path
+                                                                      ) -> None:
+    """Hooks of `greeter` run in its container, as its user, with its environment, after
+    main's; one in `prepare` (ended: it completed) is gap `collect_failed`; outputs are
+    numbered main's first, then the services' in their start order (prepare, greeter).
+    An artifact of `greeter` is read from its container."""
+    task = variant(tmp_path, "compose-order")
+    toml_text = (task / "task.toml").read_text()
+    (task / "task.toml").write_text(
+        'artifacts = [{source = "/srv/www/index.html", service = "greeter", '
+        'destination = "greeting.html"}]\n' + toml_text)
+    with (task / "task.toml").open("a") as toml:
+        toml.write('[[verifier.collect]]\nservice = "greeter"\n'
+                   'command = "echo $GREETING; cat www/index.html; ls /app; true"\n'
+                   '[[verifier.collect]]\ncommand = "echo main; ls /srv/www; true"\n'
+                   '[[verifier.collect]]\nservice = "prepare"\ncommand = "true"\n')
+    view, printed = oracle_run(task, tmp_path / "t.db", "--set",
+                               f"sandbox_logs_dir={tmp_path / 'kept'}")
+    kept = tmp_path / "kept" / view.session_id / "collect"
+    assert (kept / "1.txt").read_text().startswith("main\nls: "), printed  # no /srv in main
+    assert (kept / "3.txt").read_text().startswith(
+        "hello-ordered-compose\nhello-ordered-compose from /srv as 0, prepared, templated\n"
+        "ls: ")  # and no /app in greeter
+    (failed,) = gaps(view, "collect_failed")
+    assert failed == "`true`: it could not start: its container exited with 0", failed
+    assert verification(view).data.rewards == {"reward": 1.0}
+    assert (kept.parent / "artifacts" / "greeting.html").read_text() == \
+        "hello-ordered-compose from /srv as 0, prepared, templated\n"
 
 
 def test_the_agent_cannot_see_or_touch_a_services_files(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ import anyio
 
 from trialledger.adapters.compose import Condition, Service
 from trialledger.adapters.places import resolve_inside
+from trialledger.adapters.sandbox import bridge
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.base import (
     SUPERVISOR_ENV,
@@ -241,6 +242,8 @@ class ContainerPhases(SessionLayout):
     _runc: RuncContainer | None  # the container's runc, when it runs under runc
     services: Services | None  # (a compose task) its other services, started before it
     compose_needs: dict[str, Condition]  # (a compose task) what main's depends_on waits for
+    bridged: bool  # (a compose task) each service on the session's bridge (bridge.py)
+    bridge_made: bool
     shares: tuple[Any, Service] | None  # (a compose service's own) the session's, its service
 
     if TYPE_CHECKING:  # LocalSandbox's: spawning, and the verifier's parts
@@ -284,6 +287,8 @@ class ContainerPhases(SessionLayout):
             if (why := self.container.lost()) is not None:
                 raise OSError(why)
             return self.container
+        if self.ended_code is not None:  # (a compose service that completed: never again)
+            raise OSError(f"its container exited with {self.ended_code}")
         logs = self.root / "verifier-logs"
         logs.mkdir(mode=0o700)
         if self.runs_as.switches:
@@ -326,24 +331,50 @@ class ContainerPhases(SessionLayout):
         return "public" in session.phase_modes.values() or session.allowed_hosts is not None
 
     @property
-    def _neighbours(self) -> list[str]:
-        """The compose services' names, each at 127.0.0.1 in every container's
-        /etc/hosts (they share one network namespace)."""
+    def _neighbours(self) -> list[tuple[str, str]]:
+        """(address, name) of `main` and every compose service, for every container's
+        /etc/hosts: their bridge addresses (bridged), else 127.0.0.1 (one namespace)."""
         session = self.shares[0] if self.shares is not None else self
-        return session.services.names if session.services is not None else []
+        if session.services is None:
+            return []
+        names = session.services.names
+        if not session.bridged:
+            return [("127.0.0.1", name) for name in ("main", *names)]
+        return [(bridge.MAIN_ADDRESS, "main"),
+                *((bridge.address(index), name) for index, name in enumerate(names))]
 
     async def start_service(self) -> int | None:
         """(a compose service's sandbox) its container started: None while it runs, its
         exit code when it ended as it started (OSError: it could not start)."""
         try:
-            await self._ensure_container()
+            container = await self._ensure_container()
         except ContainerFailed:
             if self.ended_code is not None:
                 return self.ended_code
             raise
+        if self.shares is not None and self.shares[0].bridged:  # its own network: on the
+            # session's bridge, and outward by a slirp4netns of its own
+            session = self.shares[0]
+            try:
+                await anyio.to_thread.run_sync(functools.partial(
+                    bridge.attach, session.range.netns_fd, container.pid,
+                    session.services.names.index(self.shares[1].name),
+                    first=not session.bridge_made))
+                session.bridge_made = True
+                await self._connect()
+            except SandboxRefused as error:
+                raise OSError(str(error)) from None
         return None
 
     ended_code: int | None = None  # a container that ended as it started: its exit code
+
+    def service_boxes(self) -> list[tuple[str, Any]]:
+        """(a compose task) Each started service's name and sandbox, in start order."""
+        return list(self.services.boxes.items()) if self.services is not None else []
+
+    def hook_env(self) -> dict[str, str]:
+        """(a compose service's sandbox) A collect hook's environment: its PID 1's."""
+        return self._container_env()
 
     def services_exited(self) -> list[dict[str, str]]:
         """Gap `service_exited` for each compose service that ended while the session ran

@@ -265,6 +265,14 @@ class LocalSandbox(RuncLaunch):
         self.shares = shares
         self.services: Services | None = None  # (a compose task) the other services
         self.compose_needs = dict(compose.main.depends_on) if compose is not None else {}
+        # (a compose task) every phase public: each service in a network namespace of its
+        # own on the session's bridge (bridge.py); else all in the session's one
+        self.bridged = (compose is not None and set(self.phase_modes.values()) == {"public"}
+                        and allowed_hosts is None)
+        self.bridge_made = False
+        # (a compose task) the volumes this container mounts: main's, or its service's
+        self.volumes = (shares[1].volumes if shares is not None
+                        else compose.main.volumes if compose is not None else ())
         making = None  # (range mode) the session's user namespace, begun first
         try:
             if self.image is not None:  # read through its view while the session lives
@@ -380,8 +388,9 @@ class LocalSandbox(RuncLaunch):
         return RangeIds(making.slot, userns, users, making.net_fd)
 
     def _shared_range(self, session: LocalSandbox, service: Service) -> RangeIds:
-        """A compose service's range ids: the session's slot and namespaces, its users the
-        service's `user` (else its image's), read from its own image."""
+        """A compose service's range ids: the session's slot, user namespace and (unless
+        bridged: runc makes one) network namespace, its users the service's `user` (else its
+        image's), read from its own image."""
         assert self.image is not None and self.image.root is not None
         if session.range is None or not session.on_runc:
             raise SandboxRefused("a compose service runs only beside a range-mode session's "
@@ -389,7 +398,7 @@ class LocalSandbox(RuncLaunch):
         user = resolve_user(self.image.root, service.user, (self.image.uid, self.image.gid))
         return RangeIds(session.range.slot, session.range.userns_fd,
                         dict.fromkeys(("agent", "probe", "verifier", "container"), user),
-                        session.range.netns_fd)
+                        None if session.bridged else session.range.netns_fd)
 
     def _compose_services(self, compose: Compose) -> Services:
         """The other services of a compose task, each made (when it starts) as a sandbox

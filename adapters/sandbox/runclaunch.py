@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from trialledger.adapters.compose import Volume
+from trialledger.adapters.places import resolve_inside
 from trialledger.adapters.sandbox.base import SUPERVISOR_ENV
 from trialledger.adapters.sandbox.bwrap import INIT_INSIDE, Role, Spawn, mounts
 from trialledger.adapters.sandbox.cgroup import CONTROLLERS, DEFAULT_PIDS, v1_hierarchies
@@ -23,7 +26,13 @@ from trialledger.adapters.sandbox.container import ContainerFailed, ContainerPha
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.hostside import host_env
 from trialledger.adapters.sandbox.idrange import SLOT
-from trialledger.adapters.sandbox.oci import DOCKER_NET_SYSCTL, ContainerSpec, container_config
+from trialledger.adapters.sandbox.layout import chown_tree
+from trialledger.adapters.sandbox.oci import (
+    DOCKER_NET_SYSCTL,
+    Bind,
+    ContainerSpec,
+    container_config,
+)
 from trialledger.adapters.sandbox.ociruntime import host_nofile, host_seccomp
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.runc import RuncContainer, oci_mounts, runner_fd_path
@@ -49,6 +58,7 @@ class RuncLaunch(ContainerPhases):
     limits: dict[str, float]
     runtime: str | None  # the OCI runtime (runc, crun) when the container starts on one
     _lifeline: int | None  # (runc) its write end: closed, the container's PID 1 ends it
+    volumes: tuple[Volume, ...]  # (a compose task) what this container mounts
 
     if TYPE_CHECKING:  # LocalSandbox's: what a spawn of a role mounts
         def _spawn_plan(self, role: Role, phase: str, *, info_fd: int,
@@ -68,6 +78,7 @@ class RuncLaunch(ContainerPhases):
                   if m.staged and m.source is not None else m for m in mounts(spawn)]
         self._clear_mount_points(placed, "container")
         binds, tmpfs = oci_mounts(placed)
+        binds += tuple(self._volume_binds())
         user = self.range.users["container"]
         # Handed over as descriptors 3 and 4 (runc --preserve-fds): the lifeline (runc's
         # container does not die with the runner, bwrap's did) and a lease's switch.
@@ -79,10 +90,10 @@ class RuncLaunch(ContainerPhases):
         pid1 += ["--user", str(user.uid), str(user.gid),
                  ",".join(str(g) for g in user.groups) or "-", "--", *command]
         # Always a network namespace of the container's own (the runner's, inside the
-        # slot's user namespace): sysfs cannot be mounted in a user namespace that does not
-        # own the network namespace, so the host's is never shared under runc.
+        # slot's user namespace; a bridged compose service's made by runc there): sysfs
+        # cannot be mounted in a user namespace that does not own the network namespace, so
+        # the host's is never shared under runc.
         netns = self.range.netns_fd
-        assert netns is not None
         limits = {"pids": float(DEFAULT_PIDS),
                   **{key: value for key, value in self.limits.items() if key in CONTROLLERS}}
         config = container_config(ContainerSpec(
@@ -91,7 +102,8 @@ class RuncLaunch(ContainerPhases):
             seccomp=host_seccomp(list(self.caps)), ids=(self.range.slot.start, SLOT),
             cwd=self.workdir, caps=self.caps, no_new_privileges=self.no_new_privileges,
             hostname=hostname_of(self.marker),
-            userns=runner_fd_path(self.range.userns_fd), netns=runner_fd_path(netns),
+            userns=runner_fd_path(self.range.userns_fd),
+            netns=runner_fd_path(netns) if netns is not None else None,
             cgroups_path=runc.cgroup_name, limits=limits, binds=binds, tmpfs=tmpfs,
             nofile=host_nofile(), sysctl=DOCKER_NET_SYSCTL, swap_accounted=swap_accounted()))
         fd = os.open(runc.bundle / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -125,8 +137,9 @@ class RuncLaunch(ContainerPhases):
                 namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
             except FileNotFoundError:  # an ENTRYPOINT that exits at once
                 raise ContainerFailed("the container stopped as it started") from None
-            run.know({"child-pid": pid, "pid-namespace": namespace,
-                      "net-namespace": os.fstat(netns).st_ino})
+            net = (os.fstat(netns).st_ino if netns is not None
+                   else os.stat(f"/proc/{pid}/ns/net").st_ino)
+            run.know({"child-pid": pid, "pid-namespace": namespace, "net-namespace": net})
             if self.network is not None and self.network.isolated:
                 try:
                     await self.network.open_inside(pid)  # before any phase joins
@@ -141,6 +154,41 @@ class RuncLaunch(ContainerPhases):
             self._lifeline = None
             raise
         return run
+
+    def _volume_binds(self) -> list[Bind]:
+        """(a compose task) This container's `volumes` as binds: a named volume is a folder
+        of the session's (made by its first container, owned as the image's folder at its
+        target is, as Docker makes one; its content is not copied up); a task path is
+        copied into this container's folder first (the task folder is never written), owned
+        by inner root."""
+        assert self.range is not None and self.image is not None and self.image.root
+        session: RuncLaunch = self.shares[0] if self.shares is not None else self
+        slot = self.range.slot.start
+        binds = []
+        for index, volume in enumerate(self.volumes):
+            if volume.kind == "volume":
+                folder = session.root / "volumes" / volume.source
+                if not folder.exists():
+                    folder.parent.mkdir(mode=0o755, exist_ok=True)
+                    folder.mkdir(mode=0o755)
+                    image_folder = self.image.root / resolve_inside(
+                        self.image.root, volume.target).lstrip("/")
+                    if image_folder.is_dir() and not image_folder.is_symlink():
+                        held = image_folder.stat()
+                        os.chown(folder, slot + held.st_uid, slot + held.st_gid)
+                        os.chmod(folder, held.st_mode & 0o7777)
+                    else:
+                        os.chown(folder, slot, slot)
+            else:
+                folder = self.root / f"bind-{index}"
+                if os.path.isdir(volume.source):
+                    shutil.copytree(volume.source, folder, symlinks=True)
+                    chown_tree(folder, (slot, slot))
+                else:
+                    shutil.copyfile(volume.source, folder, follow_symlinks=False)
+                    os.chown(folder, slot, slot, follow_symlinks=False)
+            binds.append(Bind(str(folder), volume.target, read_only=volume.read_only))
+        return binds
 
     def _runc_prefix(self, staged: Sequence[tuple[Path, Path]], passed: Sequence[int]
                      ) -> list[str]:

@@ -258,19 +258,18 @@ def hostname_of(session_id: str) -> str:
     return hashlib.sha256(session_id.encode()).hexdigest()[:12]
 
 
-def injected_files(session_id: str, *, resolver: bool, neighbours: Sequence[str] = ()
-                   ) -> dict[str, bytes]:
+def injected_files(session_id: str, *, resolver: bool,
+                   neighbours: Sequence[tuple[str, str]] = ()) -> dict[str, bytes]:
     """The files Docker writes over a container's image (SPEC §15 "Container lifetime"):
     `/etc/hosts` (Docker's defaults plus the hostname), `/etc/hostname` and
     `/etc/resolv.conf`. `resolver`: some phase of the session is connected by slirp4netns
     (`public` or `allowlist`): the hostname names its address and slirp's resolver
     answers; otherwise the hostname names 127.0.0.1 (the namespace has no other address)
-    and resolv.conf is empty. `neighbours` (a compose task's services, in one network
-    namespace) name 127.0.0.1 too."""
+    and resolv.conf is empty. `neighbours` (a compose task's services and `main`): (address,
+    name) lines after those."""
     hostname = hostname_of(session_id)
     hosts = [*DOCKER_HOSTS, (ADDRESS if resolver else "127.0.0.1", hostname)]
-    if neighbours:
-        hosts.append(("127.0.0.1", " ".join(neighbours)))
+    hosts += neighbours
     return {
         "/etc/hosts": "".join(f"{ip}\t{names}\n" for ip, names in hosts).encode(),
         "/etc/hostname": f"{hostname}\n".encode(),

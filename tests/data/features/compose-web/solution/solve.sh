@@ -1,5 +1,10 @@
 #!/bin/bash
-# bash's /dev/tcp: the image has no HTTP client; `web` resolves through /etc/hosts
-exec 3<>/dev/tcp/web/8080
-printf 'GET / HTTP/1.0\r\nHost: web\r\n\r\n' >&3
-sed '1,/^\r$/d' <&3 > /app/page.txt
+# bash's /dev/tcp: the image has no HTTP client; the names resolve through /etc/hosts
+fetch() {
+    exec 3<>"/dev/tcp/$1/8080"
+    printf 'GET / HTTP/1.0\r\nHost: %s\r\n\r\n' "$1" >&3
+    sed '1,/^\r$/d' <&3 > "$2"
+    exec 3<&-
+}
+fetch web /app/page.txt
+fetch mirror /app/mirror.txt

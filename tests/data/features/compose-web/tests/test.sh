@@ -1,3 +1,4 @@
 #!/bin/bash
-if grep -qx compose-page-4711 /app/page.txt 2>/dev/null; then echo 1; else echo 0; fi \
-    > /logs/verifier/reward.txt
+if grep -qx compose-page-4711 /app/page.txt 2>/dev/null \
+        && grep -qx mirror-page-0815 /app/mirror.txt 2>/dev/null; then
+    echo 1; else echo 0; fi > /logs/verifier/reward.txt
