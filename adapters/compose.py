@@ -110,14 +110,18 @@ class Compose:
 
 
 def load(folder: Path, max_bytes: int, task_env: Mapping[str, str],
-         build_timeout_s: float = BUILD_TIMEOUT_S) -> Compose | None:
-    """The task's compose file read (None: it has none); `TaskInvalid` when it is not one
-    Compose would read, `UnsupportedField` naming a key we cannot honour."""
-    if not os.path.lexists(folder / FILE):
+         build_timeout_s: float = BUILD_TIMEOUT_S, *, base: str = "environment"
+         ) -> Compose | None:
+    """The task's compose file in `base` (`environment/`, or a separate verifier's
+    `tests/`) read (None: it has none); `TaskInvalid` when it is not one Compose would
+    read, `UnsupportedField` naming a key we cannot honour. Build contexts and binds are
+    relative to `base`."""
+    file = f"{base}/docker-compose.yaml"
+    if not os.path.lexists(folder / file):
         return None
-    where = str(folder / FILE)
+    where = str(folder / file)
     try:
-        document = yaml.safe_load(read_task_text(folder, FILE, max_bytes))
+        document = yaml.safe_load(read_task_text(folder, file, max_bytes))
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         at = f" (line {mark.line + 1})" if mark is not None else ""
@@ -130,14 +134,14 @@ def load(folder: Path, max_bytes: int, task_env: Mapping[str, str],
             raise UnsupportedField(f"{where}: {key}: not supported here (only `services` "
                                    f"and `volumes`)")
         if key not in ("services", "volumes"):
-            ignored[f"{FILE} {key}"] = "has no effect here"
-    reader = _Reader(where, folder, task_env, build_timeout_s,
+            ignored[f"{file} {key}"] = "has no effect here"
+    reader = _Reader(where, folder, base, task_env, build_timeout_s,
                      _declared_volumes(document.get("volumes"), where))
     services = {MAIN_SERVICE: Service(MAIN_SERVICE)}
     for name, raw in document["services"].items():
         if not isinstance(name, str) or not NAME.match(name):
             raise TaskInvalid(f"{where}: services: {name!r} is not a service name")
-        services[name] = reader.service(name, raw, ignored)
+        services[name] = reader.service(name, raw, ignored, file)
     return Compose(_ordered(services, where), tuple(dict.fromkeys(reader.secrets)),
                    dict(sorted(ignored.items())))
 
@@ -145,15 +149,15 @@ def load(folder: Path, max_bytes: int, task_env: Mapping[str, str],
 class _Reader:
     """One compose file's services read (`where` names it in errors)."""
 
-    def __init__(self, where: str, folder: Path, task_env: Mapping[str, str],
+    def __init__(self, where: str, folder: Path, base: str, task_env: Mapping[str, str],
                  build_timeout_s: float, volumes: frozenset[str]) -> None:
-        self.where, self.folder = where, folder
+        self.where, self.folder, self.base = where, folder, base
         self.volumes = volumes  # the top level's named volumes
         self.task_env = task_env
         self.build_timeout_s = build_timeout_s
         self.secrets: list[str] = []
 
-    def service(self, name: str, raw: Any, ignored: dict[str, str]) -> Service:
+    def service(self, name: str, raw: Any, ignored: dict[str, str], file: str) -> Service:
         if not isinstance(raw, dict):
             raise TaskInvalid(f"{self.where}: services.{name}: expected a mapping")
         allowed = MAIN_KEYS if name == MAIN_SERVICE else SERVICE_KEYS
@@ -163,7 +167,7 @@ class _Reader:
                        if name == MAIN_SERVICE and key in SERVICE_KEYS else "not supported here")
                 raise UnsupportedField(f"{self.where}: services.{name}.{key}: {why}")
             if key in IGNORED:
-                ignored[f"{FILE} services.{name}.{key}"] = IGNORED[key]
+                ignored[f"{file} services.{name}.{key}"] = IGNORED[key]
         at = f"services.{name}"
         if name != MAIN_SERVICE and "image" not in raw and "build" not in raw:
             raise TaskInvalid(f"{self.where}: {at}: needs an `image` or a `build`")
@@ -181,7 +185,7 @@ class _Reader:
 
     def _volumes(self, value: Any, at: str) -> tuple[Volume, ...]:
         """`volumes`: `SOURCE:TARGET[:ro|rw]` (a declared volume's name, or a path starting
-        `.` relative to `environment/`), or the long form's `type` (`volume`, `bind`),
+        `.` relative to the file's folder), or the long form's `type` (`volume`, `bind`),
         `source`, `target`, `read_only`. An anonymous volume or a host path is refused."""
         if not isinstance(value, list):
             raise TaskInvalid(f"{self.where}: {at}: expected a list")
@@ -218,11 +222,11 @@ class _Reader:
         return tuple(volumes)
 
     def _bind_source(self, source: str, at: str) -> str:
-        """A bind's source: a path relative to `environment/`, inside the task folder."""
+        """A bind's source: a path relative to the file's folder, inside the task folder."""
         if not source.startswith("."):
             raise UnsupportedField(f"{self.where}: {at}: {source!r}: a host path outside the "
                                    f"task folder is never bound in")
-        relative = os.path.normpath(f"environment/{source}")
+        relative = os.path.normpath(f"{self.base}/{source}")
         real = within(self.folder, relative)
         if relative.startswith("..") or real is None or not os.path.exists(real):
             raise TaskInvalid(f"{self.where}: {at}: {source!r}: must be a file or folder "
@@ -322,7 +326,7 @@ class _Reader:
         return wanted
 
     def _source(self, raw: Mapping[str, Any], at: str) -> Source:
-        """The service's image: `build` (a context inside `environment/`, its Dockerfile,
+        """The service's image: `build` (a context inside the task folder, its Dockerfile,
         `args`), else `image` from the engine's storage."""
         build = raw.get("build")
         if build is None:
@@ -337,7 +341,7 @@ class _Reader:
         if spec.get("dockerfile", "Dockerfile") != "Dockerfile":
             raise UnsupportedField(f"{self.where}: {at}.build.dockerfile: only the context's "
                                    f"`Dockerfile` is supported here")
-        relative = os.path.normpath(f"environment/{self._text(spec.get('context', '.'), at)}")
+        relative = os.path.normpath(f"{self.base}/{self._text(spec.get('context', '.'), at)}")
         if (relative.startswith("..") or os.path.isabs(relative)
                 or within(self.folder, relative) is None):
             raise TaskInvalid(f"{self.where}: {at}.build.context: must be a folder inside "

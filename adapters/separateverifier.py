@@ -93,7 +93,8 @@ def verifier_sandbox(task: Task, environment: Environment, *, runtime: str | Non
         lifetime="harbor",
         task_env=separate.env,
         allowed_hosts=task.allowed_hosts if separate.phase_mode == "allowlist" else None,
-        network_modes=modes)
+        network_modes=modes,
+        compose=separate.compose)
 
 
 def bring_artifacts(verifier: LocalSandbox, entries: Sequence[Artifact], kept: Path) -> None:

@@ -154,7 +154,7 @@ class Task:
         source = _source(environment, folder)
         limits = _limits(environment, folder)
         separate = _separate(meta, folder, environment, limits, tables["environment"].values,
-                             source)
+                             source, max_bytes)
         composed = load_compose(folder, max_bytes, tables["environment"].values,
                                 float(environment.get("build_timeout_sec", BUILD_TIMEOUT_S)))
         if composed is not None and source is None:
@@ -184,7 +184,8 @@ class Task:
             secrets=(*(secret for table in tables.values() for secret in table.secrets),
                      *servers.secrets, *(separate.secrets if separate else ()),
                      *(secret for step in steps for secret in step.secrets),
-                     *(composed.secrets if composed else ())),
+                     *(composed.secrets if composed else ()),
+                     *(separate.compose.secrets if separate and separate.compose else ())),
             mcp_servers=servers,
             allow_internet=modes["agent"] == "public",  # (a container switches per phase)
             network_modes=modes,
@@ -195,7 +196,10 @@ class Task:
             ignored_fields=dict(sorted({**ignored, **servers.ignored, **warned, **unknown,
                                         **(separate.ignored if separate else {}),
                                         **step_ignored,
-                                        **(composed.ignored if composed else {})}.items())),
+                                        **(composed.ignored if composed else {}),
+                                        **(separate.compose.ignored
+                                           if separate and separate.compose else {})
+                                        }.items())),
             steps=steps,
             compose=composed,
             reward_strategy=reward_strategy(meta, str(folder / "task.toml")),
@@ -260,11 +264,12 @@ def require_verifier(task: Task) -> Task:
 
 
 def _separate(meta: dict[str, Any], folder: Path, environment: dict[str, Any],
-              limits: dict[str, float], env: dict[str, str], source: Source | None
-              ) -> SeparateVerifier | None:
+              limits: dict[str, float], env: dict[str, str], source: Source | None,
+              max_bytes: int) -> SeparateVerifier | None:
     """The task's separate verifier (adapters/verifiermode.py), refused by name on a host
     task: it needs range mode, which only image and rootfs tasks have (docs/SPEC.md §17)."""
-    separate = parse_separate(meta, folder, environment=environment, limits=limits, env=env)
+    separate = parse_separate(meta, folder, environment=environment, limits=limits, env=env,
+                              max_bytes=max_bytes)
     if separate is not None and source is None:
         raise UnsupportedField(f"{folder / 'task.toml'}: {separate.named}: a separate verifier "
                                f"needs range mode, which a host task (no [environment] "

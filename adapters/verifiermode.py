@@ -8,7 +8,9 @@ a fresh container of its own. Its image, in Harbor's order:
     tests/Dockerfile                      built with tests/ as its context, tests inside
     the task's own environment            its image (and environment/ upload, workspace/),
                                           with tests/ uploaded as for a shared verifier
-`tests/docker-compose.yaml` needs Docker Compose: refused by name. The container's
+`tests/docker-compose.yaml` gives the verifier compose services of its own (read as
+adapters/compose.py reads a task's, relative to tests/), refused by name without the
+verifier's own image. The container's
 `workdir`, `env`, network mode and limits are `[verifier.environment]`'s when that table
 is given, else `[environment]`'s (Harbor's fresh copy of it); the verifier phase's network
 is `[verifier] network_mode`, else the container's. It needs range mode (an image or
@@ -20,6 +22,7 @@ single-id mode and `--isolation process-group` where the run knows its mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 from trialledger.adapters.compose import FILE as COMPOSE_FILE
 from trialledger.adapters.compose import Compose, Service
+from trialledger.adapters.compose import load as load_compose
 from trialledger.adapters.environment import (
     BUILD_TIMEOUT_S,
     Cache,
@@ -53,6 +57,7 @@ from trialledger.adapters.taskconfig import (
     wrong_type,
 )
 from trialledger.adapters.taskenv import EnvUnresolved, ResolvedEnv, resolve
+from trialledger.core.settings import TASK_FILE_MAX_BYTES
 
 MODES = ("shared", "separate")
 TABLE = "verifier.environment"
@@ -74,10 +79,12 @@ class SeparateVerifier:
     network_mode: str = "public"  # the container's baseline
     phase_mode: str = "public"  # the verifier phase's: `[verifier] network_mode` first
     ignored: dict[str, str] = field(default_factory=dict)  # warned fields (legacy keys)
+    compose: Compose | None = None  # tests/docker-compose.yaml: its own services (§17)
 
 
 def parse(meta: Mapping[str, Any], folder: Path, *, environment: Mapping[str, Any],
-          limits: Mapping[str, float], env: Mapping[str, str]) -> SeparateVerifier | None:
+          limits: Mapping[str, float], env: Mapping[str, str],
+          max_bytes: int = TASK_FILE_MAX_BYTES) -> SeparateVerifier | None:
     """The task's separate verifier, or None when its verifier is shared (Harbor's
     `resolve_task_verifier_mode`); `environment`, `limits` and `env` are the task's own
     `[environment]`'s (read already), which a verifier without a table of its own copies."""
@@ -95,9 +102,6 @@ def parse(meta: Mapping[str, Any], folder: Path, *, environment: Mapping[str, An
     named = ("[verifier] environment_mode = 'separate'" if mode == "separate"
              else "[verifier.environment]")
     own = table if isinstance(table, dict) else None
-    if os.path.lexists(folder / COMPOSE):  # Harbor's docker environment would compose it
-        raise UnsupportedField(f"{folder / COMPOSE}: a separate verifier built by Docker "
-                               f"Compose is not supported here")
     baseline, ignored = (baseline_mode(own, TABLE, where) if own is not None
                          else (baseline_mode(environment, "environment", where)[0], {}))
     explicit = phase_mode(verifier, "verifier", where)
@@ -107,7 +111,16 @@ def parse(meta: Mapping[str, Any], folder: Path, *, environment: Mapping[str, An
     sized, warned = legacy_sizes(own, where, TABLE) if own is not None else ({}, {})
     source, bundled = _image(sized, folder, environment, where)
     resolved = _env(sized, where) if own is not None else None
+    composed = None
+    if os.path.lexists(folder / COMPOSE):  # its services, as Harbor composes tests/
+        if source is None:
+            raise UnsupportedField(f"{folder / COMPOSE}: needs tests/Dockerfile or [{TABLE}] "
+                                   f"docker_image (the verifier's own image, its `main`)")
+        composed = load_compose(folder, max_bytes,
+                                dict(env) if resolved is None else resolved.values,
+                                source.build_timeout_s, base="tests")
     return SeparateVerifier(
+        compose=composed,
         named=named, source=source, bundled=bundled, own_table=own is not None,
         workdir=_workdir(sized, where) if own is not None else environment.get("workdir"),
         env=dict(env) if resolved is None else resolved.values,
@@ -207,11 +220,9 @@ def prepare_task(task: OfATask, cache: Cache, *, owner: int | None, engine: str 
     own as `verifier`: every image ready before any session is seeded."""
     made = prepare(with_limits(task.source, task.limits), cache, owner=owner, engine=engine,
                    pull=pull, force_build=force_build, progress=progress)
-    if task.compose is not None:
-        made = dataclasses.replace(made, services=tuple(
-            (service.name, _service_image(service, cache, owner, engine=engine, pull=pull,
-                                          progress=progress))
-            for service in task.compose.others))
+    services = functools.partial(_with_services, cache=cache, owner=owner, engine=engine,
+                                 pull=pull, progress=progress)
+    made = services(made, task.compose)
     separate = task.separate_verifier
     if separate is None:
         return made
@@ -225,9 +236,22 @@ def prepare_task(task: OfATask, cache: Cache, *, owner: int | None, engine: str 
         else:
             mine = prepare(with_limits(separate.source, separate.limits), cache, owner=owner,
                            engine=engine, pull=pull, progress=progress)
+        mine = services(mine, separate.compose)
     except EnvironmentUnavailable as error:
         raise EnvironmentUnavailable(f"{what}: {error}") from None
     return dataclasses.replace(made, verifier=mine)
+
+
+def _with_services(made: Environment, compose: Compose | None, *, cache: Cache,
+                   owner: int | None, engine: str | None, pull: bool,
+                   progress: Progress | None) -> Environment:
+    """`made` with the images of `compose`'s services other than `main` prepared."""
+    if compose is None:
+        return made
+    return dataclasses.replace(made, services=tuple(
+        (service.name, _service_image(service, cache, owner, engine=engine, pull=pull,
+                                      progress=progress))
+        for service in compose.others))
 
 
 def _service_image(service: Service, cache: Cache, owner: int | None, *,

@@ -291,6 +291,21 @@ def test_a_services_hooks_and_artifacts_are_taken_from_its_container(tmp_path: P
         "hello-ordered-compose from /srv as 0, prepared, templated\n"
 
 
+def test_a_separate_verifiers_services_are_never_the_agents(tmp_path: Path) -> None:
+    """separate-tests-compose's `answers` service is the verifier's: the agent's container
+    neither resolves nor reaches it (the oracle writes its answer only if it cannot; any
+    TCP connection may open here, through the machine's proxy, so the answer is what
+    counts), and the verifier does (reward 1)."""
+    task = variant(tmp_path, "separate-tests-compose")
+    (task / "solution" / "solve.sh").write_text(
+        "#!/bin/bash\ngetent hosts answers && exit 0\n"
+        "timeout 5 bash -c 'exec 3<>/dev/tcp/10.89.0.2/8080; printf \"GET /answer "
+        "HTTP/1.0\\r\\n\\r\\n\" >&3; cat <&3' 2>/dev/null | grep -qx 42 && exit 0\n"
+        "echo 42 > /srv/out.txt\n")
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    assert verification(view).data.rewards == {"reward": 1.0}, printed
+
+
 def test_the_agent_cannot_see_or_touch_a_services_files(tmp_path: Path) -> None:
     """The service's root is its own overlay: the agent's container does not hold its
     files, and what the agent writes never appears in it (the page it serves is its own)."""

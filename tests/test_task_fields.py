@@ -28,7 +28,7 @@ ROOTFS = "[environment]\nrootfs = 'rootfs.tar'\n"  # an image task (an empty roo
 
 # (task.toml, the field the refusal names); "compose" writes environment/docker-compose.yaml
 # (on a host task: refused, it needs the task's image),
-# "verifier-compose" tests/docker-compose.yaml under a separate verifier
+# "verifier-compose" tests/docker-compose.yaml under a separate verifier without its own image
 REFUSED = [
     ("[environment]\ngpus = 1\n", "[environment] gpus"),
     ("[environment]\ngpu_types = ['H100']\n", "[environment] gpu_types"),

@@ -239,7 +239,9 @@ class LocalSandbox(RuncLaunch):
         self.slirp: Slirp | None = None  # its outward connection (a public network)
         self._net_namespace: int | None = None  # its network namespace (once it runs)
         self._resolver: Path | None = None
-        self.task_env = dict(task_env or {})  # [environment] env, for the container's PID 1
+        # [environment] env, for the container's PID 1, over compose's `main` environment
+        self.task_env = {**(compose.main.env if compose is not None else {}),
+                         **(task_env or {})}
         self.init = ensure_init()
         self.codex = codex
         self.tests = tests
