@@ -124,7 +124,8 @@ def agent_env(settings: Settings, task: Task, sandbox: LocalSandbox, api_key: st
     if settings.inherit_sandbox_environment:
         if (image := sandbox.image) is not None:
             env.update(image.phase_env())
-        env.update(task.env)  # the variables the task declares; never the harness's own
+        env.update(sandbox.task_env)  # the variables the task declares (its [environment]
+        # env over a compose file's `main` environment); never the harness's own
     if (helpers := sandbox.codex_path_dir) is not None:
         env["PATH"] = f"{env.get('PATH', '/usr/bin:/bin')}:{helpers}"
     env["CODEX_HOME"] = str(sandbox.session_dir)
@@ -467,7 +468,7 @@ class SessionRunner(AfterTheAgent):
         assert check is not None
         image = sandbox.image
         shell = "bash" if image is None or image.has("bash") else "sh"
-        env = {**sandbox.base_env(), **phase_env(self.task, sandbox)}
+        env = {**sandbox.base_env(), **phase_env(sandbox)}
 
         async def attempt(timeout_s: float) -> tuple[int | None, str]:
             try:

@@ -132,7 +132,8 @@ def oracle_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
     env["HOME"] = str(sandbox.session_dir)
     if (image := sandbox.image) is not None:
         env.update(image.phase_env())
-    return {**env, **task.env, "DEBIAN_FRONTEND": "noninteractive", **task.solution_env}
+    return {**env, **sandbox.task_env, "DEBIAN_FRONTEND": "noninteractive",
+            **task.solution_env}
 
 
 def oracle_output(sandbox: LocalSandbox, places: OraclePlaces

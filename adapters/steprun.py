@@ -160,7 +160,7 @@ async def run_setup(runner: StepSessions, step: Step, rec: Recorder, sandbox: Lo
     user, within the step's agent timeout; a failure is gap `step_setup_failed`."""
     image = sandbox.image
     shell = "bash" if image is None or image.has("bash") else "sh"
-    env = {**sandbox.base_env(), **phase_env(runner.task, sandbox)}
+    env = {**sandbox.base_env(), **phase_env(sandbox)}
     script = f"{sandbox.agent_workdir.rstrip('/')}/setup.sh"
     try:
         ran = await sandbox.run_command([shell, script], settings.timeout_s, env=env,

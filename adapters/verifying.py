@@ -55,7 +55,7 @@ class AfterTheAgent:
         task's artifacts, then each compose service's hooks (in its container, as its
         user, with its environment) and artifacts (read from its layers, as its user); the
         `files` entries of all, for the verifier."""
-        env = {**sandbox.base_env(), **phase_env(self.task, sandbox)}
+        env = {**sandbox.base_env(), **phase_env(sandbox)}
         mine = [hook for hook in hooks if hook.service == MAIN_SERVICE]
         outputs = await taskcollect.run_hooks(rec, mine, sandbox, settings, secrets, env)
         outputs += await taskartifacts.keep(rec, [a for a in self.task.artifacts
@@ -131,7 +131,7 @@ class AfterTheAgent:
                 folder = artifacts.session_folder(settings.sandbox_logs_dir, rec.session_id)
                 await anyio.to_thread.run_sync(separateverifier.bring_artifacts, verifier,
                                                self.task.artifacts, folder)
-                env = {**phase_env(self.task, verifier, separate.env),
+                env = {**phase_env(verifier),
                        **self.task.verifier_env}
                 await self._verify(rec, verifier, settings, secrets, kept, env=env,
                                    bundled=separate.bundled)
@@ -180,18 +180,17 @@ def _not_run(detail: str, kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "schema": SCHEMA_VERSION["verification.failed"]}
 
 
-def phase_env(task: Task, sandbox: LocalSandbox,
-              table: Mapping[str, str] | None = None) -> dict[str, str]:
-    """docs/SPEC.md §15: the image's `Env` < `[environment] env` (a separate verifier's
-    container: its own `table`, §17), and `HOME`, unless a table sets it, the image's (its
-    `Env`'s, else its user's home)."""
+def phase_env(sandbox: LocalSandbox) -> dict[str, str]:
+    """docs/SPEC.md §15: the image's `Env` < the container's own (`[environment] env`, a
+    separate verifier's `env`, §17; over a compose file's `main` environment), and `HOME`,
+    unless one of those sets it, the image's (its `Env`'s, else its user's home)."""
     env = sandbox.image.phase_env() if sandbox.image is not None else {}
-    return {**env, **(task.env if table is None else table)}
+    return {**env, **sandbox.task_env}
 
 
 def verifier_env(task: Task, sandbox: LocalSandbox) -> dict[str, str]:
     """The verifier's: `phase_env` < `[verifier] env`."""
-    return {**phase_env(task, sandbox), **task.verifier_env}
+    return {**phase_env(sandbox), **task.verifier_env}
 
 
 async def _keep_verifier_files(tree: Any, folder: Path, secrets: Sequence[str],
