@@ -115,6 +115,21 @@ def private_storage() -> Iterator[None]:
             os.environ["CONTAINERS_STORAGE_CONF"] = before
 
 
+@pytest.fixture(name="private_storage")
+def private_storage_fixture() -> Iterator[None]:
+    """For one test that asks for it: every engine call uses the tests' own storage."""
+    with private_storage():
+        yield
+
+
+@pytest.fixture(scope="module")
+def base_images() -> None:
+    """The two base images the tests' task folders name (`DEBIAN_REF`, `BUSYBOX_REF`), in
+    the tests' podman storage."""
+    podman_image(DEBIAN_REF)
+    podman_image(BUSYBOX_REF)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def module_private_storage() -> Iterator[None]:
     """For a test module that imports it: every engine call (the tests' and the runner's)

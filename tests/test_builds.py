@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from tests import images
+from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
 from trialledger.adapters import build as build_module
 from trialledger.adapters import builder as builders
 from trialledger.adapters.buildbox import contained
@@ -82,12 +83,6 @@ int main(int argc, char **argv) {
     return 0;
 }
 """
-
-
-@pytest.fixture(autouse=True)
-def private_storage(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Our engine calls use the tests' own podman storage (the build user has its own)."""
-    monkeypatch.setenv("CONTAINERS_STORAGE_CONF", str(images.storage_conf()))
 
 
 @pytest.fixture

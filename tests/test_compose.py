@@ -15,13 +15,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests import images
-from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
+from tests.images import base_images, module_private_storage  # noqa: F401 (fixtures)
 from tests.runs import in_process
 from tests.test_task_artifacts import gaps, session, verification
 from trialledger.adapters import compose
 from trialledger.adapters.task import Task, TaskInvalid, UnsupportedField
 
+pytestmark = pytest.mark.usefixtures("base_images")  # the images the tasks name
 DATASET = Path(__file__).parent / "data" / "features"
 TOML = '[environment]\ndocker_image = "localhost/tl-debian:plain"\nworkdir = "/app"\n'
 
@@ -176,13 +176,6 @@ def test_a_duration_is_the_sum_of_its_parts(parts: list[tuple[int, str]]) -> Non
 
 
 # --- running the services ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def bases() -> None:
-    """The two images the compose tasks name, in the tests' podman storage."""
-    images.podman_image(images.DEBIAN_REF)
-    images.podman_image(images.BUSYBOX_REF)
 
 
 def variant(tmp_path: Path, name: str) -> Path:

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 
 from tests import images
+from tests.images import private_storage_fixture  # noqa: F401 (the `private_storage` fixture)
 from tests.runs import make_task, read_shell, run_task
-from tests.test_range_mode import DOCKER_CAP_MASK, _debian_into, private_storage
+from tests.test_range_mode import DOCKER_CAP_MASK, _debian_into
 from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.imagestore import plain_cache
 from trialledger.adapters.prepare import prepare
@@ -33,7 +34,6 @@ from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.slirp import RESOLVER
 
 pytestmark = pytest.mark.anyio
-__all__ = ["private_storage"]  # a fixture of test_range_mode's, used here
 
 
 def _outside_address() -> str:

@@ -1,38 +1,28 @@
 """The dataset of Harbor 0.26 task features (tests/data/features/, docs/tasks.md): real task
 folders in Harbor's format — users per phase, collect hooks, separate verifiers (over the
-images built offline) and multi-step host tasks — run as a user runs a dataset: `job run`
-with the oracle (1 on every task) and nop (0 on every task), trials of different tasks at
-once while a verifier's image builds."""
+images built offline), multi-step tasks and compose environments — run as a user runs a
+dataset: `job run` with the oracle (1 on every task) and nop (0 on every task), trials of
+different tasks at once while a verifier's image builds."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 
-from tests import images
+from tests.images import base_images, module_private_storage  # noqa: F401 (fixtures)
 from tests.runs import in_process
 from trialledger.adapters.sandbox.process import LocalRun
 
+pytestmark = pytest.mark.usefixtures("base_images")  # the images the tasks name
 DATASET = Path(__file__).parent / "data" / "features"
 
 
-@pytest.fixture
-def storage(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The tests' podman storage, with the two base images the tasks name."""
-    monkeypatch.setenv("CONTAINERS_STORAGE_CONF", str(images.storage_conf()))
-    images.podman_image(images.DEBIAN_REF)
-    images.podman_image(images.BUSYBOX_REF)
-    yield
-
-
-def test_the_oracle_scores_1_and_nop_0_on_every_feature_task(tmp_path: Path,
-                                                             storage: None) -> None:
+def test_the_oracle_scores_1_and_nop_0_on_every_feature_task(tmp_path: Path) -> None:
     tasks = sorted(path.name for path in DATASET.iterdir())
     assert len(tasks) >= 6
     for agent, expected in (("oracle", 1.0), ("nop", 0.0)):
@@ -48,7 +38,7 @@ def test_the_oracle_scores_1_and_nop_0_on_every_feature_task(tmp_path: Path,
 
 
 def test_a_multi_step_task_in_a_sandbox_per_phase_is_refused_in_one_line(
-        tmp_path: Path, storage: None) -> None:
+        tmp_path: Path) -> None:
     """Over an image the steps share one container (Harbor's): `verifier_isolation =
     strict` (a sandbox per phase) cannot give them one, and says so before any session."""
     done = in_process("run", str(DATASET / "steps-image"), "--agent", "oracle",
@@ -75,7 +65,7 @@ def steps_image_with(tmp_path: Path, step: str, solve_sh: str, grade: str) -> fl
 
 
 def test_a_link_the_agent_left_in_the_way_of_a_steps_workdir_is_replaced(
-        tmp_path: Path, storage: None) -> None:
+        tmp_path: Path) -> None:
     """Step 1's agent makes `data` (where step 2's workdir/ brings data/more.txt) a link to
     a folder outside the workdir: the upload, by the container's root, replaces the link
     with a folder and writes nothing through it."""
@@ -87,7 +77,7 @@ def test_a_link_the_agent_left_in_the_way_of_a_steps_workdir_is_replaced(
 
 
 def test_a_later_steps_agent_finds_no_grader_of_the_step_before(
-        tmp_path: Path, storage: None) -> None:
+        tmp_path: Path) -> None:
     """As Harbor resets them after a shared verifier: step 1's `/tests` (the task's final
     test.sh among them) and its `/logs/verifier` are emptied before step 2's agent runs
     in the same container."""

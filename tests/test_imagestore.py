@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests import images
+from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
 from tests.runs import make_task, run_task
 from tests.test_builds import LEAVE_CHROOT_C
 from trialledger import cli
@@ -55,12 +56,6 @@ int main(int argc, char **argv) {
     return 0;
 }
 """
-
-
-@pytest.fixture(autouse=True)
-def private_storage(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The FROM images come from the tests' own podman storage."""
-    monkeypatch.setenv("CONTAINERS_STORAGE_CONF", str(images.storage_conf()))
 
 
 def _cache(tmp_path: Path) -> Cache:

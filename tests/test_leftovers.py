@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import images
+from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
 from tests.runs import in_process
 from tests.test_builds import builder, containers, dockerfile_task, running, still_running
 from trialledger.adapters import build
@@ -29,11 +30,6 @@ from trialledger.adapters.sandbox.local import LocalSandbox
 
 __all__ = ["builder"]  # (a fixture of test_builds.py, used here)
 DEADLINE_S = 120.0
-
-
-@pytest.fixture(autouse=True)
-def private_storage(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CONTAINERS_STORAGE_CONF", str(images.storage_conf()))
 
 
 def test_a_killed_runners_session_cgroups_go_and_a_live_ones_stay(

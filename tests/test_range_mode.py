@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests import images
+from tests.images import private_storage_fixture  # noqa: F401 (the `private_storage` fixture)
 from tests.runs import make_task, run_task
 from trialledger import cli
 from trialledger.adapters.demo.endpoint import message, shell
@@ -167,11 +168,6 @@ def test_in_single_id_mode_the_same_solution_fails_and_says_why(root_task: Path,
     assert launched.data.identity["mode"] == "single"
     verdict = next(e for e in events if e.type.startswith("verification."))
     assert getattr(verdict.data, "rewards", None) != {"reward": 1.0}
-
-
-@pytest.fixture
-def private_storage(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CONTAINERS_STORAGE_CONF", str(images.storage_conf()))
 
 
 SECRET = "root-only-secret-31c7"

@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests import images
+from tests.images import private_storage_fixture  # noqa: F401 (the `private_storage` fixture)
 from tests.test_range_mode import SECRET, busybox_with, oracle_falling_back, run_oracle
 from trialledger.adapters.sandbox.idrange import SLOT
 from trialledger.adapters.sandbox.local import LocalSandbox
@@ -82,11 +82,6 @@ fi
 def _runc_available() -> None:
     assert range_problem() is None, f"range mode must be available here: {range_problem()}"
     assert runtime_problem("runc") is None, runtime_problem("runc")
-
-
-@pytest.fixture
-def private_storage(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CONTAINERS_STORAGE_CONF", str(images.storage_conf()))
 
 
 def setuid_image() -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests import images
+from tests.images import private_storage_fixture  # noqa: F401 (the `private_storage` fixture)
 from tests.runs import make_task, run_task
 from trialledger.adapters.demo.endpoint import message
 from trialledger.adapters.environment import Cache
@@ -113,12 +114,6 @@ def test_an_unset_variable_or_a_short_secret_refuses_the_task(
     with pytest.raises(TaskInvalid, match="secret of 3 characters"):
         make_task(tmp_path / "b", test_sh="exit 0\n",
                   toml='[verifier.env]\nSERVICE_TOKEN = "${TL_SHORT}"\n')
-
-
-@pytest.fixture
-def private_storage(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Our engine calls use the tests' own podman storage."""
-    monkeypatch.setenv("CONTAINERS_STORAGE_CONF", str(images.storage_conf()))
 
 
 async def test_over_an_image_the_verifier_gets_its_env_and_home(
