@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import anyio
 
-from trialledger.adapters.compose import Condition, Service
+from trialledger.adapters.compose import Condition
 from trialledger.adapters.places import resolve_inside
-from trialledger.adapters.sandbox import bridge
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.base import (
     SUPERVISOR_ENV,
@@ -50,6 +49,7 @@ from trialledger.adapters.sandbox.bwrap import (
     VERIFIER_STDOUT,
     Role,
 )
+from trialledger.adapters.sandbox.composed import ComposeParts
 from trialledger.adapters.sandbox.egress import (
     NO_RULES,
     EgressProxy,
@@ -66,7 +66,6 @@ from trialledger.adapters.sandbox.ocifilter import docker_filter
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import pids_in_namespace
 from trialledger.adapters.sandbox.runc import RuncContainer
-from trialledger.adapters.sandbox.services import Services
 from trialledger.adapters.sandbox.slirp import Slirp, injected_files, start_slirp
 
 # The capability numbers of linux/capability.h for the names range mode grants.
@@ -218,7 +217,7 @@ class Container:
         self.fds = ()
 
 
-class ContainerPhases(SessionLayout):
+class ContainerPhases(SessionLayout, ComposeParts):
     """The session's phases in its container (a part of `LocalSandbox`): the container
     started on first use in the session's layer, each phase's process joined into it, the
     verifier and the healthcheck run there, its network and egress proxy opened."""
@@ -240,11 +239,7 @@ class ContainerPhases(SessionLayout):
     incoming: list[tuple[Path, str]]  # staged copies placed before the verifier (bring_in)
     no_new_privileges: bool  # (runc) a task's `[metadata.trialledger]` asks for it
     _runc: RuncContainer | None  # the container's runc, when it runs under runc
-    services: Services | None  # (a compose task) its other services, started before it
     compose_needs: dict[str, Condition]  # (a compose task) what main's depends_on waits for
-    bridged: bool  # (a compose task) each service on the session's bridge (bridge.py)
-    bridge_made: bool
-    shares: tuple[Any, Service] | None  # (a compose service's own) the session's, its service
 
     if TYPE_CHECKING:  # LocalSandbox's: spawning, and the verifier's parts
         def owner(self, role: Role = "agent") -> tuple[int, int]: ...
@@ -322,83 +317,6 @@ class ContainerPhases(SessionLayout):
             await run.aclose()
             raise
         return self.container
-
-    @property
-    def _resolves(self) -> bool:
-        """Whether some phase of the session is connected outward (its resolver answers):
-        a service's session decides for it."""
-        session = self.shares[0] if self.shares is not None else self
-        return "public" in session.phase_modes.values() or session.allowed_hosts is not None
-
-    @property
-    def _neighbours(self) -> list[tuple[str, str]]:
-        """(address, name) of `main` and every compose service, for every container's
-        /etc/hosts: their bridge addresses (bridged), else 127.0.0.1 (one namespace)."""
-        session = self.shares[0] if self.shares is not None else self
-        if session.services is None:
-            return []
-        names = session.services.names
-        if not session.bridged:
-            return [("127.0.0.1", name) for name in ("main", *names)]
-        return [(bridge.MAIN_ADDRESS, "main"),
-                *((bridge.address(index), name) for index, name in enumerate(names))]
-
-    async def start_service(self) -> int | None:
-        """(a compose service's sandbox) its container started: None while it runs, its
-        exit code when it ended as it started (OSError: it could not start)."""
-        try:
-            container = await self._ensure_container()
-        except ContainerFailed:
-            if self.ended_code is not None:
-                return self.ended_code
-            raise
-        if self.shares is not None and self.shares[0].bridged:  # its own network: on the
-            # session's bridge, and outward by a slirp4netns of its own
-            session = self.shares[0]
-            try:
-                await anyio.to_thread.run_sync(functools.partial(
-                    bridge.attach, session.range.netns_fd, container.pid,
-                    session.services.names.index(self.shares[1].name),
-                    first=not session.bridge_made))
-                session.bridge_made = True
-                await self._connect()
-            except SandboxRefused as error:
-                raise OSError(str(error)) from None
-        return None
-
-    ended_code: int | None = None  # a container that ended as it started: its exit code
-
-    def service_boxes(self) -> list[tuple[str, Any]]:
-        """(a compose task) Each started service's name and sandbox, in start order."""
-        return list(self.services.boxes.items()) if self.services is not None else []
-
-    def hook_env(self) -> dict[str, str]:
-        """(a compose service's sandbox) A collect hook's environment: its PID 1's."""
-        return self._container_env()
-
-    def services_exited(self) -> list[dict[str, str]]:
-        """Gap `service_exited` for each compose service that ended while the session ran
-        (each once; one whose end `main` waited for is none)."""
-        if self.services is None:
-            return []
-        return [{"code": "service_exited", "detail": f"compose service {name} exited with "
-                                                      f"{code}"}
-                for name, code in self.services.exited()]
-
-    async def _note_end(self, run: LocalRun) -> None:
-        """Keep the exit code of a container that ended as it started (runc's is its PID
-        1's: a compose service that completed at once)."""
-        with anyio.move_on_after(READY_S):
-            await run.process.wait()
-        self.ended_code = run.process.returncode
-
-    def service_exit(self) -> int | None:
-        """(a compose service's sandbox) its container's exit code once it ended."""
-        if self.container is None:
-            return self.ended_code
-        if self.container.lost() is None:
-            return None
-        return self.container.run.process.returncode
 
     async def _connect(self) -> None:
         """slirp4netns started on the container's network (OSError: it could not be)."""

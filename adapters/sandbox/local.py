@@ -149,7 +149,8 @@ class LocalSandbox(RuncLaunch):
     """One session's sandbox on this machine: its construction, the bwrap command line,
     spawning and the Sandbox protocol; its session folder's layout is `SessionLayout`'s
     (layout.py), its container's phases (harbor) `ContainerPhases`' (container.py), its
-    container under runc `RuncLaunch`'s (runclaunch.py)."""
+    container under runc `RuncLaunch`'s (runclaunch.py), its part in a compose environment
+    `ComposeParts`' (composed.py; the services themselves: services.py)."""
 
     def __init__(
         self,
@@ -388,19 +389,6 @@ class LocalSandbox(RuncLaunch):
         users = {role: resolved[spec] for role, spec in specs.items()}
         userns = making.finish()
         return RangeIds(making.slot, userns, users, making.net_fd)
-
-    def _shared_range(self, session: LocalSandbox, service: Service) -> RangeIds:
-        """A compose service's range ids: the session's slot, user namespace and (unless
-        bridged: runc makes one) network namespace, its users the service's `user` (else its
-        image's), read from its own image."""
-        assert self.image is not None and self.image.root is not None
-        if session.range is None or not session.on_runc:
-            raise SandboxRefused("a compose service runs only beside a range-mode session's "
-                                 "container on an OCI runtime")
-        user = resolve_user(self.image.root, service.user, (self.image.uid, self.image.gid))
-        return RangeIds(session.range.slot, session.range.userns_fd,
-                        dict.fromkeys(("agent", "probe", "verifier", "container"), user),
-                        None if session.bridged else session.range.netns_fd)
 
     def _compose_services(self, compose: Compose) -> Services:
         """The other services of a compose task, each made (when it starts) as a sandbox
