@@ -21,8 +21,10 @@ secret. The top level's `services` is read; `version`, `name` and `x-` keys are 
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import reprlib
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,13 +37,17 @@ from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source
 from trialledger.adapters.healthcheck import Healthcheck
 from trialledger.adapters.places import within
 from trialledger.adapters.taskconfig import MAIN_SERVICE, TaskInvalid, UnsupportedField
+from trialledger.adapters.taskenv import SENSITIVE, EnvUnresolved, long_enough
 from trialledger.adapters.taskfiles import read_task_text
 
 FILE = "environment/docker-compose.yaml"
 Condition = Literal["service_started", "service_healthy", "service_completed_successfully"]
 CONDITIONS: tuple[Condition, ...] = ("service_started", "service_healthy",
                                      "service_completed_successfully")
-NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")  # Compose's service names
+NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")  # Compose's service and volume names
+MAX_SERVICES = 64  # a bridge address each, a runc container and a slirp4netns each
+MAX_TRIES = 10_000  # a healthcheck's `retries` at most
+HARNESS_PATHS = ("/run/trialledger", "/logs", "/tests")  # never covered by a volume
 IGNORED = {key: "has no effect on a session's containers here" for key in (
     "container_name", "expose", "tty", "stdin_open", "labels", "pull_policy", "restart")}
 MAIN_KEYS = frozenset({"environment", "depends_on", "volumes", *IGNORED})
@@ -51,6 +57,7 @@ TOP_KEYS = frozenset({"services", "volumes", "version", "name"})
 # Docker's healthcheck defaults (seconds), as Compose passes them on
 DOCKER_CHECK = {"interval": 30.0, "timeout": 30.0, "start_period": 0.0, "start_interval": 5.0}
 DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|us|ns)")
+MAX_DURATION_S = 86_400.0
 UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 VARIABLE = re.compile(r"\$(?:(\$)|([A-Za-z_][A-Za-z0-9_]*)|\{([A-Za-z_][A-Za-z0-9_]*)"
                       r"(?:(:?-)([^}]*))?\})")
@@ -126,6 +133,8 @@ def load(folder: Path, max_bytes: int, task_env: Mapping[str, str],
         mark = getattr(error, "problem_mark", None)
         at = f" (line {mark.line + 1})" if mark is not None else ""
         raise TaskInvalid(f"{where}: not YAML{at}") from None
+    except RecursionError:
+        raise TaskInvalid(f"{where}: nested too deeply to read") from None
     if not isinstance(document, dict) or not isinstance(document.get("services"), dict):
         raise TaskInvalid(f"{where}: expected a mapping with `services`")
     ignored: dict[str, str] = {}
@@ -138,9 +147,12 @@ def load(folder: Path, max_bytes: int, task_env: Mapping[str, str],
     reader = _Reader(where, folder, base, task_env, build_timeout_s,
                      _declared_volumes(document.get("volumes"), where))
     services = {MAIN_SERVICE: Service(MAIN_SERVICE)}
+    if len(document["services"]) > MAX_SERVICES:
+        raise UnsupportedField(f"{where}: services: {len(document['services'])} services (at "
+                               f"most {MAX_SERVICES} here)")
     for name, raw in document["services"].items():
-        if not isinstance(name, str) or not NAME.match(name):
-            raise TaskInvalid(f"{where}: services: {name!r} is not a service name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise TaskInvalid(f"{where}: services: {shown(name)} is not a service name")
         services[name] = reader.service(name, raw, ignored, file)
     return Compose(_ordered(services, where), tuple(dict.fromkeys(reader.secrets)),
                    dict(sorted(ignored.items())))
@@ -194,7 +206,8 @@ class _Reader:
             if isinstance(item, dict):
                 unknown = set(item) - {"type", "source", "target", "read_only"}
                 if unknown or item.get("type") not in ("volume", "bind"):
-                    what = sorted(unknown)[0] if unknown else f"type = {item.get('type')!r}"
+                    what = (shown(sorted(map(str, unknown))[0]) if unknown
+                            else f"type = {shown(item.get('type'))}")
                     raise UnsupportedField(f"{self.where}: {at}: {what}: not supported here")
                 source = self._text(item.get("source", ""), at)
                 target = self._text(item.get("target", ""), at)
@@ -203,19 +216,24 @@ class _Reader:
             else:
                 parts = self._text(item, at).split(":")
                 if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
-                    raise UnsupportedField(f"{self.where}: {at}: {item!r}: only SOURCE:TARGET "
+                    raise UnsupportedField(f"{self.where}: {at}: {shown(item)}: only SOURCE:TARGET "
                                            f"or SOURCE:TARGET:ro|rw is supported here")
                 source, target = parts[0], parts[1]
                 read_only = len(parts) == 3 and parts[2] == "ro"
                 bind = source.startswith((".", "/", "~"))
             if not target.startswith("/"):
-                raise TaskInvalid(f"{self.where}: {at}: {target!r}: the target must be an "
+                raise TaskInvalid(f"{self.where}: {at}: {shown(target)}: the target must be an "
                                   f"absolute path")
+            normal = os.path.normpath(target)
+            if any(normal == p or normal.startswith(f"{p}/") or p.startswith(f"{normal}/")
+                   or normal == "/" for p in HARNESS_PATHS):
+                raise UnsupportedField(f"{self.where}: {at}: {shown(target)}: a volume over "
+                                       f"the harness's own paths ({', '.join(HARNESS_PATHS)})")
             if bind:
                 volumes.append(Volume("bind", self._bind_source(source, at), target,
                                       read_only))
             elif source not in self.volumes:
-                raise TaskInvalid(f"{self.where}: {at}: volume {source!r} is not declared in "
+                raise TaskInvalid(f"{self.where}: {at}: volume {shown(source)} is not declared in "
                                   f"the top-level `volumes`")
             else:
                 volumes.append(Volume("volume", source, target, read_only))
@@ -224,19 +242,19 @@ class _Reader:
     def _bind_source(self, source: str, at: str) -> str:
         """A bind's source: a path relative to the file's folder, inside the task folder."""
         if not source.startswith("."):
-            raise UnsupportedField(f"{self.where}: {at}: {source!r}: a host path outside the "
+            raise UnsupportedField(f"{self.where}: {at}: {shown(source)}: a host path outside the "
                                    f"task folder is never bound in")
         relative = os.path.normpath(f"{self.base}/{source}")
         real = within(self.folder, relative)
         if relative.startswith("..") or real is None or not os.path.exists(real):
-            raise TaskInvalid(f"{self.where}: {at}: {source!r}: must be a file or folder "
+            raise TaskInvalid(f"{self.where}: {at}: {shown(source)}: must be a file or folder "
                               f"inside the task folder")
         return str(real)
 
     def _text(self, value: Any, at: str) -> str:
         """A scalar as Compose reads it, interpolated."""
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise TaskInvalid(f"{self.where}: {at}: expected a string, not {value!r}")
+            raise TaskInvalid(f"{self.where}: {at}: expected a string, not {shown(value)}")
         return self._interpolate(str(value), at)
 
     def _interpolate(self, text: str, at: str) -> str:
@@ -247,8 +265,7 @@ class _Reader:
             if variable in self.task_env:
                 value: str | None = self.task_env[variable]
             elif variable in os.environ:
-                value = os.environ[variable]
-                self.secrets.append(value)
+                value = self._operators(variable, at)
             else:
                 value = None
             if found[4] == ":-" and not value:
@@ -260,7 +277,7 @@ class _Reader:
                                   f"in [environment] env nor in this environment)")
             return value
         if "$" in VARIABLE.sub("", text):
-            raise TaskInvalid(f"{self.where}: {at}: {text!r}: a `$` Compose cannot "
+            raise TaskInvalid(f"{self.where}: {at}: {shown(text)}: a `$` Compose cannot "
                               f"interpolate (`$$` writes one)")
         return VARIABLE.sub(one, text)
 
@@ -280,7 +297,7 @@ class _Reader:
             return None
         path = self._text(value, at)
         if not path.startswith("/"):
-            raise TaskInvalid(f"{self.where}: {at}: {path!r}: an absolute path is needed")
+            raise TaskInvalid(f"{self.where}: {at}: {shown(path)}: an absolute path is needed")
         return path
 
     def _environment(self, value: Any, at: str) -> dict[str, str]:
@@ -294,18 +311,36 @@ class _Reader:
             for item in value:
                 text = self._text(item, at)
                 name, equals, rest = text.partition("=")
-                pairs.append((name, rest if equals else os.environ.get(name)))
+                if equals:
+                    pairs.append((name, rest))
+                elif name in os.environ:  # the operator's, taken as it is (no interpolation)
+                    pairs.append((name, _Taken(self._operators(name, at))))
         else:
             raise TaskInvalid(f"{self.where}: {at}: expected a mapping or a list")
         env: dict[str, str] = {}
         for name, raw in pairs:
             if not isinstance(name, str) or not re.fullmatch(r"[^=\0]+", name):
-                raise TaskInvalid(f"{self.where}: {at}: {name!r} is not a variable name")
+                raise TaskInvalid(f"{self.where}: {at}: {shown(name)} is not a variable name")
             if raw is None:
                 continue  # unset, as Compose leaves it
-            env[name] = (str(raw).lower() if isinstance(raw, bool) and isinstance(value, dict)
+            env[name] = (raw.value if isinstance(raw, _Taken)
+                         else str(raw).lower() if isinstance(raw, bool)
                          else self._text(raw, f"{at}.{name}"))
+            if "\0" in env[name]:
+                raise TaskInvalid(f"{self.where}: {at}.{name}: a NUL byte, which no process "
+                                  f"can hold")
         return env
+
+    def _operators(self, variable: str, at: str) -> str:
+        """The operator's value of `variable`, a secret when its name says so (as
+        `[environment] env`'s are)."""
+        value = os.environ[variable]
+        if SENSITIVE.search(variable):
+            try:
+                self.secrets.append(long_enough(value, f"{self.where}: {at} ${variable}"))
+            except EnvUnresolved as error:
+                raise TaskInvalid(str(error)) from None
+        return value
 
     def _depends_on(self, value: Any, at: str) -> dict[str, Condition]:
         if isinstance(value, list):
@@ -320,7 +355,7 @@ class _Reader:
                                        f"supported here")
             condition = spec.get("condition", "service_started")
             if condition not in CONDITIONS:
-                raise TaskInvalid(f"{self.where}: {at}.{name}.condition: {condition!r}: "
+                raise TaskInvalid(f"{self.where}: {at}.{name}.condition: {shown(condition)}: "
                                   f"expected one of {', '.join(CONDITIONS)}")
             wanted[str(name)] = cast(Condition, condition)
         return wanted
@@ -330,7 +365,7 @@ class _Reader:
         `args`), else `image` from the engine's storage."""
         build = raw.get("build")
         if build is None:
-            return Source("docker_image", self._text(raw["image"], f"{at}.image"),
+            return Source("docker_image", self._text(raw.get("image"), f"{at}.image"),
                           self.folder, self.build_timeout_s)
         spec = {"context": build} if isinstance(build, str) else build
         if not isinstance(spec, dict):
@@ -359,8 +394,8 @@ class _Reader:
             raise TaskInvalid(f"{self.where}: {at}: expected a mapping")
         unknown = set(value) - {"test", "disable", *DOCKER_CHECK, "retries"}
         if unknown:
-            raise UnsupportedField(f"{self.where}: {at}.{sorted(unknown)[0]}: not supported "
-                                   f"here")
+            first = shown(sorted(map(str, unknown))[0])
+            raise UnsupportedField(f"{self.where}: {at}.{first}: not supported here")
         test = value.get("test")
         if value.get("disable") is True or test in (["NONE"], "NONE"):
             return None
@@ -375,12 +410,34 @@ class _Reader:
         times = {key: _duration(value[key], f"{self.where}: {at}.{key}")
                  if key in value else default for key, default in DOCKER_CHECK.items()}
         retries = value.get("retries", 3)
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 1:
-            raise TaskInvalid(f"{self.where}: {at}.retries: a whole number from 1 is needed")
+        if (isinstance(retries, bool) or not isinstance(retries, int)
+                or not 1 <= retries <= MAX_TRIES):
+            raise TaskInvalid(f"{self.where}: {at}.retries: a whole number from 1 to "
+                              f"{MAX_TRIES} is needed")
+        if "\0" in command:
+            raise TaskInvalid(f"{self.where}: {at}.test: a NUL byte, which no process can hold")
         return Healthcheck(command, interval_sec=times["interval"],
                            timeout_sec=times["timeout"],
                            start_period_sec=times["start_period"],
                            start_interval_sec=times["start_interval"], retries=retries)
+
+
+@dataclass(frozen=True)
+class _Taken:
+    """A value taken whole from the operator's environment (never interpolated)."""
+
+    value: str
+
+
+def shown(value: Any) -> str:
+    """`value` for a message, bounded (a YAML alias can make a small file's value huge)."""
+    return _SHOWN.repr(value)
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlist = _SHOWN.maxdict = 4
+_SHOWN.maxlevel = 2
 
 
 def _declared_volumes(value: Any, where: str) -> frozenset[str]:
@@ -390,6 +447,8 @@ def _declared_volumes(value: Any, where: str) -> frozenset[str]:
     if not isinstance(value, dict):
         raise TaskInvalid(f"{where}: volumes: expected a mapping of names")
     for name, spec in value.items():
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise TaskInvalid(f"{where}: volumes: {shown(name)} is not a volume name")
         if spec not in (None, {}):
             raise UnsupportedField(f"{where}: volumes.{name}: options (a driver, an external "
                                    f"volume) are not supported here")
@@ -398,12 +457,17 @@ def _declared_volumes(value: Any, where: str) -> frozenset[str]:
 
 def _duration(value: Any, where: str) -> float:
     """A Compose duration (`1m30s`, `500ms`; a bare number is seconds) in seconds."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return float(value)
-    text = str(value).strip()
-    if not text or DURATION.sub("", text):
-        raise TaskInvalid(f"{where}: {value!r}: expected a duration such as 10s or 1m30s")
-    return sum(float(n) * UNITS[unit] for n, unit in DURATION.findall(text))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        text = str(value).strip() if isinstance(value, str) else ""
+        if not text or DURATION.sub("", text):
+            raise TaskInvalid(f"{where}: {shown(value)}: expected a duration such as 10s or "
+                              f"1m30s")
+        seconds = sum(float(n) * UNITS[unit] for n, unit in DURATION.findall(text))
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_DURATION_S:
+        raise TaskInvalid(f"{where}: {shown(value)}: a duration up to a day is needed")
+    return seconds
 
 
 def _ordered(services: Mapping[str, Service], where: str) -> tuple[Service, ...]:
@@ -414,7 +478,7 @@ def _ordered(services: Mapping[str, Service], where: str) -> tuple[Service, ...]
         for name in service.depends_on:
             if name not in services:
                 raise TaskInvalid(f"{where}: services.{service.name}.depends_on: no service "
-                                  f"named {name!r}")
+                                  f"named {shown(name)}")
     order: list[Service] = []
     state: dict[str, str] = {}
 

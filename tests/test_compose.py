@@ -79,6 +79,9 @@ services:
     ("services:\n  main: {command: [sh]}\n", "services.main.command"),
     ("services:\n  db: {build: {context: ., target: dev}}\n", "services.db.build.target"),
     ("services:\n  db: {image: x, depends_on: {main: {}}}\n", "depends on `main`"),
+    ("services:\n  main: {volumes: ['v:/logs/verifier']}\nvolumes: {v: }\n", "harness's own"),
+    ("services:\n  main: {volumes: ['v:/run']}\nvolumes: {v: }\n", "harness's own"),
+    ("services:\n" + "".join(f"  s{i}: {{image: x}}\n" for i in range(65)), "at most 64"),
 ])
 def test_a_key_we_cannot_honour_is_refused_by_name(tmp_path: Path, yaml: str,
                                                    named: str) -> None:
@@ -98,6 +101,14 @@ def test_a_key_we_cannot_honour_is_refused_by_name(tmp_path: Path, yaml: str,
     ("services:\n  db: {image: x, healthcheck: {test: [CMD]}}\n", "test"),
     ("services:\n  db: {image: x, healthcheck: {test: ls, interval: soon}}\n", "duration"),
     ("services: {db: {image: x}\n", "not YAML"),
+    ("services:\n  \"db\\n\": {image: x}\n", "is not a service name"),
+    ("services:\n  db: {image: x, volumes: [{type: volume, source: /etc, target: /h}]}\n"
+     "volumes: {/etc: }\n", "is not a volume name"),
+    ("services:\n  db: {image: x, healthcheck: {test: ls, interval: .inf}}\n", "up to a day"),
+    ("services:\n  db: {image: x, healthcheck: {test: ls, retries: 99999999}}\n", "retries"),
+    ("services:\n  db: {image: x, environment: {A: \"a\\0b\"}}\n", "NUL"),
+    ("services:\n  db: {build: }\n", "expected a string"),
+    ("services:\n  db: {image: x, volumes: [{type: volume, 1: x, a: y}]}\n", "not supported"),
     ("services:\n  db: {image: x, volumes: ['data:/d']}\n", "not declared"),
     ("services:\n  db: {image: x, volumes: ['./nope:/d']}\n", "inside the task folder"),
     ("services:\n  db: {image: x, volumes: ['../../..:/d']}\n", "inside the task folder"),
@@ -144,6 +155,7 @@ def test_a_build_context_that_is_a_link_out_of_the_task_is_refused(tmp_path: Pat
 def test_values_are_interpolated_as_compose_does(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TL_COMPOSE_OPERATOR", "from-the-operator")
+    monkeypatch.setenv("TL_COMPOSE_TOKEN", "operator-token-7Hq2")
     task = load(tmp_path, """
 services:
   db:
@@ -151,11 +163,38 @@ services:
     environment:
       A: "${WORD}-$WORD-${NOPE:-dflt}-${EMPTY:-dflt}-${EMPTY-kept}-$$WORD"
       B: ${TL_COMPOSE_OPERATOR}
+      C: ${TL_COMPOSE_TOKEN}
+  web:
+    image: x
+    environment: [TL_COMPOSE_TOKEN, TL_COMPOSE_OPERATOR]
 """, TOML + '[environment.env]\nWORD = "w"\nEMPTY = ""\n')
     assert task.compose is not None
-    (db,) = task.compose.others
-    assert db.env == {"A": "w-w-dflt-dflt--$WORD", "B": "from-the-operator"}
-    assert "from-the-operator" in task.secrets  # the operator's values are scrubbed
+    db, web = task.compose.others
+    assert db.env == {"A": "w-w-dflt-dflt--$WORD", "B": "from-the-operator",
+                      "C": "operator-token-7Hq2"}
+    assert web.env == {"TL_COMPOSE_TOKEN": "operator-token-7Hq2",
+                       "TL_COMPOSE_OPERATOR": "from-the-operator"}
+    # the operator's values under a secret's name are scrubbed (as [environment] env's)
+    assert "operator-token-7Hq2" in task.secrets and "from-the-operator" not in task.secrets
+
+
+def test_an_operators_secret_too_short_to_scrub_refuses_the_task(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TL_COMPOSE_TOKEN", "short")
+    with pytest.raises(TaskInvalid, match="TL_COMPOSE_TOKEN"):
+        load(tmp_path, "services:\n  db: {image: x, environment: [TL_COMPOSE_TOKEN]}\n")
+
+
+def test_a_yaml_alias_bomb_is_refused_in_a_short_message(tmp_path: Path) -> None:
+    """Each alias level multiplies the value tenfold; the file stays a few hundred bytes,
+    and the refusal quotes the value bounded."""
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 7)]
+    yaml = "x-bomb:\n" + "".join(f"  {line}\n" for line in levels)
+    yaml += "services:\n  db: {image: *a6}\n"
+    with pytest.raises(TaskInvalid) as raised:
+        load(tmp_path, yaml)
+    assert len(str(raised.value)) < 1000
 
 
 def test_ignored_keys_are_warned_and_a_host_task_is_refused(tmp_path: Path) -> None:
@@ -169,10 +208,14 @@ def test_ignored_keys_are_warned_and_a_host_task_is_refused(tmp_path: Path) -> N
 
 @given(st.lists(st.tuples(st.integers(0, 500), st.sampled_from(list(compose.UNITS))),
                 min_size=1, max_size=4))
-def test_a_duration_is_the_sum_of_its_parts(parts: list[tuple[int, str]]) -> None:
+def test_a_duration_is_the_sum_of_its_parts_up_to_a_day(parts: list[tuple[int, str]]) -> None:
     text = "".join(f"{n}{unit}" for n, unit in parts)
     expected = sum(n * compose.UNITS[unit] for n, unit in parts)
-    assert compose._duration(text, "here") == pytest.approx(expected)
+    if expected > compose.MAX_DURATION_S:  # a day at most: a check never waits forever
+        with pytest.raises(TaskInvalid, match="up to a day"):
+            compose._duration(text, "here")
+    else:
+        assert compose._duration(text, "here") == pytest.approx(expected)
 
 
 # --- running the services ---------------------------------------------------------------

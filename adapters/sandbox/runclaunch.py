@@ -168,6 +168,8 @@ class RuncLaunch(ContainerPhases):
         for index, volume in enumerate(self.volumes):
             if volume.kind == "volume":
                 folder = session.root / "volumes" / volume.source
+                if folder.parent != session.root / "volumes" or volume.source in (".", ".."):
+                    raise OSError(f"volume {volume.source!r}: not a volume name")
                 if not folder.exists():
                     folder.parent.mkdir(mode=0o755, exist_ok=True)
                     folder.mkdir(mode=0o755)

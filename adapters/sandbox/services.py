@@ -22,6 +22,7 @@ the session runs is reported once (`exited`), for the runner's gap `service_exit
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -85,7 +86,7 @@ class Services:
             try:
                 box = self.boxes[service.name] = self.make(service)
                 ended = await box.start_service()
-            except (OSError, SandboxRefused) as error:
+            except (OSError, SandboxRefused, ValueError) as error:
                 raise ServiceFailed(f"compose service {service.name} did not start: "
                                     f"{error}") from None
             if ended is not None and not any(
@@ -146,7 +147,8 @@ class Services:
     async def close(self) -> None:
         """Every service's container stopped (the last started first)."""
         for box in reversed(list(self.boxes.values())):
-            await box.close()
+            with contextlib.suppress(OSError):  # (each stopped whatever another says)
+                await box.close()
 
     def discard(self) -> None:
         """Every service's folder removed (its container with it)."""
