@@ -13,7 +13,6 @@ namespace (`nsenter --net`), one `ip -batch` per namespace.
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Sequence
 
@@ -31,14 +30,16 @@ def address(index: int) -> str:
     return f"{SUBNET}.{index + 2}"
 
 
-def _ip(netns_fd: int, commands: Sequence[str]) -> None:
-    """`commands` run by `ip -batch` in the network namespace `netns_fd` (SandboxRefused
-    quoting iproute2 when it refuses one)."""
+def _ip(netns_fd: int, commands: Sequence[str], other: int | None = None) -> None:
+    """`commands` run by `ip -batch` in the network namespace `netns_fd`, with the
+    descriptor `other` open in it too (SandboxRefused quoting iproute2 when it refuses
+    one)."""
     try:
         done = subprocess.run(
             [program("nsenter"), f"--net=/proc/self/fd/{netns_fd}", "--", program("ip"),
              "-batch", "-"], input="".join(f"{line}\n" for line in commands).encode(),
-            capture_output=True, env=host_env(), pass_fds=(netns_fd,), timeout=IP_TIMEOUT_S,
+            capture_output=True, env=host_env(),
+            pass_fds=(netns_fd, *([other] if other is not None else [])), timeout=IP_TIMEOUT_S,
             check=False)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise SandboxRefused(f"the compose bridge could not be set up: {error}") from None
@@ -48,17 +49,14 @@ def _ip(netns_fd: int, commands: Sequence[str]) -> None:
                              f"{why[-1] if why else f'ip exited {done.returncode}'}")
 
 
-def attach(session_netns: int, service_pid: int, index: int, *, first: bool) -> None:
-    """Put the service whose PID 1 is `service_pid` on the session's bridge (made with the
-    `first` service): its `eth1` at `address(index)`."""
+def attach(session_netns: int, service_netns: int, index: int, *, first: bool) -> None:
+    """Put the service whose network namespace is `service_netns` (a descriptor held since
+    its container started: never a pid that may have been reused) on the session's bridge
+    (made with the `first` service): its `eth1` at `address(index)`."""
     outer = f"tlv{index}"
     _ip(session_netns, [
         *([f"link add {BRIDGE} type bridge", f"addr add {MAIN_ADDRESS}/24 dev {BRIDGE}",
            f"link set {BRIDGE} up"] if first else []),
-        f"link add {outer} type veth peer name eth1 netns {service_pid}",
-        f"link set {outer} master {BRIDGE}", f"link set {outer} up"])
-    inner = os.open(f"/proc/{service_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        _ip(inner, [f"addr add {address(index)}/24 dev eth1", "link set eth1 up"])
-    finally:
-        os.close(inner)
+        f"link add {outer} type veth peer name eth1 netns /proc/self/fd/{service_netns}",
+        f"link set {outer} master {BRIDGE}", f"link set {outer} up"], other=service_netns)
+    _ip(service_netns, [f"addr add {address(index)}/24 dev eth1", "link set eth1 up"])

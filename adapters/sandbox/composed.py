@@ -94,7 +94,7 @@ class ComposeParts:
             session = self.shares[0]
             try:
                 await anyio.to_thread.run_sync(functools.partial(
-                    bridge.attach, session.range.netns_fd, container.pid,
+                    bridge.attach, session.range.netns_fd, container.namespace_fd("net"),
                     session.services.names.index(self.shares[1].name),
                     first=not session.bridge_made))
                 session.bridge_made = True

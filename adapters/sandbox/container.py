@@ -165,6 +165,10 @@ class Container:
             os.close(pidfd)
         return cls(run, pid, namespace, tuple(fds))
 
+    def namespace_fd(self, kind: str) -> int:
+        """The held descriptor of PID 1's namespace `kind` (one of `NAMESPACES`)."""
+        return self.fds[NAMESPACES.index(kind)]
+
     def join_arg(self) -> str:
         """`init --join-fds`'s argument."""
         return ",".join(str(fd) for fd in self.fds)
@@ -284,13 +288,13 @@ class ContainerPhases(SessionLayout, ComposeParts):
             return self.container
         if self.ended_code is not None:  # (a compose service that completed: never again)
             raise OSError(f"its container exited with {self.ended_code}")
+        if self.services is not None:  # (what the session's container depends on, first)
+            await self.services.start(self.compose_needs)
         logs = self.root / "verifier-logs"
-        logs.mkdir(mode=0o700)
+        logs.mkdir(mode=0o700, exist_ok=True)  # (a start that failed may have made it)
         if self.runs_as.switches:
             os.chown(logs, *self.owner("verifier"))
         assert self.image is not None  # harbor runs image and rootfs sessions only
-        if self.services is not None:  # (what the session's container depends on, first)
-            await self.services.start(self.compose_needs)
         self._prepare_layer(resolver=self._resolves)
         command = (self.shares[1].argv(self.image.entrypoint, self.image.cmd)
                    if self.shares is not None
