@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import select
 import socket
@@ -560,3 +561,29 @@ async def test_without_nftables_the_reason_names_the_package(
     assert egress_problem() == "nft is not installed (apt-get install nftables)"
     with pytest.raises(EgressFailed, match=r"^nft is not installed \(apt-get install nftables\)$"):
         await apply_rules(os.getpid(), NO_RULES)
+
+
+@pytest.mark.anyio
+async def test_a_relay_whose_two_ends_break_at_once_retrieves_both_errors() -> None:
+    """Both ends reset at once (a CI run saw it): the relay ends (False), and neither
+    pump's error is left unretrieved (it would be logged, and fail an anyio test)."""
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict[str, Any]] = []
+    before = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+    try:
+        ends = [asyncio.StreamReader(), asyncio.StreamReader()]
+        for end in ends:
+            end.set_exception(ConnectionResetError())
+        proxy = EgressProxy(AllowList.parse(["example.org"], "test"), _ignore)
+        sinks: Any = (None, None)
+        assert await proxy._relay((ends[0], sinks[0]), (ends[1], sinks[1])) is False
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(before)
+    assert unretrieved == []
+
+
+async def _ignore(detail: str) -> None:
+    del detail

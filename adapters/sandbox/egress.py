@@ -393,7 +393,9 @@ class EgressProxy:
                     return False
                 done, pumps = await asyncio.wait(pumps, timeout=left,
                                                  return_when=asyncio.FIRST_COMPLETED)
-                if any(task.exception() is not None for task in done):
+                # every finished pump's exception retrieved (both ends may break at once:
+                # one left unretrieved is logged as never retrieved)
+                if [error for task in done if (error := task.exception()) is not None]:
                     return False
             return True
         finally:
