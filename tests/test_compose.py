@@ -228,10 +228,13 @@ def variant(tmp_path: Path, name: str) -> Path:
 
 
 def oracle_run(task: Path, db: Path, *extra: str) -> tuple[Any, str]:
-    """`run TASK --agent oracle`: its session's view and what the CLI printed."""
+    """`run TASK --agent oracle`: its session's view and what the CLI printed (with why
+    its sandbox was lost, if it was)."""
     done = in_process("run", str(task), "--agent", "oracle", "--db", str(db),
                       "--cache-dir", str(db.parent / "cache"), *extra)
-    return session(db), done.stdout + done.stderr
+    view = session(db)
+    lost = [e.data.detail for e in view.events if e.type == "sandbox.lost"]
+    return view, done.stdout + done.stderr + "".join(f"\nlost: {why}" for why in lost)
 
 
 def test_a_service_that_never_becomes_healthy_loses_the_session_naming_it(

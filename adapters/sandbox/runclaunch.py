@@ -130,6 +130,8 @@ class RuncLaunch(ContainerPhases):
             with anyio.move_on_after(RUNC_READY_S):
                 while (pid := runc.started_pid()) is None and process.returncode is None:
                     await anyio.sleep(0.005)
+            if pid is None:  # (runc may have named it, and ended with a container that
+                pid = runc.started_pid()  # ended at once, between the two looks above)
             if pid is None:
                 raise OSError(f"{self.runtime} could not start the container: "
                               f"{runc.log_tail() or 'it said nothing'}")
