@@ -2,7 +2,11 @@
 (`environments/base.py` `run_healthcheck`, Docker's HEALTHCHECK semantics): the command is
 tried until it exits 0; during the start period failures do not count (the next try
 comes after `start_interval_sec`), after it `retries` consecutive failures fail the
-check (tries `interval_sec` apart). Each try is bounded by `timeout_sec`."""
+check (tries `interval_sec` apart). Each try is bounded by `timeout_sec`.
+
+A compose service's healthcheck is Docker's daemon's (moby `daemon/health.go`): its first
+try comes one interval after the start too (`start_interval` within a start period), where
+Harbor tries the task's at once."""
 
 from __future__ import annotations
 
@@ -68,10 +72,15 @@ class Healthcheck:
 Try = Callable[[float], Awaitable[tuple[int | None, str]]]
 
 
-async def run_healthcheck(check: Healthcheck, attempt: Try) -> str | None:
-    """None once a try passes; else why the check failed (`sandbox.lost`'s detail)."""
+async def run_healthcheck(check: Healthcheck, attempt: Try, *,
+                          first_after_interval: bool = False) -> str | None:
+    """None once a try passes; else why the check failed (`sandbox.lost`'s detail). With
+    `first_after_interval` (Docker's daemon), the first try waits an interval too."""
     start_period_end = anyio.current_time() + check.start_period_sec
     failures = 0
+    if first_after_interval:
+        await anyio.sleep(check.start_interval_sec if check.start_period_sec > 0
+                          else check.interval_sec)
     while True:
         in_start_period = anyio.current_time() < start_period_end
         code, output = await attempt(check.timeout_sec)

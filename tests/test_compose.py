@@ -282,8 +282,9 @@ def test_with_every_phase_public_each_service_has_its_own_network_on_a_bridge(
         tmp_path: Path) -> None:
     """compose-web's phases are all public: web and mirror both listen on 8080 (each in a
     namespace of its own; in main's one the second bind would fail), each reached by its
-    name at its bridge address; main's namespace holds its way out, the bridge and one
-    port per service — nothing of it is on the host's network."""
+    name at its bridge address; main's namespace holds its way out and its link to the
+    bridge (the bridge is in a namespace of its own) — nothing of it is on the host's
+    network."""
     task = variant(tmp_path, "compose-web")
     solve = task / "solution" / "solve.sh"
     solve.write_text(solve.read_text() + "ls /sys/class/net | tr '\\n' ' ' > /app/nets\n"
@@ -293,11 +294,40 @@ def test_with_every_phase_public_each_service_has_its_own_network_on_a_bridge(
         "#!/bin/bash\n"
         "hosts=$(printf '10.89.0.2 web\\n10.89.0.3 mirror\\n10.89.0.1 main')\n"
         "if grep -qx compose-page-4711 /app/page.txt && grep -qx mirror-page-0815 "
-        "/app/mirror.txt && [ \"$(cat /app/nets)\" = 'lo tap0 tlbr0 tlv0 tlv1 ' ] "
+        "/app/mirror.txt && [ \"$(cat /app/nets)\" = 'eth1 lo tap0 ' ] "
         "&& [ \"$(cat /app/hosts)\" = \"$hosts\" ]; then echo 1; else echo 0; fi "
         "> /logs/verifier/reward.txt\n")
     view, printed = oracle_run(task, tmp_path / "t.db")
     assert verification(view).data.rewards == {"reward": 1.0}, printed + test.read_text()
+
+
+SNIFF = (  # perl (in every Debian image): a raw socket on every link of the namespace, 4 s
+    "perl -e 'socket(S, 17, 3, 768) or die \"socket: $!\\n\"; my ($own, $between) = (0, 0);"
+    " my $end = time + 4; while (time < $end) { my $r = \"\"; vec($r, fileno(S), 1) = 1;"
+    " next unless select($r, undef, undef, 0.5); recv(S, my $frame, 65535, 0);"
+    " $own = 1 if $frame =~ /compose-page-4711/;"
+    " $between = 1 if $frame =~ /between-services-5150/ }"
+    " print \"own:$own between:$between\\n\"' > /app/sniffed 2>&1 &\n")
+
+
+def test_the_agent_cannot_observe_what_the_services_send_each_other(tmp_path: Path) -> None:
+    """An agent holds CAP_NET_RAW, as under Docker: it sniffs every link of its namespace
+    while `mirror` keeps asking `web` for a marked page. It sees its own exchange with
+    `web` (the sniffer works), never the services' (the bridge is not in its namespace)."""
+    task = variant(tmp_path, "compose-web")
+    yaml = task / "environment" / "docker-compose.yaml"
+    yaml.write_text(yaml.read_text().replace(
+        '["sh", "-c", "mkdir', '["sh", "-c", "(while :; do wget -q -O /dev/null '
+        'http://web:8080/between-services-5150; sleep 0.2; done) & mkdir'))
+    solve = task / "solution" / "solve.sh"
+    body = solve.read_text().split("\n", 1)[1]
+    solve.write_text(f"#!/bin/bash\n{SNIFF}sniffer=$!\nsleep 1\n{body}wait $sniffer\n")
+    with (task / "task.toml").open("a") as toml:
+        toml.write('[[verifier.collect]]\ncommand = "cat /app/sniffed"\n')
+    view, printed = oracle_run(task, tmp_path / "t.db", "--set",
+                               f"sandbox_logs_dir={tmp_path / 'kept'}")
+    kept = tmp_path / "kept" / view.session_id / "collect" / "1.txt"
+    assert kept.read_text() == "own:1 between:0\n", printed
 
 
 def test_a_services_hooks_and_artifacts_are_taken_from_its_container(tmp_path: Path
@@ -328,6 +358,24 @@ def test_a_services_hooks_and_artifacts_are_taken_from_its_container(tmp_path: P
     assert verification(view).data.rewards == {"reward": 1.0}
     assert (kept.parent / "artifacts" / "greeting.html").read_text() == \
         "hello-ordered-compose from /srv as 0, prepared, templated\n"
+
+
+def test_a_named_volume_starts_with_what_the_image_holds_there(tmp_path: Path) -> None:
+    """As Docker's: a named volume first mounted over a folder of the image starts as a
+    copy of it, owners kept (`_apt`'s folder is still `_apt`'s, mode 0700)."""
+    task = variant(tmp_path, "compose-order")
+    yaml = task / "environment" / "docker-compose.yaml"
+    yaml.write_text(yaml.read_text().replace(
+        "        read_only: true\n", "        read_only: true\n      - apt:/var/lib/apt\n")
+        .replace("  notes: {}\n", "  notes: {}\n  apt: {}\n"))
+    with (task / "task.toml").open("a") as toml:
+        toml.write('[[verifier.collect]]\ncommand = "stat -c \'%u %a\' '
+                   '/var/lib/apt/lists/partial; ls /var/lib/apt"\n')
+    view, printed = oracle_run(task, tmp_path / "t.db", "--set",
+                               f"sandbox_logs_dir={tmp_path / 'kept'}")
+    kept = tmp_path / "kept" / view.session_id / "collect" / "1.txt"
+    assert kept.read_text() == "42 700\nextended_states\nlists\nmirrors\nperiodic\n", printed
+    assert verification(view).data.rewards == {"reward": 1.0}
 
 
 def test_a_separate_verifiers_services_are_never_the_agents(tmp_path: Path) -> None:

@@ -53,6 +53,28 @@ def test_failures_in_the_start_period_do_not_count() -> None:
     assert tries > 2 and failure is not None  # several tries in the period, then one counted
 
 
+@pytest.mark.parametrize(("docker", "start_period", "waited"), [
+    (False, 0.0, (0.0, 1.0)),  # Harbor's task check: at once
+    (True, 0.0, (1.0, 60.0)),  # Docker's daemon: one interval first
+    (True, 10.0, (0.05, 1.0))])  # within a start period: one start interval first
+def test_a_compose_services_first_try_waits_an_interval_as_dockers(
+        docker: bool, start_period: float, waited: tuple[float, float]) -> None:
+    check = Healthcheck("probe", interval_sec=1.0, start_interval_sec=0.05,
+                        start_period_sec=start_period)
+
+    async def first_try() -> float:
+        began = anyio.current_time()
+
+        async def attempt(timeout_s: float) -> tuple[int | None, str]:
+            return 0, ""
+
+        assert await run_healthcheck(check, attempt, first_after_interval=docker) is None
+        return anyio.current_time() - began
+
+    low, high = waited
+    assert low <= anyio.run(first_try) < high
+
+
 def test_a_table_harbor_would_refuse_is_refused_by_name() -> None:
     for table, named in (({"interval_sec": 1}, "command"), ({"command": "x", "retries": 0},
                                                           "retries"),

@@ -319,6 +319,21 @@ async def test_stop_ends_slirp_and_the_link_and_can_be_started_again() -> None:
         assert open_fds() == fds
 
 
+
+async def test_kill_ends_slirp_without_awaiting_it() -> None:
+    """A sandbox discarded whose `close` was never awaited (its loop gone) ends its
+    slirp4netns, and a compose service's, with the synchronous `kill`."""
+    async with sandbox() as box:
+        fds = open_fds()
+        slirp = await start_slirp(box.pid)
+        slirp.kill()
+        slirp.kill()  # idempotent
+        assert not slirp.running and processes_in_group(slirp.pid) == []
+        assert "tap0" not in box.interfaces()
+        await slirp.stop()  # and `close` after it does nothing more
+        assert open_fds() == fds
+
+
 RUNNER = """
 import anyio, sys
 from trialledger.adapters.sandbox.slirp import start_slirp

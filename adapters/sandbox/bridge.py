@@ -2,19 +2,24 @@
 phase of the session is `public`, each service has a network namespace of its own, as
 under Harbor's docker environment, joined to the others on one bridge.
 
-The bridge `tlbr0` lives in the session's own network namespace (the agent's container's,
-`10.89.0.1/24`); each service's namespace gets a veth pair whose inner end is its `eth1`
-(`10.89.0.<2 + index>/24`) and whose outer end is a port of the bridge. Both ends are in
-namespaces of the session's user namespace: nothing of it is on the host's network. Each
-service is connected outward by a slirp4netns of its own (its `tap0`, the default route),
-as the session's container is. The links are made with iproute2 run by the runner in that
-namespace (`nsenter --net`), one `ip -batch` per namespace.
+The bridge `tlbr0` lives in a network namespace of its own, made in the session's user
+namespace when the first service starts (as Docker's bridge is outside every container:
+the agent, holding CAP_NET_RAW, sees on its link only what is sent to it, never what the
+services send each other). `main` and each service get a veth pair whose inner end is
+their `eth1` (`main` at `10.89.0.1/24`, a service at `10.89.0.<2 + index>/24`) and whose
+outer end is a port of the bridge. Every end is in a namespace of the session's user
+namespace: nothing of it is on the host's network. Each service is connected outward by
+a slirp4netns of its own (its `tap0`, the default route), as the session's container is.
+The links are made with iproute2 run by the runner in those namespaces (`nsenter --net`),
+one `ip -batch` per namespace.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.hostside import host_env, program
@@ -23,6 +28,7 @@ SUBNET = "10.89.0"
 BRIDGE = "tlbr0"
 MAIN_ADDRESS = f"{SUBNET}.1"
 IP_TIMEOUT_S = 10.0
+MAIN_PORT = "tlvm"  # the bridge's port to main (a service's is `tlv<index>`)
 
 
 def address(index: int) -> str:
@@ -49,14 +55,48 @@ def _ip(netns_fd: int, commands: Sequence[str], other: int | None = None) -> Non
                              f"{why[-1] if why else f'ip exited {done.returncode}'}")
 
 
-def attach(session_netns: int, service_netns: int, index: int, *, first: bool) -> None:
-    """Put the service whose network namespace is `service_netns` (a descriptor held since
-    its container started: never a pid that may have been reused) on the session's bridge
-    (made with the `first` service): its `eth1` at `address(index)`."""
-    outer = f"tlv{index}"
-    _ip(session_netns, [
-        *([f"link add {BRIDGE} type bridge", f"addr add {MAIN_ADDRESS}/24 dev {BRIDGE}",
-           f"link set {BRIDGE} up"] if first else []),
-        f"link add {outer} type veth peer name eth1 netns /proc/self/fd/{service_netns}",
-        f"link set {outer} master {BRIDGE}", f"link set {outer} up"], other=service_netns)
-    _ip(service_netns, [f"addr add {address(index)}/24 dev eth1", "link set eth1 up"])
+def make(userns_fd: int, init: Path) -> int:
+    """The bridge's network namespace (a descriptor), made by our init (`--netns`) entered
+    into the session's user namespace `userns_fd` by nsenter, held until opened."""
+    try:
+        holder = subprocess.Popen(
+            [program("nsenter"), f"--user=/proc/self/fd/{userns_fd}", "--", str(init),
+             "--netns"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=host_env(), pass_fds=(userns_fd,))
+    except OSError as error:
+        raise SandboxRefused(f"the compose bridge could not be set up: {error}") from None
+    try:
+        assert holder.stdout is not None and holder.stderr is not None
+        if holder.stdout.readline() != b"ready\n":
+            holder.kill()
+            why = holder.stderr.read(4096).decode("utf-8", "replace").strip()
+            raise SandboxRefused(f"the compose bridge could not be set up: "
+                                 f"{why or 'its network namespace was not made'}")
+        return os.open(f"/proc/{holder.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        holder.kill()
+        holder.wait()
+        for stream in (holder.stdin, holder.stdout, holder.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _link(bridge_netns: int, port: str, inner_netns: int, inner_address: str) -> None:
+    """A veth pair from the bridge (its port `port`) to `eth1` at `inner_address` in the
+    namespace `inner_netns` (a descriptor held since it was made: never a pid that may
+    have been reused)."""
+    _ip(bridge_netns, [
+        f"link add {port} type veth peer name eth1 netns /proc/self/fd/{inner_netns}",
+        f"link set {port} master {BRIDGE}", f"link set {port} up"], other=inner_netns)
+    _ip(inner_netns, [f"addr add {inner_address}/24 dev eth1", "link set eth1 up"])
+
+
+def start(bridge_netns: int, main_netns: int) -> None:
+    """The bridge made in `bridge_netns`, and `main` (its namespace `main_netns`) on it."""
+    _ip(bridge_netns, [f"link add {BRIDGE} type bridge", f"link set {BRIDGE} up"])
+    _link(bridge_netns, MAIN_PORT, main_netns, MAIN_ADDRESS)
+
+
+def attach(bridge_netns: int, service_netns: int, index: int) -> None:
+    """Put the service at `index` (its network namespace `service_netns`) on the bridge."""
+    _link(bridge_netns, f"tlv{index}", service_netns, address(index))

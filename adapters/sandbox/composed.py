@@ -8,6 +8,7 @@ session's bridge (bridge.py) and its end.
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -33,7 +34,8 @@ class ComposeParts:
     services: Services | None  # (a compose task) its other services, started before it
     shares: tuple[Any, Service] | None  # (a compose service's own) the session's, its service
     bridged: bool  # (a compose task) each service on the session's bridge (bridge.py)
-    bridge_made: bool
+    bridge_fd: int | None  # (a bridged compose task) the bridge's network namespace, once made
+    init: Any  # our init's path (identity.py)
     container: Any  # ContainerPhases' `Container` (container.py), once started
     phase_modes: dict[str, str]  # each phase's network mode
     allowed_hosts: AllowList | None
@@ -94,10 +96,8 @@ class ComposeParts:
             session = self.shares[0]
             try:
                 await anyio.to_thread.run_sync(functools.partial(
-                    bridge.attach, session.range.netns_fd, container.namespace_fd("net"),
-                    session.services.names.index(self.shares[1].name),
-                    first=not session.bridge_made))
-                session.bridge_made = True
+                    _bridged, session, container.namespace_fd("net"),
+                    session.services.names.index(self.shares[1].name)))
                 await self._connect()
             except SandboxRefused as error:
                 raise OSError(str(error)) from None
@@ -135,3 +135,17 @@ class ComposeParts:
             return None
         code: int | None = self.container.run.process.returncode
         return code
+
+
+def _bridged(session: Any, service_netns: int, index: int) -> None:
+    """The service at `index` (its network namespace `service_netns`) on the `session`'s
+    bridge, made with `main` on it when the first service starts (bridge.py)."""
+    if session.bridge_fd is None:
+        made = bridge.make(session.range.userns_fd, session.init)
+        try:
+            bridge.start(made, session.range.netns_fd)
+        except BaseException:
+            os.close(made)
+            raise
+        session.bridge_fd = made
+    bridge.attach(session.bridge_fd, service_netns, index)

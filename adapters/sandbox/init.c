@@ -66,6 +66,10 @@
  *
  * With --net (range mode on an OCI runtime, SPEC §16) it also makes the session's network
  * namespace inside that user namespace, its loopback up, for the runtime to join by path.
+ * Run in that user namespace already (by nsenter), it makes one more network namespace
+ * there the same way -- a compose session's bridge's own (bridge.py):
+ *
+ *     init --netns
  *
  * And it starts one phase's process in a running sandbox (SPEC §15, `verifier_isolation =
  * harbor`), as `docker exec` does: it joins the session's cgroups, then the namespaces of
@@ -298,6 +302,16 @@ static int loopback_up(void) {
     return failed ? -1 : 0;
 }
 
+/* Say "ready", then hold the namespaces made until stdin closes (the runner opens them). */
+static int hold(void) {
+    if (write(1, "ready\n", 6) != 6)
+        return 125;
+    char byte;
+    while (read(0, &byte, 1) > 0)
+        ;
+    return 0;
+}
+
 /* The session's user namespace, owned by ID (see the top of this file); with NET, its
  * network namespace too. */
 static int make_userns(const char *id_text, int net) {
@@ -316,12 +330,16 @@ static int make_userns(const char *id_text, int net) {
         return stage_failed("unshare", "CLONE_NEWNET");
     if (net && loopback_up() != 0)
         return stage_failed("bring up", "lo");
-    if (write(1, "ready\n", 6) != 6)
-        return 125;
-    char byte;
-    while (read(0, &byte, 1) > 0)
-        ;
-    return 0;
+    return hold();
+}
+
+/* A network namespace made in the user namespace this process is in (see the top). */
+static int make_netns(void) {
+    if (unshare(CLONE_NEWNET) != 0)
+        return stage_failed("unshare", "CLONE_NEWNET");
+    if (loopback_up() != 0)
+        return stage_failed("bring up", "lo");
+    return hold();
 }
 
 /* The command's user (range mode): supplementary groups, gid, uid, as Docker sets them. */
@@ -779,6 +797,8 @@ int main(int argc, char **argv) {
         return make_userns(argv[2], 0);
     if (argc == 4 && strcmp(argv[1], "--userns") == 0 && strcmp(argv[3], "--net") == 0)
         return make_userns(argv[2], 1);
+    if (argc == 2 && strcmp(argv[1], "--netns") == 0)
+        return make_netns();
     const char *oom = NULL;
     char **user = NULL;
     unsigned long deadline_ms = 0;

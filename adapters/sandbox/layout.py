@@ -32,7 +32,7 @@ from trialledger.adapters.sandbox.bwrap import PRIVATE, Mount, Role
 from trialledger.adapters.sandbox.folders import remove_tree
 from trialledger.adapters.sandbox.hostside import host_env, program
 from trialledger.adapters.sandbox.identity import SandboxUser
-from trialledger.adapters.sandbox.idrange import RangeIds
+from trialledger.adapters.sandbox.idrange import SLOT, RangeIds
 from trialledger.adapters.sandbox.mountpoints import Want, make_mount_point
 
 _overlays_made: set[tuple[int, int, bool]] = set()  # (lower's device, upper's,
@@ -65,6 +65,26 @@ def chown_tree(top: Path, owner: tuple[int, int]) -> None:
     for folder, dirs, files in os.walk(top):
         for name in [*dirs, *files]:
             os.lchown(os.path.join(folder, name), *owner)
+
+
+NOBODY = 65_534
+
+
+def chown_like(source: Path, target: Path, shift: int) -> None:
+    """Give each entry of `target` (a copy of the image's `source`) its original's owner
+    on the slot starting at host id `shift` (links themselves, never followed; an id
+    outside the slot's range becomes its `nobody`)."""
+    def onto(inner: int) -> int:
+        return shift + (inner if inner < SLOT else NOBODY)  # (65534, as the image's)
+
+    def give(made: str) -> None:
+        held = os.lstat(source / os.path.relpath(made, target))
+        os.lchown(made, onto(held.st_uid), onto(held.st_gid))
+
+    give(str(target))
+    for folder, dirs, files in os.walk(target):
+        for name in [*dirs, *files]:
+            give(os.path.join(folder, name))
 
 
 def clear_planted(layer: Path, relative: str, *, whole: bool) -> None:

@@ -272,7 +272,7 @@ class LocalSandbox(RuncLaunch):
         # own on the session's bridge (bridge.py); else all in the session's one
         self.bridged = (compose is not None and set(self.phase_modes.values()) == {"public"}
                         and allowed_hosts is None)
-        self.bridge_made = False
+        self.bridge_fd: int | None = None  # (bridged) the bridge's network namespace
         # (a compose task) the volumes this container mounts: main's, or its service's
         self.volumes = (shares[1].volumes if shares is not None
                         else compose.main.volumes if compose is not None else ())
@@ -875,6 +875,9 @@ class LocalSandbox(RuncLaunch):
                 self.container.release()
             if self._runc is not None:  # runc's container outlives a killed runc
                 self._runc.delete()
+            if self.slirp is not None:  # (`close` stops it: here it was not awaited)
+                self.slirp.kill()
+                self.slirp = None
             if self._lifeline is not None:
                 with contextlib.suppress(OSError):
                     os.close(self._lifeline)
@@ -896,10 +899,11 @@ class LocalSandbox(RuncLaunch):
                 self._view = None
             if self.range is not None and self.shares is None:  # the slot is free once
                 # the folder is gone (a service's are the session's)
-                for fd in (self.range.userns_fd, self.range.netns_fd):
+                for fd in (self.range.userns_fd, self.range.netns_fd, self.bridge_fd):
                     if fd is not None:
                         with contextlib.suppress(OSError):
                             os.close(fd)
+                self.bridge_fd = None
                 self.range.slot.release()
             self.range = None
 

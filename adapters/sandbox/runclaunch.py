@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from trialledger.adapters.compose import Volume
+from trialledger.adapters.environment import copy_tree
 from trialledger.adapters.places import resolve_inside
 from trialledger.adapters.sandbox.base import SUPERVISOR_ENV
 from trialledger.adapters.sandbox.bwrap import INIT_INSIDE, Role, Spawn, mounts
@@ -26,7 +27,7 @@ from trialledger.adapters.sandbox.container import ContainerFailed, ContainerPha
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.hostside import host_env
 from trialledger.adapters.sandbox.idrange import SLOT
-from trialledger.adapters.sandbox.layout import chown_tree
+from trialledger.adapters.sandbox.layout import chown_like, chown_tree
 from trialledger.adapters.sandbox.oci import (
     DOCKER_NET_SYSCTL,
     Bind,
@@ -159,10 +160,10 @@ class RuncLaunch(ContainerPhases):
 
     def _volume_binds(self) -> list[Bind]:
         """(a compose task) This container's `volumes` as binds: a named volume is a folder
-        of the session's (made by its first container, owned as the image's folder at its
-        target is, as Docker makes one; its content is not copied up); a task path is
-        copied into this container's folder first (the task folder is never written), owned
-        by inner root."""
+        of the session's, made by its first container as Docker makes one (what its image
+        holds at the target copied in, owners kept, setuid bits not); a task path is copied
+        into this container's folder first (the task folder is never written), owned by
+        inner root."""
         assert self.range is not None and self.image is not None and self.image.root
         session: RuncLaunch = self.shares[0] if self.shares is not None else self
         slot = self.range.slot.start
@@ -178,9 +179,9 @@ class RuncLaunch(ContainerPhases):
                     image_folder = self.image.root / resolve_inside(
                         self.image.root, volume.target).lstrip("/")
                     if image_folder.is_dir() and not image_folder.is_symlink():
-                        held = image_folder.stat()
-                        os.chown(folder, slot + held.st_uid, slot + held.st_gid)
-                        os.chmod(folder, held.st_mode & 0o7777)
+                        copy_tree(image_folder, folder)  # Docker's copy-up
+                        chown_like(image_folder, folder, slot)
+                        os.chmod(folder, image_folder.lstat().st_mode & 0o7777)
                     else:
                         os.chown(folder, slot, slot)
             else:

@@ -14,7 +14,7 @@ it.
 
 Before a service (or `main`) starts, each service it depends on must meet its condition:
 `service_started` (its container runs), `service_healthy` (its healthcheck passes, tried
-as Docker's, adapters/healthcheck.py) or `service_completed_successfully` (its container
+as Docker's daemon does, adapters/healthcheck.py) or `service_completed_successfully` (its container
 ended with 0). A condition that fails ends the start with `ServiceFailed` (an OSError: the
 session's container could not be started, its sandbox lost). A service that exits while
 the session runs is reported once (`exited`), for the runner's gap `service_exited`.
@@ -129,7 +129,7 @@ class Services:
                                         env=box.base_env())
             return ran.code, ran.output.decode("utf-8", errors="replace")
 
-        failure = await run_healthcheck(check, attempt)
+        failure = await run_healthcheck(check, attempt, first_after_interval=True)
         if failure is not None:
             raise ServiceFailed(f"compose service {service.name} did not become healthy: "
                                 f"{failure}")

@@ -158,6 +158,17 @@ class Slirp:
             await anyio.sleep(0.02)
         return code
 
+    def kill(self) -> None:
+        """End slirp4netns at once, without waiting on an event loop (a sandbox discarded
+        whose `close` was never awaited). Idempotent."""
+        if self._exit_fd is not None:
+            os.close(self._exit_fd)
+            self._exit_fd = None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(STOP_GRACE_S)
+
     async def stop(self) -> None:
         """End slirp4netns: close its exit fd, wait up to 2 s, then kill it. Idempotent; the
         namespace is left without an outward link (its tap device goes with slirp4netns)."""
