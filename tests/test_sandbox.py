@@ -204,8 +204,8 @@ async def test_a_bwrap_that_cannot_create_the_sandbox_is_a_lost_sandbox(
     bin_dir.chmod(0o755)  # the sandbox user runs it (the one-time check)
     # (the runner never finds bwrap by PATH: a task could name its own; so the fake is
     # put where the runner looks for its programs)
-    from trialledger.adapters.sandbox import local
-    monkeypatch.setattr(local, "program",
+    from trialledger.adapters.sandbox import spawning
+    monkeypatch.setattr(spawning, "program",
                         lambda name: str(fake) if name == "bwrap" else program(name))
     task = make_task(tmp_path / "task", test_sh="exit 0\n")
     try:

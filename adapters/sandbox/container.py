@@ -66,6 +66,7 @@ from trialledger.adapters.sandbox.ocifilter import docker_filter
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import pids_in_namespace
 from trialledger.adapters.sandbox.runc import RuncContainer
+from trialledger.adapters.sandbox.sessionids import SessionIds
 from trialledger.adapters.sandbox.slirp import Slirp, injected_files, start_slirp
 
 # The capability numbers of linux/capability.h for the names range mode grants.
@@ -221,7 +222,7 @@ class Container:
         self.fds = ()
 
 
-class ContainerPhases(SessionLayout, ComposeParts):
+class ContainerPhases(SessionIds, SessionLayout, ComposeParts):
     """The session's phases in its container (a part of `LocalSandbox`): the container
     started on first use in the session's layer, each phase's process joined into it, the
     verifier and the healthcheck run there, its network and egress proxy opened."""
@@ -246,8 +247,6 @@ class ContainerPhases(SessionLayout, ComposeParts):
     compose_needs: dict[str, Condition]  # (a compose task) what main's depends_on waits for
 
     if TYPE_CHECKING:  # LocalSandbox's: spawning, and the verifier's parts
-        def owner(self, role: Role = "agent") -> tuple[int, int]: ...
-
         def base_env(self) -> dict[str, str]: ...
 
         def _init(self, command: Sequence[str], status_fd: int, role: Role,

@@ -21,59 +21,48 @@ as the sandbox user, never as root — every process carrying the `TRIALLEDGER_S
 marker; cleanup kills the stragglers the marker finds. That mode does not stop the agent
 from writing outside its workdir, and every session records it (`isolation`).
 
-This module builds the sandbox, its bwrap command line and its spawns, and serves the
-Sandbox protocol. The session folder's layout — its overlays, mount points and, when the
-runner is root, the staged binds of mount sources the sandbox user cannot read — is
-`layout.py`'s; the phases of the session's container (`verifier_isolation = harbor`) are
-`container.py`'s.
+This module builds the sandbox and serves the Sandbox protocol; its parts are the other
+modules' (a chain of classes, each a part of `LocalSandbox`): who its processes are
+(`sessionids.py`), the session folder's layout — its overlays, mount points and, when the
+runner is root, the staged binds of mount sources the sandbox user cannot read
+(`layout.py`), the phases of the session's container under `verifier_isolation = harbor`
+(`container.py`) and under runc (`runclaunch.py`), its part in a compose environment
+(`composed.py`), each spawn and its bwrap command line (`spawning.py`), and the probe and
+the verifier (`phases.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import anyio
 
 from trialledger.adapters.codex.install import CodexInstall
 from trialledger.adapters.compose import Compose, Service
-from trialledger.adapters.environment import HOST, Environment, resolve_inside
+from trialledger.adapters.environment import HOST, Environment
 from trialledger.adapters.imagestore import ViewHold, hold_view
 from trialledger.adapters.sandbox import runc as runtimes
 from trialledger.adapters.sandbox.agentfiles import AgentTree
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.base import (
-    SUPERVISOR_ENV,
     CleanupReport,
-    ProbeResult,
     SandboxRefused,
-    VerifierRun,
 )
 from trialledger.adapters.sandbox.bwrap import (
-    INIT_INSIDE,
-    TESTS_INSIDE,
-    VERIFIER_LOGS_INSIDE,
-    VERIFIER_STDOUT,
     Role,
-    Spawn,
-    bwrap_argv,
-    mounts,
 )
-from trialledger.adapters.sandbox.cgroup import CONTROLLERS, SessionCgroup, hold
+from trialledger.adapters.sandbox.cgroup import SessionCgroup, hold
 from trialledger.adapters.sandbox.container import (
     NETWORK_PHASES,
     Container,
-    CopyIn,
 )
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.egress import EgressProxy, egress_problem
@@ -81,9 +70,8 @@ from trialledger.adapters.sandbox.folders import (
     forget_session_folder,
     make_session_folder,
     remove_lock_last,
-    remove_tree,
 )
-from trialledger.adapters.sandbox.hostside import env_file, has_program, host_env, program
+from trialledger.adapters.sandbox.hostside import has_program, host_env, program
 from trialledger.adapters.sandbox.identity import (
     PROCESS_LIMIT,
     SandboxUser,
@@ -92,25 +80,18 @@ from trialledger.adapters.sandbox.identity import (
 )
 from trialledger.adapters.sandbox.idrange import (
     DOCKER_CAPS,
-    InnerUser,
     RangeIds,
-    Slot,
-    UsernsMaker,
-    ensure_filter,
-    reserved_range,
-    resolve_user,
 )
-from trialledger.adapters.sandbox.layout import check_granted_paths, chown_tree, clear_planted
+from trialledger.adapters.sandbox.layout import check_granted_paths
 from trialledger.adapters.sandbox.network import Network
+from trialledger.adapters.sandbox.phases import PhaseRuns
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import kill_marked, pids_in_namespace
 from trialledger.adapters.sandbox.runc import RuncContainer
-from trialledger.adapters.sandbox.runclaunch import RuncLaunch
 from trialledger.adapters.sandbox.services import Services
-from trialledger.adapters.sandbox.slirp import RESOLVER, Slirp, hostname_of, slirp_problem
+from trialledger.adapters.sandbox.slirp import RESOLVER, Slirp, slirp_problem
 
 log = logging.getLogger(__name__)
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 # A recorded session folder without its lock this old is no session being made right now
 # (its lock follows its creation within microseconds): a removal or a creation cut short.
 ISOLATIONS = ("bwrap", "process-group")
@@ -145,12 +126,9 @@ def bwrap_problem(user: SandboxUser, cgroups: Sequence[Path] = (),
     return f"bwrap cannot create its namespaces here: {done.stderr.strip()[-200:]}"
 
 
-class LocalSandbox(RuncLaunch):
-    """One session's sandbox on this machine: its construction, the bwrap command line,
-    spawning and the Sandbox protocol; its session folder's layout is `SessionLayout`'s
-    (layout.py), its container's phases (harbor) `ContainerPhases`' (container.py), its
-    container under runc `RuncLaunch`'s (runclaunch.py), its part in a compose environment
-    `ComposeParts`' (composed.py; the services themselves: services.py)."""
+class LocalSandbox(PhaseRuns):
+    """One session's sandbox on this machine: its construction, the agent's launch, its
+    cleanup and discard; its parts are its bases' (this module's docstring lists them)."""
 
     def __init__(
         self,
@@ -333,63 +311,6 @@ class LocalSandbox(RuncLaunch):
                                  f"namespace, which needs bwrap; --isolation process-group "
                                  f"cannot run it")
 
-    # --- each phase's network (strict: a sandbox per phase) ---------------------------------
-
-    def _own_network(self, role: Role, phase: str) -> bool:
-        """Whether a phase's sandbox has a network namespace of its own: the agent's (and
-        the container's) is the session's `Network`'s, where its proxies listen; another
-        phase's is private unless its mode is a host task's `public` (the host's)."""
-        if self.network is None:
-            return False
-        if role in ("agent", "container") or phase == "agent":
-            return self.network.isolated
-        return self.image is not None or self.phase_modes[phase] != "public"
-
-    def _connected(self, phase: str) -> bool:
-        """Whether a phase's own namespace is connected outward before its command runs
-        (strict: slirp4netns, with an allowlist's rules and egress proxy): an allowlist,
-        or an image's public network. (A container's network is switched by
-        `_use_network` instead.)"""
-        if self.lifetime == "harbor" or self.network is None or self.isolation != "bwrap":
-            return False
-        mode = self.phase_modes[phase]
-        return mode == "allowlist" or (mode == "public" and self.image is not None)
-
-    def _begin_range(self) -> UsernsMaker:
-        """A slot of the sandbox user's range, and the making of the session's user
-        namespace over it begun (a plain cache entry is only ever mounted this way)."""
-        ids = reserved_range()
-        if os.geteuid() != 0 or ids is None:
-            raise SandboxRefused("this image's cache entry keeps its own ownership (range "
-                                 "mode), which needs a root runner after `trialledger setup`")
-        if self.runtime is None:
-            raise SandboxRefused(f"this image's cache entry keeps its own ownership (range "
-                                 f"mode), which needs a runtime that can start a container "
-                                 f"here: {runtimes.range_unavailable()}")
-        slot = Slot.acquire(ids)
-        try:
-            return UsernsMaker(self.init, slot, net=self._wants_runc)
-        except BaseException:
-            slot.release()
-            raise
-
-    def _take_range(self, making: UsernsMaker) -> RangeIds:
-        """The session's range ids once its cgroup is held: each role's user read from the
-        image, the user namespace finished."""
-        assert self.image is not None and self.image.root is not None
-        if self.cgroup is None or "pids" not in self.cgroup.held:
-            raise SandboxRefused(f"range mode needs a pids cgroup of the session's own "
-                                 f"({self.limits_reason})")
-        ensure_filter()
-        image_user = (self.image.uid, self.image.gid)
-        specs = {role: self.users.get(role) if role in ("agent", "verifier") else None
-                 for role in ("agent", "probe", "verifier", "container")}
-        resolved = {spec: resolve_user(self.image.root, spec, image_user)  # each read once
-                    for spec in set(specs.values())}
-        users = {role: resolved[spec] for role, spec in specs.items()}
-        userns = making.finish()
-        return RangeIds(making.slot, userns, users, making.net_fd)
-
     def _compose_services(self, compose: Compose) -> Services:
         """The other services of a compose task, each made (when it starts) as a sandbox
         sharing this one's (services.py)."""
@@ -411,83 +332,6 @@ class LocalSandbox(RuncLaunch):
                 task_env=service.env, switch=self.switch, shares=(self, service),
                 network_modes=self.phase_modes)
         return Services([s for s in compose.services if s.name != "main"], make)
-
-    @property
-    def _wants_runc(self) -> bool:
-        """Whether the session's container is to start under an OCI runtime (runc, crun),
-        if range mode holds."""
-        return (self.runtime in runtimes.OCI and self.lifetime == "harbor"
-                and self.isolation == "bwrap")
-
-    @property
-    def on_runc(self) -> bool:
-        """Whether the session's container starts under an OCI runtime (range mode,
-        harbor)."""
-        return self._wants_runc and self.range is not None
-
-    @property
-    def launched_isolation(self) -> str:
-        """`agent.launched.isolation`: what confines the agent (runc, crun, bwrap,
-        process-group)."""
-        return self.runtime if self.on_runc and self.runtime else self.isolation
-
-    @property
-    def runs_as(self) -> SandboxUser:
-        """Who bwrap runs as on the host: the sandbox user, or (range) the slot's first id."""
-        return self.range.runs_as if self.range is not None else self.user
-
-    def owner(self, role: Role = "agent") -> tuple[int, int]:
-        """The host ids of a role's files: the sandbox user's, or (range) the role's user's
-        in the slot."""
-        if self.range is not None:
-            inner = self.range.users[role]
-            return self.range.slot.host(inner.uid), self.range.slot.host(inner.gid)
-        return self.user.uid, self.user.gid
-
-    @property
-    def agent_owner(self) -> tuple[int, int]:
-        """The host ids of the agent's files."""
-        return self.owner("agent")
-
-    def give(self, top: Path) -> None:
-        """Hand a tree the runner made for the agent to its user (links not followed)."""
-        if self.runs_as.switches:
-            chown_tree(top, self.agent_owner)
-
-    @property
-    def _root_owner(self) -> tuple[int, int]:
-        """The host ids of what inner root owns: the sandbox user's, or the slot's first."""
-        return (self.runs_as.uid, self.runs_as.gid)
-
-    def identity_record(self) -> dict[str, str]:
-        """`agent.launched.identity` (schema 3): the id mode and the inner uid:gid every
-        phase runs as: range mode (the image's user in the session's own 65,536 ids), else
-        one inner id (the image's user, else the sandbox uid) mapped onto the sandbox uid,
-        without capabilities."""
-        if self.range is not None:
-            agent = self.range.users["agent"]
-            return {"mode": "range", "user": f"{agent.uid}:{agent.gid}"}
-        uid, gid = ((self.image.uid, self.image.gid) if self.image is not None
-                    else (self.user.uid, self.user.gid))
-        return {"mode": "single", "user": f"{uid}:{gid}"}
-
-    @property
-    def _cgroup_procs(self) -> tuple[Path, ...]:
-        return self.cgroup.procs if self.cgroup is not None else ()
-
-    @property
-    def _nproc(self) -> int:
-        """The sandbox user's process rlimit for this session: none (0) when a pids cgroup
-        of the session's own holds its processes, else the shared `PROCESS_LIMIT`."""
-        return 0 if self.cgroup is not None and "pids" in self.cgroup.held else PROCESS_LIMIT
-
-    def limits_record(self) -> dict[str, Any] | None:
-        """`agent.launched.limits`: what the task asked for, and whether it holds (also
-        when nothing was asked for but the session has no process limit of its own)."""
-        if not self.limits and self.limits_reason is None:
-            return None
-        return {"requested": {key: self.limits.get(key) for key in CONTROLLERS},
-                "enforced": self.limits_reason is None, "reason": self.limits_reason}
 
     # --- paths ------------------------------------------------------------------------------
 
@@ -515,168 +359,6 @@ class LocalSandbox(RuncLaunch):
         """Safe reads of a folder the agent (or the verifier, `role`) could write, as that
         role's user on the host."""
         return AgentTree(folder, *self.owner(role))
-
-    # --- the bwrap command line -------------------------------------------------------------
-
-    def _bwrap(self, command: Sequence[str], *, info_fd: int, role: Role, phase: str,
-               verifier_logs: Path | None = None, block_fd: int | None = None,
-               seccomp_fd: int | None = None) -> list[str]:
-        """The spawn's whole argv: the staging prefix (root), the drop to the sandbox user,
-        then bwrap (whose command line `bwrap.py` builds from what is read here)."""
-        spawn = self._spawn_plan(role, phase, info_fd=info_fd, verifier_logs=verifier_logs,
-                                 block_fd=block_fd)
-        if self.range is not None:
-            spawn = dataclasses.replace(spawn, userns_fd=self.range.userns_fd,
-                                        seccomp_fd=seccomp_fd, caps=self.caps)
-        staged: list[tuple[Path, Path]] = []
-        placed = [dataclasses.replace(m, source=str(self._stage(Path(m.source), staged)))
-                  if m.staged and m.source is not None else m for m in mounts(spawn)]
-        self._clear_mount_points(placed, role)
-        return [*self._prefix(staged, role), *bwrap_argv(spawn, placed, command)]
-
-    def _spawn_plan(self, role: Role, phase: str, *, info_fd: int,
-                    verifier_logs: Path | None, block_fd: int | None) -> Spawn:
-        # Over an image the agent is the image's User inside (files the sandbox uid owns on
-        # the host are that user's); on the host it is always the sandbox uid.
-        uid, gid = ((self.image.uid, self.image.gid) if self.image is not None
-                    else (self.user.uid, self.user.gid))
-        pristine = self._pristine_view(role)
-        root = None
-        workdir_source = None if self.overlay else str(self.host_work)
-        if pristine:  # the image as it was, a fresh layer above (made in _prefix), and the
-            # agent's workdir as the agent left it
-            assert self.image is not None and self.image.root is not None
-            root = str(self.root / f"pristine-{self._verifications}-merged")
-            inside = resolve_inside(self.image.root, self.workdir)
-            workdir_source = str(self.root / "merged" / inside.lstrip("/"))
-        elif self.overlay:
-            root = str(self.root / "merged")
-        system = [] if self.image is not None else [
-            (path, os.readlink(path) if os.path.islink(path) else None)
-            for path in SYSTEM_PATHS if os.path.islink(path) or os.path.isdir(path)]
-        return Spawn(
-            role=role, uid=uid, gid=gid, workdir=self.workdir, init=str(self.init),
-            bwrap=program("bwrap"),
-            session_dir=str(self.session_dir), root=root, system=system,
-            workdir_source=workdir_source,
-            codex=[(str(s), i) for s, i in self.codex.mounts()] if self.codex else [],
-            readonly=[str(p) for p in self.readonly_paths],
-            sees_agent_files=role == "agent" or self.verifier_root == "agent",
-            tests=str(self._tests_bound) if self._tests_bound is not None else None,
-            verifier_logs=str(verifier_logs) if verifier_logs is not None else None,
-            isolated_network=self._own_network(role, phase),
-            block_fd=block_fd, info_fd=info_fd,
-            hostname=hostname_of(self.marker) if role == "container" else None,
-            # slirp's resolver: an image's always; a host task's only where slirp4netns
-            # connects the phase (elsewhere the host's resolver serves its network)
-            resolver=(str(self._resolver) if self._resolver is not None and (
-                self.image is not None or self._connected(phase)) else None))
-
-    def _init(self, command: Sequence[str], status_fd: int, role: Role,
-              user: InnerUser | None = None, *, env_fd: int, deadline: bool = True
-              ) -> list[str]:
-        init = INIT_INSIDE if self.isolation == "bwrap" else str(self.init)
-        argv = [init, "--status-fd", str(status_fd), "--env-fd", str(env_fd)]
-        if self.oom_score_adj is not None:
-            argv += ["--oom-score-adj", str(self.oom_score_adj)]
-        if self.switch is not None and deadline:
-            argv += ["--deadline-fd", str(self.switch.read_fd),
-                     "--deadline-ms", str(self.switch.remaining_ms())]
-        if user is None and self.range is not None:  # our init, inner root, switches the
-            user = self.range.users[role]  # command's user
-        if user is not None:
-            groups = ",".join(str(g) for g in user.groups) or "-"
-            argv += ["--user", str(user.uid), str(user.gid), groups]
-        return [*argv, "--", *command]
-
-    async def _spawn(self, command: Sequence[str], *, env: Mapping[str, str], role: Role,
-                     verifier_logs: Path | None = None, stdin: bool = False,
-                     copy: CopyIn | None = None,
-                     phase: str | None = None, user: InnerUser | None = None) -> LocalRun:
-        """Start `command` as `role` (harbor: joined into the session's container; strict:
-        in a sandbox of its own on `phase`'s network, by default the role's), as `user`
-        (range mode; None: the role's)."""
-        if self.lifetime == "harbor" and role != "container":
-            return await self._spawn_joined(command, env=env, role=role, stdin=stdin,
-                                            copy=copy, user=user)
-        if role == "container" and self.on_runc:
-            return await self._spawn_runc(command, env=env, verifier_logs=verifier_logs)
-        bwrap = self.isolation == "bwrap"
-        status_r, status_w = os.pipe()
-        info_r, info_w = os.pipe() if bwrap else (None, None)
-        forwarding = (bwrap and role in ("agent", "container") and self.network is not None
-                      and self.network.isolated)
-        phase = phase or ("verifier" if role == "verifier" else "agent")
-        networked = role != "container" and (role != "probe" or phase != "agent")  # (a
-        # liveness probe needs no way out)
-        guarded = bwrap and networked and self._connected(phase)
-        if networked and not guarded:  # the last phase's way out goes with it
-            await self._disconnect()
-        block_r, block_w = os.pipe() if forwarding or guarded else (None, None)
-        seccomp = (os.open(ensure_filter(), os.O_RDONLY | os.O_CLOEXEC)
-                   if self.range is not None else None)
-        userns = self.range.userns_fd if self.range is not None else None
-        env_fd = None
-        try:
-            # The task's variables go to our init inside the sandbox alone (hostside.py)
-            env_fd = env_file({**env, SUPERVISOR_ENV: self.marker}, first=SUPERVISOR_ENV)
-            inner = self._init(command, status_w, role, user, env_fd=env_fd)
-            argv = (self._bwrap(inner, info_fd=info_w or 0, role=role, phase=phase,
-                                verifier_logs=verifier_logs, block_fd=block_r,
-                                seccomp_fd=seccomp)
-                    if bwrap else [*self._prefix([]), *inner])
-            quiet = subprocess.DEVNULL if role == "container" else subprocess.PIPE  # PID 1's
-            # output: nobody would drain it for the whole session
-            process = await anyio.open_process(
-                argv, env=host_env(**{SUPERVISOR_ENV: self.marker}),
-                cwd=None if bwrap else self.host_work,
-                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                stdout=quiet, stderr=quiet,
-                pass_fds=tuple(fd for fd in (status_w, info_w, block_r, seccomp, userns,
-                                             env_fd,
-                                             self.switch.read_fd if self.switch else None)
-                               if fd is not None),
-                start_new_session=True,
-            )
-        except BaseException:
-            for fd in (status_r, info_r, block_w):
-                if fd is not None:
-                    os.close(fd)
-            raise
-        finally:
-            for fd in (status_w, info_w, block_r, seccomp, env_fd):
-                if fd is not None:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-        run = LocalRun(process, status_fd=status_r, info_fd=info_r,
-                       isolation=self.isolation, marker=self.marker)
-        if block_w is not None:
-            await self._open_network(run, block_w, forwarding=forwarding,
-                                     guarded=phase if guarded else None)
-        return run
-
-    async def _open_network(self, run: LocalRun, block_w: int, *, forwarding: bool,
-                            guarded: str | None) -> None:
-        """Open the proxies inside the sandbox's network (and connect the `guarded` phase's
-        own: slirp4netns, an allowlist's rules and egress proxy), then let bwrap go on."""
-        assert self.network is not None
-        try:
-            info = await anyio.to_thread.run_sync(run.info)
-            pid = info.get("child-pid")
-            if not isinstance(pid, int):
-                raise OSError("bwrap reported no child pid for the network namespace")
-            if forwarding:
-                await self.network.open_inside(pid)
-            if guarded is not None:
-                net = info.get("net-namespace")
-                await self._guard(pid, net if isinstance(net, int) else None,
-                                  allowlist=self.phase_modes[guarded] == "allowlist")
-            os.write(block_w, b"x")
-        except BaseException:
-            await run.aclose()
-            raise
-        finally:
-            os.close(block_w)
 
     # --- the Sandbox protocol ---------------------------------------------------------------
 
@@ -739,126 +421,7 @@ class LocalSandbox(RuncLaunch):
             report = await self.confirm_cleanup(self._agent, 2.0)
         return report.confirmed
 
-    async def probe(self, timeout_s: float, command: Sequence[str] | None = None
-                    ) -> ProbeResult:
-        """Alive when a process runs in a fresh sandbox in the workdir within the limit: by
-        default our own init (`--probe`), so no program of the environment is needed."""
-        if command is None:
-            command = [INIT_INSIDE if self.isolation == "bwrap" else str(self.init), "--probe"]
-            name = "the init probe"
-        else:
-            name = f"`{' '.join(command)}`"
-        code, timed_out = await self._run_bounded(list(command), timeout_s,
-                                                  env=self.base_env(), role="probe")
-        if timed_out:
-            return ProbeResult(False, f"{name} did not finish within {timeout_s:g} s")
-        if code != 0:
-            return ProbeResult(False, f"{name} exited with {code}")
-        return ProbeResult(True, f"{name} ran in the workdir")
-
-    def base_env(self) -> dict[str, str]:
-        """The probe's and verifier's environment: PATH (the image's, over an image), LANG
-        and LC_ALL."""
-        env = _minimal_env()
-        if self.image is not None:
-            env["PATH"] = self.image.path
-        return env
-
-    async def verify(self, timeout_s: float, env: Mapping[str, str] | None = None
-                     ) -> VerifierRun:
-        """Run the tests as Harbor does, once every agent process is gone: a fresh,
-        writable copy of the task's `tests/` at `/tests`, an empty `/logs/verifier`, and
-        `/tests/test.sh` executed in the workdir (its shebang honoured; without one the
-        shell runs it: bash where there is one, else sh) with `env` over the base
-        environment, its stdout and stderr together into `/logs/verifier/test-stdout.txt`."""
-        self._verifications += 1
-        if self.lifetime == "harbor":
-            return await self._verify_in_container(timeout_s, env)
-        logs = self.root / f"verifier-{self._verifications}"
-        logs.mkdir(mode=0o700)
-        if self.runs_as.switches:
-            os.chown(logs, *self.owner("verifier"))
-        if not await self._agent_gone():
-            return VerifierRun(None, False, logs, "agent processes outlived the run")
-        run_it = f'exec "$0" > "$1/{VERIFIER_STDOUT}" 2>&1'
-        if self.isolation == "bwrap":
-            self._tests_bound = self._fresh_tests()
-            shell = "bash" if self.image is None or self.image.has("bash") else "sh"
-            command = [shell, "-c", run_it, f"{TESTS_INSIDE}/test.sh", VERIFIER_LOGS_INSIDE]
-            env = {**self.base_env(), **(env or {}),
-                   "TRIALLEDGER_VERIFIER_DIR": VERIFIER_LOGS_INSIDE}
-        else:
-            tests = self._unconfined_tests()
-            command = ["bash", "-c", run_it, str(tests / "test.sh"), str(logs)]
-            env = {**_minimal_env(), **(env or {}), "TRIALLEDGER_VERIFIER_DIR": str(logs),
-                   "TRIALLEDGER_TESTS_DIR": str(tests)}
-        code, timed_out = await self._run_bounded(command, timeout_s, env=env, role="verifier",
-                                                  verifier_logs=logs)
-        return VerifierRun(code, timed_out, logs)
-
-    def _copy_tests(self, target: Path) -> None:
-        """The task's tests copied to `target` (links as links), the sandbox user's, with
-        `test.sh` executable (Harbor's `chmod +x`)."""
-        assert self.tests is not None
-        shutil.copytree(self.tests, target, symlinks=True, dirs_exist_ok=True)
-        script = target / "test.sh"
-        if script.is_file() and not script.is_symlink():
-            script.chmod(script.stat().st_mode | 0o111)
-        if self.runs_as.switches:
-            chown_tree(target, self._root_owner if self.range is not None else self.agent_owner)
-
-    def _fresh_tests(self) -> Path | None:
-        """The verifier's `/tests`: over an overlay that is its root, a real folder of its
-        layer (so a verifier may move it, as in a container), whatever the agent left
-        there removed first and the image's own `/tests` merged in below; else a fresh
-        copy the sandbox binds (returned)."""
-        if self.tests is None:
-            return None
-        if self.overlay and not self._pristine_view("verifier"):
-            clear_planted(self.root / "upper", TESTS_INSIDE, whole=True)
-            layer = self.root / "upper" / TESTS_INSIDE.lstrip("/")
-            if os.path.lexists(layer):
-                remove_tree(layer)
-            self._copy_tests(layer)
-            return None
-        copy = self.root / f"tests-{self._verifications}"
-        self._copy_tests(copy)
-        return copy
-
-    def _unconfined_tests(self) -> Path:
-        """The tests as a process-group verifier reads them: a copy of its own, made after
-        the agent is gone (it runs as the sandbox user)."""
-        if self.tests is None:
-            return Path("/nonexistent")
-        copy = self.root / f"tests-{self._verifications}"
-        self._copy_tests(copy)
-        return copy
-
-    _tests_bound: Path | None = None
     _discarded = False
-
-    async def _run_bounded(self, command: list[str], timeout_s: float, *,
-                           env: Mapping[str, str], role: Role,
-                           verifier_logs: Path | None = None,
-                           copy: CopyIn | None = None
-                           ) -> tuple[int | None, bool]:
-        run = await self._spawn(command, env=env, role=role, verifier_logs=verifier_logs,
-                                copy=copy)
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_drain, run.process.stdout)
-                tg.start_soon(_drain, run.process.stderr)
-                with anyio.move_on_after(timeout_s) as scope:
-                    status = await run.wait()
-                if scope.cancelled_caught:
-                    await run.stop(0.5)
-                    if run.isolation != "joined":  # a joined run's group dies with it
-                        await kill_marked(self.marker, 2)
-                    tg.cancel_scope.cancel()
-                    return None, True
-            return status.return_code, False
-        finally:
-            await run.aclose()
 
     def discard(self) -> None:
         """Remove the session's folders (they hold config.toml with grant tokens), and its
@@ -906,13 +469,3 @@ class LocalSandbox(RuncLaunch):
                 self.bridge_fd = None
                 self.range.slot.release()
             self.range = None
-
-
-def _minimal_env() -> dict[str, str]:
-    return {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL") if k in os.environ}
-
-
-async def _drain(stream: Any) -> None:
-    if stream is not None:
-        async for _ in stream:
-            pass
