@@ -179,6 +179,30 @@ def test_a_job_counts_a_multi_step_trial_once_with_its_strategys_reward(
     assert "multi k=0 verify reward 0.833333 steps: one 1, two 1, three 0.5 (1 attempt" in lines
 
 
+def test_a_jobs_figures_per_reward_name_take_a_multi_step_trials_strategy(
+        tmp_path: Path) -> None:
+    """With several reward names every figure is per name: a `mean` trial's value of
+    each is its mean over the steps (a name a step lacks counting 0), never its last
+    step's own."""
+    task = tmp_path / "data" / "named"
+    (task / "steps").mkdir(parents=True)
+    (task / "task.toml").write_text('[[steps]]\nname = "one"\n[[steps]]\nname = "two"\n')
+    for name, rewards in (("one", '{"reward": 1, "style": 0, "extra": 1}'),
+                          ("two", '{"reward": 0, "style": 1}')):
+        step = task / "steps" / name
+        step.mkdir()
+        (step / "instruction.md").write_text(f"step {name}\n")
+        samples.executable(step / "solution" / "solve.sh", "true\n")
+        samples.executable(step / "tests" / "test.sh",
+                           f"echo '{rewards}' > /logs/verifier/reward.json\n")
+    db = tmp_path / "t.db"
+    done = in_process("job", "run", "named", str(task.parent), "--agent", "oracle",
+                      "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    assert dict(rows(db, "SELECT name, mean FROM job_tasks WHERE task = 'named'")) == {
+        "reward": 0.5, "style": 0.5, "extra": 0.5}
+
+
 def test_a_failing_setup_is_a_gap_and_the_step_still_runs(tmp_path: Path) -> None:
     folder = three_steps(tmp_path / "task")
     (folder / "steps" / "two" / "workdir" / "setup.sh").write_text(
