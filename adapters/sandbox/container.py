@@ -11,23 +11,20 @@ no new privileges; under runc (runc.py) Docker's whole profile (`ocifilter.py`) 
 privileges allowed, as in Docker. When a phase's process ends its process group is
 killed; what it detached (a daemon) keeps running into the next phase.
 
-`Container` is the running container; `ContainerPhases`, a part of `LocalSandbox`
-(local.py), starts it in the session's layer (Docker's injected files, `/logs`), joins each
-phase's process into it, runs the verifier and the healthcheck there, and opens its
-network (slirp4netns, an allowlist's egress proxy).
+`ContainerPhases`, a part of `LocalSandbox` (local.py), starts it in the session's layer
+(Docker's injected files, `/logs`), joins each phase's process into it, runs the verifier
+and the healthcheck there and copies files in; the running container is `Container`'s
+(running.py), its network phase by phase `ContainerNetwork`'s (containernet.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
-import select
 import shutil
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -50,24 +47,21 @@ from trialledger.adapters.sandbox.bwrap import (
     Role,
 )
 from trialledger.adapters.sandbox.composed import ComposeParts
+from trialledger.adapters.sandbox.containernet import ContainerNetwork
 from trialledger.adapters.sandbox.egress import (
-    NO_RULES,
     EgressProxy,
-    apply_rules,
-    egress_rules,
-    open_ping,
 )
 from trialledger.adapters.sandbox.folders import remove_tree
 from trialledger.adapters.sandbox.hostside import env_file, host_env
 from trialledger.adapters.sandbox.idrange import InnerUser, ensure_filter, resolve_user
 from trialledger.adapters.sandbox.layout import SessionLayout, chown_tree
-from trialledger.adapters.sandbox.network import Network, listen_inside
+from trialledger.adapters.sandbox.network import Network
 from trialledger.adapters.sandbox.ocifilter import docker_filter
 from trialledger.adapters.sandbox.process import LocalRun
-from trialledger.adapters.sandbox.procscan import pids_in_namespace
 from trialledger.adapters.sandbox.runc import RuncContainer
+from trialledger.adapters.sandbox.running import Container, ContainerFailed
 from trialledger.adapters.sandbox.sessionids import SessionIds
-from trialledger.adapters.sandbox.slirp import Slirp, injected_files, start_slirp
+from trialledger.adapters.sandbox.slirp import Slirp, injected_files
 
 # The capability numbers of linux/capability.h for the names range mode grants.
 CAP_NUMBERS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4,
@@ -77,12 +71,9 @@ CAP_NUMBERS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSET
 IDLE = "--idle"  # our init's argument to sleep forever: PID 1's command without ENTRYPOINT
 NETWORK_PHASES = ("healthcheck", "agent", "verifier")  # each with its network mode (§15)
 NAMES_SHOWN = 10  # survivors named in `agent_processes_survived`
-NAMESPACES = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup")  # init --join-fds's order
-READY_S = 10.0  # how long PID 1 may take to start its command
 CHECK_TAIL = 4096  # bytes of a healthcheck try's output kept
 REMOVE_BATCH = 1000  # names per `rm` run (well inside ARG_MAX)
 REMOVE_ROUNDS = 1000  # batches at most (a million names)
-EGRESS_PORT = 15001  # where an allowlist's egress proxy listens in the container
 
 
 def caps_mask(names: Sequence[str]) -> str:
@@ -120,109 +111,7 @@ class CopyIn(NamedTuple):
                 str(self.gid)]
 
 
-class ContainerFailed(OSError):
-    """The container did not start, or stopped."""
-
-
-@dataclass
-class Container:
-    """The running container: bwrap (`run`), its PID 1's PID namespace, and descriptors of
-    PID 1's namespaces (held, so a phase always joins this container, never whatever
-    process later gets its pid)."""
-
-    run: LocalRun
-    pid: int  # PID 1's, on the host
-    namespace: int
-    fds: tuple[int, ...]
-    baseline: set[int] = field(default_factory=set)  # its processes before the agent
-
-    @classmethod
-    async def attach(cls, run: LocalRun, pid: int, namespace: int) -> Container:
-        """Once PID 1 runs its command (so bwrap has finished making the root: the join
-        lands in the container, never in the half-made namespace), hold its namespaces."""
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:  # PID 1 already gone (an ENTRYPOINT that exits at once)
-            raise ContainerFailed("the container stopped as it started") from None
-        try:
-            with anyio.move_on_after(READY_S):
-                while len(pids_in_namespace(namespace)) < 2:
-                    if _ended(pidfd):
-                        break
-                    await anyio.sleep(0.005)
-            if _ended(pidfd) or len(pids_in_namespace(namespace)) < 2:
-                raise ContainerFailed("the container's init did not start its command")
-            fds: list[int] = []
-            try:
-                for kind in NAMESPACES:
-                    fds.append(os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC))
-                if _ended(pidfd):  # the pid may be another process's by now
-                    raise ContainerFailed("the container stopped as it started")
-            except BaseException:
-                for fd in fds:
-                    os.close(fd)
-                raise
-        finally:
-            os.close(pidfd)
-        return cls(run, pid, namespace, tuple(fds))
-
-    def namespace_fd(self, kind: str) -> int:
-        """The held descriptor of PID 1's namespace `kind` (one of `NAMESPACES`)."""
-        return self.fds[NAMESPACES.index(kind)]
-
-    def join_arg(self) -> str:
-        """`init --join-fds`'s argument."""
-        return ",".join(str(fd) for fd in self.fds)
-
-    def lost(self) -> str | None:
-        """Why the container is gone, when it is: bwrap or runc ended, or PID 1 did (runc
-        may not have noticed yet on a loaded machine)."""
-        if self.run.process.returncode is None and self._pid1_alive():
-            return None
-        tail, _ = self.run.stderr_tail()
-        last = tail.strip().splitlines()[-1][:300] if tail.strip() else ""
-        return ("the container stopped: its main process ended"
-                + (f" ({last})" if last else ""))
-
-    def _pid1_alive(self) -> bool:
-        """PID 1 still runs (its pid still names a process of the container's namespace)."""
-        try:
-            return os.readlink(f"/proc/{self.pid}/ns/pid") == f"pid:[{self.namespace}]"
-        except OSError:
-            return False
-
-    def mark_agent_start(self) -> None:
-        """Remember the processes running before the agent (PID 1, the ENTRYPOINT's)."""
-        self.baseline = set(pids_in_namespace(self.namespace))
-
-    def survivors(self) -> list[str]:
-        """The names of processes started since `mark_agent_start` and still running:
-        what the agent detached (hostile names: bounded, printable)."""
-        names = []
-        for pid in sorted(set(pids_in_namespace(self.namespace)) - self.baseline):
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{pid}/comm", "rb") as handle:
-                    raw = handle.read(64)
-                names.append("".join(c if c.isprintable() else "?" for c in
-                                     raw.decode("utf-8", "replace").strip())[:16] or "?")
-        return names
-
-    async def stop(self) -> None:
-        """End it: every process in it goes with its PID 1."""
-        with anyio.CancelScope(shield=True):
-            await self.run.stop(0.5)
-            await self.run.aclose()
-        self.release()
-
-    def release(self) -> None:
-        """Close the namespace descriptors."""
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds = ()
-
-
-class ContainerPhases(SessionIds, SessionLayout, ComposeParts):
+class ContainerPhases(SessionIds, SessionLayout, ContainerNetwork, ComposeParts):
     """The session's phases in its container (a part of `LocalSandbox`): the container
     started on first use in the session's layer, each phase's process joined into it, the
     verifier and the healthcheck run there, its network and egress proxy opened."""
@@ -320,71 +209,6 @@ class ContainerPhases(SessionIds, SessionLayout, ComposeParts):
             await run.aclose()
             raise
         return self.container
-
-    async def _connect(self) -> None:
-        """slirp4netns started on the container's network (OSError: it could not be)."""
-        assert self.container is not None
-        try:
-            self.slirp = await start_slirp(self.container.pid,
-                                           net_namespace=self._net_namespace)
-        except SandboxRefused as error:  # also a container that stopped meanwhile
-            raise OSError(self.container.lost() or f"the container's network could not be "
-                                                   f"set up: {error}") from None
-
-    async def _use_network(self, phase: str) -> None:
-        """Set the container's network to `phase`'s mode before the phase runs, as Harbor
-        switches its egress sidecar (docs/SPEC.md §15): `public` connected by slirp4netns,
-        `allowlist` connected with the rules loaded and the egress proxy listening,
-        `no-network` without either (the tap device goes with slirp4netns). A process left
-        running from an earlier phase finds the network the phase it runs beside has."""
-        assert self.container is not None
-        if self.shares is not None:  # a compose service's: the session's container's to set
-            return
-        mode = self.phase_modes.get(phase, "no-network")
-        if mode == "no-network" and self.slirp is not None:  # cut off before the rules go
-            await self.slirp.stop()
-            self.slirp = None
-        try:
-            if mode != "allowlist" and self.egress is not None:
-                await apply_rules(self.container.pid, NO_RULES,
-                                  net_namespace=self._net_namespace)
-                await self.egress.aclose()
-                self.egress = None
-            if mode == "allowlist" and self.egress is None:  # the rules before the way out
-                await self._open_egress(self.container.pid, self._net_namespace)
-        except SandboxRefused as error:
-            raise OSError(self.container.lost() or f"the container's network could not be "
-                                                   f"set up: {error}") from None
-        if mode != "no-network" and self.slirp is None:
-            await self._connect()
-
-    async def network_lost(self) -> str | None:
-        """Whether the container's way out ended on its own (slirp4netns died), saying
-        which, once: the next phase that needs a way out connects a new one."""
-        if self.slirp is None or self.slirp.running:
-            return None
-        slirp, self.slirp = self.slirp, None
-        why = f"slirp4netns exited during the session ({slirp.stderr_tail(1)})"
-        await slirp.stop()  # (its descriptors closed, its process reaped)
-        return why
-
-    async def _open_egress(self, pid: int, net_namespace: int | None) -> None:
-        """An allowlist (docs/SPEC.md §15): `ping` opened to every group in the container's
-        network, its TCP to non-local addresses redirected by nftables to our egress
-        proxy, which listens inside and admits only allowed hosts."""
-        assert self.allowed_hosts is not None
-        taken = {route.port for route in self.network.routes} if self.network else set()
-        port = next(p for p in range(EGRESS_PORT, EGRESS_PORT + 100) if p not in taken)
-        await anyio.to_thread.run_sync(functools.partial(open_ping, pid,
-                                                         net_namespace=net_namespace))
-        await apply_rules(pid, egress_rules(port), net_namespace=net_namespace)
-        (listener,) = await anyio.to_thread.run_sync(listen_inside, pid, [port])
-        self.egress = EgressProxy(self.allowed_hosts, self._refused)
-        await self.egress.start(listener)
-
-    async def _refused(self, detail: str) -> None:
-        if self.egress_sink is not None:
-            await self.egress_sink(detail)
 
     def _prepare_layer(self, *, resolver: bool) -> None:
         """The container's start in the session's layer (before anything mounts it):
@@ -513,29 +337,6 @@ class ContainerPhases(SessionIds, SessionLayout, ComposeParts):
         if self.services is not None:
             await self.services.close()
 
-    async def _disconnect(self) -> None:
-        """The egress proxy and slirp4netns stopped (idempotent)."""
-        if self.egress is not None:
-            await self.egress.aclose()
-            self.egress = None
-        if self.slirp is not None:
-            await self.slirp.stop()
-            self.slirp = None
-
-    async def _guard(self, pid: int, net_namespace: int | None, *, allowlist: bool) -> None:
-        """One phase's sandbox of its own connected outward (strict: an allowlist, an
-        image's public network; docs/SPEC.md §15): the last phase's slirp4netns and egress
-        proxy stopped, this namespace connected and (`allowlist`) the rules and proxy
-        opened before the phase's command runs (OSError: they could not be)."""
-        await self._disconnect()
-        try:
-            self.slirp = await start_slirp(pid, net_namespace=net_namespace)
-            if allowlist:
-                await self._open_egress(pid, net_namespace)
-        except SandboxRefused as error:
-            await self._disconnect()
-            raise OSError(f"the sandbox's network could not be set up: {error}") from None
-
     async def run_check(self, command: Sequence[str], timeout_s: float, *,
                         env: Mapping[str, str]) -> tuple[int | None, str]:
         """A command as the image's user in the session's sandbox (the healthcheck): its
@@ -639,7 +440,6 @@ class ContainerPhases(SessionIds, SessionLayout, ComposeParts):
         code, timed_out = await self._run_bounded(command, timeout_s, env=base, role="verifier")
         return VerifierRun(code, timed_out, logs)
 
-
     async def _copy_in(self, stage: Path, inside: str, timeout_s: float,
                        env: Mapping[str, str], *, user: InnerUser | None = None,
                        merge: bool = False, role: Role = "verifier") -> bool:
@@ -713,6 +513,3 @@ def survivors_gap(names: Sequence[str]) -> dict[str, str] | None:
                       f"verifier: {shown}"}
 
 
-def _ended(pidfd: int) -> bool:
-    """Whether the process of `pidfd` has exited (a pidfd polls readable then)."""
-    return bool(select.select([pidfd], [], [], 0)[0])

@@ -60,10 +60,7 @@ from trialledger.adapters.sandbox.bwrap import (
     Role,
 )
 from trialledger.adapters.sandbox.cgroup import SessionCgroup, hold
-from trialledger.adapters.sandbox.container import (
-    NETWORK_PHASES,
-    Container,
-)
+from trialledger.adapters.sandbox.container import NETWORK_PHASES
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.egress import EgressProxy, egress_problem
 from trialledger.adapters.sandbox.folders import (
@@ -88,6 +85,7 @@ from trialledger.adapters.sandbox.phases import PhaseRuns
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.procscan import kill_marked, pids_in_namespace
 from trialledger.adapters.sandbox.runc import RuncContainer
+from trialledger.adapters.sandbox.running import Container
 from trialledger.adapters.sandbox.services import Services
 from trialledger.adapters.sandbox.slirp import RESOLVER, Slirp, slirp_problem
 

@@ -23,7 +23,7 @@ from trialledger.adapters.places import resolve_inside
 from trialledger.adapters.sandbox.base import SUPERVISOR_ENV
 from trialledger.adapters.sandbox.bwrap import INIT_INSIDE, Role, Spawn, mounts
 from trialledger.adapters.sandbox.cgroup import CONTROLLERS, DEFAULT_PIDS, v1_hierarchies
-from trialledger.adapters.sandbox.container import ContainerFailed, ContainerPhases
+from trialledger.adapters.sandbox.container import ContainerPhases
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.hostside import host_env
 from trialledger.adapters.sandbox.idrange import SLOT
@@ -37,6 +37,7 @@ from trialledger.adapters.sandbox.oci import (
 from trialledger.adapters.sandbox.ociruntime import host_nofile, host_seccomp
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.runc import RuncContainer, oci_mounts, runner_fd_path
+from trialledger.adapters.sandbox.running import ContainerFailed
 from trialledger.adapters.sandbox.slirp import hostname_of
 
 RUNC_READY_S = 10.0  # how long runc may take to name the container's PID 1
