@@ -81,9 +81,10 @@ class Agreement:
 
     @property
     def agrees(self) -> bool:
-        """Same verdict and same reward validity."""
-        return (self.harbor_verdict, self.harbor_reward_valid) == (
-            self.our_action, self.our_reward_valid)
+        """Same verdict and same reward validity (no decision of ours — a session closed
+        before one, a step that could not be set up — is Harbor's `drop`)."""
+        ours = self.our_action if self.our_action != "-" else "drop"
+        return (self.harbor_verdict, self.harbor_reward_valid) == (ours, self.our_reward_valid)
 
     @property
     def tokens_agree(self) -> bool | None:

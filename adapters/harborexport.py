@@ -66,6 +66,7 @@ from trialledger.core.events import (
     VerificationFailed,
     VerificationRecorded,
 )
+from trialledger.core.steps import NOT_RUN
 from trialledger.store import Ledger
 from trialledger.store.jobs import ADHOC, Jobs, NoJob
 
@@ -78,6 +79,10 @@ VERIFIER_FAILURES = {"no_reward": "RewardFileNotFoundError",
                      "bad_reward": "VerifierOutputParseError",
                      "timeout": "VerifierTimeoutError", "error": "VerifierError"}
 UNRUN = {"environment_failed": "EnvironmentFailedError", "no_solution": "NoSolutionError"}
+# A step that could not be set up (closed `step_not_run`), by its gap: Harbor's exception
+# for it. Its policy is ours, as every exported one: not retried, nothing graded.
+STEP_NOT_RUN = {"step_setup_failed": "RuntimeError",
+                "step_healthcheck_failed": "HealthcheckError"}
 
 
 class ExportRefused(TrialLedgerError):
@@ -133,7 +138,14 @@ def exception_of(view: SessionView) -> dict[str, Any] | None:
     failed = next((e for e in view.events if e.type == "verification.failed"), None)
     if view.outcome == "verify" and decision is not None and decision.reward_valid:
         return None
-    if failed is not None:
+    not_run = next((e for e in reversed(view.events) if e.type == "gap.recorded"
+                    and e.data.code in STEP_NOT_RUN), None) \
+        if view.close_reason == NOT_RUN else None
+    if not_run is not None:
+        kind = STEP_NOT_RUN[not_run.data.code]
+        message = not_run.data.detail or not_run.data.code
+        policy = _policy(retry=False, grade=False, valid=False)
+    elif failed is not None:
         kind = VERIFIER_FAILURES.get(failed.data.reason, "VerifierError")
         message = failed.data.detail or failed.data.reason
         policy = _policy(retry=False, grade=True, valid=False)

@@ -38,17 +38,19 @@ class Healthcheck:
     retries: int = 3
 
     @classmethod
-    def parse(cls, table: Any, where: str) -> Healthcheck:
-        """The table as Harbor's `HealthcheckConfig` reads it (a clear error otherwise)."""
+    def parse(cls, table: Any, where: str, named: str = "[environment.healthcheck]"
+              ) -> Healthcheck:
+        """The table as Harbor's `HealthcheckConfig` reads it (a clear error otherwise);
+        `named`: the table as the error names it (a step's: `[[steps]] 'x' healthcheck`)."""
         if not isinstance(table, Mapping):
-            raise HealthcheckInvalid(f"{where}: [environment] healthcheck must be a table")
+            raise HealthcheckInvalid(f"{where}: {named} must be a table")
         unknown = sorted(set(table) - set(cls.__dataclass_fields__))
         if unknown:
-            raise HealthcheckInvalid(f"{where}: [environment.healthcheck] {unknown[0]}: not a "
+            raise HealthcheckInvalid(f"{where}: {named} {unknown[0]}: not a "
                                      f"healthcheck field")
         command = table.get("command")
         if not isinstance(command, str) or not command.strip():
-            raise HealthcheckInvalid(f"{where}: [environment.healthcheck] command: a shell "
+            raise HealthcheckInvalid(f"{where}: {named} command: a shell "
                                      f"command is needed")
         values: dict[str, Any] = {"command": command}
         for name in ("interval_sec", "timeout_sec", "start_period_sec", "start_interval_sec"):
@@ -56,13 +58,13 @@ class Healthcheck:
                 value = table[name]
                 if (isinstance(value, bool) or not isinstance(value, (int, float))
                         or not math.isfinite(value) or value < 0):
-                    raise HealthcheckInvalid(f"{where}: [environment.healthcheck] {name} = "
+                    raise HealthcheckInvalid(f"{where}: {named} {name} = "
                                              f"{value!r}: a number of seconds is needed")
                 values[name] = float(value)
         if "retries" in table:
             retries = table["retries"]
             if isinstance(retries, bool) or not isinstance(retries, int) or retries < 1:
-                raise HealthcheckInvalid(f"{where}: [environment.healthcheck] retries = "
+                raise HealthcheckInvalid(f"{where}: {named} retries = "
                                          f"{retries!r}: a whole number from 1 is needed")
             values["retries"] = retries
         return cls(**values)

@@ -363,8 +363,9 @@ class SessionRunner(AfterTheAgent):
                           before_close: Callable[[Recorder], Awaitable[None]] | None = None
                           ) -> SessionResult:
         """One session seeded, driven and closed in an open sandbox; `step`: the step of a
-        multi-step task it runs, `prepare` run after its seed (the step's workdir and
-        setup.sh), `before_close` before its `session.closed` (the step's gate)."""
+        multi-step task it runs, `prepare` run after its seed (the step's workdir, setup.sh
+        and healthcheck; it closes the session when the step cannot run), `before_close`
+        before its `session.closed` (the step's gate)."""
         sandbox = opened.sandbox
         session_id = session_id or str(uuid.uuid4())
         valid = self._seed(attempt, retry_of, sandbox, trial_id, step)
@@ -374,9 +375,10 @@ class SessionRunner(AfterTheAgent):
                             store_retry_s=self.options.store_retry_s, fence=fence)
         sandbox.egress_sink = _egress_gaps(recorder)
         try:
-            if prepare is not None:
+            if prepare is not None:  # (it closes the session when its step cannot run)
                 await prepare(recorder, sandbox, valid.data.settings)
-            await self._drive(recorder, sandbox, valid, seeded.secrets, before_close)
+            if not recorder.closed:
+                await self._drive(recorder, sandbox, valid, seeded.secrets, before_close)
         finally:
             if not recorder.closed:
                 # A lost lease: the trial's new holder recovers this session. A held

@@ -89,6 +89,11 @@ class SessionResult:
         """retry, verify, unverified, interrupted or pending."""
         return self.view.outcome
 
+    @property
+    def close_reason(self) -> str | None:
+        """Its `session.closed` reason; None while it is open."""
+        return self.view.close_reason
+
 
 class Sessions(Protocol):
     """What a trial's loop asks of its runner (adapters/trial.py): the task, the options,

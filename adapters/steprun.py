@@ -2,13 +2,15 @@
 runs it: one sandbox serves every step in order; each step is a session of its own.
 
 Per step: its session seeded (`step` {name, index, count}, the attempt's number) →
-`steps/<name>/workdir/` uploaded into the workdir and its `setup.sh` run there as the
-step's agent user (a failure is gap `step_setup_failed`, as Harbor's warning) → the agent
-(Codex with the step's prompt, the oracle with the step's solution, nop) → its tests (the
-step's merged over the task's) → the gate (core/steps.py `attempt_end`): when the attempt
-cannot go on, gap `steps_stopped` before `session.closed`. Step k+1 starts only once step
-k's session is closed; a step decided `retry` ends the attempt (adapters/trial.py retries
-the trial from step 1 in a fresh sandbox).
+`steps/<name>/workdir/` uploaded into the workdir, its `setup.sh` run there and then its
+`healthcheck`, as the step's agent user (a failure of either is Harbor's step exception:
+gap `step_setup_failed` or `step_healthcheck_failed`, no agent, no verifier, the session
+closed `step_not_run`, the attempt stopped) → the agent (Codex with the step's prompt, the
+oracle with the step's solution, nop) → the task's artifacts and the step's → its tests
+(the step's merged over the task's) → the gate (core/steps.py `attempt_end`): when the
+attempt cannot go on, gap `steps_stopped` before `session.closed`. Step k+1 starts only
+once step k's session is closed; a step decided `retry` ends the attempt (adapters/trial.py
+retries the trial from step 1 in a fresh sandbox).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import functools
 import os
 import shutil
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 import anyio
 
 from trialledger.adapters.environment import Environment
+from trialledger.adapters.healthcheck import run_healthcheck
 from trialledger.adapters.recorder import Recorder
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.bwrap import TESTS_INSIDE, VERIFIER_LOGS_INSIDE
@@ -35,9 +38,10 @@ from trialledger.adapters.tasksteps import Step
 from trialledger.adapters.verifying import phase_env
 from trialledger.core.events import StepInfo
 from trialledger.core.settings import Settings
-from trialledger.core.steps import AttemptEnd, StepRun, attempt_end
+from trialledger.core.steps import NOT_RUN, AttemptEnd, StepRun, attempt_end
 
 SETUP_SHOWN = 300  # characters of a failing setup.sh's output in its gap
+Close = Callable[[Recorder], Awaitable[None]]  # the step's gate, before its session closes
 
 
 def refuse_here(task: Task, environment: Environment, settings: Mapping[str, object]
@@ -56,18 +60,21 @@ def refuse_here(task: Task, environment: Environment, settings: Mapping[str, obj
 
 
 def step_task(task: Task, step: Step) -> Task:
-    """The task as one step's session sees it: the step's prompt, its timeouts, users and
-    `[steps.verifier] env` over the task's."""
+    """The task as one step's session sees it: the step's prompt, its timeouts, users,
+    `[steps.verifier] env` and artifacts over the task's; the task's healthcheck in the
+    first step only (Harbor checks the environment once, when it starts)."""
     return dataclasses.replace(task, instruction=step.instruction,
                                settings={**task.settings, **step.settings},
                                users={**task.users, **step.users},
-                               verifier_env={**task.verifier_env, **step.verifier_env})
+                               verifier_env={**task.verifier_env, **step.verifier_env},
+                               artifacts=step.artifacts or task.artifacts,
+                               healthcheck=task.healthcheck if step.index == 1 else None)
 
 
 def finished(result: SessionResult) -> bool:
-    """Whether a step session finishes its step (adapters/trial.py `finishes`): decided
-    `verify`, or `unverified` and closed by its runner."""
-    return result.outcome in ("verify", "unverified")
+    """Whether a step session ends its step (adapters/trial.py `step_finishes`): decided
+    `verify`, `unverified` and closed by its runner, or closed `NOT_RUN`."""
+    return result.outcome in ("verify", "unverified") or result.close_reason == NOT_RUN
 
 
 async def run_attempt(runner: StepSessions, *, attempt: int, retry_of: str | None,
@@ -86,11 +93,11 @@ async def run_attempt(runner: StepSessions, *, attempt: int, retry_of: str | Non
                 forget_rollouts(opened.sandbox)
             info = StepInfo(name=step.name, index=step.index, count=len(task.steps))
             one = runner.for_step(step)
+            close = functools.partial(gate, step, tuple(runs), gates)
             result = await one.session_in(
                 opened, attempt=attempt, retry_of=retry_of if step.index == 1 else None,
                 trial_id=trial_id, fence=fence, step=info,
-                prepare=functools.partial(prepare, one, step),
-                before_close=functools.partial(gate, step, tuple(runs), gates))
+                prepare=functools.partial(prepare, one, step, close), before_close=close)
             results.append(result)
             runs.append(StepRun(step.name, finished(result), result.view.rewards))
             if attempt_end(runs, gates).over:
@@ -111,12 +118,15 @@ def forget_rollouts(sandbox: LocalSandbox) -> None:
         shutil.rmtree(rollouts, ignore_errors=True)
 
 
-async def prepare(runner: StepSessions, step: Step, rec: Recorder, sandbox: LocalSandbox,
-                  settings: Settings) -> None:
+async def prepare(runner: StepSessions, step: Step, close: Close, rec: Recorder,
+                  sandbox: LocalSandbox, settings: Settings) -> None:
     """Before the step's agent: its tests staged for its verifier; in a container, the
     previous step's `/tests` and `/logs/verifier` emptied (Harbor's reset after a shared
-    verifier: no later step's agent reads a grader); its workdir uploaded and its
-    `setup.sh` run in the workdir as the step's agent user."""
+    verifier: no later step's agent reads a grader); its workdir uploaded, its `setup.sh`
+    run in the workdir and its healthcheck, as the step's agent user. When setup.sh or
+    the healthcheck fails, the session is closed `NOT_RUN` here (after `close`, the
+    gate). A copy that fails, or a command that cannot start (the container ended), is a
+    gap: the agent's launch then finds the sandbox lost, and the trial is retried."""
     sandbox.tests = await anyio.to_thread.run_sync(stage_tests, step, sandbox)
     if step.index > 1 and sandbox.container is not None:
         try:  # as Harbor: the last step's grading harness and its output, gone
@@ -125,8 +135,21 @@ async def prepare(runner: StepSessions, step: Step, rec: Recorder, sandbox: Loca
         except OSError as error:  # (the container ended: the agent cannot start either)
             await rec.add("gap.recorded", {"code": "step_setup_failed",
                                            "detail": f"step {step.name!r}: {error}"})
-    if step.workdir is None:
+    if step.workdir is not None and not await upload_workdir(step, rec, sandbox):
         return
+    failed = await run_setup(runner, step, rec, sandbox, settings) if step.setup else None
+    if failed is None and step.healthcheck is not None:
+        failed = await step_healthcheck(runner, step, rec, sandbox)
+    if failed is not None:
+        code, detail = failed
+        await rec.add("gap.recorded", {"code": code, "detail": f"step {step.name!r}: {detail}"})
+        await close(rec)
+        await rec.add("session.closed", {"reason": NOT_RUN})
+
+
+async def upload_workdir(step: Step, rec: Recorder, sandbox: LocalSandbox) -> bool:
+    """`steps/<name>/workdir/` into the workdir (False, and a gap, when it failed)."""
+    assert step.workdir is not None
     try:
         if sandbox.image is not None:  # into the step's container, by its root
             await sandbox.copy_into(step.workdir, sandbox.agent_workdir, user=None, merge=True)
@@ -138,9 +161,8 @@ async def prepare(runner: StepSessions, step: Step, rec: Recorder, sandbox: Loca
         await rec.add("gap.recorded", {"code": "step_setup_failed",
                                        "detail": f"step {step.name!r}: its workdir/ could "
                                                  f"not be uploaded: {error}"})
-        return
-    if step.setup is not None:
-        await run_setup(runner, step, rec, sandbox, settings)
+        return False
+    return True
 
 
 def stage_tests(step: Step, sandbox: LocalSandbox) -> Path | None:
@@ -154,29 +176,55 @@ def stage_tests(step: Step, sandbox: LocalSandbox) -> Path | None:
     return target
 
 
+def _shell(sandbox: LocalSandbox) -> str:
+    """`bash`, or `sh` in an image without bash."""
+    return "bash" if sandbox.image is None or sandbox.image.has("bash") else "sh"
+
+
 async def run_setup(runner: StepSessions, step: Step, rec: Recorder, sandbox: LocalSandbox,
-                    settings: Settings) -> None:
+                    settings: Settings) -> tuple[str, str] | None:
     """`bash <workdir>/setup.sh` (`sh` without bash) in the workdir as the step's agent
-    user, within the step's agent timeout; a failure is gap `step_setup_failed`."""
-    image = sandbox.image
-    shell = "bash" if image is None or image.has("bash") else "sh"
+    user, within the step's agent timeout: None when it exited 0 (or could not start: a
+    gap, the sandbox's trouble), else (gap code, detail)."""
     env = {**sandbox.base_env(), **phase_env(sandbox)}
     script = f"{sandbox.agent_workdir.rstrip('/')}/setup.sh"
     try:
-        ran = await sandbox.run_command([shell, script], settings.timeout_s, env=env,
-                                        user=runner.task.users.get("agent"))
+        ran = await sandbox.run_command([_shell(sandbox), script], settings.timeout_s,
+                                        env=env, user=runner.task.users.get("agent"))
     except OSError as error:
         await rec.add("gap.recorded", {"code": "step_setup_failed",
                                        "detail": f"step {step.name!r}: setup.sh could not "
                                                  f"start: {error}"})
-        return
+        return None
     if ran.code == 0:
-        return
+        return None
     why = "timed out" if ran.code is None else f"exited with {ran.code}"
     said = ran.output.decode("utf-8", errors="replace").strip()[-SETUP_SHOWN:]
-    await rec.add("gap.recorded", {"code": "step_setup_failed",
-                                   "detail": f"step {step.name!r}: setup.sh {why}"
-                                             + (f": {said}" if said else "")})
+    return "step_setup_failed", f"setup.sh {why}" + (f": {said}" if said else "")
+
+
+async def step_healthcheck(runner: StepSessions, step: Step, rec: Recorder,
+                           sandbox: LocalSandbox) -> tuple[str, str] | None:
+    """The step's healthcheck as Harbor runs it after setup.sh: `bash -c` in the workdir
+    as the step's agent user, with Docker's tries (adapters/healthcheck.py). None when it
+    passed (or could not start: a gap), else (gap code, detail)."""
+    check = step.healthcheck
+    assert check is not None
+    env = {**sandbox.base_env(), **phase_env(sandbox)}
+
+    async def attempt(timeout_s: float) -> tuple[int | None, str]:
+        ran = await sandbox.run_command([_shell(sandbox), "-c", check.command], timeout_s,
+                                        env=env, user=runner.task.users.get("agent"))
+        return ran.code, ran.output.decode("utf-8", errors="replace")
+
+    try:
+        failure = await run_healthcheck(check, attempt)
+    except OSError as error:
+        await rec.add("gap.recorded", {"code": "step_healthcheck_failed",
+                                       "detail": f"step {step.name!r}: the healthcheck could "
+                                                 f"not start: {error}"})
+        return None
+    return None if failure is None else ("step_healthcheck_failed", failure)
 
 
 async def gate(step: Step, runs: Sequence[StepRun],

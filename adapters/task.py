@@ -141,13 +141,13 @@ class Task:
         settings = _settings(meta, environment, folder)
         tests = folder / "tests"
         tables = _env_tables(meta, folder)
+        kept, warned = parse_artifacts(meta.get("artifacts", []), str(folder / "task.toml"))
         steps, step_ignored = load_steps(
             meta, folder, max_bytes=max_bytes,
-            read_env=lambda table, name: _env(table, name, folder))
+            read_env=lambda table, name: _env(table, name, folder), artifacts=kept)
         servers = parse_mcp_servers(environment.get("mcp_servers", []),
                                     str(folder / "task.toml"))
         check = environment.get("healthcheck")
-        kept, warned = parse_artifacts(meta.get("artifacts", []), str(folder / "task.toml"))
         hooks, unknown = parse_collect(meta.get("verifier", {}).get("collect", []),
                                        str(folder / "task.toml"))
         allowed = allowed_entries(meta, modes, str(folder / "task.toml"))
@@ -160,7 +160,7 @@ class Task:
         if composed is not None and source is None:
             raise UnsupportedField(f"{folder / COMPOSE}: a compose environment needs the "
                                    f"task's image (environment/Dockerfile or docker_image)")
-        check_services(hooks, kept,
+        check_services(hooks, [*kept, *(a for step in steps for a in step.artifacts or ())],
                        [s.name for s in composed.others] if composed else [],
                        str(folder / "task.toml"))
         return cls(

@@ -96,6 +96,16 @@ def parse_artifacts(value: Any, where: str) -> tuple[tuple[Artifact, ...], dict[
     return _claimed(entries, warned), warned
 
 
+def parse_step_artifacts(value: Any, before: Sequence[Artifact], where: str
+                         ) -> tuple[tuple[Artifact, ...], dict[str, str]]:
+    """A step's `artifacts` after the task's (`before`), as Harbor appends a step's entries
+    to the trial's for that step's collection; the warned ones, as `parse_artifacts`."""
+    if not isinstance(value, list):
+        raise TaskInvalid(f"{where}: artifacts must be a list of paths or tables")
+    warned: dict[str, str] = {}
+    return _claimed([*before, *(_entry(raw, where, warned) for raw in value)], warned), warned
+
+
 def _entry(raw: Any, where: str, warned: dict[str, str]) -> Artifact:
     if isinstance(raw, str):
         return Artifact(_source(raw, where))

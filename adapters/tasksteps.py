@@ -8,6 +8,9 @@ them (its `models/task/config.py` `StepConfig`, `models/task/paths.py`, docs/SPE
                                   has one, else the task's)
     steps/<name>/solution/        the oracle's for this step, else the task's solution/
 
+A step's `healthcheck` (a `[environment.healthcheck]` table) runs after its setup.sh, as
+its agent user; its `artifacts` are collected after the task's in its session.
+
 `min_reward` is a number (gating the `reward` key) or a table of key → threshold;
 `multi_step_reward_strategy` is `mean` (the default) or `final`. Every refusal is one
 line naming the step and the key.
@@ -15,6 +18,7 @@ line naming the step and the key.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import unicodedata
@@ -23,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trialledger.adapters.healthcheck import Healthcheck
 from trialledger.adapters.places import within
+from trialledger.adapters.taskartifacts import Artifact, parse_step_artifacts
 from trialledger.adapters.taskconfig import (
     HONOURED,
     Key,
@@ -52,8 +58,8 @@ STEP_FIELDS: dict[tuple[str, ...], Key] = {
     ("verifier", "timeout_sec"): HONOURED,
     ("verifier", "env"): HONOURED,
     ("verifier", "user"): HONOURED,
-    ("healthcheck",): Key("refused", NOT_YET),
-    ("artifacts",): Key("refused", NOT_YET, lambda value: value == []),
+    ("healthcheck",): HONOURED,  # after setup.sh, before the agent
+    ("artifacts",): HONOURED,  # after the task's, for the step's collection
     ("agent", "network_mode"): Key("refused", NOT_YET),
     ("agent", "allowed_hosts"): Key("refused", NOT_YET),
     ("verifier", "network_mode"): Key("refused", NOT_YET),
@@ -89,6 +95,8 @@ class Step:
     users: dict[str, str] = field(default_factory=dict)  # phase → its user
     verifier_env: dict[str, str] = field(default_factory=dict)  # [steps.verifier] env
     secrets: tuple[str, ...] = ()  # its resolved values with sensitive names
+    healthcheck: Healthcheck | None = None  # run after setup.sh, before the agent
+    artifacts: tuple[Artifact, ...] | None = None  # the task's then its own; None: none of its own
 
     def gate_failure(self, rewards: Mapping[str, float] | None) -> str | None:
         """Why this step's `min_reward` gate fails on `rewards` (core/steps.py); None: it
@@ -105,10 +113,12 @@ def reward_strategy(meta: Mapping[str, Any], where: str) -> Strategy:
 
 
 def load_steps(meta: Mapping[str, Any], folder: Path, *, max_bytes: int,
-               read_env: Callable[[Any, str], ResolvedEnv]
+               read_env: Callable[[Any, str], ResolvedEnv],
+               artifacts: tuple[Artifact, ...] = ()
                ) -> tuple[tuple[Step, ...], dict[str, str]]:
     """The task's steps (none when `steps` is absent or empty) and the warned step keys
-    (name → why). `read_env` resolves a `[steps.verifier] env` table (`${VAR}`)."""
+    (name → why). `read_env` resolves a `[steps.verifier] env` table (`${VAR}`);
+    `artifacts` are the task's, which a step's own follow."""
     where = str(folder / "task.toml")
     raw = meta.get("steps")
     if raw is None or raw == []:
@@ -127,7 +137,13 @@ def load_steps(meta: Mapping[str, Any], folder: Path, *, max_bytes: int,
         seen[key] = name
         label = f"[[steps]] {name!r}"
         ignored.update(_review(entry, (), f"{where}: {label}", label))
-        steps.append(_step(entry, name, index, folder, where, max_bytes, read_env))
+        step = _step(entry, name, index, folder, where, max_bytes, read_env)
+        if "artifacts" in entry:
+            kept, warned = parse_step_artifacts(entry["artifacts"], artifacts,
+                                                f"{where}: {label}")
+            ignored.update({f"{label} {key}": why for key, why in warned.items()})
+            step = dataclasses.replace(step, artifacts=kept)
+        steps.append(step)
     return tuple(steps), ignored
 
 
@@ -208,6 +224,9 @@ def _step(entry: Mapping[str, Any], name: str, index: int, folder: Path, where: 
                for phase, table in (("agent", agent), ("verifier", verifier))
                if table.get("user") is not None},
         verifier_env=env.values, secrets=env.secrets,
+        healthcheck=(Healthcheck.parse(entry["healthcheck"], where,
+                                       f"[[steps]] {name!r} healthcheck")
+                     if entry.get("healthcheck") is not None else None),
     )
 
 

@@ -30,7 +30,7 @@ from trialledger.adapters.journal import delivery
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sessions import SessionResult, Sessions
 from trialledger.core import SessionView
-from trialledger.core.steps import StepRun, attempt_end, trial_reward
+from trialledger.core.steps import NOT_RUN, StepRun, attempt_end, trial_reward
 from trialledger.store import LeaseLost, Ledger, StoreUnavailable
 from trialledger.store.jobs import UNCOUNTED_CAP, Claim, Jobs
 from trialledger.store.ledger import RunnerAlive, gone_from_this_host
@@ -55,6 +55,12 @@ def finishes(session: Mapping[str, Any]) -> bool:
     if session["outcome"] != "unverified":
         return False
     return session["close_reason"] not in HARNESS_CLOSES or bool(session.get("verified"))
+
+
+def step_finishes(session: Mapping[str, Any]) -> bool:
+    """Whether a closed step session ends its step (core/steps.py `StepRun.finished`):
+    `finishes`, or closed `NOT_RUN` (its setup.sh or healthcheck failed: nothing ran)."""
+    return finishes(session) or session["close_reason"] == NOT_RUN
 
 
 def next_attempt(sessions: Sequence[Mapping[str, Any]], max_attempts: int, *,
@@ -267,7 +273,7 @@ class Trial:
         uncounted); else a new attempt from step 1 — also after one left half-run."""
         attempts = by_attempt(sessions)
         if attempts:
-            runs = [StepRun(str(row["step_name"]), finishes(row),
+            runs = [StepRun(str(row["step_name"]), step_finishes(row),
                             await self._rewards(row) if finishes(row) else None)
                     for row in attempts[-1]]
             end = attempt_end(runs, [step.min_reward for step in task.steps])
@@ -287,7 +293,7 @@ class Trial:
         if not attempts:
             return None
         last = attempts[-1]
-        if not finishes(last[-1]):
+        if not step_finishes(last[-1]):
             return None
         return [(str(row["step_name"]), await self._rewards(row) if finishes(row) else None)
                 for row in last]

@@ -22,6 +22,7 @@ from trialledger.core.events import (
     Decision,
     Event,
     OutcomeDecided,
+    SessionClosed,
     SessionSeeded,
     Usage,
     built,
@@ -62,6 +63,12 @@ class SessionView(BaseModel):
     unapplied: list[Event]
     diverged_at: Divergence | None
     events: list[Event]
+
+    @property
+    def close_reason(self) -> str | None:
+        """Its `session.closed` reason; None while it is open."""
+        last = self.events[-1] if self.events else None
+        return last.data.reason if isinstance(last, SessionClosed) else None
 
 
 def outcome_of(session: Session) -> Outcome:

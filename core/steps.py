@@ -19,6 +19,10 @@ from typing import Literal
 
 Strategy = Literal["mean", "final"]
 Rewards = Mapping[str, float]
+# A step session's `session.closed` reason when its setup.sh or its healthcheck failed: no
+# agent and no verifier ran, the step is over without a result (Harbor's step exception:
+# its `_should_stop_after_step` stops the attempt, and a trial is not retried for it).
+NOT_RUN = "step_not_run"
 
 
 def gate_failure(rewards: Rewards | None, min_reward: Mapping[str, float] | None
@@ -38,7 +42,7 @@ class StepRun:
     """One step session of an attempt, as the store has it."""
 
     name: str
-    finished: bool  # it finishes its step (trial.py's `finishes`): verified, or unverified
+    finished: bool  # it ends its step: verified, unverified, or closed `NOT_RUN`
     rewards: Rewards | None  # its verification's rewards; None: it got no result
 
 

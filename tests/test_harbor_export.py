@@ -309,6 +309,32 @@ def test_a_multi_step_trial_exports_each_step_and_imports_back_the_same(
     assert after == before
 
 
+def test_a_step_that_could_not_be_set_up_exports_as_harbors_step_exception(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], harbor: dict[str, Any]) -> None:
+    """Step two's setup.sh fails: Harbor records a `RuntimeError` on that step (its error
+    table's policy for it) and no verifier result for it; the import restores the job."""
+    from tests.test_step_runs import three_steps
+
+    data = tmp_path / "data"
+    folder = three_steps(data / "steps")
+    (folder / "steps" / "two" / "workdir" / "setup.sh").write_text("echo broken; exit 3\n")
+    db, out = tmp_path / "jobs.db", tmp_path / "jobs" / "steps"
+    # (unscored here: its last step session has no verdict)
+    assert cli.main(["job", "run", "steps", str(data), "--agent", "oracle",
+                     "--db", str(db)]) == 1
+    capsys.readouterr()
+    code, _, err = shown(capsys, "export-harbor", "steps", str(out), "--db", str(db))
+    assert code == 0, err
+    ((_, result),) = validated(harbor, out)["trials"].items()
+    one, two = result.step_results
+    assert one.exception_info is None and two.verifier_result is None
+    assert two.exception_info.exception_type == "RuntimeError"
+    assert two.exception_info.exception_message == "step 'two': setup.sh exited with 3: broken"
+    assert result.verifier_result is None  # (the job's figures: unscored, see above)
+    before, after = round_trip(capsys, "steps", db, out, tmp_path / "fresh.db")
+    assert after == before
+
+
 @pytest.mark.parametrize("name", ["..", ".", "", "a/../../b", "x\0y", None])
 def test_a_step_name_that_is_not_one_folder_is_written_by_its_index(name: str | None) -> None:
     """A step's name comes from a log, which may be an imported one: a name that would

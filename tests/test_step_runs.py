@@ -203,16 +203,83 @@ def test_a_jobs_figures_per_reward_name_take_a_multi_step_trials_strategy(
         "reward": 0.5, "style": 0.5, "extra": 0.5}
 
 
-def test_a_failing_setup_is_a_gap_and_the_step_still_runs(tmp_path: Path) -> None:
+def test_a_failing_setup_stops_the_attempt_before_the_steps_agent(tmp_path: Path) -> None:
+    """As Harbor 0.26's `_run_step_setup`: the step's exception — no agent, no verifier,
+    no later step; the trial's reward is over the steps with a result."""
     folder = three_steps(tmp_path / "task")
     (folder / "steps" / "two" / "workdir" / "setup.sh").write_text(
-        "id -u > setup-uid.txt; pwd > setup-pwd.txt; echo broken; exit 3\n")
+        "id -u > setup-uid.txt; echo broken; exit 3\n")
     code, said = run(folder, tmp_path / "t.db", "oracle")
+    *sessions, trial = said
+    assert code == 0 and trial["steps"] == 2
+    assert [s["rewards"] for s in sessions] == [{"reward": 1.0}, None]
+    assert trial["rewards"] == {"reward": 1.0}
+    assert rows(tmp_path / "t.db", "SELECT step_name, outcome, close_reason FROM sessions "
+                "ORDER BY created_at") == [("one", "verify", "normal"),
+                                           ("two", "interrupted", "step_not_run")]
+    assert sorted(rows(tmp_path / "t.db", "SELECT code, detail FROM gaps")) == [
+        ("agent_activation_interrupted", "the session closed before a final decision"),
+        ("step_setup_failed", "step 'two': setup.sh exited with 3: broken"),
+        ("steps_stopped", "step 'two': no verification result")]
+    assert rows(tmp_path / "t.db", "SELECT COUNT(*) FROM events e JOIN sessions s "
+                "ON s.session_id = e.session_id WHERE s.step_name = 'two' "
+                "AND e.type = 'agent.launched'") == [(0,)]
+
+
+@pytest.mark.parametrize("passes", [True, False], ids=["passes", "fails"])
+def test_a_steps_healthcheck_runs_after_its_setup_and_a_failure_stops_the_attempt(
+        tmp_path: Path, passes: bool) -> None:
+    """`[steps.healthcheck]` as Harbor runs it: after the step's setup.sh (it sees what
+    setup.sh wrote), before the agent; failing, it is the step's exception."""
+    check = "test -f setup-uid.txt" if passes else "echo down; exit 1"
+    folder = three_steps(tmp_path / "task")
+    toml = folder / "task.toml"
+    toml.write_text(toml.read_text().replace(
+        'name = "two"\n', f'name = "two"\nhealthcheck = {{ command = "{check}", '
+                         f'interval_sec = 0.1, retries = 2 }}\n'))
+    code, said = run(folder, tmp_path / "t.db", "oracle")
+    *sessions, trial = said
+    gaps = rows(tmp_path / "t.db", "SELECT code, detail FROM gaps")
+    if passes:
+        assert [s["rewards"] for s in sessions] == [{"reward": 1.0}, {"reward": 1.0},
+                                                    {"reward": 0.5}]
+        assert gaps == []
+    else:
+        assert [s["rewards"] for s in sessions] == [{"reward": 1.0}, None]
+        assert sorted(gaps) == [
+            ("agent_activation_interrupted", "the session closed before a final decision"),
+            ("step_healthcheck_failed", "step 'two': healthcheck failed after 2 retries: "
+                                        "echo down; exit 1: the last try exited 1: down"),
+            ("steps_stopped", "step 'two': no verification result")]
+    assert code == 0 and trial["rewards"] == {"reward": 1.0 if not passes else
+                                              pytest.approx(2.5 / 3)}
+
+
+def test_the_tasks_healthcheck_runs_once_before_the_first_step(tmp_path: Path) -> None:
+    """As Harbor, which checks the environment when it starts, not per step."""
+    folder = three_steps(tmp_path / "task")
+    toml = folder / "task.toml"
+    toml.write_text('[environment.healthcheck]\ncommand = "echo >> checked.txt"\n'
+                    + toml.read_text())
+    samples.executable(folder / "steps" / "two" / "tests" / "test.sh", ". /tests/lib.sh\n"
+                       'test "$(wc -l < checked.txt)" = 1 && give 1 || give 0\n')
+    code, said = run(folder, tmp_path / "t.db", "oracle")
+    assert code == 0 and said[1]["rewards"] == {"reward": 1.0}
+
+
+def test_a_steps_artifacts_are_collected_after_the_tasks_in_its_session(
+        tmp_path: Path) -> None:
+    folder = three_steps(tmp_path / "task")
+    toml = folder / "task.toml"
+    toml.write_text('artifacts = ["/app/one.txt"]\n' + toml.read_text().replace(
+        'name = "two"\n', 'name = "two"\nartifacts = ["/app/two.txt"]\n'))
+    code, _ = run(folder, tmp_path / "t.db", "oracle")
     assert code == 0
-    assert [s["rewards"] for s in said[:-1]] == [{"reward": 1.0}, {"reward": 1.0},
-                                                 {"reward": 0.5}]
-    assert rows(tmp_path / "t.db", "SELECT code, detail FROM gaps") == [
-        ("step_setup_failed", "step 'two': setup.sh exited with 3: broken")]
+    kept = rows(tmp_path / "t.db", "SELECT s.step_name, f.path FROM verification_files f "
+                "JOIN sessions s ON s.session_id = f.session_id "
+                "WHERE f.path LIKE 'artifacts/app/%' ORDER BY s.created_at, f.path")
+    assert kept == [("one", "artifacts/app/one.txt"), ("two", "artifacts/app/one.txt"),
+                    ("two", "artifacts/app/two.txt"), ("three", "artifacts/app/one.txt")]
 
 
 def test_the_upload_never_follows_a_link_the_agent_left(tmp_path: Path) -> None:
