@@ -5,6 +5,13 @@ from a `codex exec --json` stdout line to its events, for a harness that runs Co
 itself and appends to a `Ledger`. The rest — the runner, jobs, the sandbox, the proxy,
 the view — is reached through the `trialledger` command; its modules may change. The
 name is imported on first use (PEP 562), so loading one adapter loads no other.
+
+By concept: `tasks/` the task format, `sandbox/` the sandbox and the container runtime,
+`codex/` the Codex CLI, `commands/` and `console/` the command line and what it shows,
+`view/` the web view, `demo/` the scripted endpoint and samples; at this level still, a
+session's run (runner, recorder, capture, journal, verifying, steprun), images
+(environment, build, builder, imagestore) and jobs (jobs, trial, harbor*). docs/map.md
+finds the module of each rule.
 """
 
 from __future__ import annotations

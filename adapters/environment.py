@@ -114,9 +114,9 @@ class Environment:
     # mounted idmapped onto the session's slot, its overlay over them; `root` is then the
     # store's read-only view of them merged (adapters/imagestore.py)
     layers: tuple[Path, ...] = ()
-    # A task's separate verifier's own (docs/SPEC.md §17; adapters/verifiermode.py)
+    # A task's separate verifier's own (docs/SPEC.md §17; adapters/tasks/verifiermode.py)
     verifier: Environment | None = None
-    # A compose task's other services' images, by name (adapters/compose.py, §17)
+    # A compose task's other services' images, by name (adapters/tasks/compose.py, §17)
     services: tuple[tuple[str, Environment], ...] = ()
 
     def record(self) -> dict[str, Any]:

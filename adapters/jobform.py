@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trialledger.adapters.taskconfig import is_task_folder
+from trialledger.adapters.tasks.config import is_task_folder
 from trialledger.core.errors import TrialLedgerError
 
 

@@ -34,7 +34,10 @@ from trialledger.adapters.environment import (
 from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.scripted import SCRIPTED, NoSolution, solve_script
-from trialledger.adapters.task import (
+from trialledger.adapters.tasks.config import WrongType
+from trialledger.adapters.tasks.files import TaskFileTooLarge, file_limit
+from trialledger.adapters.tasks.steps import StepInvalid
+from trialledger.adapters.tasks.task import (
     NoVerifier,
     Task,
     TaskInvalid,
@@ -42,11 +45,8 @@ from trialledger.adapters.task import (
     is_task_folder,
     require_verifier,
 )
-from trialledger.adapters.taskconfig import WrongType
-from trialledger.adapters.taskfiles import TaskFileTooLarge, file_limit
-from trialledger.adapters.tasksteps import StepInvalid
+from trialledger.adapters.tasks.verifiermode import prepare_task, refuse_outside_range
 from trialledger.adapters.trial import Lease, Trial, TrialRun
-from trialledger.adapters.verifiermode import prepare_task, refuse_outside_range
 from trialledger.core.cost import Price
 from trialledger.core.policy import get_policy
 from trialledger.core.seed import validate_seed

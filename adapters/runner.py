@@ -3,8 +3,8 @@
 Order (SPEC §1): seed (skipped grants as gaps) → config.toml → launch → stdout events as
 they arrive → stderr tail (redacted) → rollout usage → `agent.exited` →
 `cleanup.reported` (the machine decides) → the probe when `failed-live` → the archive →
-the task's collect hooks (adapters/taskcollect.py), then its artifacts, kept unless the
-sandbox is lost (adapters/taskartifacts.py) → the
+the task's collect hooks (adapters/tasks/collect.py), then its artifacts, kept unless the
+sandbox is lost (adapters/tasks/artifacts.py) → the
 verifier when `graded`, its files kept (SPEC §15) → `verification.*` →
 `session.closed`. Capture (stderr, rollout, archive) runs in
 the budget `session_close_timeout_s` from the agent's end; the archive last, under its own
@@ -43,9 +43,7 @@ from trialledger.adapters.codex.install import (
 )
 from trialledger.adapters.codex.stream import stream_events
 from trialledger.adapters.environment import HOST, Environment, resolve_inside
-from trialledger.adapters.healthcheck import run_healthcheck
 from trialledger.adapters.journal import journal_dir, journal_record
-from trialledger.adapters.mcpservers import operator_allows
 from trialledger.adapters.preflight import check_store_room
 from trialledger.adapters.recorder import Recorder
 from trialledger.adapters.sandbox.base import SandboxRefused
@@ -59,8 +57,10 @@ from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sessions import OpenSandbox as OpenSandbox
 from trialledger.adapters.sessions import RunOptions as RunOptions
 from trialledger.adapters.sessions import SessionResult as SessionResult
-from trialledger.adapters.task import Task
-from trialledger.adapters.tasksteps import Step
+from trialledger.adapters.tasks.healthcheck import run_healthcheck
+from trialledger.adapters.tasks.mcpservers import operator_allows
+from trialledger.adapters.tasks.steps import Step
+from trialledger.adapters.tasks.task import Task
 from trialledger.adapters.trial import Trial
 from trialledger.adapters.trial import next_attempt as next_attempt  # its old home
 from trialledger.adapters.upstream import MODEL_ROUTES, Upstream

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
 from trialledger.adapters.sandbox.local import LocalSandbox
-from trialledger.adapters.task import Task, TaskInvalid
-from trialledger.adapters.tasksteps import Step
+from trialledger.adapters.tasks.steps import Step
+from trialledger.adapters.tasks.task import Task, TaskInvalid
 from trialledger.core.errors import TrialLedgerError
 
 AGENTS = ("codex", "oracle", "nop")

@@ -1,8 +1,8 @@
 """The separate verifier's phase (docs/SPEC.md §17 "Separate verifier"), as Harbor 0.26's
 `trial/single_step.py` and `trial/trial.py` (`_run_separate_verifier`) run it; what it
-runs in is adapters/verifiermode.py's.
+runs in is adapters/tasks/verifiermode.py's.
 
-Once the task's artifacts are kept (adapters/taskartifacts.py), the agent's container is
+Once the task's artifacts are kept (adapters/tasks/artifacts.py), the agent's container is
 stopped and its sandbox discarded: every process in it ends, its layer goes, its slot is
 freed — except after a step of a multi-step task other than the last, whose container the
 next step goes on in (Harbor stops the agent's environment on the last step only). Then a
@@ -31,10 +31,10 @@ from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.network import Network
-from trialledger.adapters.taskartifacts import FOLDER, Artifact
+from trialledger.adapters.tasks.artifacts import FOLDER, Artifact
 
 if TYPE_CHECKING:
-    from trialledger.adapters.task import Task
+    from trialledger.adapters.tasks.task import Task
 
 
 async def stop_agent(sandbox: LocalSandbox) -> None:

@@ -18,8 +18,8 @@ from trialledger.adapters.recorder import STORE_RETRY_S, Recorder
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.network import Network
-from trialledger.adapters.task import Task
-from trialledger.adapters.tasksteps import Step
+from trialledger.adapters.tasks.steps import Step
+from trialledger.adapters.tasks.task import Task
 from trialledger.core import SessionView
 from trialledger.core.events import SessionSeeded, StepInfo
 from trialledger.core.settings import Settings

@@ -27,14 +27,14 @@ from pathlib import Path
 import anyio
 
 from trialledger.adapters.environment import Environment
-from trialledger.adapters.healthcheck import run_healthcheck
 from trialledger.adapters.recorder import Recorder
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.bwrap import TESTS_INSIDE, VERIFIER_LOGS_INSIDE
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sessions import SessionResult, StepSessions
-from trialledger.adapters.task import Task
-from trialledger.adapters.tasksteps import Step
+from trialledger.adapters.tasks.healthcheck import run_healthcheck
+from trialledger.adapters.tasks.steps import Step
+from trialledger.adapters.tasks.task import Task
 from trialledger.adapters.verifying import phase_env
 from trialledger.core.events import StepInfo
 from trialledger.core.settings import Settings
@@ -206,7 +206,7 @@ async def run_setup(runner: StepSessions, step: Step, rec: Recorder, sandbox: Lo
 async def step_healthcheck(runner: StepSessions, step: Step, rec: Recorder,
                            sandbox: LocalSandbox) -> tuple[str, str] | None:
     """The step's healthcheck as Harbor runs it after setup.sh: `bash -c` in the workdir
-    as the step's agent user, with Docker's tries (adapters/healthcheck.py). None when it
+    as the step's agent user, with Docker's tries (adapters/tasks/healthcheck.py). None when it
     passed (or could not start: a gap), else (gap code, detail)."""
     check = step.healthcheck
     assert check is not None

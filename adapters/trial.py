@@ -37,7 +37,7 @@ from trialledger.store.ledger import RunnerAlive, gone_from_this_host
 from trialledger.store.writer import Fence
 
 if TYPE_CHECKING:
-    from trialledger.adapters.task import Task
+    from trialledger.adapters.tasks.task import Task
 
 log = logging.getLogger(__name__)
 

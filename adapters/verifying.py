@@ -14,13 +14,7 @@ from typing import Any
 
 import anyio
 
-from trialledger.adapters import (
-    artifacts,
-    capture,
-    separateverifier,
-    taskartifacts,
-    taskcollect,
-)
+from trialledger.adapters import artifacts, capture, separateverifier
 from trialledger.adapters.environment import Environment
 from trialledger.adapters.recorder import Recorder
 from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
@@ -28,9 +22,11 @@ from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.bwrap import VERIFIER_STDOUT
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sessions import RunOptions
-from trialledger.adapters.task import Task
-from trialledger.adapters.taskconfig import MAIN_SERVICE
-from trialledger.adapters.tasksteps import Step
+from trialledger.adapters.tasks import artifacts as taskartifacts
+from trialledger.adapters.tasks import collect as taskcollect
+from trialledger.adapters.tasks.config import MAIN_SERVICE
+from trialledger.adapters.tasks.steps import Step
+from trialledger.adapters.tasks.task import Task
 from trialledger.core import redact
 from trialledger.core.events import SCHEMA_VERSION
 from trialledger.core.settings import Settings

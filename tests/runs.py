@@ -16,7 +16,7 @@ from trialledger.adapters.demo import samples
 from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, shell
 from trialledger.adapters.environment import HOST, Environment
 from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
-from trialledger.adapters.task import Task
+from trialledger.adapters.tasks.task import Task
 from trialledger.store import Ledger
 
 REPO = Path(__file__).resolve().parent.parent

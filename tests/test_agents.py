@@ -15,7 +15,7 @@ from tests.runs import in_process, make_task
 from tests.views import decided
 from trialledger import cli
 from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
-from trialledger.adapters.task import Task
+from trialledger.adapters.tasks.task import Task
 from trialledger.store import Ledger
 
 # The verifier passes when the oracle wrote the file its task asks for.

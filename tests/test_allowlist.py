@@ -13,7 +13,7 @@ import pytest
 
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.sniff import Sniffed, sniff
-from trialledger.adapters.taskconfig import TaskInvalid
+from trialledger.adapters.tasks.config import TaskInvalid
 
 # --- allowed_hosts, as Harbor 0.25 validates and normalises them ------------------------
 

@@ -17,8 +17,8 @@ from tests.runs import in_process, make_task
 from tests.test_range_mode import _debian_into
 from tests.test_task_artifacts import Run, gaps, oracle, session, verification
 from trialledger.adapters.sandbox.identity import sandbox_user
-from trialledger.adapters.task import TaskInvalid, UnsupportedField
-from trialledger.adapters.taskcollect import DEFAULT_TIMEOUT_S, OUTPUT_KEPT, CollectHook
+from trialledger.adapters.tasks.collect import DEFAULT_TIMEOUT_S, OUTPUT_KEPT, CollectHook
+from trialledger.adapters.tasks.task import TaskInvalid, UnsupportedField
 
 TOKEN = "tl-collect-token-Jw4Pq9Xs"
 

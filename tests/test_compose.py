@@ -1,4 +1,4 @@
-"""Compose environments (docs/SPEC.md §17 "Compose environments"; adapters/compose.py,
+"""Compose environments (docs/SPEC.md §17 "Compose environments"; adapters/tasks/compose.py,
 adapters/sandbox/services.py): a task's `environment/docker-compose.yaml` read as Harbor's
 docker environment merges it (each key honoured, warned or refused by name), and its
 services run as real runc containers of the session over images built offline
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from tests.images import base_images, module_private_storage  # noqa: F401 (fixtures)
 from tests.runs import in_process
 from tests.test_task_artifacts import gaps, session, verification
-from trialledger.adapters import compose
-from trialledger.adapters.task import Task, TaskInvalid, UnsupportedField
+from trialledger.adapters.tasks import compose
+from trialledger.adapters.tasks.task import Task, TaskInvalid, UnsupportedField
 
 pytestmark = pytest.mark.usefixtures("base_images")  # the images the tasks name
 DATASET = Path(__file__).parent / "data" / "features"

@@ -24,7 +24,7 @@ from trialledger.adapters.environment import Cache, Environment, EnvironmentUnav
 from trialledger.adapters.prepare import prepare
 from trialledger.adapters.sandbox.identity import sandbox_user
 from trialledger.adapters.sandbox.local import LocalSandbox
-from trialledger.adapters.task import Task, TaskInvalid
+from trialledger.adapters.tasks.task import Task, TaskInvalid
 
 pytestmark = pytest.mark.anyio
 DEBIAN_TEST = (f"grep -q {images.DEBIAN_MARKER} /etc/trialledger-marker && "

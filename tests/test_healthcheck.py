@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.runs import in_process
 from tests.test_range_mode import _debian_into
-from trialledger.adapters.healthcheck import Healthcheck, HealthcheckInvalid, run_healthcheck
+from trialledger.adapters.tasks.healthcheck import Healthcheck, HealthcheckInvalid, run_healthcheck
 
 
 def count_tries(check: Healthcheck, results: list[int]) -> tuple[int, str | None]:

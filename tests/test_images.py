@@ -26,7 +26,7 @@ from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.environment import Cache, EnvironmentUnavailable
 from trialledger.adapters.prepare import prepare
 from trialledger.adapters.sandbox.local import LocalSandbox
-from trialledger.adapters.task import Task
+from trialledger.adapters.tasks.task import Task
 
 MISSING = "localhost/tl-never-stored:1"
 ONLY_THE_DOCKERFILE = "written-by-the-dockerfile-7c1e"

@@ -21,7 +21,7 @@ from tests.runs import in_process, make_task
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, message
 from trialledger.adapters.jobs import job_config
 from trialledger.adapters.runner import RunOptions
-from trialledger.adapters.task import Task
+from trialledger.adapters.tasks.task import Task
 from trialledger.store import Ledger
 from trialledger.store.jobs import Jobs, trial_id
 

@@ -13,7 +13,7 @@ from tests.runs import in_process, make_task, run_task
 from tests.views import seeded
 from trialledger.adapters.demo.endpoint import message, shell, tool
 from trialledger.adapters.demo.tools import ToolServer
-from trialledger.adapters.task import TaskInvalid
+from trialledger.adapters.tasks.task import TaskInvalid
 
 pytestmark = pytest.mark.anyio
 TOKEN = "tl-task-Mcp7Header3Secret9Q"

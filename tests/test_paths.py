@@ -11,7 +11,7 @@ import pytest
 from tests.runs import in_process, make_task
 from trialledger.adapters.environment import Cache, EnvironmentUnavailable, within
 from trialledger.adapters.prepare import prepare
-from trialledger.adapters.task import Task, TaskInvalid
+from trialledger.adapters.tasks.task import Task, TaskInvalid
 
 CANARY = "canary-5d1c-host-folder"
 

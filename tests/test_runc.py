@@ -171,7 +171,7 @@ async def test_a_leases_extensions_reach_the_runc_containers_pid_1(
     from trialledger.adapters.imagestore import plain_cache
     from trialledger.adapters.prepare import prepare
     from trialledger.adapters.sandbox.deadline import DeadManSwitch
-    from trialledger.adapters.task import Task
+    from trialledger.adapters.tasks.task import Task
 
     task = Task.load(setuid_task(tmp_path / "task"))
     assert task.source is not None

@@ -27,8 +27,8 @@ from trialledger.adapters.imagestore import plain_cache
 from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.sandbox.identity import sandbox_user
 from trialledger.adapters.sandbox.local import LocalSandbox
-from trialledger.adapters.task import Task, UnsupportedField
-from trialledger.adapters.verifiermode import prepare_task
+from trialledger.adapters.tasks.task import Task, UnsupportedField
+from trialledger.adapters.tasks.verifiermode import prepare_task
 from trialledger.store import Ledger
 
 pytestmark = pytest.mark.anyio

@@ -19,7 +19,7 @@ from tests.test_runner import FAST
 from trialledger.adapters.demo import samples
 from trialledger.adapters.demo.endpoint import message, shell, status
 from trialledger.adapters.steprun import upload
-from trialledger.adapters.task import Task
+from trialledger.adapters.tasks.task import Task
 from trialledger.core.events import SessionSeeded
 
 STEPS = """{strategy}

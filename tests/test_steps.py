@@ -11,8 +11,8 @@ import pytest
 from tests.runs import in_process
 from trialledger.adapters.demo import samples
 from trialledger.adapters.jobs import load_tasks
-from trialledger.adapters.task import NoVerifier, Task, TaskInvalid, require_verifier
-from trialledger.adapters.tasksteps import StepInvalid
+from trialledger.adapters.tasks.steps import StepInvalid
+from trialledger.adapters.tasks.task import NoVerifier, Task, TaskInvalid, require_verifier
 from trialledger.core.steps import AttemptEnd, StepRun, attempt_end, trial_reward
 
 TWO_STEPS = ("[[steps]]\nname = 'write'\nmin_reward = 1\n"

@@ -25,8 +25,8 @@ from tests.test_range_mode import _debian_into
 from trialledger.adapters import capture
 from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.sandbox.identity import sandbox_user
-from trialledger.adapters.task import Task, TaskInvalid
-from trialledger.adapters.taskartifacts import CONVENTION, LINK, Artifact, excluded
+from trialledger.adapters.tasks.artifacts import CONVENTION, LINK, Artifact, excluded
+from trialledger.adapters.tasks.task import Task, TaskInvalid
 from trialledger.store import Ledger
 
 TOKEN = "tl-artifact-token-5Gq8Zr2Vw"

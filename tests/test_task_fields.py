@@ -17,8 +17,8 @@ from tests.views import decided
 from trialledger.adapters.demo import samples
 from trialledger.adapters.demo.endpoint import message, shell
 from trialledger.adapters.runner import RunOptions, SessionRunner
-from trialledger.adapters.task import Task, TaskInvalid, UnsupportedField
-from trialledger.adapters.taskfiles import TaskFileTooLarge
+from trialledger.adapters.tasks.files import TaskFileTooLarge
+from trialledger.adapters.tasks.task import Task, TaskInvalid, UnsupportedField
 from trialledger.store import Ledger
 
 SOLVE = "#!/bin/sh\necho solved > answer.txt\n"
@@ -428,7 +428,7 @@ def test_a_separate_verifier_is_resolved_as_harbors_verifier_mode_does(tmp_path:
 
 def test_a_bundled_verifier_needs_no_tests_folder_and_bad_modes_are_invalid(
         tmp_path: Path) -> None:
-    from trialledger.adapters.task import require_verifier
+    from trialledger.adapters.tasks.task import require_verifier
 
     folder = tmp_path / "bundled"
     folder.mkdir()

@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from tests.runs import make_task, run_task
 from tests.views import seeded
 from trialledger.adapters.demo.endpoint import message, shell
-from trialledger.adapters.mcpservers import refused_host
 from trialledger.adapters.proxy import SessionProxy, Upstream
 from trialledger.adapters.sandbox.allowlist import routable
-from trialledger.adapters.task import Task
+from trialledger.adapters.tasks.mcpservers import refused_host
+from trialledger.adapters.tasks.task import Task
 
 pytestmark = pytest.mark.anyio
 

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from tests.runs import in_process
 from tests.test_job_inputs import NOP, store_rows, task
 from tests.test_mcp_servers import write_task
-from trialledger.adapters.task import Task, TaskInvalid
-from trialledger.adapters.taskconfig import FIELDS
+from trialledger.adapters.tasks.config import FIELDS
+from trialledger.adapters.tasks.task import Task, TaskInvalid
 
-# Every key the loader reads: task.toml's own (taskconfig.FIELDS) and those of the tables and
+# Every key the loader reads: task.toml's own (tasks/config.py FIELDS) and those of the tables and
 # arrays it reads further (healthcheck, mcp_servers, artifacts, env tables).
 HEALTHCHECK = ("command", "interval_sec", "timeout_sec", "start_period_sec",
                "start_interval_sec", "retries")

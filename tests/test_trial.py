@@ -21,7 +21,7 @@ from tests.test_leases import _sleeping
 from trialledger.adapters.demo import samples
 from trialledger.adapters.runner import RunOptions, SessionRunner
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
-from trialledger.adapters.task import Task
+from trialledger.adapters.tasks.task import Task
 from trialledger.store import Ledger
 from trialledger.store.jobs import Jobs
 

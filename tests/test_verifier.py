@@ -21,7 +21,7 @@ from trialledger.adapters.demo.endpoint import message
 from trialledger.adapters.environment import Cache
 from trialledger.adapters.prepare import prepare
 from trialledger.adapters.sandbox.identity import sandbox_user
-from trialledger.adapters.task import TaskInvalid
+from trialledger.adapters.tasks.task import TaskInvalid
 
 pytestmark = pytest.mark.anyio
 

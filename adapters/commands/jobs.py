@@ -56,8 +56,8 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     from trialledger.adapters.jobs import JobRunner, check_inputs, job_config, load_tasks
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.sandbox.base import SandboxRefused
-    from trialledger.adapters.task import TaskInvalid
-    from trialledger.adapters.taskfiles import file_limit
+    from trialledger.adapters.tasks.files import file_limit
+    from trialledger.adapters.tasks.task import TaskInvalid
 
     options = run_options(args)
     prices = _prices(args.prices)  # before the job exists: a bad table leaves none behind
@@ -260,7 +260,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from trialledger.adapters.jobs import check_inputs, worker_runner
     from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.sandbox.base import SandboxRefused
-    from trialledger.adapters.task import TaskInvalid
+    from trialledger.adapters.tasks.task import TaskInvalid
     from trialledger.store.jobs import Jobs
 
     options = run_options(args)  # model, settings and attempts: the job's (worker_runner)

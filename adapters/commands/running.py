@@ -92,10 +92,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trialledger.adapters.runner import SessionResult, SessionRunner
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.scripted import solve_script
-    from trialledger.adapters.task import Task, TaskInvalid, require_verifier
-    from trialledger.adapters.taskfiles import file_limit
+    from trialledger.adapters.tasks.files import file_limit
+    from trialledger.adapters.tasks.task import Task, TaskInvalid, require_verifier
+    from trialledger.adapters.tasks.verifiermode import refuse_outside_range
     from trialledger.adapters.trial import Trial, TrialRun
-    from trialledger.adapters.verifiermode import refuse_outside_range
 
     options = run_options(args)
     api_key = options.api_key
@@ -161,7 +161,7 @@ def _prepared(task: Any, args: argparse.Namespace) -> Any:
     one line naming what is missing; nothing seeded)."""
     from trialledger.adapters.environment import HOST
     from trialledger.adapters.sandbox.identity import sandbox_user
-    from trialledger.adapters.verifiermode import prepare_task
+    from trialledger.adapters.tasks.verifiermode import prepare_task
 
     if task.source is None:
         return HOST

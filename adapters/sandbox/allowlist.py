@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address, ip_network
 
 from trialledger.adapters.sandbox.sniff import LABEL, hostname
-from trialledger.adapters.taskconfig import TaskInvalid
+from trialledger.adapters.tasks.config import TaskInvalid
 
 Address = IPv4Address | IPv6Address
 Network = IPv4Network | IPv6Network

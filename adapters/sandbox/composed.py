@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from trialledger.adapters.compose import Service
 from trialledger.adapters.sandbox import bridge
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.idrange import RangeIds, resolve_user
 from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.services import Services
+from trialledger.adapters.tasks.compose import Service
 
 ENDED_S = 10.0  # how long a container that ended as it started takes to report its end
 

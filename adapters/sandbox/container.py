@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import anyio
 
-from trialledger.adapters.compose import Condition
 from trialledger.adapters.places import resolve_inside
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.sandbox.base import (
@@ -62,6 +61,7 @@ from trialledger.adapters.sandbox.runc import RuncContainer
 from trialledger.adapters.sandbox.running import Container, ContainerFailed
 from trialledger.adapters.sandbox.sessionids import SessionIds
 from trialledger.adapters.sandbox.slirp import Slirp, injected_files
+from trialledger.adapters.tasks.compose import Condition
 
 # The capability numbers of linux/capability.h for the names range mode grants.
 CAP_NUMBERS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4,

@@ -46,7 +46,6 @@ from pathlib import Path
 import anyio
 
 from trialledger.adapters.codex.install import CodexInstall
-from trialledger.adapters.compose import Compose, Service
 from trialledger.adapters.environment import HOST, Environment
 from trialledger.adapters.imagestore import ViewHold, hold_view
 from trialledger.adapters.sandbox import runc as runtimes
@@ -88,6 +87,7 @@ from trialledger.adapters.sandbox.runc import RuncContainer
 from trialledger.adapters.sandbox.running import Container
 from trialledger.adapters.sandbox.services import Services
 from trialledger.adapters.sandbox.slirp import RESOLVER, Slirp, slirp_problem
+from trialledger.adapters.tasks.compose import Compose, Service
 
 log = logging.getLogger(__name__)
 # A recorded session folder without its lock this old is no session being made right now

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from trialledger.adapters.compose import Volume
 from trialledger.adapters.environment import copy_tree
 from trialledger.adapters.places import resolve_inside
 from trialledger.adapters.sandbox.base import SUPERVISOR_ENV
@@ -39,6 +38,7 @@ from trialledger.adapters.sandbox.process import LocalRun
 from trialledger.adapters.sandbox.runc import RuncContainer, oci_mounts, runner_fd_path
 from trialledger.adapters.sandbox.running import ContainerFailed
 from trialledger.adapters.sandbox.slirp import hostname_of
+from trialledger.adapters.tasks.compose import Volume
 
 RUNC_READY_S = 10.0  # how long runc may take to name the container's PID 1
 MEMSW = "memory.memsw.limit_in_bytes"

@@ -1,5 +1,5 @@
 """A compose task's other services (docs/SPEC.md §17 "Compose environments";
-adapters/compose.py reads them): each a container of the session, started before `main`
+adapters/tasks/compose.py reads them): each a container of the session, started before `main`
 in `depends_on` order and stopped with the session.
 
 A service's container is a sandbox of its own (`LocalSandbox` made with `shares=` the
@@ -14,10 +14,11 @@ it.
 
 Before a service (or `main`) starts, each service it depends on must meet its condition:
 `service_started` (its container runs), `service_healthy` (its healthcheck passes, tried
-as Docker's daemon does, adapters/healthcheck.py) or `service_completed_successfully` (its container
-ended with 0). A condition that fails ends the start with `ServiceFailed` (an OSError: the
-session's container could not be started, its sandbox lost). A service that exits while
-the session runs is reported once (`exited`), for the runner's gap `service_exited`.
+as Docker's daemon does, adapters/tasks/healthcheck.py) or `service_completed_successfully`
+(its container ended with 0). A condition that fails ends the start with `ServiceFailed`
+(an OSError: the session's container could not be started, its sandbox lost). A service
+that exits while the session runs is reported once (`exited`), for the runner's gap
+`service_exited`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from typing import Protocol
 
 import anyio
 
-from trialledger.adapters.compose import Condition, Service
-from trialledger.adapters.healthcheck import run_healthcheck
 from trialledger.adapters.sandbox.base import CommandRun, SandboxRefused
+from trialledger.adapters.tasks.compose import Condition, Service
+from trialledger.adapters.tasks.healthcheck import run_healthcheck
 
 COMPLETE_S = 600.0  # how long `service_completed_successfully` waits for an end
 

@@ -2,19 +2,19 @@
 
     instruction.md   the prompt
     task.toml        optional, Harbor 0.25's: every key is honoured, refused or warned by
-                     name (adapters/taskconfig.py's table, docs/SPEC.md §15); ours besides:
+                     name (adapters/tasks/config.py's table, docs/SPEC.md §15); ours besides:
                      [environment] one of docker_image / image_archive / rootfs (§12),
                      pids, [metadata.trialledger] reward_from_exit_code, no_new_privileges
     environment/Dockerfile  optional: the task's image, built when no source is named
     environment/docker-compose.yaml  optional: the session's other services
-                     (adapters/compose.py, §17)
+                     (adapters/tasks/compose.py, §17)
     workspace/       optional: copied into a fresh workdir
     tests/test.sh    the verifier (a separate verifier's image may hold its own, §17;
-                     tests/Dockerfile builds that image: adapters/verifiermode.py)
+                     tests/Dockerfile builds that image: adapters/tasks/verifiermode.py)
 
 Every path here, and every path `task.toml` names, is resolved (links followed) before it
 is checked to stay inside the folder, so a link never leads a task to a host folder.
-`task.toml`, `instruction.md` and a compose file are read bounded (adapters/taskfiles.py).
+`task.toml`, `instruction.md` and a compose file are read bounded (adapters/tasks/files.py).
 """
 
 from __future__ import annotations
@@ -24,17 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trialledger.adapters.compose import Compose
-from trialledger.adapters.compose import load as load_compose
 from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source, SourceKind, within
-from trialledger.adapters.healthcheck import Healthcheck
-from trialledger.adapters.mcpservers import McpServers
-from trialledger.adapters.mcpservers import parse as parse_mcp_servers
 from trialledger.adapters.sandbox.allowlist import AllowList
-from trialledger.adapters.taskartifacts import CONVENTION_ONLY, Artifact, parse_artifacts
-from trialledger.adapters.taskcollect import NAME as COLLECT
-from trialledger.adapters.taskcollect import CollectHook, check_services, parse_collect
-from trialledger.adapters.taskconfig import (
+from trialledger.adapters.tasks.artifacts import CONVENTION_ONLY, Artifact, parse_artifacts
+from trialledger.adapters.tasks.collect import NAME as COLLECT
+from trialledger.adapters.tasks.collect import CollectHook, check_services, parse_collect
+from trialledger.adapters.tasks.compose import Compose
+from trialledger.adapters.tasks.compose import load as load_compose
+from trialledger.adapters.tasks.config import (
     COMPOSE,
     LIMITS,
     SINGLE_ID_USER,
@@ -45,14 +42,17 @@ from trialledger.adapters.taskconfig import (
     review,
     wrong_type,
 )
-from trialledger.adapters.taskconfig import TaskInvalid as TaskInvalid
-from trialledger.adapters.taskconfig import UnsupportedField as UnsupportedField
-from trialledger.adapters.taskconfig import is_task_folder as is_task_folder
-from trialledger.adapters.taskenv import EnvUnresolved, ResolvedEnv, resolve
-from trialledger.adapters.taskfiles import read_task_text
-from trialledger.adapters.tasksteps import Step, StepInvalid, load_steps, reward_strategy
-from trialledger.adapters.verifiermode import SeparateVerifier
-from trialledger.adapters.verifiermode import parse as parse_separate
+from trialledger.adapters.tasks.config import TaskInvalid as TaskInvalid
+from trialledger.adapters.tasks.config import UnsupportedField as UnsupportedField
+from trialledger.adapters.tasks.config import is_task_folder as is_task_folder
+from trialledger.adapters.tasks.env import EnvUnresolved, ResolvedEnv, resolve
+from trialledger.adapters.tasks.files import read_task_text
+from trialledger.adapters.tasks.healthcheck import Healthcheck
+from trialledger.adapters.tasks.mcpservers import McpServers
+from trialledger.adapters.tasks.mcpservers import parse as parse_mcp_servers
+from trialledger.adapters.tasks.steps import Step, StepInvalid, load_steps, reward_strategy
+from trialledger.adapters.tasks.verifiermode import SeparateVerifier
+from trialledger.adapters.tasks.verifiermode import parse as parse_separate
 from trialledger.core.settings import TASK_FILE_MAX_BYTES
 from trialledger.core.steps import Strategy
 
@@ -266,7 +266,7 @@ def require_verifier(task: Task) -> Task:
 def _separate(meta: dict[str, Any], folder: Path, environment: dict[str, Any],
               limits: dict[str, float], env: dict[str, str], source: Source | None,
               max_bytes: int) -> SeparateVerifier | None:
-    """The task's separate verifier (adapters/verifiermode.py), refused by name on a host
+    """The task's separate verifier (adapters/tasks/verifiermode.py), refused by name on a host
     task: it needs range mode, which only image and rootfs tasks have (docs/SPEC.md §17)."""
     separate = parse_separate(meta, folder, environment=environment, limits=limits, env=env,
                               max_bytes=max_bytes)

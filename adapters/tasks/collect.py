@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trialledger.adapters import artifacts, capture
-from trialledger.adapters.taskconfig import (
+from trialledger.adapters.tasks.config import (
     MAIN_SERVICE,
     TaskInvalid,
     UnsupportedField,
@@ -40,7 +40,7 @@ from trialledger.store.writer import now
 
 if TYPE_CHECKING:
     from trialledger.adapters.sandbox.local import LocalSandbox
-    from trialledger.adapters.taskartifacts import Recording
+    from trialledger.adapters.tasks.artifacts import Recording
     from trialledger.core.settings import Settings
 
 NAME = "[[verifier.collect]]"  # how an entry is named in messages

@@ -31,8 +31,8 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from trialledger.adapters.sandbox.allowlist import as_address, routable
-from trialledger.adapters.taskconfig import TaskInvalid
-from trialledger.adapters.taskenv import SENSITIVE, EnvUnresolved, long_enough
+from trialledger.adapters.tasks.config import TaskInvalid
+from trialledger.adapters.tasks.env import SENSITIVE, EnvUnresolved, long_enough
 from trialledger.core.redact import header_secrets
 from trialledger.core.seed import GRANT_NAME
 

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from trialledger.adapters.places import within
-from trialledger.adapters.taskconfig import TaskInvalid
+from trialledger.adapters.tasks.config import TaskInvalid
 from trialledger.core.errors import SeedRejected
 from trialledger.core.settings import TASK_FILE_MAX_BYTES, Settings
 

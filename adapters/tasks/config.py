@@ -85,9 +85,9 @@ FIELDS: dict[Path, Key] = {
     ("metadata", "*"): INFORMATION,
     ("metadata", "trialledger", "reward_from_exit_code"): HONOURED,
     ("metadata", "trialledger", "no_new_privileges"): HONOURED,
-    ("multi_step_reward_strategy",): HONOURED,  # adapters/tasksteps.py (§17)
-    ("steps",): HONOURED,  # adapters/tasksteps.py: each step's keys in its own table
-    ("artifacts",): HONOURED,  # adapters/taskartifacts.py (a service the task has: task.py)
+    ("multi_step_reward_strategy",): HONOURED,  # adapters/tasks/steps.py (§17)
+    ("steps",): HONOURED,  # adapters/tasks/steps.py: each step's keys in its own table
+    ("artifacts",): HONOURED,  # adapters/tasks/artifacts.py (a service the task has: task.py)
     ("agent", "timeout_sec"): HONOURED,
     ("agent", "user"): HONOURED,  # range mode (else warned at run: SINGLE_ID_USER)
     ("agent", "network_mode"): HONOURED,  # public, no-network; allowlist refused below
@@ -97,7 +97,7 @@ FIELDS: dict[Path, Key] = {
     ("verifier", "user"): HONOURED,
     ("verifier", "network_mode"): HONOURED,
     ("verifier", "allowed_hosts"): HONOURED,
-    # A separate verifier (adapters/verifiermode.py; range mode, docs/SPEC.md §17)
+    # A separate verifier (adapters/tasks/verifiermode.py; range mode, docs/SPEC.md §17)
     ("verifier", "environment_mode"): HONOURED,
     **{("verifier", "environment", key): HONOURED for key in (
         "docker_image", "build_timeout_sec", "workdir", "env", "network_mode",
@@ -119,7 +119,7 @@ FIELDS: dict[Path, Key] = {
     ("verifier", "environment", "tpu"): Key("refused", "TPUs are not supported here"),
     ("verifier", "environment", "mcp_servers"): Key("warned", NO_AGENT, _nothing),
     ("verifier", "environment", "skills_dir"): Key("warned", NO_AGENT),
-    ("verifier", "collect"): HONOURED,  # adapters/taskcollect.py (a service the task has:
+    ("verifier", "collect"): HONOURED,  # adapters/tasks/collect.py (a service the task has:
     # check_services; its `user` honoured in range mode, else warned at run: SINGLE_ID_USER)
     ("solution", "env"): HONOURED,
     ("environment", "build_timeout_sec"): HONOURED,
@@ -141,7 +141,7 @@ FIELDS: dict[Path, Key] = {
     ("environment", "gpus"): Key("refused", "GPUs are not supported here", _nothing),
     ("environment", "gpu_types"): Key("refused", "GPUs are not supported here", _nothing),
     ("environment", "tpu"): Key("refused", "TPUs are not supported here"),
-    ("environment", "mcp_servers"): HONOURED,  # adapters/mcpservers.py
+    ("environment", "mcp_servers"): HONOURED,  # adapters/tasks/mcpservers.py
     ("environment", "healthcheck"): HONOURED,
     ("environment", "skills_dir"): Key("warned", "is ignored: skills are not copied for the "
                                                  "agent"),

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from trialledger.adapters.taskconfig import TaskInvalid
+from trialledger.adapters.tasks.config import TaskInvalid
 
 TAIL = 500  # characters of the last try's output in the failure's detail
 

@@ -9,7 +9,7 @@ a fresh container of its own. Its image, in Harbor's order:
     the task's own environment            its image (and environment/ upload, workspace/),
                                           with tests/ uploaded as for a shared verifier
 `tests/docker-compose.yaml` gives the verifier compose services of its own (read as
-adapters/compose.py reads a task's, relative to tests/), refused by name without the
+adapters/tasks/compose.py reads a task's, relative to tests/), refused by name without the
 verifier's own image. The container's
 `workdir`, `env`, network mode and limits are `[verifier.environment]`'s when that table
 is given, else `[environment]`'s (Harbor's fresh copy of it); the verifier phase's network
@@ -29,9 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from trialledger.adapters.compose import FILE as COMPOSE_FILE
-from trialledger.adapters.compose import Compose, Service
-from trialledger.adapters.compose import load as load_compose
 from trialledger.adapters.environment import (
     BUILD_TIMEOUT_S,
     Cache,
@@ -46,7 +43,10 @@ from trialledger.adapters.environment import (
     with_limits,
 )
 from trialledger.adapters.prepare import prepare
-from trialledger.adapters.taskconfig import (
+from trialledger.adapters.tasks.compose import FILE as COMPOSE_FILE
+from trialledger.adapters.tasks.compose import Compose, Service
+from trialledger.adapters.tasks.compose import load as load_compose
+from trialledger.adapters.tasks.config import (
     LIMITS,
     TaskInvalid,
     UnsupportedField,
@@ -56,7 +56,7 @@ from trialledger.adapters.taskconfig import (
     positive,
     wrong_type,
 )
-from trialledger.adapters.taskenv import EnvUnresolved, ResolvedEnv, resolve
+from trialledger.adapters.tasks.env import EnvUnresolved, ResolvedEnv, resolve
 from trialledger.core.settings import TASK_FILE_MAX_BYTES
 
 MODES = ("shared", "separate")
@@ -175,7 +175,7 @@ def _limits(table: Mapping[str, Any], where: str) -> dict[str, float]:
 
 
 class OfATask(Protocol):
-    """What `refuse_outside_range` and `prepare_task` read of a task: adapters/task.py's
+    """What `refuse_outside_range` and `prepare_task` read of a task: adapters/tasks/task.py's
     `Task`, named by its shape, since `Task` is made with this module's parts."""
 
     @property

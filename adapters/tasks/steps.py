@@ -27,18 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trialledger.adapters.healthcheck import Healthcheck
 from trialledger.adapters.places import within
-from trialledger.adapters.taskartifacts import Artifact, parse_step_artifacts
-from trialledger.adapters.taskconfig import (
+from trialledger.adapters.tasks.artifacts import Artifact, parse_step_artifacts
+from trialledger.adapters.tasks.config import (
     HONOURED,
     Key,
     TaskInvalid,
     UnsupportedField,
     wrong_type,
 )
-from trialledger.adapters.taskenv import ResolvedEnv
-from trialledger.adapters.taskfiles import read_task_text
+from trialledger.adapters.tasks.env import ResolvedEnv
+from trialledger.adapters.tasks.files import read_task_text
+from trialledger.adapters.tasks.healthcheck import Healthcheck
 from trialledger.core.steps import Strategy, gate_failure
 
 STRATEGIES: tuple[Strategy, ...] = ("mean", "final")

@@ -40,7 +40,7 @@ from trialledger.adapters.sandbox.agentfiles import (
     UnsafeAgentFile,
     kind,
 )
-from trialledger.adapters.taskconfig import MAIN_SERVICE, TaskInvalid
+from trialledger.adapters.tasks.config import MAIN_SERVICE, TaskInvalid
 from trialledger.store.writer import now
 
 if TYPE_CHECKING:

@@ -34,11 +34,11 @@ from typing import Any, Literal, cast
 import yaml
 
 from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source
-from trialledger.adapters.healthcheck import Healthcheck
 from trialledger.adapters.places import within
-from trialledger.adapters.taskconfig import MAIN_SERVICE, TaskInvalid, UnsupportedField
-from trialledger.adapters.taskenv import SENSITIVE, EnvUnresolved, long_enough
-from trialledger.adapters.taskfiles import read_task_text
+from trialledger.adapters.tasks.config import MAIN_SERVICE, TaskInvalid, UnsupportedField
+from trialledger.adapters.tasks.env import SENSITIVE, EnvUnresolved, long_enough
+from trialledger.adapters.tasks.files import read_task_text
+from trialledger.adapters.tasks.healthcheck import Healthcheck
 
 FILE = "environment/docker-compose.yaml"
 Condition = Literal["service_started", "service_healthy", "service_completed_successfully"]
