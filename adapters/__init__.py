@@ -6,12 +6,12 @@ itself and appends to a `Ledger`. The rest — the runner, jobs, the sandbox, th
 the view — is reached through the `trialledger` command; its modules may change. The
 name is imported on first use (PEP 562), so loading one adapter loads no other.
 
-By concept: `tasks/` the task format, `sandbox/` the sandbox and the container runtime,
-`codex/` the Codex CLI, `commands/` and `console/` the command line and what it shows,
-`view/` the web view, `demo/` the scripted endpoint and samples; at this level still, a
-session's run (runner, recorder, capture, journal, verifying, steprun), images
-(environment, build, builder, imagestore) and jobs (jobs, trial, harbor*). docs/map.md
-finds the module of each rule.
+By concept: `tasks/` the task format, `images/` task environments and builds, `session/`
+a session's run, `jobs/` jobs, trials and Harbor's job folders, `sandbox/` the sandbox
+and the container runtime, `codex/` the Codex CLI, `proxy.py` and `upstream.py` the model
+proxy, `commands/` and `console/` the command line and what it shows, `view/` the web
+view, `demo/` the scripted endpoint and samples; `places.py` resolves paths for every
+layer. Each package's `__init__` is its map; docs/map.md finds the module of each rule.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ from pathlib import Path
 import anyio
 
 from tests import images
-from trialledger.adapters.environment import HOST, Cache, Environment, prepare_archive
-from trialledger.adapters.imagestore import plain_cache
+from trialledger.adapters.images.environment import HOST, Cache, Environment
+from trialledger.adapters.images.imagestore import plain_cache
+from trialledger.adapters.images.unpack import prepare_archive
 from trialledger.adapters.sandbox.identity import sandbox_user
 from trialledger.adapters.sandbox.local import LocalSandbox, bwrap_problem
 from trialledger.adapters.sandbox.rangemode import range_problem
@@ -78,7 +79,8 @@ async def _starts(image: Environment, plain: Environment | None, n: int
 def _second_process(archive: Path, cache: Path) -> float:
     """Milliseconds a fresh process takes to find the archive's entry (import excluded)."""
     code = ("import sys, time; from pathlib import Path; "
-            "from trialledger.adapters.environment import Cache, prepare_archive; "
+            "from trialledger.adapters.images.environment import Cache; "
+            "from trialledger.adapters.images.unpack import prepare_archive; "
             "t = time.perf_counter(); "
             "prepare_archive(Path(sys.argv[1]), 'image.tar', Cache(Path(sys.argv[2])), None); "
             "print((time.perf_counter() - t) * 1000)")

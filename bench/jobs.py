@@ -29,8 +29,8 @@ import anyio
 from tests.pg import PostgresServer
 from tests.runs import codex_path, make_task
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, message
-from trialledger.adapters.jobs import JobRunner
-from trialledger.adapters.runner import RunOptions, SessionRunner
+from trialledger.adapters.jobs.queue import JobRunner
+from trialledger.adapters.session.runner import RunOptions, SessionRunner
 from trialledger.store import Ledger
 from trialledger.store.jobs import Jobs
 

@@ -35,19 +35,19 @@ _LOCK = threading.Lock()
 # (module[:class], attribute, label): the steps timed; a missing one is skipped, so the same
 # table serves before and after a step is removed.
 STEPS: list[tuple[str, str, str]] = [
-    ("prepare", "prepare", "preparation, whole"),
-    ("build", "_copy_base_images", "FROM images into the build storage"),
-    ("build", "resolve_base", "FROM image ids"),
-    ("build", "_image_id", "image ids (podman inspect)"),
-    ("build", "_build", "podman build"),
-    ("build", "_save", "podman save (oci-archive)"),
-    ("environment", "_to_layout", "skopeo archive → layout"),
-    ("environment", "_unpack_layout", "umoci unpack"),
-    ("environment", "without_devices", "device nodes removed"),
-    ("environment", "_tree_size", "entry size"),
-    ("imagestore:ImageStore", "export_built", "built image exported by the build user"),
-    ("imagestore:ImageStore", "take", "copy into the image store (skopeo, root)"),
-    ("imagestore:ImageStore", "environment", "image store look-up"),
+    ("images.prepare", "prepare", "preparation, whole"),
+    ("images.build", "_copy_base_images", "FROM images into the build storage"),
+    ("images.build", "resolve_base", "FROM image ids"),
+    ("images.build", "_image_id", "image ids (podman inspect)"),
+    ("images.build", "_build", "podman build"),
+    ("images.build", "_save", "podman save (oci-archive)"),
+    ("images.unpack", "_to_layout", "skopeo archive → layout"),
+    ("images.unpack", "_unpack_layout", "umoci unpack"),
+    ("images.environment", "without_devices", "device nodes removed"),
+    ("images.environment", "_tree_size", "entry size"),
+    ("images.imagestore:ImageStore", "export_built", "built image exported by the build user"),
+    ("images.imagestore:ImageStore", "take", "copy into the image store (skopeo, root)"),
+    ("images.imagestore:ImageStore", "environment", "image store look-up"),
     ("sandbox.local:LocalSandbox", "__init__", "sandbox made"),
 ]
 

@@ -63,7 +63,7 @@ _FAILURES_SQL = "SELECT DISTINCT task, detail FROM job_queue WHERE job = :j AND 
 # Trials an earlier version settled `done` on a session cancelled before its verification
 # was recorded (SPEC §13: such a session finishes nothing) are queued again when their job
 # is resumed — but for those an error ended (`detail`), or past the trial rule's limits:
-# `:cap` uncounted sessions, `:m` counted ones (adapters/trial.py `next_attempt`).
+# `:cap` uncounted sessions, `:m` counted ones (adapters/jobs/trial.py `next_attempt`).
 def with_rewards(trials: Sequence[dict[str, Any]],
                  rewards: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
     """`job_trials` rows, each with `rewards`: its final session's reward names and values,

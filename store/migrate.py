@@ -38,7 +38,7 @@ def alembic_config() -> Config:
 
 def head_revision() -> str:
     """The newest revision the code knows: the highest-numbered file of
-    migrations/versions (a revision's id is its file's number; tests/test_migrations.py
+    migrations/versions (a revision's id is its file's number; tests/store/test_migrations.py
     checks that this is alembic's head)."""
     return max(path.name.split("_", 1)[0]
                for path in (Path(SCRIPT_LOCATION) / "versions").glob("[0-9]*_*.py"))

@@ -4,7 +4,7 @@
 
 R0 `scripted_agent` (docs/SPEC.md §15) was added to v1, v2 and v3 on the promise that no
 recorded log changes decision: the snapshot was written by the code before R0, and
-`tests/test_agents.py` re-derives it with the code now.
+`tests/session/test_agents.py` re-derives it with the code now.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def _artifacts_in_tmp(tmp_path_factory: pytest.TempPathFactory,
                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A session run in this process without `sandbox_logs_dir` keeps its files (SPEC
     §15) under a temporary folder, never in the home cache."""
-    from trialledger.adapters import artifacts
+    from trialledger.adapters.session import artifacts
 
     cache = tmp_path_factory.mktemp("cache")
     monkeypatch.setattr(artifacts, "default_cache_dir", lambda: cache)

@@ -9,12 +9,12 @@
 Each session becomes `<FOLDER>/<task>-<attempt>.jsonl`, its full exported log with the
 decisions the machine recorded. `tests/golden/*.jsonl` were recorded before the model
 proxy (policy v1, no `model.call`) and must keep replaying under their recorded policy;
-`tests/golden/v3/` were recorded through the proxy (policy v3). `tests/test_golden.py`
+`tests/golden/v3/` were recorded through the proxy (policy v3). `tests/core/test_golden.py`
 re-derives every decision; a policy or machine change that decides differently fails with
 a readable diff.
 
 `tests/golden/atif/<folder>-<name>.json` is the ATIF trajectory (`core.atif`, docs/SPEC.md §18) of
-each of `ATIF_SOURCES`: `tests/test_atif.py` compares it and validates it with Harbor's own
+each of `ATIF_SOURCES`: `tests/core/test_atif.py` compares it and validates it with Harbor's own
 `Trajectory` model.
 """
 

@@ -14,8 +14,8 @@ from typing import Any
 from trialledger.adapters.codex.install import install_paths
 from trialledger.adapters.demo import samples
 from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, shell
-from trialledger.adapters.environment import HOST, Environment
-from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
+from trialledger.adapters.images.environment import HOST, Environment
+from trialledger.adapters.session.runner import RunOptions, SessionResult, SessionRunner
 from trialledger.adapters.tasks.task import Task
 from trialledger.store import Ledger
 

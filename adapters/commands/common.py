@@ -77,7 +77,7 @@ class Parser(argparse.ArgumentParser):
 def command(group: Any, path: str, *, help: str, examples: Sequence[str]
             ) -> argparse.ArgumentParser:
     """The subcommand `path` of `group`: its --help opens with what it does and ends with
-    `examples`, each a command line the parser accepts (tests/test_cli_store.py)."""
+    `examples`, each a command line the parser accepts (tests/cli/test_cli_store.py)."""
     parser: argparse.ArgumentParser = group.add_parser(
         path.split()[-1], help=help, description=help[0].upper() + help[1:] + ".",
         epilog="examples:\n" + "\n".join(f"  {line}" for line in examples),

@@ -24,8 +24,8 @@ from trialledger.adapters.console.render import out
 
 def cmd_import_harbor(args: argparse.Namespace) -> int:
     """Import a Harbor job folder; print how each trial's verdict compares with ours."""
-    from trialledger.adapters.harbor import import_job
-    from trialledger.adapters.harborexport import ROWS_FILE, import_export
+    from trialledger.adapters.jobs.harbor import import_job
+    from trialledger.adapters.jobs.harborexport import ROWS_FILE, import_export
 
     job = Path(args.job_dir)
     if not job.is_dir():
@@ -49,7 +49,7 @@ def add_import_harbor(commands: Any) -> None:
 
 def cmd_export_harbor(args: argparse.Namespace) -> int:
     """Write a job as Harbor 0.26's job folder (SPEC §18)."""
-    from trialledger.adapters.harborexport import export_job
+    from trialledger.adapters.jobs.harborexport import export_job
 
     done = on_store(args.db, lambda ledger: export_job(ledger, args.job, Path(args.dir)),
                     create=False)

@@ -52,10 +52,10 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     """Create or resume a job and work its queue here; one line per finished trial, then
     the summary. Exit 0 when every trial ended with a final decision, 1 when one did not."""
     from trialledger.adapters.codex.install import CodexNotFound
-    from trialledger.adapters.jobform import derived_name, job_form, resume_command
-    from trialledger.adapters.jobs import JobRunner, check_inputs, job_config, load_tasks
-    from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
+    from trialledger.adapters.jobs.jobform import derived_name, job_form, resume_command
+    from trialledger.adapters.jobs.queue import JobRunner, check_inputs, job_config, load_tasks
     from trialledger.adapters.sandbox.base import SandboxRefused
+    from trialledger.adapters.session.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.tasks.files import file_limit
     from trialledger.adapters.tasks.task import TaskInvalid
 
@@ -257,9 +257,9 @@ def cmd_job_ls(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     """Work queued trials of any job (or `--job`) from this machine until none is left."""
     from trialledger.adapters.codex.install import CodexNotFound
-    from trialledger.adapters.jobs import check_inputs, worker_runner
-    from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
+    from trialledger.adapters.jobs.queue import check_inputs, worker_runner
     from trialledger.adapters.sandbox.base import SandboxRefused
+    from trialledger.adapters.session.preflight import EndpointUnreachable, check_endpoint
     from trialledger.adapters.tasks.task import TaskInvalid
     from trialledger.store.jobs import Jobs
 

@@ -52,7 +52,7 @@ def _parse_set(pairs: Sequence[str]) -> dict[str, Any]:
 
 def run_options(args: argparse.Namespace) -> Any:
     """`run`'s options (shared by `job run`): the key, grants, settings and runner."""
-    from trialledger.adapters.runner import RunOptions
+    from trialledger.adapters.session.runner import RunOptions
 
     api_key = None
     if args.api_key_env:
@@ -87,15 +87,15 @@ def run_options(args: argparse.Namespace) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the real Codex CLI on a task in the local sandbox; print each session's outcome."""
     from trialledger.adapters.codex.install import CodexNotFound
-    from trialledger.adapters.jobs import check_inputs
-    from trialledger.adapters.preflight import EndpointUnreachable, check_endpoint
-    from trialledger.adapters.runner import SessionResult, SessionRunner
+    from trialledger.adapters.jobs.queue import check_inputs
+    from trialledger.adapters.jobs.trial import Trial, TrialRun
     from trialledger.adapters.sandbox.base import SandboxRefused
-    from trialledger.adapters.scripted import solve_script
+    from trialledger.adapters.session.preflight import EndpointUnreachable, check_endpoint
+    from trialledger.adapters.session.runner import SessionResult, SessionRunner
+    from trialledger.adapters.session.scripted import solve_script
     from trialledger.adapters.tasks.files import file_limit
     from trialledger.adapters.tasks.task import Task, TaskInvalid, require_verifier
     from trialledger.adapters.tasks.verifiermode import refuse_outside_range
-    from trialledger.adapters.trial import Trial, TrialRun
 
     options = run_options(args)
     api_key = options.api_key
@@ -159,7 +159,7 @@ def add_run(commands: Any) -> None:
 def _prepared(task: Any, args: argparse.Namespace) -> Any:
     """The task's environment, built and unpacked into the cache (EnvironmentUnavailable:
     one line naming what is missing; nothing seeded)."""
-    from trialledger.adapters.environment import HOST
+    from trialledger.adapters.images.environment import HOST
     from trialledger.adapters.sandbox.identity import sandbox_user
     from trialledger.adapters.tasks.verifiermode import prepare_task
 
@@ -198,8 +198,8 @@ def range_mode(args: argparse.Namespace) -> bool:
 def environment_cache(args: argparse.Namespace) -> Any:
     """The environment cache sessions read: plain entries for range mode (a root runner
     after `setup`, the default sandbox user, bwrap), else rootless ones (single-id mode)."""
-    from trialledger.adapters.environment import Cache
-    from trialledger.adapters.imagestore import plain_cache
+    from trialledger.adapters.images.environment import Cache
+    from trialledger.adapters.images.imagestore import plain_cache
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.sandbox.idrange import check_plain_folder
 
@@ -282,8 +282,8 @@ def _with_cache(p: argparse.ArgumentParser) -> None:
 def cmd_cache(args: argparse.Namespace) -> int:
     """List or remove unpacked task environments (docs/SPEC.md §12); `ls` also lists the
     session image store's images (range mode, §15)."""
-    from trialledger.adapters.environment import Cache
-    from trialledger.adapters.imagestore import ImageStore
+    from trialledger.adapters.images.environment import Cache
+    from trialledger.adapters.images.imagestore import ImageStore
 
     cache = Cache(args.cache_dir)
     if args.cache_command == "ls":  # the cache's entries, then the image store's images
@@ -323,8 +323,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
     """Prepare this machine for sandboxed runs: the sandbox user and the build user (as
     root), the static init, a check that bwrap can sandbox here, and (as root) which OCI
     runtime can start a range-mode container, recorded."""
-    from trialledger.adapters.builder import BUILD_USER, create_build_user
-    from trialledger.adapters.environment import EnvironmentUnavailable
+    from trialledger.adapters.images.builder import BUILD_USER, create_build_user
+    from trialledger.adapters.images.environment import EnvironmentUnavailable
     from trialledger.adapters.sandbox.base import SandboxRefused
     from trialledger.adapters.sandbox.identity import (
         SANDBOX_USER,

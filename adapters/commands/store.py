@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 
 def _read_log(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
-    from trialledger.adapters.logfile import LogUnreadable, read_jsonl
+    from trialledger.adapters.session.logfile import LogUnreadable, read_jsonl
 
     try:
         numbered = read_jsonl(path)
@@ -327,7 +327,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
     """A session's kept files (SPEC §15): listed with their folder, one printed, or copied
     (`--out`); a file is given back only when the event lists it, it is no link and its
     bytes still have the recorded sha256."""
-    from trialledger.adapters import artifacts
+    from trialledger.adapters.session import artifacts
 
     async def view_of(ledger: Ledger) -> Any:
         return await ledger.view(await ledger.resolve(args.session))
@@ -378,8 +378,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
     """Close out the sessions a runner left open; `--purge-damaged`: remove the damaged
     journals kept on this machine (SPEC §8)."""
     if args.purge_damaged:
-        from trialledger.adapters.journal import journal_dir
-        from trialledger.adapters.journalfile import purge_damaged
+        from trialledger.adapters.session.journal import journal_dir
+        from trialledger.adapters.session.journalfile import purge_damaged
 
         out.print(f"{purge_damaged(journal_dir())} damaged journals removed")
         if not (args.runner or args.all):
@@ -391,7 +391,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
         print("trialledger: --force: recovering even sessions whose runner is alive",
               file=sys.stderr)
 
-    from trialledger.adapters.journal import delivery
+    from trialledger.adapters.session.journal import delivery
 
     recovered = on_store(args.db, lambda ledger: ledger.recover(  # journals delivered first
         args.runner, all_runners=args.all, force=args.force, deliver=delivery(ledger)))

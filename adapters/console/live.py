@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 
 from trialledger.adapters.console.render import out
-from trialledger.adapters.environment import BuildWait
+from trialledger.adapters.images.environment import BuildWait
 from trialledger.core import TrialLedgerError
 
 if TYPE_CHECKING:

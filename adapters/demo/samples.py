@@ -18,7 +18,7 @@ from typing import Any
 
 from trialledger.adapters.codex.install import install_paths
 from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, message, shell, status, tool
-from trialledger.adapters.runner import RunOptions, SessionResult, SessionRunner
+from trialledger.adapters.session.runner import RunOptions, SessionResult, SessionRunner
 from trialledger.adapters.tasks.task import Task
 from trialledger.core.events import SessionSeeded
 from trialledger.store import Ledger

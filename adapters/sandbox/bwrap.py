@@ -4,7 +4,7 @@ This is the security-critical part of the sandbox (docs/SPEC.md §11): which hos
 agent, the probe and the verifier see, which of them are writable, which namespaces are
 private. It reads nothing and writes nothing — `LocalSandbox` says which host system paths
 exist and which are links, stages what the sandbox user may not read, and clears planted
-mount points — so it is tested by tables (tests/test_bwrap_argv.py), without bwrap.
+mount points — so it is tested by tables (tests/sandbox/test_bwrap_argv.py), without bwrap.
 """
 
 from __future__ import annotations

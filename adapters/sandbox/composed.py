@@ -23,7 +23,7 @@ from trialledger.adapters.tasks.compose import Service
 ENDED_S = 10.0  # how long a container that ended as it started takes to report its end
 
 if TYPE_CHECKING:
-    from trialledger.adapters.environment import Environment
+    from trialledger.adapters.images.environment import Environment
     from trialledger.adapters.sandbox.allowlist import AllowList
 
 

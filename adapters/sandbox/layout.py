@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from trialledger.adapters.environment import Environment, copy_tree, resolve_inside
+from trialledger.adapters.images.environment import Environment, copy_tree, resolve_inside
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.bwrap import PRIVATE, Mount, Role
 from trialledger.adapters.sandbox.folders import remove_tree

@@ -5,9 +5,9 @@ A session's cgroups are named after its session folder (`<folder>-<8 hex>`), who
 its runner holds from before the cgroups exist until after they are removed: a cgroup
 whose recorded folder's lock is free belongs to nobody (swept before the folders are).
 A build's cgroup and its working containers carry its private folder's name, and that
-folder a lock its runner holds while the build lives (adapters/buildbox.py,
+folder a lock its runner holds while the build lives (adapters/images/buildbox.py,
 `build_alive`). A view of the session image store is mounted while a session holds it
-(a shared file lock, adapters/imagestore.py): one nobody holds is unmounted. Nothing is
+(a shared file lock, adapters/images/imagestore.py): one nobody holds is unmounted. Nothing is
 ever chosen by user id, and nothing of a live runner is touched.
 """
 
@@ -17,9 +17,9 @@ import os
 import time
 from pathlib import Path
 
-from trialledger.adapters.buildbox import end_dead_builds
-from trialledger.adapters.builder import build_user
-from trialledger.adapters.environment import EnvironmentUnavailable
+from trialledger.adapters.images.buildbox import end_dead_builds
+from trialledger.adapters.images.builder import build_user
+from trialledger.adapters.images.environment import EnvironmentUnavailable
 from trialledger.adapters.sandbox.cgroup import BUILD_PREFIX, remove_cgroup, runner_parents
 from trialledger.adapters.sandbox.folders import (
     FOLDER_PREFIX,
@@ -69,7 +69,7 @@ def sweep_session_cgroups() -> int:
 def sweep_image_views() -> int:
     """Unmount the session image store's views no live session holds (a killed runner's
     sessions held them: their holds went with it): how many."""
-    from trialledger.adapters.imagestore import ImageStore
+    from trialledger.adapters.images.imagestore import ImageStore
 
     return ImageStore().unmount_unheld_views()
 

@@ -46,8 +46,8 @@ from pathlib import Path
 import anyio
 
 from trialledger.adapters.codex.install import CodexInstall
-from trialledger.adapters.environment import HOST, Environment
-from trialledger.adapters.imagestore import ViewHold, hold_view
+from trialledger.adapters.images.environment import HOST, Environment
+from trialledger.adapters.images.imagestore import ViewHold, hold_view
 from trialledger.adapters.sandbox import runc as runtimes
 from trialledger.adapters.sandbox.agentfiles import AgentTree
 from trialledger.adapters.sandbox.allowlist import AllowList

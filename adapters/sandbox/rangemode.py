@@ -11,7 +11,7 @@ import functools
 import logging
 import os
 
-from trialledger.adapters import imagestore
+from trialledger.adapters.images import imagestore
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.identity import SANDBOX_USER, ensure_init
 from trialledger.adapters.sandbox.idrange import (

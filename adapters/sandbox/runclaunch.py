@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from trialledger.adapters.environment import copy_tree
+from trialledger.adapters.images.environment import copy_tree
 from trialledger.adapters.places import resolve_inside
 from trialledger.adapters.sandbox.base import SUPERVISOR_ENV
 from trialledger.adapters.sandbox.bwrap import INIT_INSIDE, Role, Spawn, mounts

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trialledger.adapters.environment import Environment
+from trialledger.adapters.images.environment import Environment
 from trialledger.adapters.sandbox import runc as runtimes
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.bwrap import Role

@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 
 from trialledger.adapters.codex.install import CodexInstall
-from trialledger.adapters.environment import resolve_inside
+from trialledger.adapters.images.environment import resolve_inside
 from trialledger.adapters.sandbox.base import SUPERVISOR_ENV
 from trialledger.adapters.sandbox.bwrap import INIT_INSIDE, Role, Spawn, bwrap_argv, mounts
 from trialledger.adapters.sandbox.container import CopyIn

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from trialledger.adapters import artifacts, capture
 from trialledger.adapters.sandbox.agentfiles import (
     MAX_DEPTH,
     MAX_ENTRIES,
@@ -40,6 +39,7 @@ from trialledger.adapters.sandbox.agentfiles import (
     UnsafeAgentFile,
     kind,
 )
+from trialledger.adapters.session import artifacts, capture
 from trialledger.adapters.tasks.config import MAIN_SERVICE, TaskInvalid
 from trialledger.store.writer import now
 

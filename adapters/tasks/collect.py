@@ -8,7 +8,7 @@ one of the task's compose services: `check_services`), `timeout_sec` (default 60
 `user` (default the image's user). A key Harbor's model does not have is warned by name.
 
 `run_hooks` runs a list of hooks in order (the task's; a step's are appended to them by
-its caller) in the session's sandbox or a compose service's (adapters/verifying.py: `main`'s
+its caller) in the session's sandbox or a compose service's (adapters/session/verifying.py: `main`'s
 first, then the artifacts, then each service's), each as its user (honoured in range mode; warned
 elsewhere, as phase users are), under its timeout, with `bash -c` (`sh` without bash) in
 the workdir and the environment a healthcheck gets. Each one's output (stdout and stderr
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trialledger.adapters import artifacts, capture
+from trialledger.adapters.session import artifacts, capture
 from trialledger.adapters.tasks.config import (
     MAIN_SERVICE,
     TaskInvalid,

@@ -33,7 +33,7 @@ from typing import Any, Literal, cast
 
 import yaml
 
-from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source
+from trialledger.adapters.images.environment import BUILD_TIMEOUT_S, Source
 from trialledger.adapters.places import within
 from trialledger.adapters.tasks.config import MAIN_SERVICE, TaskInvalid, UnsupportedField
 from trialledger.adapters.tasks.env import SENSITIVE, EnvUnresolved, long_enough

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trialledger.adapters.environment import BUILD_TIMEOUT_S, Source, SourceKind, within
+from trialledger.adapters.images.environment import BUILD_TIMEOUT_S, Source, SourceKind, within
 from trialledger.adapters.sandbox.allowlist import AllowList
 from trialledger.adapters.tasks.artifacts import CONVENTION_ONLY, Artifact, parse_artifacts
 from trialledger.adapters.tasks.collect import NAME as COLLECT
@@ -130,7 +130,7 @@ class Task:
                 raise TaskInvalid(f"{folder / 'task.toml'}: {error}") from None
         instruction = folder / "instruction.md"
         if not instruction.is_file() and not meta.get("steps"):
-            if (folder / "steps").is_dir():  # a dataset skips it (adapters/jobs.py)
+            if (folder / "steps").is_dir():  # a dataset skips it (adapters/jobs/queue.py)
                 raise StepInvalid(f"{folder}: no instruction.md, and task.toml declares no "
                                   f"[[steps]] for its steps/ folder")
             raise TaskInvalid(f"{folder}: no instruction.md (the prompt)")

@@ -1,5 +1,5 @@
 """A separate verifier, as Harbor 0.26's `models/task/verifier_mode.py` resolves it
-(docs/SPEC.md §17 "Separate verifier"); its phase is adapters/separateverifier.py's.
+(docs/SPEC.md §17 "Separate verifier"); its phase is adapters/session/separateverifier.py's.
 
 `[verifier] environment_mode = "separate"`, or a `[verifier.environment]` table (which
 implies it; beside `environment_mode = "shared"` Harbor refuses it), runs the verifier in
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from trialledger.adapters.environment import (
+from trialledger.adapters.images.environment import (
     BUILD_TIMEOUT_S,
     Cache,
     Environment,
@@ -37,12 +37,11 @@ from trialledger.adapters.environment import (
     Progress,
     Source,
     _tool,
-    missing,
     pick_engine,
-    prepare_engine_image,
     with_limits,
 )
-from trialledger.adapters.prepare import prepare
+from trialledger.adapters.images.prepare import prepare
+from trialledger.adapters.images.unpack import missing, prepare_engine_image
 from trialledger.adapters.tasks.compose import FILE as COMPOSE_FILE
 from trialledger.adapters.tasks.compose import Compose, Service
 from trialledger.adapters.tasks.compose import load as load_compose

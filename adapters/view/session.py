@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from trialledger.adapters import artifacts
+from trialledger.adapters.session import artifacts
 from trialledger.adapters.view.names import slug
 from trialledger.adapters.view.pages import NotFound
 from trialledger.adapters.view.render import plain_data

@@ -1,0 +1,374 @@
+"""Dockerfile builds (docs/SPEC.md §12), as the build user of `adapters/images/builder.py`.
+
+A build is keyed as Docker's cache is: its context, the id of every `FROM` image in the
+build storage (`adapters/images/dockerfile.py` reads them, `ARG`s and `--platform` resolved) and
+its build arguments; the built image is tagged with that key, so a changed base image is
+rebuilt and an unchanged one is not. The `FROM` images the operator's storage holds are
+copied into the build storage first (one copy at a time, briefly locked); one missing from
+both is pulled only with `--pull`, else the task is refused naming it. A build of one key
+holds that key's lock only: different images build at once, and finding an image already
+built takes no lock. The build reads a copy of `environment/` that the build user owns, in
+a private folder with its own TMPDIR. Every engine command of a build runs in its box
+(`adapters/images/buildbox.py`: its own cgroup, and for `podman build` its own network), which
+ends whole with the build, taking its working containers along. The built image is saved
+by the build user, moved out of its reach, and read into the cache as an archive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from trialledger.adapters.images.buildbox import LOCK_NAME, BuildBox, contained, end_dead_builds
+from trialledger.adapters.images.builder import WHAT, Builder, build_user
+from trialledger.adapters.images.dockerfile import BaseImage, base_images
+from trialledger.adapters.images.environment import (
+    Cache,
+    Environment,
+    EnvironmentUnavailable,
+    Progress,
+    Source,
+    _tool,
+    context_digest,
+    copy_tree,
+)
+from trialledger.adapters.images.imagestore import ImageStore
+from trialledger.adapters.images.unpack import prepare_archive
+from trialledger.adapters.sandbox.cgroup import BUILD_PREFIX
+from trialledger.adapters.sandbox.slirp import RESOLVER
+
+TAG = "localhost/trialledger-build"
+FROM_LOCK = "from-images.lock"  # copying FROM images into the build storage: one at a time
+STEP = re.compile(rb"^(?:\[\d+/\d+\] )?STEP (\d+)/(\d+):", re.MULTILINE)  # podman's output
+FOLLOW_S = 0.25  # how often a build's output is read for its step
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """One build's folders: `outer` is ours; in it the context and `inner` (TMPDIR, the
+    saved image) are the build user's."""
+
+    outer: Path
+
+    @property
+    def inner(self) -> Path:
+        return self.outer / "build"
+
+    @property
+    def build_id(self) -> str:
+        """The build's id: what follows the prefix in its folder's name."""
+        return self.outer.name.removeprefix(BUILD_PREFIX)
+
+    @property
+    def context(self) -> Path:
+        return self.outer / "context"
+
+    @property
+    def tmp(self) -> Path:
+        return self.inner / "tmp"
+
+
+def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | None, *,
+                       pull: bool = False, progress: Progress | None = None,
+                       build_args: Mapping[str, str] | None = None) -> Environment:
+    """Build `environment/Dockerfile` as the build user once per build key (context,
+    `FROM` image ids, build arguments), then read the image from the build storage into
+    the cache. `progress` hears that the build waits for another build of its image, and
+    which step it is at."""
+    context = source.path
+    if context.is_symlink() or not context.is_dir():
+        raise EnvironmentUnavailable(f"{WHAT}: {source.context}/ must be a folder, not a link")
+    for tool in ("podman", "buildah"):
+        if shutil.which(tool) is None:
+            raise EnvironmentUnavailable(f"{WHAT}: {tool} is not installed "
+                                         f"(apt-get install {tool})")
+    builder = build_user()
+    args = dict(build_args or {})
+    dockerfile = (context / "Dockerfile").read_text(encoding="utf-8", errors="replace")
+    bases = base_images(dockerfile, args)
+    _end_dead_builds_once(builder)
+    with _workspace(builder) as work:
+        with contained(builder, work.inner, work.tmp, source, build_id=work.build_id) as box:
+            with _sweeping:  # one thread of the process sweeps, the others go on after
+                if not _swept:
+                    _swept.append(box.remove_dead_builds_containers())
+            held = _copy_base_images(box, work, engine, [b.ref for b in bases])
+            ids = [resolve_base(box, base, engine, pull=pull, held=held.get(base.ref))
+                   for base in bases]
+            key = build_key(context_digest(context), bases, ids, args)
+            remembered = cache.remembered(f"build-{key}")
+            if remembered is not None and (found := cache.image(remembered)) is not None:
+                return found
+            tag = f"{TAG}:{key[:32]}"
+            if not box.succeeds(["podman", "image", "exists", tag]):
+                waiting = functools.partial(progress, "waiting", None) if progress else None
+                with _locked(builder.locks / f"{key}.lock", waiting):
+                    if not box.succeeds(["podman", "image", "exists", tag]):  # built meanwhile?
+                        _stage_context(builder, work, context)
+                        _build(box, work, tag, source.build_timeout_s, args, progress)
+            digest = _image_id(box, tag)
+            cache.remember(f"build-{key}", digest)
+            if (found := cache.image(digest)) is not None:
+                return found
+            if isinstance(cache.store, ImageStore):  # the layers it lacks, copied in below
+                exported = cache.store.export_built(box, work.inner / "layout",
+                                                    work.outer / "layout", tag, WHAT)
+            else:
+                archive = _save(box, work, tag)
+        if isinstance(cache.store, ImageStore):
+            return cache.store.take(exported, digest, kind="image", ref="Dockerfile",
+                                    what=WHAT)
+        return prepare_archive(archive, "Dockerfile", cache, owner, digest=digest)
+
+
+def build_key(context: str, bases: list[BaseImage], ids: list[str],
+              build_args: Mapping[str, str]) -> str:
+    """A build's key, as Docker's cache has it: the context's digest, each `FROM` image
+    (its name, the platform asked for, its id in the build storage) and the build
+    arguments."""
+    named = [[b.ref, b.platform, i] for b, i in zip(bases, ids, strict=True)]
+    whole = {"context": context, "from": named, "args": sorted(build_args.items())}
+    return hashlib.sha256(json.dumps(whole, sort_keys=True).encode()).hexdigest()
+
+
+class Held(NamedTuple):
+    """An image the build storage holds: its id, and the os and architecture the engine
+    records for it."""
+
+    ident: str
+    system: str
+    arch: str
+
+
+def _in_build_storage(box: BuildBox, ref: str) -> Held | None:
+    """What the build storage holds under `ref` (None: nothing), in one inspect."""
+    argv = ["podman", "image", "inspect", "--format", "{{.Id}}|{{.Os}}|{{.Architecture}}",
+            ref]
+    try:
+        ident, system, arch = [*box.run(argv).strip().split("|"), "", ""][:3]
+    except EnvironmentUnavailable:
+        return None
+    return Held(ident if ident.startswith("sha256:") else f"sha256:{ident}", system, arch)
+
+
+def _for_platform(held: Held | None, base: BaseImage) -> str | None:
+    """The id of what the build storage holds for `base`, if it is for the platform `base`
+    asks (os and architecture as the engine records them; any, when it asks none)."""
+    if held is None:
+        return None
+    if base.platform is not None:
+        wanted = base.platform.split("/")
+        if wanted[0] != held.system or (len(wanted) > 1 and wanted[1] != held.arch):
+            return None
+    return held.ident
+
+
+def resolve_base(box: BuildBox, base: BaseImage, engine: str, *, pull: bool,
+                 held: Held | None = None) -> str:
+    """The id of a `FROM` image in the build storage (for the platform it asks), from
+    `held` (what `_copy_base_images` found there) or one inspect; one missing there is
+    pulled with `pull`, else the task is refused naming it."""
+    found = _for_platform(held or _in_build_storage(box, base.ref), base)
+    if found is None and pull:
+        platform = ["--platform", base.platform] if base.platform else []
+        box.run(["podman", "pull", "-q", *platform, base.ref],
+                f"{WHAT}: pulling FROM image {base.ref}")
+        found = _for_platform(_in_build_storage(box, base.ref), base)
+    if found is None:
+        asked = f" for {base.platform}" if base.platform else ""
+        raise EnvironmentUnavailable(
+            f"{WHAT}: FROM image {base.ref}{asked} is in neither the build storage nor "
+            f"{engine}'s local storage; --pull pulls it")
+    return found
+
+
+@contextlib.contextmanager
+def _locked(lock: Path, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+    """A lock of the build storage's: one build key's (held while that image builds: other
+    keys build meanwhile), or the FROM copy's (held while a FROM image is copied in).
+    `waiting` is told when another holds it (then it is waited for)."""
+    lock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+_swept: list[int] = []  # non-empty once this process removed what killed builds left
+_sweeping = threading.Lock()  # a process's builds start at once (a job's -n): one sweeps
+
+
+def _end_dead_builds_once(builder: Builder) -> None:
+    """At a process's first build: end the cgroups and folders of builds whose run was
+    killed (their containers go once this build's box exists)."""
+    with _sweeping:
+        if not _swept:
+            end_dead_builds(builder)
+
+
+@contextlib.contextmanager
+def _workspace(builder: Builder) -> Iterator[Workspace]:
+    """A fresh private folder with the build user's TMPDIR, its lock held while the build
+    lives (a sweep takes a folder whose lock is free for a killed run's); removed
+    afterwards, the lock let go last."""
+    builder.scratch.mkdir(parents=True, exist_ok=True)
+    work = Workspace(Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=builder.scratch)))
+    lock = os.open(work.outer / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                   0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        work.outer.chmod(0o711)
+        work.inner.mkdir(mode=0o700)
+        work.tmp.mkdir(mode=0o700)
+        _give(builder, work.inner)
+        yield work
+    finally:
+        shutil.rmtree(work.outer, ignore_errors=True)
+        os.close(lock)
+
+
+def _stage_context(builder: Builder, work: Workspace, context: Path) -> None:
+    """A copy of the context, made in our folder, then given to the build user."""
+    copy_tree(context, work.context)
+    _give(builder, work.context)
+
+
+def _give(builder: Builder, root: Path) -> None:
+    """Give a tree to the build user."""
+    os.lchown(root, builder.uid, builder.gid)
+    for folder, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            os.lchown(os.path.join(folder, name), builder.uid, builder.gid)
+
+
+def _image_id(box: BuildBox | None, ref: str, engine: str = "podman") -> str:
+    """An image's id in the build storage (or, with no box, the operator's)."""
+    argv = [engine, "image", "inspect", "--format", "{{.Id}}", ref]
+    ident = (box.run(argv) if box else _tool(argv, WHAT)).strip()
+    return ident if ident.startswith("sha256:") else f"sha256:{ident}"
+
+
+def _copy_base_images(box: BuildBox, work: Workspace, engine: str, named: list[str]
+                      ) -> dict[str, Held | None]:
+    """Copy the base images the operator's storage holds into the build storage (saved by
+    us with our environment, loaded by the build user), unless it has them already; what
+    the build storage then holds under each name (one inspect each, unless copied). Only a
+    copy takes a lock (one copy at a time, checked again under it): a build whose bases are
+    in place waits on no one."""
+    held: dict[str, Held | None] = {}
+    for image in named:
+        if image in held:
+            continue
+        held[image] = _in_build_storage(box, image)
+        try:
+            theirs = _image_id(None, image, engine)
+        except EnvironmentUnavailable:
+            continue  # not ours to give: pulled with --pull, else the task is refused
+        if _holds(held[image], theirs):
+            continue
+        with _locked(box.builder.locks / FROM_LOCK):
+            held[image] = _in_build_storage(box, image)
+            if _holds(held[image], theirs):
+                continue  # another build copied it meanwhile
+            archive = work.outer / "base.tar"
+            try:
+                _tool([engine, "save", "-o", str(archive), image],
+                      f"{WHAT}: base image {image}")
+                os.chown(archive, box.builder.uid, box.builder.gid)
+                box.run(["podman", "load", "-q", "-i", str(archive)])
+            finally:
+                archive.unlink(missing_ok=True)
+            held[image] = _in_build_storage(box, image)
+    return held
+
+
+def _holds(held: Held | None, ident: str) -> bool:
+    """Whether the build storage's image is the one with the id `ident`."""
+    return held is not None and held.ident == ident
+
+
+def _build(box: BuildBox, work: Workspace, tag: str, timeout: float,
+           build_args: Mapping[str, str], progress: Progress | None = None) -> None:
+    """`podman build --isolation chroot` in the build's box, past `timeout` killed. Its id
+    goes in `--cgroup-parent` (recorded by each working container, used by nothing under
+    chroot isolation); `RUN` steps resolve names through slirp's resolver. It never pulls:
+    its `FROM` images are the ones its key names, in the build storage already. `progress`
+    hears each `STEP n/m` podman prints as it gets there."""
+    args = [a for name, value in sorted(build_args.items())
+            for a in ("--build-arg", f"{name}={value}")]
+    argv = ["podman", "build", "--isolation", "chroot", "--cgroup-parent", box.build_id,
+            "--pull=never", "--dns", RESOLVER, *args, "-t", tag,
+            "-f", str(work.context / "Dockerfile"), str(work.context)]
+    with open(work.outer / "build.log", "w+b") as log, _following(log.name, progress):
+        code = box.build(argv, log, timeout)
+        if code is None:
+            raise EnvironmentUnavailable(f"{WHAT}: podman ran past {timeout:g} s")
+        if code != 0:
+            log.seek(0)
+            lines = [ln.strip() for ln in log.read().decode(errors="replace").splitlines()
+                     if ln.strip()]
+            said = lines[-1] if lines else f"exit {code}"
+            raise EnvironmentUnavailable(f"{WHAT}: {said[-300:]}")
+
+
+@contextlib.contextmanager
+def _following(log: str, progress: Progress | None) -> Iterator[None]:
+    """While the block runs, a thread reads the build's output as it grows and tells
+    `progress` each new step (`STEP n/m:`, a stage's `[i/k] ` before it)."""
+    if progress is None:
+        yield
+        return
+    progress("building", None)
+    done = threading.Event()
+
+    def follow() -> None:
+        seen: tuple[int, int] | None = None
+        with open(log, "rb") as handle:
+            tail = b""
+            while not done.wait(FOLLOW_S):
+                tail += handle.read()
+                complete, _, tail = tail.rpartition(b"\n")
+                steps = STEP.findall(complete)
+                if steps and (step := (int(steps[-1][0]), int(steps[-1][1]))) != seen:
+                    seen = step
+                    progress("building", step)
+
+    thread = threading.Thread(target=follow, name="build-steps", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _save(box: BuildBox, work: Workspace, tag: str) -> Path:
+    """`podman save` as the build user, moved out of its reach (a plain file, or refused)."""
+    saved = work.inner / "image.tar"
+    box.run(["podman", "save", "--format", "oci-archive", "-o", str(saved), tag])
+    archive = work.outer / "image.tar"
+    os.rename(saved, archive)
+    info = os.lstat(archive)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        raise EnvironmentUnavailable(f"{WHAT}: the saved image is not a plain file")
+    return archive

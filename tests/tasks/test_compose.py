@@ -1,0 +1,413 @@
+"""Compose environments (docs/SPEC.md §17 "Compose environments"; adapters/tasks/compose.py,
+adapters/sandbox/services.py): a task's `environment/docker-compose.yaml` read as Harbor's
+docker environment merges it (each key honoured, warned or refused by name), and its
+services run as real runc containers of the session over images built offline
+(tests/images.py) — started in `depends_on` order, healthy before `main`, in one network
+namespace with the agent's container, stopped with the session."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.images import base_images, module_private_storage  # noqa: F401 (fixtures)
+from tests.runs import in_process
+from tests.tasks.test_task_artifacts import gaps, session, verification
+from trialledger.adapters.tasks import compose
+from trialledger.adapters.tasks.task import Task, TaskInvalid, UnsupportedField
+
+pytestmark = pytest.mark.usefixtures("base_images")  # the images the tasks name
+DATASET = Path(__file__).parents[1] / "data" / "features"
+TOML = '[environment]\ndocker_image = "localhost/tl-debian:plain"\nworkdir = "/app"\n'
+
+
+def task_with(folder: Path, yaml: str, toml: str = TOML) -> Path:
+    """A task folder with `yaml` as its compose file."""
+    (folder / "environment").mkdir(parents=True)
+    (folder / "instruction.md").write_text("compose\n")
+    (folder / "task.toml").write_text(toml)
+    (folder / "environment" / "docker-compose.yaml").write_text(yaml)
+    return folder
+
+
+def load(tmp_path: Path, yaml: str, toml: str = TOML) -> Task:
+    return Task.load(task_with(tmp_path / "task", yaml, toml))
+
+
+# --- reading the file ---------------------------------------------------------------------
+
+
+def test_services_are_read_in_depends_on_order_with_main_last(tmp_path: Path) -> None:
+    task = load(tmp_path, """
+services:
+  main: {depends_on: {api: {condition: service_healthy}}}
+  api:
+    image: localhost/tl-busybox:configured
+    depends_on: [db]
+    command: httpd -f -p "80 80"
+    healthcheck: {test: "wget -q localhost", interval: 1m30s, timeout: 500ms}
+  db: {build: {context: ./db, args: {V: "1"}}, environment: [A=b, C]}
+""")
+    assert task.compose is not None
+    assert [s.name for s in task.compose.services] == ["db", "api", "main"]
+    db, api, main = task.compose.services
+    assert main.depends_on == {"api": "service_healthy"}
+    assert api.depends_on == {"db": "service_started"}
+    assert api.command == ("httpd", "-f", "-p", "80 80")  # split as a shell would, no shell
+    assert api.healthcheck is not None and api.healthcheck.command == "wget -q localhost"
+    assert (api.healthcheck.interval_sec, api.healthcheck.timeout_sec) == (90.0, 0.5)
+    assert api.healthcheck.retries == 3  # Docker's default
+    assert db.source is not None and db.source.context == "environment/db"
+    assert dict(db.source.build_args) == {"V": "1"}
+    assert db.env == {"A": "b"}  # `C` alone: unset here, as Compose leaves it
+
+
+@pytest.mark.parametrize(("yaml", "named"), [
+    ("services:\n  db: {image: x, ports: ['5432:5432']}\n", "services.db.ports"),
+    ("services:\n  db: {image: x, volumes: ['/etc:/host']}\n", "never bound in"),
+    ("services:\n  db: {image: x, volumes: ['/data']}\n", "SOURCE:TARGET"),
+    ("services:\n  db: {image: x, volumes: [{type: tmpfs, target: /t}]}\n", "tmpfs"),
+    ("services: {}\nvolumes: {data: {driver: nfs}}\n", "volumes.data"),
+    ("services:\n  db: {image: x, privileged: true}\n", "services.db.privileged"),
+    ("services:\n  db: {image: x, network_mode: host}\n", "services.db.network_mode"),
+    ("services:\n  main: {image: other}\n", "services.main.image"),
+    ("services:\n  main: {command: [sh]}\n", "services.main.command"),
+    ("services:\n  db: {build: {context: ., target: dev}}\n", "services.db.build.target"),
+    ("services:\n  db: {image: x, depends_on: {main: {}}}\n", "depends on `main`"),
+    ("services:\n  main: {volumes: ['v:/logs/verifier']}\nvolumes: {v: }\n", "harness's own"),
+    ("services:\n  main: {volumes: ['v:/run']}\nvolumes: {v: }\n", "harness's own"),
+    ("services:\n" + "".join(f"  s{i}: {{image: x}}\n" for i in range(65)), "at most 64"),
+])
+def test_a_key_we_cannot_honour_is_refused_by_name(tmp_path: Path, yaml: str,
+                                                   named: str) -> None:
+    with pytest.raises(UnsupportedField, match=named.replace(".", r"\.")):
+        load(tmp_path, yaml)
+
+
+@pytest.mark.parametrize(("yaml", "why"), [
+    ("services:\n  db: {image: x, depends_on: [web]}\n  web: {image: x, depends_on: [db]}\n",
+     "cycle"),
+    ("services:\n  db: {image: x, depends_on: [nope]}\n", "no service named 'nope'"),
+    ("services:\n  db: {build: ../../..}\n", "inside the task folder"),
+    ("services:\n  db: {command: [sh]}\n", "needs an `image` or a `build`"),
+    ("services:\n  db: {image: '${NOT_SET_ANYWHERE_42}'}\n", "NOT_SET_ANYWHERE_42"),
+    ("services:\n  db: {image: 'a$b$'}\n", "cannot interpolate"),
+    ("services: [a]\n", "expected a mapping"),
+    ("services:\n  db: {image: x, healthcheck: {test: [CMD]}}\n", "test"),
+    ("services:\n  db: {image: x, healthcheck: {test: ls, interval: soon}}\n", "duration"),
+    ("services: {db: {image: x}\n", "not YAML"),
+    ("services:\n  \"db\\n\": {image: x}\n", "is not a service name"),
+    ("services:\n  db: {image: x, volumes: [{type: volume, source: /etc, target: /h}]}\n"
+     "volumes: {/etc: }\n", "is not a volume name"),
+    ("services:\n  db: {image: x, healthcheck: {test: ls, interval: .inf}}\n", "up to a day"),
+    ("services:\n  db: {image: x, healthcheck: {test: ls, retries: 99999999}}\n", "retries"),
+    ("services:\n  db: {image: x, environment: {A: \"a\\0b\"}}\n", "NUL"),
+    ("services:\n  db: {build: }\n", "expected a string"),
+    ("services:\n  db: {image: x, volumes: [{type: volume, 1: x, a: y}]}\n", "not supported"),
+    ("services:\n  db: {image: x, volumes: ['data:/d']}\n", "not declared"),
+    ("services:\n  db: {image: x, volumes: ['./nope:/d']}\n", "inside the task folder"),
+    ("services:\n  db: {image: x, volumes: ['../../..:/d']}\n", "inside the task folder"),
+])
+def test_a_file_compose_would_not_read_is_refused_in_one_message(tmp_path: Path, yaml: str,
+                                                                 why: str) -> None:
+    with pytest.raises(TaskInvalid, match=why) as raised:
+        load(tmp_path, yaml)
+    assert "docker-compose.yaml" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_volumes_are_named_volumes_or_task_folders(tmp_path: Path) -> None:
+    folder = task_with(tmp_path / "task", """
+services:
+  db:
+    image: x
+    volumes: ["data:/var/lib/db", "./conf:/etc/db:ro",
+              {type: bind, source: ../tests, target: /t, read_only: true}]
+  main: {volumes: ["data:/mnt/data:ro"]}
+volumes: {data: }
+""")
+    (folder / "environment" / "conf").mkdir()
+    (folder / "tests").mkdir()
+    task = Task.load(folder)
+    assert task.compose is not None
+    db, main = task.compose.services
+    real = folder.resolve()
+    assert db.volumes == (
+        compose.Volume("volume", "data", "/var/lib/db"),
+        compose.Volume("bind", f"{real}/environment/conf", "/etc/db", read_only=True),
+        compose.Volume("bind", f"{real}/tests", "/t", read_only=True))
+    assert main.volumes == (compose.Volume("volume", "data", "/mnt/data", read_only=True),)
+
+
+def test_a_build_context_that_is_a_link_out_of_the_task_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder = task_with(tmp_path / "task", "services:\n  db: {build: ./db}\n")
+    (folder / "environment" / "db").symlink_to(outside)
+    with pytest.raises(TaskInvalid, match="inside the task folder"):
+        Task.load(folder)
+
+
+def test_values_are_interpolated_as_compose_does(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TL_COMPOSE_OPERATOR", "from-the-operator")
+    monkeypatch.setenv("TL_COMPOSE_TOKEN", "operator-token-7Hq2")
+    task = load(tmp_path, """
+services:
+  db:
+    image: localhost/tl-busybox:configured
+    environment:
+      A: "${WORD}-$WORD-${NOPE:-dflt}-${EMPTY:-dflt}-${EMPTY-kept}-$$WORD"
+      B: ${TL_COMPOSE_OPERATOR}
+      C: ${TL_COMPOSE_TOKEN}
+  web:
+    image: x
+    environment: [TL_COMPOSE_TOKEN, TL_COMPOSE_OPERATOR]
+""", TOML + '[environment.env]\nWORD = "w"\nEMPTY = ""\n')
+    assert task.compose is not None
+    db, web = task.compose.others
+    assert db.env == {"A": "w-w-dflt-dflt--$WORD", "B": "from-the-operator",
+                      "C": "operator-token-7Hq2"}
+    assert web.env == {"TL_COMPOSE_TOKEN": "operator-token-7Hq2",
+                       "TL_COMPOSE_OPERATOR": "from-the-operator"}
+    # the operator's values under a secret's name are scrubbed (as [environment] env's)
+    assert "operator-token-7Hq2" in task.secrets and "from-the-operator" not in task.secrets
+
+
+def test_an_operators_secret_too_short_to_scrub_refuses_the_task(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TL_COMPOSE_TOKEN", "short")
+    with pytest.raises(TaskInvalid, match="TL_COMPOSE_TOKEN"):
+        load(tmp_path, "services:\n  db: {image: x, environment: [TL_COMPOSE_TOKEN]}\n")
+
+
+def test_a_yaml_alias_bomb_is_refused_in_a_short_message(tmp_path: Path) -> None:
+    """Each alias level multiplies the value tenfold; the file stays a few hundred bytes,
+    and the refusal quotes the value bounded."""
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 7)]
+    yaml = "x-bomb:\n" + "".join(f"  {line}\n" for line in levels)
+    yaml += "services:\n  db: {image: *a6}\n"
+    with pytest.raises(TaskInvalid) as raised:
+        load(tmp_path, yaml)
+    assert len(str(raised.value)) < 1000
+
+
+def test_ignored_keys_are_warned_and_a_host_task_is_refused(tmp_path: Path) -> None:
+    task = load(tmp_path, "version: '3'\nservices:\n  db: {image: x, container_name: d}\n")
+    assert set(task.ignored_fields) >= {"environment/docker-compose.yaml version",
+                                        "environment/docker-compose.yaml "
+                                        "services.db.container_name"}
+    with pytest.raises(UnsupportedField, match="needs the task's image"):
+        load(tmp_path / "host", "services: {}\n", toml="")
+
+
+@given(st.lists(st.tuples(st.integers(0, 500), st.sampled_from(list(compose.UNITS))),
+                min_size=1, max_size=4))
+def test_a_duration_is_the_sum_of_its_parts_up_to_a_day(parts: list[tuple[int, str]]) -> None:
+    text = "".join(f"{n}{unit}" for n, unit in parts)
+    expected = sum(n * compose.UNITS[unit] for n, unit in parts)
+    if expected > compose.MAX_DURATION_S:  # a day at most: a check never waits forever
+        with pytest.raises(TaskInvalid, match="up to a day"):
+            compose._duration(text, "here")
+    else:
+        assert compose._duration(text, "here") == pytest.approx(expected)
+
+
+# --- running the services ---------------------------------------------------------------
+
+
+def variant(tmp_path: Path, name: str) -> Path:
+    target = tmp_path / name
+    shutil.copytree(DATASET / name, target, symlinks=True)
+    return target
+
+
+def oracle_run(task: Path, db: Path, *extra: str) -> tuple[Any, str]:
+    """`run TASK --agent oracle`: its session's view and what the CLI printed (with why
+    its sandbox was lost, if it was)."""
+    done = in_process("run", str(task), "--agent", "oracle", "--db", str(db),
+                      "--cache-dir", str(db.parent / "cache"), *extra)
+    view = session(db)
+    lost = [e.data.detail for e in view.events if e.type == "sandbox.lost"]
+    return view, done.stdout + done.stderr + "".join(f"\nlost: {why}" for why in lost)
+
+
+def test_a_service_that_never_becomes_healthy_loses_the_session_naming_it(
+        tmp_path: Path) -> None:
+    task = variant(tmp_path, "compose-web")
+    yaml = task / "environment" / "docker-compose.yaml"
+    yaml.write_text(yaml.read_text().replace("http://127.0.0.1:8080/", "http://127.0.0.1:1/")
+                    .replace("retries: 20", "retries: 2"))
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    (lost,) = [e for e in view.events if e.type == "sandbox.lost"]
+    assert "compose service web did not become healthy" in lost.data.detail, printed
+    assert "Traceback" not in printed
+
+
+def test_a_service_that_exits_while_the_agent_runs_is_a_gap(tmp_path: Path) -> None:
+    """The oracle stops the greeter (one PID namespace per container: it cannot, so the
+    greeter's own command ends itself after the first answer): gap `service_exited`."""
+    task = variant(tmp_path, "compose-order")
+    yaml = task / "environment" / "docker-compose.yaml"
+    yaml.write_text(yaml.read_text().replace("exec httpd -f -p 9000 -h /srv/www",
+                                             "timeout 2 httpd -f -p 9000 -h /srv/www; exit 3"))
+    (task / "solution" / "solve.sh").write_text(
+        (task / "solution" / "solve.sh").read_text().replace("exit 0\n", "sleep 4; exit 0\n",
+                                                              1))
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    assert gaps(view, "service_exited") == ["compose service greeter exited with 3"], printed
+    assert not [e for e in view.events if e.type == "sandbox.lost"]
+
+
+def test_with_a_phase_not_public_the_services_share_the_agents_one_network(
+        tmp_path: Path) -> None:
+    """compose-order's agent phase is `no-network`: main and the services share one
+    namespace (one policy), so `localhost` reaches the greeter — and that namespace has
+    nothing but loopback while the agent runs (no slirp4netns, no bridge)."""
+    task = variant(tmp_path, "compose-order")
+    solve = task / "solution" / "solve.sh"
+    solve.write_text(solve.read_text().replace(
+        "\n", "\n[ \"$(ls /sys/class/net)\" = lo ] || "
+              "{ echo \"escaped: $(ls /sys/class/net)\" > /app/greeting.txt; exit 0; }\n", 1))
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    assert verification(view).data.rewards == {"reward": 1.0}, printed
+
+
+def test_with_every_phase_public_each_service_has_its_own_network_on_a_bridge(
+        tmp_path: Path) -> None:
+    """compose-web's phases are all public: web and mirror both listen on 8080 (each in a
+    namespace of its own; in main's one the second bind would fail), each reached by its
+    name at its bridge address; main's namespace holds its way out and its link to the
+    bridge (the bridge is in a namespace of its own) — nothing of it is on the host's
+    network."""
+    task = variant(tmp_path, "compose-web")
+    solve = task / "solution" / "solve.sh"
+    solve.write_text(solve.read_text() + "ls /sys/class/net | tr '\\n' ' ' > /app/nets\n"
+                                          "getent hosts web mirror main | tr -s ' ' > /app/hosts\n")
+    test = task / "tests" / "test.sh"
+    test.write_text(
+        "#!/bin/bash\n"
+        "hosts=$(printf '10.89.0.2 web\\n10.89.0.3 mirror\\n10.89.0.1 main')\n"
+        "if grep -qx compose-page-4711 /app/page.txt && grep -qx mirror-page-0815 "
+        "/app/mirror.txt && [ \"$(cat /app/nets)\" = 'eth1 lo tap0 ' ] "
+        "&& [ \"$(cat /app/hosts)\" = \"$hosts\" ]; then echo 1; else echo 0; fi "
+        "> /logs/verifier/reward.txt\n")
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    assert verification(view).data.rewards == {"reward": 1.0}, printed + test.read_text()
+
+
+SNIFF = (  # perl (in every Debian image): a raw socket on every link of the namespace, 4 s
+    "perl -e 'socket(S, 17, 3, 768) or die \"socket: $!\\n\"; my ($own, $between) = (0, 0);"
+    " my $end = time + 4; while (time < $end) { my $r = \"\"; vec($r, fileno(S), 1) = 1;"
+    " next unless select($r, undef, undef, 0.5); recv(S, my $frame, 65535, 0);"
+    " $own = 1 if $frame =~ /compose-page-4711/;"
+    " $between = 1 if $frame =~ /between-services-5150/ }"
+    " print \"own:$own between:$between\\n\"' > /app/sniffed 2>&1 &\n")
+
+
+def test_the_agent_cannot_observe_what_the_services_send_each_other(tmp_path: Path) -> None:
+    """An agent holds CAP_NET_RAW, as under Docker: it sniffs every link of its namespace
+    while `mirror` keeps asking `web` for a marked page. It sees its own exchange with
+    `web` (the sniffer works), never the services' (the bridge is not in its namespace)."""
+    task = variant(tmp_path, "compose-web")
+    yaml = task / "environment" / "docker-compose.yaml"
+    yaml.write_text(yaml.read_text().replace(
+        '["sh", "-c", "mkdir', '["sh", "-c", "(while :; do wget -q -O /dev/null '
+        'http://web:8080/between-services-5150; sleep 0.2; done) & mkdir'))
+    solve = task / "solution" / "solve.sh"
+    body = solve.read_text().split("\n", 1)[1]
+    solve.write_text(f"#!/bin/bash\n{SNIFF}sniffer=$!\nsleep 1\n{body}wait $sniffer\n")
+    with (task / "task.toml").open("a") as toml:
+        toml.write('[[verifier.collect]]\ncommand = "cat /app/sniffed"\n')
+    view, printed = oracle_run(task, tmp_path / "t.db", "--set",
+                               f"sandbox_logs_dir={tmp_path / 'kept'}")
+    kept = tmp_path / "kept" / view.session_id / "collect" / "1.txt"
+    assert kept.read_text() == "own:1 between:0\n", printed
+
+
+def test_a_services_hooks_and_artifacts_are_taken_from_its_container(tmp_path: Path
+                                                                      ) -> None:
+    """Hooks of `greeter` run in its container, as its user, with its environment, after
+    main's; one in `prepare` (ended: it completed) is gap `collect_failed`; outputs are
+    numbered main's first, then the services' in their start order (prepare, greeter).
+    An artifact of `greeter` is read from its container."""
+    task = variant(tmp_path, "compose-order")
+    toml_text = (task / "task.toml").read_text()
+    (task / "task.toml").write_text(
+        'artifacts = [{source = "/srv/www/index.html", service = "greeter", '
+        'destination = "greeting.html"}]\n' + toml_text)
+    with (task / "task.toml").open("a") as toml:
+        toml.write('[[verifier.collect]]\nservice = "greeter"\n'
+                   'command = "echo $GREETING; cat www/index.html; ls /app; true"\n'
+                   '[[verifier.collect]]\ncommand = "echo main; ls /srv/www; true"\n'
+                   '[[verifier.collect]]\nservice = "prepare"\ncommand = "true"\n')
+    view, printed = oracle_run(task, tmp_path / "t.db", "--set",
+                               f"sandbox_logs_dir={tmp_path / 'kept'}")
+    kept = tmp_path / "kept" / view.session_id / "collect"
+    assert (kept / "1.txt").read_text().startswith("main\nls: "), printed  # no /srv in main
+    assert (kept / "3.txt").read_text().startswith(
+        "hello-ordered-compose\nhello-ordered-compose from /srv as 0, prepared, templated\n"
+        "ls: ")  # and no /app in greeter
+    (failed,) = gaps(view, "collect_failed")
+    assert failed == "`true`: it could not start: its container exited with 0", failed
+    assert verification(view).data.rewards == {"reward": 1.0}
+    assert (kept.parent / "artifacts" / "greeting.html").read_text() == \
+        "hello-ordered-compose from /srv as 0, prepared, templated\n"
+
+
+def test_a_named_volume_starts_with_what_the_image_holds_there(tmp_path: Path) -> None:
+    """As Docker's: a named volume first mounted over a folder of the image starts as a
+    copy of it, owners kept (`_apt`'s folder is still `_apt`'s, mode 0700)."""
+    task = variant(tmp_path, "compose-order")
+    yaml = task / "environment" / "docker-compose.yaml"
+    yaml.write_text(yaml.read_text().replace(
+        "        read_only: true\n", "        read_only: true\n      - apt:/var/lib/apt\n")
+        .replace("  notes: {}\n", "  notes: {}\n  apt: {}\n"))
+    with (task / "task.toml").open("a") as toml:
+        toml.write('[[verifier.collect]]\ncommand = "stat -c \'%u %a\' '
+                   '/var/lib/apt/lists/partial; ls /var/lib/apt"\n')
+    view, printed = oracle_run(task, tmp_path / "t.db", "--set",
+                               f"sandbox_logs_dir={tmp_path / 'kept'}")
+    kept = tmp_path / "kept" / view.session_id / "collect" / "1.txt"
+    assert kept.read_text() == "42 700\nextended_states\nlists\nmirrors\nperiodic\n", printed
+    assert verification(view).data.rewards == {"reward": 1.0}
+
+
+def test_a_separate_verifiers_services_are_never_the_agents(tmp_path: Path) -> None:
+    """separate-tests-compose's `answers` service is the verifier's: the agent's container
+    neither resolves nor reaches it (the oracle writes its answer only if it cannot; any
+    TCP connection may open here, through the machine's proxy, so the answer is what
+    counts), and the verifier does (reward 1)."""
+    task = variant(tmp_path, "separate-tests-compose")
+    (task / "solution" / "solve.sh").write_text(
+        "#!/bin/bash\ngetent hosts answers && exit 0\n"
+        "timeout 5 bash -c 'exec 3<>/dev/tcp/10.89.0.2/8080; printf \"GET /answer "
+        "HTTP/1.0\\r\\n\\r\\n\" >&3; cat <&3' 2>/dev/null | grep -qx 42 && exit 0\n"
+        "echo 42 > /srv/out.txt\n")
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    assert verification(view).data.rewards == {"reward": 1.0}, printed
+
+
+def test_the_agent_cannot_see_or_touch_a_services_files(tmp_path: Path) -> None:
+    """The service's root is its own overlay: the agent's container does not hold its
+    files, and what the agent writes never appears in it (the page it serves is its own)."""
+    task = variant(tmp_path, "compose-web")
+    (task / "solution" / "solve.sh").write_text(
+        "#!/bin/bash\n"
+        "ls /www/index.html 2>/dev/null && exit 1\n"
+        "mkdir -p /www && echo forged > /www/index.html\n"
+        + (DATASET / "compose-web" / "solution" / "solve.sh").read_text().split("\n", 1)[1])
+    view, printed = oracle_run(task, tmp_path / "t.db")
+    assert verification(view).data.rewards == {"reward": 1.0}, printed
+
+
+def test_a_refused_compose_key_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    folder = task_with(tmp_path / "task", "services:\n  db: {image: x, ports: ['80:80']}\n")
+    done = in_process("run", str(folder), "--agent", "oracle", "--db", str(tmp_path / "t.db"))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "services.db.ports" in done.stderr

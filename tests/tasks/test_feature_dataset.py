@@ -1,0 +1,108 @@
+"""The dataset of Harbor 0.26 task features (tests/data/features/, docs/tasks.md): real task
+folders in Harbor's format — users per phase, collect hooks, separate verifiers (over the
+images built offline), multi-step tasks and compose environments — run as a user runs a
+dataset: `job run` with the oracle (1 on every task) and nop (0 on every task), trials of
+different tasks at once while a verifier's image builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tests.images import base_images, module_private_storage  # noqa: F401 (fixtures)
+from tests.runs import in_process
+from trialledger.adapters.sandbox.process import LocalRun
+
+pytestmark = pytest.mark.usefixtures("base_images")  # the images the tasks name
+DATASET = Path(__file__).parents[1] / "data" / "features"
+
+
+def test_the_oracle_scores_1_and_nop_0_on_every_feature_task(tmp_path: Path) -> None:
+    tasks = sorted(path.name for path in DATASET.iterdir())
+    assert len(tasks) >= 6
+    for agent, expected in (("oracle", 1.0), ("nop", 0.0)):
+        done = in_process("job", "run", agent, str(DATASET), "--agent", agent, "-n", "3",
+                          "--db", str(tmp_path / "jobs.db"),
+                          "--cache-dir", str(tmp_path / "cache"), "--json")
+        assert done.returncode == 0, done.stderr
+        trials = {trial["task"]: trial for trial in map(json.loads, done.stdout.splitlines())}
+        rewards = {task: trial["reward"] for task, trial in trials.items()}
+        assert rewards == dict.fromkeys(tasks, expected), done.stdout + done.stderr
+        # a session per step; nop fails the first step's min_reward: the second never runs
+        assert len(trials["steps-gate"]["sessions"]) == (2 if agent == "oracle" else 1)
+
+
+def test_a_multi_step_task_in_a_sandbox_per_phase_is_refused_in_one_line(
+        tmp_path: Path) -> None:
+    """Over an image the steps share one container (Harbor's): `verifier_isolation =
+    strict` (a sandbox per phase) cannot give them one, and says so before any session."""
+    done = in_process("run", str(DATASET / "steps-image"), "--agent", "oracle",
+                      "--db", str(tmp_path / "t.db"), "--cache-dir", str(tmp_path / "cache"),
+                      "--set", "verifier_isolation=strict")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "steps share one container" in done.stderr and "Traceback" not in done.stderr
+
+
+def steps_image_with(tmp_path: Path, step: str, solve_sh: str, grade: str) -> float:
+    """The reward of `steps-image` run by the oracle with `step`'s solution replaced by
+    `solve_sh` and the final step's tests giving 1 when the shell test `grade` holds."""
+    task = tmp_path / "steps-image"
+    shutil.copytree(DATASET / "steps-image", task)
+    (task / "steps" / step / "solution" / "solve.sh").write_text(f"#!/bin/sh\n{solve_sh}")
+    (task / "tests" / "test.sh").write_text(
+        f"#!/bin/sh\nif {grade}; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n")
+    done = in_process("job", "run", "variant", str(task), "--agent", "oracle",
+                      "--db", str(tmp_path / "t.db"), "--cache-dir", str(tmp_path / "cache"),
+                      "--json")
+    assert done.returncode == 0, done.stderr
+    reward: float = json.loads(done.stdout)["reward"]
+    return reward
+
+
+def test_a_link_the_agent_left_in_the_way_of_a_steps_workdir_is_replaced(
+        tmp_path: Path) -> None:
+    """Step 1's agent makes `data` (where step 2's workdir/ brings data/more.txt) a link to
+    a folder outside the workdir: the upload, by the container's root, replaces the link
+    with a folder and writes nothing through it."""
+    assert steps_image_with(
+        tmp_path, "fetch",
+        "cp data/seed.txt out.txt\nmkdir -p /elsewhere\nrm -r data\nln -s /elsewhere data\n",
+        '[ -d data ] && [ ! -L data ] && [ -f data/more.txt ] && [ -z "$(ls -A /elsewhere)" ]'
+    ) == 1.0
+
+
+def test_a_later_steps_agent_finds_no_grader_of_the_step_before(
+        tmp_path: Path) -> None:
+    """As Harbor resets them after a shared verifier: step 1's `/tests` (the task's final
+    test.sh among them) and its `/logs/verifier` are emptied before step 2's agent runs
+    in the same container."""
+    assert steps_image_with(
+        tmp_path, "extend",
+        "cat data/more.txt >> out.txt\nls -A /tests /logs/verifier > seen.txt 2>&1\n",
+        "[ -f out.txt ] && ! grep -q test.sh seen.txt && ! grep -q reward seen.txt") == 1.0
+
+
+def test_a_run_closed_twice_closes_its_descriptors_once() -> None:
+    """A container stopped early (a separate verifier's) and again at the session's end:
+    the second close must not close a descriptor another thread has opened since under
+    the same number (it broke a concurrent image build's pipe)."""
+    async def go() -> None:
+        read, write = os.pipe()
+        os.close(write)
+        process = await anyio.open_process(["true"])
+        run = LocalRun(process, status_fd=read, info_fd=None, isolation="runc", marker="m")
+        await run.aclose()
+        again, other = os.pipe()  # the lowest free numbers: `read`'s comes back
+        try:
+            assert again == read
+            await run.aclose()
+            os.fstat(again)  # still open
+        finally:
+            os.close(again)
+            os.close(other)
+    anyio.run(go)
