@@ -15,6 +15,9 @@ killed; what it detached (a daemon) keeps running into the next phase.
 (Docker's injected files, `/logs`), joins each phase's process into it, runs the verifier
 and the healthcheck there and copies files in; the running container is `Container`'s
 (running.py), its network phase by phase `ContainerNetwork`'s (containernet.py).
+
+Just over 500 lines: each phase's way into the container (join, copy, clear, check) reads
+beside the others, as they share its user, namespace and seccomp rules.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ CAP_NUMBERS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSET
 IDLE = "--idle"  # our init's argument to sleep forever: PID 1's command without ENTRYPOINT
 NETWORK_PHASES = ("healthcheck", "agent", "verifier")  # each with its network mode (§15)
 NAMES_SHOWN = 10  # survivors named in `agent_processes_survived`
+SERVICE_END_S = 2.0  # how long a completed service's runc is waited for, for its code
 CHECK_TAIL = 4096  # bytes of a healthcheck try's output kept
 REMOVE_BATCH = 1000  # names per `rm` run (well inside ARG_MAX)
 REMOVE_ROUNDS = 1000  # batches at most (a million names)
@@ -172,6 +176,12 @@ class ContainerPhases(SessionIds, SessionLayout, ContainerNetwork, ComposeParts)
         it has stopped)."""
         if self.container is not None:
             if (why := self.container.lost()) is not None:
+                if self.shares is not None:  # (a compose service that completed after
+                    # its start: said as of one that ended as it started, once runc says)
+                    with anyio.move_on_after(SERVICE_END_S):
+                        await self.container.run.process.wait()
+                    if (code := self.container.run.process.returncode) is not None:
+                        raise OSError(f"its container exited with {code}")
                 raise OSError(why)
             return self.container
         if self.ended_code is not None:  # (a compose service that completed: never again)

@@ -179,6 +179,31 @@ def test_a_job_counts_a_multi_step_trial_once_with_its_strategys_reward(
     assert "multi k=0 verify reward 0.833333 steps: one 1, two 1, three 0.5 (1 attempt" in lines
 
 
+@pytest.mark.parametrize(("broken", "scored"), [("setup", True), ("healthcheck", False)])
+def test_a_job_scores_a_trial_stopped_before_a_step_as_harbors_error_table_does(
+        tmp_path: Path, broken: str, scored: bool) -> None:
+    """Step two cannot be set up: its setup.sh failing (Harbor's `RuntimeError`) leaves the
+    trial's reward — step one's — valid; its healthcheck failing (`HealthcheckError`) does
+    not (migration 0018)."""
+    folder = three_steps(tmp_path / "data" / "multi")
+    if broken == "setup":
+        (folder / "steps" / "two" / "workdir" / "setup.sh").write_text("exit 3\n")
+    else:
+        toml = folder / "task.toml"
+        toml.write_text(toml.read_text().replace(
+            'name = "two"\n', 'name = "two"\nhealthcheck = { command = "exit 1", '
+                             'interval_sec = 0.1, retries = 1 }\n'))
+    db = str(tmp_path / "t.db")
+    done = in_process("job", "run", "steps", str(tmp_path / "data"), "--agent", "oracle",
+                      "--db", db)
+    assert done.returncode == (0 if scored else 1), done.stderr
+    shown = json.loads(in_process("job", "show", "steps", "--db", db, "--json").stdout)
+    (trial,) = shown["trials"]
+    assert trial["scored"] == int(scored)
+    assert trial["rewards"] == ({"reward": 1.0} if scored else None)
+    assert trial["steps"] == [{"name": "one", "reward": 1.0}, {"name": "two", "reward": None}]
+
+
 def test_a_jobs_figures_per_reward_name_take_a_multi_step_trials_strategy(
         tmp_path: Path) -> None:
     """With several reward names every figure is per name: a `mean` trial's value of
