@@ -38,6 +38,7 @@ class ComposeParts:
     init: Any  # our init's path (identity.py)
     container: Any  # ContainerPhases' `Container` (container.py), once started
     phase_modes: dict[str, str]  # each phase's network mode
+    modes_used: frozenset[str]  # ... and those a later step's phases may switch to
     allowed_hosts: AllowList | None
     image: Environment | None
     ended_code: int | None = None  # a container that ended as it started: its exit code
@@ -67,7 +68,7 @@ class ComposeParts:
         """Whether some phase of the session is connected outward (its resolver answers):
         a service's session decides for it."""
         session = self.shares[0] if self.shares is not None else self
-        return "public" in session.phase_modes.values() or session.allowed_hosts is not None
+        return "public" in session.modes_used or session.allowed_hosts is not None
 
     @property
     def _neighbours(self) -> list[tuple[str, str]]:

@@ -8,7 +8,7 @@ sandbox of its own connected the same way, and a way out that died noticed once.
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -40,8 +40,20 @@ class ContainerNetwork:
     egress_sink: Callable[[str], Awaitable[None]] | None  # where a refused connection goes
     slirp: Slirp | None  # the container's outward connection (a public network)
     phase_modes: dict[str, str]  # NETWORK_PHASES → the phase's network mode
+    modes_used: frozenset[str]  # ... and those a later step's phases may switch to
     _net_namespace: int | None  # the container's network namespace's inode (bwrap's)
     shares: tuple[Any, Any] | None  # (a compose service's own) the session's, its service
+
+    def use_modes(self, modes: Mapping[str, str]) -> None:
+        """A step's `agent` and `verifier` network modes (adapters/session/steprun.py), for
+        its phases from now on: the container switches to them as to any phase's
+        (`_use_network`). Each must be one the sandbox was made for (`modes_used`)."""
+        for phase in ("agent", "verifier"):
+            mode = modes.get(phase, self.phase_modes[phase])
+            if mode not in self.modes_used:
+                raise SandboxRefused(f"network_mode = {mode!r} for the {phase} phase: the "
+                                     f"sandbox was not made for it")
+            self.phase_modes[phase] = mode
 
     async def _connect(self) -> None:
         """slirp4netns started on the container's network (OSError: it could not be)."""

@@ -40,7 +40,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import anyio
@@ -151,6 +151,7 @@ class LocalSandbox(PhaseRuns):
         task_env: Mapping[str, str] | None = None,
         allowed_hosts: AllowList | None = None,
         network_modes: Mapping[str, str] | None = None,
+        later_modes: Collection[str] = (),
         runtime: str | None = None,
         no_new_privileges: bool = False,
         compose: Compose | None = None,
@@ -192,10 +193,13 @@ class LocalSandbox(PhaseRuns):
         outward = "public" if network is not None and network.outward else "no-network"
         self.phase_modes = {phase: (network_modes or {}).get(phase, outward)
                             for phase in NETWORK_PHASES}
+        # ... and every mode a phase may be switched to later (a multi-step task's steps:
+        # `use_modes`), which what is set up once (slirp4netns, a compose bridge) allows for
+        self.modes_used = frozenset({*self.phase_modes.values(), *later_modes})
         if isolation == "process-group":
             self._refuse_unconfined(environment, network)
         if (self.image is not None and isolation == "bwrap"
-                and "public" in self.phase_modes.values()
+                and "public" in self.modes_used
                 and (problem := slirp_problem()) is not None):
             raise SandboxRefused(f"a public network for an image's container needs "
                                  f"slirp4netns: {problem}")
@@ -246,7 +250,7 @@ class LocalSandbox(PhaseRuns):
         self.compose_needs = dict(compose.main.depends_on) if compose is not None else {}
         # (a compose task) every phase public: each service in a network namespace of its
         # own on the session's bridge (bridge.py); else all in the session's one
-        self.bridged = (compose is not None and set(self.phase_modes.values()) == {"public"}
+        self.bridged = (compose is not None and self.modes_used == {"public"}
                         and allowed_hosts is None)
         self.bridge_fd: int | None = None  # (bridged) the bridge's network namespace
         # (a compose task) the volumes this container mounts: main's, or its service's
@@ -304,7 +308,7 @@ class LocalSandbox(PhaseRuns):
             raise SandboxRefused("allow_internet = false needs a private network namespace, "
                                  "which needs bwrap; --isolation process-group cannot run it")
         if network is not None and (modes := sorted(
-                {mode for mode in self.phase_modes.values() if mode != "public"})):
+                {mode for mode in self.modes_used if mode != "public"})):
             raise SandboxRefused(f"network_mode = {modes[0]!r} needs a private network "
                                  f"namespace, which needs bwrap; --isolation process-group "
                                  f"cannot run it")

@@ -303,6 +303,7 @@ class SessionRunner(TheAgent):
             network_modes=({"healthcheck": modes["environment"], "agent": modes["agent"],
                             "verifier": modes["verifier"]}
                            if (modes := self.task.network_modes) else None),
+            later_modes=[mode for step in self.task.steps for mode in step.network_modes.values()],
         )
         # Made (and below discarded) in a worker thread: its bwrap check, folders and
         # cgroups block for tens of milliseconds, which the trials beside it would wait out.

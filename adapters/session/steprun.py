@@ -47,13 +47,21 @@ Close = Callable[[Recorder], Awaitable[None]]  # the step's gate, before its ses
 def refuse_here(task: Task, environment: Environment, settings: Mapping[str, object]
                 ) -> None:
     """SandboxRefused, by name, where a multi-step task is not run: a host task whose
-    workdir is / (each step's `workdir/` would go over the host's folder itself); over an
+    workdir is / (each step's `workdir/` would go over the host's folder itself) or with a
+    step's own network mode; over an
     image, a sandbox per phase (`verifier_isolation = strict`: Harbor's steps share one
     container)."""
     where = task.folder / "task.toml"
     if environment.root is None and str(settings["workdir"]) == "/":
         raise SandboxRefused(f"{where}: steps: a host task's multi-step run needs a workdir "
                              f"other than /")
+    differs = [step for step in task.steps if any(
+        task.network_modes.get(phase) != mode for phase, mode in step.network_modes.items())]
+    if environment.root is None and differs:
+        named = differs[0]
+        raise SandboxRefused(f"{where}: [[steps]] {named.name!r}: a step's network_mode needs "
+                             f"an image or rootfs environment (its container switches "
+                             f"networks per phase); a host task's phases share the host's")
     if environment.root is not None and settings["verifier_isolation"] != "harbor":
         raise SandboxRefused(f"{where}: steps: over an image the steps share one container "
                              f"(verifier_isolation = harbor), not a sandbox per phase")
@@ -61,13 +69,21 @@ def refuse_here(task: Task, environment: Environment, settings: Mapping[str, obj
 
 def step_task(task: Task, step: Step) -> Task:
     """The task as one step's session sees it: the step's prompt, its timeouts, users,
-    `[steps.verifier] env` and artifacts over the task's; the task's healthcheck in the
-    first step only (Harbor checks the environment once, when it starts)."""
+    `[steps.verifier] env`, artifacts and phases' network modes over the task's (a
+    separate verifier's phase too), its collect hooks after the task's; the task's
+    healthcheck in the first step only (Harbor checks the environment once, when it
+    starts)."""
+    separate = task.separate_verifier
+    if separate is not None and "verifier" in step.network_modes:
+        separate = dataclasses.replace(separate, phase_mode=step.network_modes["verifier"])
     return dataclasses.replace(task, instruction=step.instruction,
+                               network_modes={**task.network_modes, **step.network_modes},
+                               separate_verifier=separate,
                                settings={**task.settings, **step.settings},
                                users={**task.users, **step.users},
                                verifier_env={**task.verifier_env, **step.verifier_env},
                                artifacts=step.artifacts or task.artifacts,
+                               collect=(*task.collect, *step.collect),
                                healthcheck=task.healthcheck if step.index == 1 else None)
 
 
@@ -93,6 +109,7 @@ async def run_attempt(runner: StepSessions, *, attempt: int, retry_of: str | Non
                 forget_rollouts(opened.sandbox)
             info = StepInfo(name=step.name, index=step.index, count=len(task.steps))
             one = runner.for_step(step)
+            opened.sandbox.use_modes(one.task.network_modes)
             close = functools.partial(gate, step, tuple(runs), gates)
             result = await one.session_in(
                 opened, attempt=attempt, retry_of=retry_of if step.index == 1 else None,

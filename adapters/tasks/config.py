@@ -241,37 +241,50 @@ def phase_mode(table: Mapping[str, Any], name: str, where: str) -> str | None:
 
 def allowed_entries(meta: Mapping[str, Any], modes: Mapping[str, str], where: str
                     ) -> list[Any] | None:
-    """The `allowed_hosts` of the phases whose mode is `allowlist` (a phase's table's when
+    """The `allowed_hosts` of the phases whose mode is `allowlist` — a phase's table's when
     that table sets `network_mode`, else `[environment]`'s, as Harbor resolves a phase's
-    policy), checked to be the same list (one allowlist serves the session); None when no
-    phase is `allowlist`. A list in a table whose mode is not `allowlist` is refused, as
-    Harbor's model refuses it."""
+    policy; a step's `agent`/`verifier` table that sets its own `network_mode` counts as a
+    phase of its own — checked to be the same list (one allowlist serves the session);
+    None when no phase is `allowlist`. A list in a table whose mode is not `allowlist` is
+    refused, as Harbor's model refuses it."""
     environment = meta.get("environment", {})
-    for name, table in (("environment", environment), *((p, meta.get(p, {})) for p in PHASES)):
+    steps = meta["steps"] if isinstance(meta.get("steps"), list) else []
+    # (name, table, its mode when it sets one or is [environment]; None: it inherits)
+    tables: list[tuple[str, Mapping[str, Any], str | None]] = [
+        ("[environment]", environment, modes["environment"]),
+        *((f"[{p}]", meta.get(p, {}), modes[p] if "network_mode" in meta.get(p, {}) else None)
+          for p in PHASES)]
+    for step in steps:
+        for phase in PHASES:
+            table = step.get(phase, {}) if isinstance(step, dict) else {}
+            if isinstance(table, dict) and ("network_mode" in table
+                                            or "allowed_hosts" in table):
+                tables.append((f"[[steps]] {step.get('name')!r} [steps.{phase}]", table,
+                               phase_mode(table, f"steps.{phase}",
+                                          f"{where}: [[steps]] {step.get('name')!r}")))
+    for name, table, mode in tables:
         hosts = table.get("allowed_hosts")
         if hosts is not None and not isinstance(hosts, str) and not (
                 isinstance(hosts, list) and all(isinstance(host, str) for host in hosts)):
-            raise wrong_type(where, f"[{name}] allowed_hosts", hosts, "a list of strings")
-        mode = modes[name] if "network_mode" in table or name == "environment" else None
-        if table.get("allowed_hosts") and mode not in (None, "allowlist"):
-            raise TaskInvalid(f"{where}: [{name}] allowed_hosts is only valid when "
+            raise wrong_type(where, f"{name} allowed_hosts", hosts, "a list of strings")
+        if hosts and mode not in (None, "allowlist"):
+            raise TaskInvalid(f"{where}: {name} allowed_hosts is only valid when "
                               f"network_mode = 'allowlist'")
-    listed = [p for p in ("environment", *PHASES) if modes[p] == "allowlist"]
-    if not listed:
-        return None
 
-    def entries(phase: str) -> list[Any]:
-        table = meta.get(phase, {})
-        found = (table if "network_mode" in table or phase == "environment"
-                 else environment).get("allowed_hosts")
+    def entries(table: Mapping[str, Any], mode: str | None) -> list[Any]:
+        found = (table if mode is not None else environment).get("allowed_hosts")
         return list(found) if isinstance(found, list) else [] if found is None else [found]
 
-    differs = next((phase for phase in listed if entries(phase) != entries(listed[0])), None)
+    listed = [(name, entries(table, mode)) for name, table, mode in tables
+              if (mode or modes["environment"]) == "allowlist"]
+    if not listed:
+        return None
+    differs = next((name for name, hosts in listed if hosts != listed[0][1]), None)
     if differs is not None:
-        raise UnsupportedField(f"{where}: [{differs}] allowed_hosts: its phase would reach "
-                               f"other hosts than [{listed[0]}]'s; one allowlist serves the "
-                               f"whole session here")
-    return entries(listed[0])
+        raise UnsupportedField(f"{where}: {differs} allowed_hosts: its phase would reach "
+                               f"other hosts than {listed[0][0]}'s; one allowlist serves "
+                               f"the whole session here")
+    return listed[0][1]
 
 
 LIMITS = ("cpus", "memory_mb", "pids")  # an environment table's limits (§12)

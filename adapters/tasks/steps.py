@@ -9,7 +9,8 @@ them (its `models/task/config.py` `StepConfig`, `models/task/paths.py`, docs/SPE
     steps/<name>/solution/        the oracle's for this step, else the task's solution/
 
 A step's `healthcheck` (a `[environment.healthcheck]` table) runs after its setup.sh, as
-its agent user; its `artifacts` are collected after the task's in its session.
+its agent user; its `artifacts` are collected after the task's in its session, and its
+`[[steps.verifier.collect]]` hooks run after the task's (Harbor's `_collect_hooks_for`).
 
 `min_reward` is a number (gating the `reward` key) or a table of key → threshold;
 `multi_step_reward_strategy` is `mean` (the default) or `final`. Every refusal is one
@@ -29,11 +30,13 @@ from typing import Any
 
 from trialledger.adapters.places import within
 from trialledger.adapters.tasks.artifacts import Artifact, parse_step_artifacts
+from trialledger.adapters.tasks.collect import CollectHook, parse_collect
 from trialledger.adapters.tasks.config import (
     HONOURED,
     Key,
     TaskInvalid,
     UnsupportedField,
+    phase_mode,
     wrong_type,
 )
 from trialledger.adapters.tasks.env import ResolvedEnv
@@ -60,13 +63,14 @@ STEP_FIELDS: dict[tuple[str, ...], Key] = {
     ("verifier", "user"): HONOURED,
     ("healthcheck",): HONOURED,  # after setup.sh, before the agent
     ("artifacts",): HONOURED,  # after the task's, for the step's collection
-    ("agent", "network_mode"): Key("refused", NOT_YET),
-    ("agent", "allowed_hosts"): Key("refused", NOT_YET),
-    ("verifier", "network_mode"): Key("refused", NOT_YET),
-    ("verifier", "allowed_hosts"): Key("refused", NOT_YET),
+    # over the task's phase for this step's sessions (the task's allowlist: config.py)
+    ("agent", "network_mode"): HONOURED,
+    ("agent", "allowed_hosts"): HONOURED,
+    ("verifier", "network_mode"): HONOURED,
+    ("verifier", "allowed_hosts"): HONOURED,
     ("verifier", "environment_mode"): Key("refused", NOT_YET, lambda value: value == "shared"),
     ("verifier", "environment"): Key("refused", NOT_YET),
-    ("verifier", "collect"): Key("refused", NOT_YET, lambda value: value == []),
+    ("verifier", "collect"): HONOURED,  # after the task's hooks, in the step's collection
 }
 STEP_TABLES = frozenset({("agent",), ("verifier",)})
 UNKNOWN = "is not a field of Harbor 0.26's step config: ignored"
@@ -93,10 +97,12 @@ class Step:
     min_reward: dict[str, float] | None = None  # key → threshold (a number: `reward`)
     settings: dict[str, Any] = field(default_factory=dict)  # timeout_s, verifier_timeout_s
     users: dict[str, str] = field(default_factory=dict)  # phase → its user
+    network_modes: dict[str, str] = field(default_factory=dict)  # phase → its own mode
     verifier_env: dict[str, str] = field(default_factory=dict)  # [steps.verifier] env
     secrets: tuple[str, ...] = ()  # its resolved values with sensitive names
     healthcheck: Healthcheck | None = None  # run after setup.sh, before the agent
     artifacts: tuple[Artifact, ...] | None = None  # the task's then its own; None: none of its own
+    collect: tuple[CollectHook, ...] = ()  # its [[steps.verifier.collect]], after the task's
 
     def gate_failure(self, rewards: Mapping[str, float] | None) -> str | None:
         """Why this step's `min_reward` gate fails on `rewards` (core/steps.py); None: it
@@ -143,6 +149,10 @@ def load_steps(meta: Mapping[str, Any], folder: Path, *, max_bytes: int,
                                                 f"{where}: {label}")
             ignored.update({f"{label} {key}": why for key, why in warned.items()})
             step = dataclasses.replace(step, artifacts=kept)
+        if "collect" in entry.get("verifier", {}):
+            hooks, warned = parse_collect(entry["verifier"]["collect"], f"{where}: {label}")
+            ignored.update({f"{label} {key}": why for key, why in warned.items()})
+            step = dataclasses.replace(step, collect=hooks)
         steps.append(step)
     return tuple(steps), ignored
 
@@ -223,6 +233,8 @@ def _step(entry: Mapping[str, Any], name: str, index: int, folder: Path, where: 
         users={phase: _user(table["user"], f"{phase}.user", label)
                for phase, table in (("agent", agent), ("verifier", verifier))
                if table.get("user") is not None},
+        network_modes={phase: mode for phase, table in (("agent", agent), ("verifier", verifier))
+                       if (mode := phase_mode(table, f"steps.{phase}", label)) is not None},
         verifier_env=env.values, secrets=env.secrets,
         healthcheck=(Healthcheck.parse(entry["healthcheck"], where,
                                        f"[[steps]] {name!r} healthcheck")

@@ -109,7 +109,8 @@ class Task:
         if in_range and self.source is not None:
             return dict(self.ignored_fields)
         users = {f"[{phase}] user": SINGLE_ID_USER for phase in self.users}
-        if any(hook.user is not None for hook in self.collect):
+        if any(hook.user is not None
+               for hook in (*self.collect, *(h for step in self.steps for h in step.collect))):
             users[f"{COLLECT} user"] = SINGLE_ID_USER
         return {**self.ignored_fields, **users}
 
@@ -160,9 +161,11 @@ class Task:
         if composed is not None and source is None:
             raise UnsupportedField(f"{folder / COMPOSE}: a compose environment needs the "
                                    f"task's image (environment/Dockerfile or docker_image)")
-        check_services(hooks, [*kept, *(a for step in steps for a in step.artifacts or ())],
-                       [s.name for s in composed.others] if composed else [],
-                       str(folder / "task.toml"))
+        services = [s.name for s in composed.others] if composed else []
+        check_services(hooks, kept, services, str(folder / "task.toml"))
+        for step in steps:
+            check_services(step.collect, step.artifacts or (), services,
+                           f"{folder / 'task.toml'}: [[steps]] {step.name!r}")
         return cls(
             allowed_hosts=(AllowList.parse(allowed, str(folder / "task.toml"))
                            if allowed is not None else None),

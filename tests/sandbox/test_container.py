@@ -36,7 +36,7 @@ from trialledger.adapters.sandbox.slirp import RESOLVER
 pytestmark = pytest.mark.anyio
 
 
-def _outside_address() -> str:
+def outside_address() -> str:
     """An address of this machine that is not loopback (where a route out leaves from)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect(("192.0.2.1", 9))  # no packet is sent: only the route is chosen
@@ -49,7 +49,7 @@ def _outside_address() -> str:
 def servers() -> Iterator[tuple[int, str, int]]:
     """A host service on loopback only, and one on the machine's outside address."""
     inside_only = socket.create_server(("127.0.0.1", 0))
-    outside = _outside_address()
+    outside = outside_address()
     reachable = socket.create_server((outside, 0))
     try:
         yield inside_only.getsockname()[1], outside, reachable.getsockname()[1]
@@ -254,7 +254,7 @@ def web_server() -> Iterator[tuple[str, int]]:
     """An HTTP server on this machine's outside address that answers every request."""
     import threading
 
-    server = socket.create_server((_outside_address(), 0))
+    server = socket.create_server((outside_address(), 0))
     server.settimeout(0.2)
     stop = threading.Event()
 

@@ -6,6 +6,7 @@ scripted endpoint."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import sqlite3
@@ -305,6 +306,22 @@ def test_a_steps_artifacts_are_collected_after_the_tasks_in_its_session(
                 "WHERE f.path LIKE 'artifacts/app/%' ORDER BY s.created_at, f.path")
     assert kept == [("one", "artifacts/app/one.txt"), ("two", "artifacts/app/one.txt"),
                     ("two", "artifacts/app/two.txt"), ("three", "artifacts/app/one.txt")]
+
+
+def test_a_steps_collect_hooks_run_after_the_tasks_in_its_session(tmp_path: Path) -> None:
+    """Harbor's `_collect_hooks_for`: the task's hooks, then the step's, after its agent."""
+    folder = three_steps(tmp_path / "task")
+    toml = folder / "task.toml"
+    toml.write_text('[[verifier.collect]]\ncommand = "echo task"\n' + toml.read_text().replace(
+        'name = "two"\n', 'name = "two"\n[[steps.verifier.collect]]\ncommand = "cat two.txt"\n'))
+    code, _ = run(folder, tmp_path / "t.db", "oracle")
+    assert code == 0
+    kept = rows(tmp_path / "t.db", "SELECT s.step_name, f.path, f.sha256 FROM "
+                "verification_files f JOIN sessions s ON s.session_id = f.session_id "
+                "WHERE f.path LIKE 'collect/%' ORDER BY s.created_at, f.path")
+    task, two = hashlib.sha256(b"task\n").hexdigest(), hashlib.sha256(b"given\n").hexdigest()
+    assert kept == [("one", "collect/1.txt", task), ("two", "collect/1.txt", task),
+                    ("two", "collect/2.txt", two), ("three", "collect/1.txt", task)]
 
 
 def test_the_upload_never_follows_a_link_the_agent_left(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import anyio
@@ -16,6 +17,7 @@ import pytest
 
 from tests.images import base_images, module_private_storage  # noqa: F401 (fixtures)
 from tests.runs import in_process
+from tests.sandbox.test_container import outside_address
 from trialledger.adapters.sandbox.process import LocalRun
 
 pytestmark = pytest.mark.usefixtures("base_images")  # the images the tasks name
@@ -85,6 +87,36 @@ def test_a_later_steps_agent_finds_no_grader_of_the_step_before(
         tmp_path, "extend",
         "cat data/more.txt >> out.txt\nls -A /tests /logs/verifier > seen.txt 2>&1\n",
         "[ -f out.txt ] && ! grep -q test.sh seen.txt && ! grep -q reward seen.txt") == 1.0
+
+
+def test_each_steps_phases_run_on_their_own_network_mode(tmp_path: Path) -> None:
+    """Harbor's network plan per step: a step's `[steps.agent]` / `[steps.verifier]`
+    `network_mode` over the task's for that step's phases, in the one container — step 1's
+    agent cut off, step 2's agent public (the task's), step 2's verifier cut off."""
+    outside = socket.create_server((outside_address(), 0))
+    address, port = outside.getsockname()[:2]
+    reach = f"(bash -c 'echo > /dev/tcp/{address}/{port}') 2>/dev/null"
+    task = tmp_path / "steps-image"
+    shutil.copytree(DATASET / "steps-image", task)
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace(
+        '# its workdir/ brings data/seed.txt and a setup.sh\n',
+        '\n[steps.agent]\nnetwork_mode = "no-network"\n').replace(
+        '# its workdir/ merges data/more.txt into data/',
+        '\n[steps.verifier]\nnetwork_mode = "no-network"\n'))
+    for step in ("fetch", "extend"):
+        solve = task / "steps" / step / "solution" / "solve.sh"
+        solve.write_text(solve.read_text() + f"{reach} && echo reached > {step}.net "
+                                             f"|| echo cut > {step}.net\n")
+    (task / "tests" / "test.sh").write_text(
+        f'#!/bin/sh\nif [ "$(cat fetch.net)" = cut ] && [ "$(cat extend.net)" = reached ] '
+        f'&& ! {reach}; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
+    with outside:
+        done = in_process("job", "run", "nets", str(task), "--agent", "oracle",
+                          "--db", str(tmp_path / "t.db"),
+                          "--cache-dir", str(tmp_path / "cache"), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["reward"] == 1.0, done.stdout
 
 
 def test_a_run_closed_twice_closes_its_descriptors_once() -> None:

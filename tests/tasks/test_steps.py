@@ -11,6 +11,7 @@ import pytest
 from tests.runs import in_process
 from trialledger.adapters.demo import samples
 from trialledger.adapters.jobs.queue import load_tasks
+from trialledger.adapters.tasks.collect import CollectHook
 from trialledger.adapters.tasks.steps import StepInvalid
 from trialledger.adapters.tasks.task import NoVerifier, Task, TaskInvalid, require_verifier
 from trialledger.core.steps import AttemptEnd, StepRun, attempt_end, trial_reward
@@ -66,6 +67,27 @@ def test_steps_are_read_as_harbor_reads_them(tmp_path: Path) -> None:
     assert final.reward_strategy == "final"
 
 
+def test_a_steps_network_modes_and_collect_hooks_are_read(tmp_path: Path) -> None:
+    """Over the task's for the step's phases; its hooks after the task's; its allowlist
+    the task's (one serves the session). A host task cannot switch a step's network."""
+    toml = ("[agent]\nnetwork_mode = 'allowlist'\nallowed_hosts = ['a.example']\n"
+            "[[steps]]\nname = 'write'\n[steps.agent]\nnetwork_mode = 'no-network'\n"
+            "[steps.verifier]\nnetwork_mode = 'allowlist'\nallowed_hosts = ['a.example']\n"
+            "[[steps.verifier.collect]]\ncommand = 'ls'\nuser = 'agent'\n")
+    folder = multi_step(tmp_path / "task", toml, steps=("write",))
+    task = Task.load(folder)
+    (write,) = task.steps
+    assert write.network_modes == {"agent": "no-network", "verifier": "allowlist"}
+    assert write.collect == (CollectHook("ls", user="agent"),)
+    assert task.allowed_hosts is not None and task.collect == ()
+    assert "[[verifier.collect]] user" in task.unhonoured(in_range=False)
+    samples.executable(folder / "solution" / "solve.sh", "true\n")
+    done = in_process("run", str(folder), "--agent", "oracle", "--db", str(tmp_path / "t.db"))
+    refusal = done.stderr.splitlines()[-1]  # (after the warning about the hook's user)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "[[steps]] 'write': a step's network_mode needs an image" in refusal
+
+
 def test_a_step_without_a_test_script_of_its_own_or_the_tasks_has_no_verifier(
         tmp_path: Path) -> None:
     task = Task.load(multi_step(tmp_path / "task", root_tests=False))
@@ -98,8 +120,20 @@ BAD = [
      ("one",), "destination '/abs' must be a relative path"),
     ("[[steps]]\nname = 'one'\nartifacts = [{source = '/a', service = 'db'}]\n",
      ("one",), "from service 'db': the task has no such compose service"),
-    ("[[steps]]\nname = 'one'\n[steps.verifier]\ncollect = [{command = 'true'}]\n",
-     ("one",), "verifier.collect: is not supported in a step here"),
+    ("[[steps]]\nname = 'one'\n[steps.verifier]\ncollect = [{command = 'true', "
+     "service = 'db'}]\n", ("one",),
+     "[[steps]] 'one': [[verifier.collect]] 1 service = 'db': the task has no such compose"),
+    ("[[steps]]\nname = 'one'\n[steps.verifier]\ncollect = [{timeout_sec = 1}]\n",
+     ("one",), "[[steps]] 'one': [[verifier.collect]] 1 command = None"),
+    ("[[steps]]\nname = 'one'\n[steps.agent]\nnetwork_mode = 'offline'\n", ("one",),
+     "[[steps]] 'one': [steps.agent] network_mode must be one of"),
+    ("[[steps]]\nname = 'one'\n[steps.verifier]\nnetwork_mode = 'public'\n"
+     "allowed_hosts = ['a.example']\n", ("one",),
+     "[[steps]] 'one' [steps.verifier] allowed_hosts is only valid when"),
+    ("[agent]\nnetwork_mode = 'allowlist'\nallowed_hosts = ['a.example']\n[[steps]]\n"
+     "name = 'one'\n[steps.agent]\nnetwork_mode = 'allowlist'\nallowed_hosts = ['b.example']\n",
+     ("one",), "[[steps]] 'one' [steps.agent] allowed_hosts: its phase would reach other "
+               "hosts than [agent]'s; one allowlist serves the whole session here"),
     ("[[steps]]\nname = 'one'\n[steps.verifier]\nenv = {K = '${NOT_SET_ANYWHERE_XYZ}'}\n",
      ("one",), "NOT_SET_ANYWHERE_XYZ"),
 ]
