@@ -120,6 +120,12 @@ class Environment:
     verifier: Environment | None = None
     # A compose task's other services' images, by name (adapters/tasks/compose.py, §17)
     services: tuple[tuple[str, Environment], ...] = ()
+    # A multi-step task's steps' separate verifiers' own, by step name (§17)
+    step_verifiers: tuple[tuple[str, Environment], ...] = ()
+
+    def for_step(self, name: str) -> Environment:
+        """This environment as one step's session sees it: its verifier the step's."""
+        return dataclasses.replace(self, verifier=dict(self.step_verifiers).get(name))
 
     def record(self) -> dict[str, Any]:
         """`agent.launched.environment`."""

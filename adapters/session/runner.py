@@ -103,12 +103,16 @@ class SessionRunner(TheAgent):
         self.scripted = options.agent in scripted.SCRIPTED
         self.codex: str | None = None
         self.install: CodexInstall | None = None
-        if task.separate_verifier is not None and (
-                environment.verifier is None or not environment.plain
-                or options.isolation != "bwrap"):
-            raise SandboxRefused(f"{task.folder / 'task.toml'}: {task.separate_verifier.named}"
-                                 f": a separate verifier needs range mode (a root runner "
-                                 f"after setup, under bwrap) and its image prepared "
+        prepared = dict(environment.step_verifiers)
+        unready = [separate for separate, image in (
+            (task.separate_verifier, environment.verifier),
+            *((separate, prepared.get(name)) for name, separate in task.step_verifiers))
+            if separate is not None and (image is None or not environment.plain
+                                         or options.isolation != "bwrap")]
+        if unready:
+            raise SandboxRefused(f"{task.folder / 'task.toml'}: {unready[0].named}: a separate "
+                                 f"verifier needs range mode (a root runner after setup, "
+                                 f"under bwrap) and its image prepared "
                                  f"(verifiermode.prepare_task)")
         if options.agent == "oracle":
             scripted.solve_script(task)  # NoSolution now, before any session is seeded
@@ -215,6 +219,7 @@ class SessionRunner(TheAgent):
         """This runner as it runs one step's session: the task as the step sees it."""
         one = copy.copy(self)
         one.task, one.step = steprun.step_task(self.task, step), step
+        one.environment = self.environment.for_step(step.name)
         return one
 
     @contextlib.asynccontextmanager

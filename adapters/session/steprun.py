@@ -70,10 +70,11 @@ def refuse_here(task: Task, environment: Environment, settings: Mapping[str, obj
 def step_task(task: Task, step: Step) -> Task:
     """The task as one step's session sees it: the step's prompt, its timeouts, users,
     `[steps.verifier] env`, artifacts and phases' network modes over the task's (a
-    separate verifier's phase too), its collect hooks after the task's; the task's
+    separate verifier's phase too), its own verifier mode, its collect hooks after the
+    task's; the task's
     healthcheck in the first step only (Harbor checks the environment once, when it
     starts)."""
-    separate = task.separate_verifier
+    separate = step.separate_verifier  # (the task's, unless the step resolves its own)
     if separate is not None and "verifier" in step.network_modes:
         separate = dataclasses.replace(separate, phase_mode=step.network_modes["verifier"])
     return dataclasses.replace(task, instruction=step.instruction,

@@ -42,6 +42,7 @@ from trialledger.adapters.tasks.config import (
 from trialledger.adapters.tasks.env import ResolvedEnv
 from trialledger.adapters.tasks.files import read_task_text
 from trialledger.adapters.tasks.healthcheck import Healthcheck
+from trialledger.adapters.tasks.verifiermode import SeparateVerifier
 from trialledger.core.steps import Strategy, gate_failure
 
 STRATEGIES: tuple[Strategy, ...] = ("mean", "final")
@@ -50,7 +51,6 @@ STRATEGIES: tuple[Strategy, ...] = ("mean", "final")
 _INVALID = re.compile(r'[<>:"/\\|?*\x00-\x1f\x7f]')
 _DEVICE = re.compile(r"^(CON|PRN|AUX|NUL|CONIN\$|CONOUT\$|(?:COM|LPT)[1-9¹²³])$",
                      re.IGNORECASE)
-NOT_YET = "is not supported in a step here"
 
 # Each key of Harbor's StepConfig and what is done with it ("*": any key of that table).
 STEP_FIELDS: dict[tuple[str, ...], Key] = {
@@ -68,8 +68,9 @@ STEP_FIELDS: dict[tuple[str, ...], Key] = {
     ("agent", "allowed_hosts"): HONOURED,
     ("verifier", "network_mode"): HONOURED,
     ("verifier", "allowed_hosts"): HONOURED,
-    ("verifier", "environment_mode"): Key("refused", NOT_YET, lambda value: value == "shared"),
-    ("verifier", "environment"): Key("refused", NOT_YET),
+    # the step's separate verifier (adapters/tasks/verifiermode.py `parse`, with the step)
+    ("verifier", "environment_mode"): HONOURED,
+    ("verifier", "environment"): HONOURED,
     ("verifier", "collect"): HONOURED,  # after the task's hooks, in the step's collection
 }
 STEP_TABLES = frozenset({("agent",), ("verifier",)})
@@ -103,6 +104,8 @@ class Step:
     healthcheck: Healthcheck | None = None  # run after setup.sh, before the agent
     artifacts: tuple[Artifact, ...] | None = None  # the task's then its own; None: none of its own
     collect: tuple[CollectHook, ...] = ()  # its [[steps.verifier.collect]], after the task's
+    # its own container for the verifier (None: shared), as Harbor resolves a step's mode
+    separate_verifier: SeparateVerifier | None = None
 
     def gate_failure(self, rewards: Mapping[str, float] | None) -> str | None:
         """Why this step's `min_reward` gate fails on `rewards` (core/steps.py); None: it

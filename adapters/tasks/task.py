@@ -19,7 +19,9 @@ is checked to stay inside the folder, so a link never leads a task to a host fol
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +104,12 @@ class Task:
     reward_strategy: Strategy = "mean"  # multi_step_reward_strategy: the trial's reward
     compose: Compose | None = None  # environment/docker-compose.yaml's services (§17)
 
+    @property
+    def step_verifiers(self) -> tuple[tuple[str, SeparateVerifier], ...]:
+        """Each step with a separate verifier, and it (adapters/tasks/verifiermode.py)."""
+        return tuple((step.name, step.separate_verifier) for step in self.steps
+                     if step.separate_verifier is not None)
+
     def unhonoured(self, in_range: bool) -> dict[str, str]:
         """Every field of the task a runner warns about → why: `ignored_fields`, plus the
         phase users and collect hooks' users, honoured only for image and rootfs tasks in
@@ -156,6 +164,12 @@ class Task:
         limits = _limits(environment, folder)
         separate = _separate(meta, folder, environment, limits, tables["environment"].values,
                              source, max_bytes)
+        steps = tuple(dataclasses.replace(step, separate_verifier=_separate(
+            meta, folder, environment, limits, tables["environment"].values, source,
+            max_bytes, step=entry))
+            for step, entry in zip(steps, meta.get("steps") or (), strict=True))
+        verifiers = [v for v in (separate, *(step.separate_verifier for step in steps))
+                     if v is not None]
         composed = load_compose(folder, max_bytes, tables["environment"].values,
                                 float(environment.get("build_timeout_sec", BUILD_TIMEOUT_S)))
         if composed is not None and source is None:
@@ -185,10 +199,10 @@ class Task:
             verifier_env=tables["verifier"].values,
             solution_env=tables["solution"].values,
             secrets=(*(secret for table in tables.values() for secret in table.secrets),
-                     *servers.secrets, *(separate.secrets if separate else ()),
+                     *servers.secrets,
                      *(secret for step in steps for secret in step.secrets),
                      *(composed.secrets if composed else ()),
-                     *(separate.compose.secrets if separate and separate.compose else ())),
+                     *(secret for v in verifiers for secret in v.all_secrets)),
             mcp_servers=servers,
             allow_internet=modes["agent"] == "public",  # (a container switches per phase)
             network_modes=modes,
@@ -197,11 +211,10 @@ class Task:
             storage_mb=_storage_mb(environment, folder),
             separate_verifier=separate,
             ignored_fields=dict(sorted({**ignored, **servers.ignored, **warned, **unknown,
-                                        **(separate.ignored if separate else {}),
                                         **step_ignored,
                                         **(composed.ignored if composed else {}),
-                                        **(separate.compose.ignored
-                                           if separate and separate.compose else {})
+                                        **{k: why for v in verifiers
+                                           for k, why in v.all_ignored.items()}
                                         }.items())),
             steps=steps,
             compose=composed,
@@ -256,7 +269,8 @@ def require_verifier(task: Task) -> Task:
     separate verifier's image may hold its own: docs/SPEC.md §17; a multi-step task: a step
     with neither its own `tests/test.sh` nor the task's)."""
     if task.steps:
-        if bare := next((step for step in task.steps if step.test_script is None), None):
+        if bare := next((step for step in task.steps if step.test_script is None and not (
+                step.separate_verifier and step.separate_verifier.bundled)), None):
             raise NoVerifier(f"{task.folder}: step {bare.name!r} has no tests/test.sh, nor "
                              f"has the task (the verifier): nothing could grade it")
         return task
@@ -268,11 +282,13 @@ def require_verifier(task: Task) -> Task:
 
 def _separate(meta: dict[str, Any], folder: Path, environment: dict[str, Any],
               limits: dict[str, float], env: dict[str, str], source: Source | None,
-              max_bytes: int) -> SeparateVerifier | None:
-    """The task's separate verifier (adapters/tasks/verifiermode.py), refused by name on a host
-    task: it needs range mode, which only image and rootfs tasks have (docs/SPEC.md §17)."""
+              max_bytes: int, step: Mapping[str, Any] | None = None
+              ) -> SeparateVerifier | None:
+    """The task's separate verifier, or a `[[steps]]` entry's (adapters/tasks/verifiermode.py),
+    refused by name on a host task: it needs range mode, which only image and rootfs tasks
+    have (docs/SPEC.md §17)."""
     separate = parse_separate(meta, folder, environment=environment, limits=limits, env=env,
-                              max_bytes=max_bytes)
+                              max_bytes=max_bytes, step=step)
     if separate is not None and source is None:
         raise UnsupportedField(f"{folder / 'task.toml'}: {separate.named}: a separate verifier "
                                f"needs range mode, which a host task (no [environment] "

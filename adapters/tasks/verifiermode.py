@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -80,44 +80,65 @@ class SeparateVerifier:
     ignored: dict[str, str] = field(default_factory=dict)  # warned fields (legacy keys)
     compose: Compose | None = None  # tests/docker-compose.yaml: its own services (§17)
 
+    @property
+    def all_secrets(self) -> tuple[str, ...]:
+        """Its `env`'s secrets and its compose services'."""
+        return (*self.secrets, *(self.compose.secrets if self.compose else ()))
+
+    @property
+    def all_ignored(self) -> dict[str, str]:
+        """Its warned fields and its compose file's."""
+        return {**self.ignored, **(self.compose.ignored if self.compose else {})}
+
 
 def parse(meta: Mapping[str, Any], folder: Path, *, environment: Mapping[str, Any],
           limits: Mapping[str, float], env: Mapping[str, str],
-          max_bytes: int = TASK_FILE_MAX_BYTES) -> SeparateVerifier | None:
-    """The task's separate verifier, or None when its verifier is shared (Harbor's
-    `resolve_task_verifier_mode`); `environment`, `limits` and `env` are the task's own
-    `[environment]`'s (read already), which a verifier without a table of its own copies."""
+          max_bytes: int = TASK_FILE_MAX_BYTES, step: Mapping[str, Any] | None = None
+          ) -> SeparateVerifier | None:
+    """The task's separate verifier — or, given a `[[steps]]` entry, that step's — or None
+    when the verifier is shared (Harbor's `resolve_task_verifier_mode`,
+    `resolve_step_verifier_mode`: the step's `environment_mode`, else its
+    `[steps.verifier.environment]` implying `separate`, else the task's). `environment`,
+    `limits` and `env` are the task's own `[environment]`'s (read already), which a
+    verifier without a table of its own copies."""
     where = str(folder / "task.toml")
-    verifier = meta.get("verifier", {})
-    mode = verifier.get("environment_mode")
-    if mode is not None and mode not in MODES:
-        raise wrong_type(where, "[verifier] environment_mode", mode, "'shared' or 'separate'")
-    table = verifier.get("environment")
-    if mode == "shared" and table is not None:  # Harbor's _validate_mode_env_consistency
-        raise TaskInvalid(f"{where}: [verifier] environment_mode = 'shared' is incompatible "
-                          f"with [verifier.environment]")
-    if mode != "separate" and table is None:
-        return None
+    mode, table = _declared(meta.get("verifier", {}), where, "verifier")
+    candidates = [(table, "tests")]  # (a table that may name the image, a tests folder)
     named = ("[verifier] environment_mode = 'separate'" if mode == "separate"
              else "[verifier.environment]")
+    if step is not None:
+        name = str(step.get("name"))
+        label = f"[[steps]] {name!r}"
+        own_mode, own_table = _declared(step.get("verifier", {}), f"{where}: {label}",
+                                        "steps.verifier")
+        candidates.insert(0, (own_table, f"steps/{name}/tests"))
+        if own_mode == "shared":
+            return None
+        if own_mode is not None or own_table is not None:
+            mode, table = own_mode, own_table or table
+            named = (f"{label} verifier.environment_mode = 'separate'"
+                     if own_mode == "separate" else f"{label} [steps.verifier.environment]")
+    if mode != "separate" and table is None:
+        return None
     own = table if isinstance(table, dict) else None
     baseline, ignored = (baseline_mode(own, TABLE, where) if own is not None
                          else (baseline_mode(environment, "environment", where)[0], {}))
-    explicit = phase_mode(verifier, "verifier", where)
+    explicit = phase_mode(meta.get("verifier", {}), "verifier", where)
     if own is not None and baseline == "allowlist":
         raise UnsupportedField(f"{where}: [{TABLE}] network_mode = 'allowlist': an allowlist "
                                f"of the separate verifier's own is not supported here")
     sized, warned = legacy_sizes(own, where, TABLE) if own is not None else ({}, {})
-    source, bundled = _image(sized, folder, environment, where)
+    source, bundled, tests = _image(candidates, sized, folder, environment, where)
     resolved = _env(sized, where) if own is not None else None
     composed = None
-    if os.path.lexists(folder / COMPOSE):  # its services, as Harbor composes tests/
-        if source is None:
-            raise UnsupportedField(f"{folder / COMPOSE}: needs tests/Dockerfile or [{TABLE}] "
-                                   f"docker_image (the verifier's own image, its `main`)")
+    if tests is not None and os.path.lexists(folder / tests / "docker-compose.yaml"):
+        if source is None:  # its services, as Harbor composes tests/
+            raise UnsupportedField(f"{folder / tests}/docker-compose.yaml: needs "
+                                   f"{tests}/Dockerfile or [{TABLE}] docker_image (the "
+                                   f"verifier's own image, its `main`)")
         composed = load_compose(folder, max_bytes,
                                 dict(env) if resolved is None else resolved.values,
-                                source.build_timeout_s, base="tests")
+                                source.build_timeout_s, base=tests)
     return SeparateVerifier(
         compose=composed,
         named=named, source=source, bundled=bundled, own_table=own is not None,
@@ -129,23 +150,42 @@ def parse(meta: Mapping[str, Any], folder: Path, *, environment: Mapping[str, An
         ignored={**ignored, **warned})
 
 
-def _image(table: Mapping[str, Any], folder: Path, environment: Mapping[str, Any],
-           where: str) -> tuple[Source | None, bool]:
-    """The verifier's image as `resolve_verifier_environment_definition` picks it: the
-    table's `docker_image`, else tests/Dockerfile (both bundling the tests), else the
-    task's own (None)."""
+def _declared(verifier: Mapping[str, Any], where: str, name: str
+              ) -> tuple[str | None, Any]:
+    """A `[verifier]` table's `environment_mode` and `environment`, checked as Harbor's
+    model checks them (a mode `shared` beside an environment is refused)."""
+    mode = verifier.get("environment_mode")
+    if mode is not None and mode not in MODES:
+        raise wrong_type(where, f"[{name}] environment_mode", mode, "'shared' or 'separate'")
+    table = verifier.get("environment")
+    if mode == "shared" and table is not None:  # Harbor's _validate_mode_env_consistency
+        raise TaskInvalid(f"{where}: [{name}] environment_mode = 'shared' is incompatible "
+                          f"with [{name}.environment]")
+    return mode, table
+
+
+def _image(candidates: Sequence[tuple[Any, str]], table: Mapping[str, Any], folder: Path,
+           environment: Mapping[str, Any], where: str
+           ) -> tuple[Source | None, bool, str | None]:
+    """The verifier's image as `resolve_verifier_environment_definition` picks it, over the
+    candidates in order (a step's table and tests folder, then the task's): a table's
+    `docker_image`, else the folder's Dockerfile (both bundling the tests), else the task's
+    own (None); whether the tests are in it, and the tests folder it was taken from."""
     timeout = (positive(table["build_timeout_sec"], f"[{TABLE}] build_timeout_sec", where)
                if "build_timeout_sec" in table
                else environment.get("build_timeout_sec", BUILD_TIMEOUT_S))  # (checked)
-    ref = table.get("docker_image")
-    if ref is not None:
-        if not isinstance(ref, str) or not ref:
-            raise wrong_type(where, f"[{TABLE}] docker_image", ref, "a non-empty string")
-        return Source("docker_image", ref, folder, float(timeout)), True
-    if os.path.lexists(folder / "tests" / "Dockerfile"):
-        return Source("dockerfile", "tests/Dockerfile", folder, float(timeout),
-                      context="tests"), True
-    return None, False
+    for named_by, tests in candidates:
+        ref = named_by.get("docker_image") if isinstance(named_by, dict) else None
+        if ref is not None:
+            if not isinstance(ref, str) or not ref:
+                raise wrong_type(where, f"[{TABLE}] docker_image", ref, "a non-empty string")
+            return Source("docker_image", ref, folder, float(timeout)), True, tests
+        if os.path.lexists(folder / tests / "Dockerfile"):
+            return Source("dockerfile", f"{tests}/Dockerfile", folder, float(timeout),
+                          context=tests), True, tests
+        if os.path.lexists(folder / tests / "docker-compose.yaml"):
+            return None, False, tests  # (refused by name: no image for its `main`)
+    return None, False, None
 
 
 def _workdir(table: Mapping[str, Any], where: str) -> str | None:
@@ -192,6 +232,9 @@ class OfATask(Protocol):
     @property
     def compose(self) -> Compose | None: ...
 
+    @property
+    def step_verifiers(self) -> tuple[tuple[str, SeparateVerifier], ...]: ...
+
 
 TaskT = TypeVar("TaskT", bound=OfATask)
 
@@ -200,9 +243,10 @@ def refuse_outside_range(task: TaskT, *, in_range: bool) -> TaskT:
     """`task`, or `UnsupportedField` (one line naming the field) when it has a separate
     verifier and the run is not in range mode: single-id mode, `--isolation
     process-group` (a host task's is refused at load)."""
-    if task.separate_verifier is not None and not in_range:
+    separate = task.separate_verifier or next((v for _, v in task.step_verifiers), None)
+    if separate is not None and not in_range:
         raise UnsupportedField(
-            f"{task.folder / 'task.toml'}: {task.separate_verifier.named}: a separate verifier "
+            f"{task.folder / 'task.toml'}: {separate.named}: a separate verifier "
             f"needs range mode (a root runner after setup, under bwrap), which this run does "
             f"not have")
     if task.compose is not None and not in_range:
@@ -216,29 +260,39 @@ def prepare_task(task: OfATask, cache: Cache, *, owner: int | None, engine: str 
                  pull: bool = False, force_build: bool = False,
                  progress: Progress | None = None) -> Environment:
     """The task's environment (`prepare.prepare`) and, for a separate verifier, its
-    own as `verifier`: every image ready before any session is seeded."""
+    own as `verifier` (a step's as `step_verifiers`, each image prepared once): every image
+    ready before any session is seeded."""
     made = prepare(with_limits(task.source, task.limits), cache, owner=owner, engine=engine,
                    pull=pull, force_build=force_build, progress=progress)
     services = functools.partial(_with_services, cache=cache, owner=owner, engine=engine,
                                  pull=pull, progress=progress)
     made = services(made, task.compose)
-    separate = task.separate_verifier
-    if separate is None:
-        return made
-    if separate.source is None:  # the task's own environment, a fresh container of it
-        return dataclasses.replace(made, verifier=made)
-    what = f"the separate verifier's {separate.source.value}"
-    try:
-        if separate.source.kind == "docker_image":
-            mine = _engine_image(separate.source.value, pick_engine(engine), cache, owner,
-                                 pull=pull)
-        else:
-            mine = prepare(with_limits(separate.source, separate.limits), cache, owner=owner,
-                           engine=engine, pull=pull, progress=progress)
-        mine = services(mine, separate.compose)
-    except EnvironmentUnavailable as error:
-        raise EnvironmentUnavailable(f"{what}: {error}") from None
-    return dataclasses.replace(made, verifier=mine)
+    made_for: dict[str, Environment] = {}  # each separate verifier's image prepared once
+
+    def verifier(separate: SeparateVerifier) -> Environment:
+        if separate.source is None:  # the task's own environment, a fresh container of it
+            return made
+        key = repr((separate.source, sorted(separate.limits.items()), separate.compose))
+        if key in made_for:
+            return made_for[key]
+        what = f"the separate verifier's {separate.source.value}"
+        try:
+            if separate.source.kind == "docker_image":
+                mine = _engine_image(separate.source.value, pick_engine(engine), cache, owner,
+                                     pull=pull)
+            else:
+                mine = prepare(with_limits(separate.source, separate.limits), cache,
+                               owner=owner, engine=engine, pull=pull, progress=progress)
+            mine = services(mine, separate.compose)
+        except EnvironmentUnavailable as error:
+            raise EnvironmentUnavailable(f"{what}: {error}") from None
+        made_for[key] = mine
+        return mine
+
+    return dataclasses.replace(
+        made, verifier=verifier(task.separate_verifier) if task.separate_verifier else None,
+        step_verifiers=tuple((name, verifier(separate))
+                             for name, separate in task.step_verifiers))
 
 
 def _with_services(made: Environment, compose: Compose | None, *, cache: Cache,

@@ -1,0 +1,3 @@
+#!/bin/sh
+echo alpha > /srv/out.txt
+echo mine > /srv/note.txt
