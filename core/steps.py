@@ -21,7 +21,8 @@ Strategy = Literal["mean", "final"]
 Rewards = Mapping[str, float]
 # A step session's `session.closed` reason when its setup.sh or its healthcheck failed: no
 # agent and no verifier ran, the step is over without a result (Harbor's step exception:
-# its `_should_stop_after_step` stops the attempt, and a trial is not retried for it).
+# its `_should_stop_after_step` stops the attempt; its queue retries the trial for the
+# `RuntimeError` or `HealthcheckError` only when told to retry: `AttemptEnd.rerun`).
 NOT_RUN = "step_not_run"
 
 
@@ -44,6 +45,7 @@ class StepRun:
     name: str
     finished: bool  # it ends its step: verified, unverified, or closed `NOT_RUN`
     rewards: Rewards | None  # its verification's rewards; None: it got no result
+    not_run: bool = False  # closed `NOT_RUN`: its setup.sh or healthcheck failed
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class AttemptEnd:
     over: bool  # no step of it is left to run (complete, or stopped)
     retry: bool  # its last step did not finish: the trial is retried from step 1
     stopped: str | None = None  # why it stopped early: `step 'x': why` (gap steps_stopped)
+    # stopped by a step that could not be set up: the trial runs again from step 1 while
+    # it has attempts left (`--max-attempts`), as Harbor's queue retries a step exception
+    rerun: bool = False
 
 
 def attempt_end(runs: Sequence[StepRun], gates: Sequence[Mapping[str, float] | None]
@@ -60,15 +65,16 @@ def attempt_end(runs: Sequence[StepRun], gates: Sequence[Mapping[str, float] | N
     """Where an attempt stands after `runs` (its step sessions in order; `gates`: each
     step's `min_reward`, one per step of the task). A step that did not finish (decided
     `retry`, or closed by the harness) ends the attempt for a retry; one without a result,
-    or whose gate fails, stops it (as Harbor's `_should_stop_after_step`); after the last
-    step it is complete; else its next step runs."""
+    or whose gate fails, stops it (as Harbor's `_should_stop_after_step`) — one that could
+    not be set up for a rerun when attempts are left; after the last step it is complete;
+    else its next step runs."""
     if not runs:
         return AttemptEnd(over=False, retry=False)
     last = runs[-1]
     if not last.finished:
         return AttemptEnd(over=True, retry=True)
     if last.rewards is None:
-        return AttemptEnd(over=True, retry=False,
+        return AttemptEnd(over=True, retry=False, rerun=last.not_run,
                           stopped=f"step {last.name!r}: no verification result")
     if (failure := gate_failure(last.rewards, gates[len(runs) - 1])) is not None:
         return AttemptEnd(over=True, retry=False, stopped=f"step {last.name!r}: {failure}")

@@ -268,16 +268,18 @@ class Trial:
                           max_attempts: int) -> tuple[int, str | None] | None:
         """A multi-step trial's next (attempt, retry_of), its attempts being its step
         sessions grouped by `attempt` (docs/SPEC.md §17): None once its last attempt is
-        over without a retry (complete, or stopped: core/steps.py `attempt_end`), or the
-        attempts are used as `next_attempt` counts them (one closed by the harness is
-        uncounted); else a new attempt from step 1 — also after one left half-run."""
+        over without a retry (complete, or stopped: core/steps.py `attempt_end`; one
+        stopped by a step that could not be set up runs again), or the attempts are used
+        as `next_attempt` counts them (one closed by the harness is uncounted); else a new
+        attempt from step 1 — also after one left half-run."""
         attempts = by_attempt(sessions)
         if attempts:
             runs = [StepRun(str(row["step_name"]), step_finishes(row),
-                            await self._rewards(row) if finishes(row) else None)
+                            await self._rewards(row) if finishes(row) else None,
+                            not_run=row["close_reason"] == NOT_RUN)
                     for row in attempts[-1]]
             end = attempt_end(runs, [step.min_reward for step in task.steps])
-            if end.over and not end.retry:
+            if end.over and not end.retry and not end.rerun:
                 return None
         return next_attempt([attempt[-1] for attempt in attempts], max_attempts,
                             finished=lambda _: False)

@@ -252,6 +252,26 @@ def test_a_failing_setup_stops_the_attempt_before_the_steps_agent(tmp_path: Path
                 "AND e.type = 'agent.launched'") == [(0,)]
 
 
+def test_a_step_that_could_not_be_set_up_reruns_the_trial_while_attempts_are_left(
+        tmp_path: Path) -> None:
+    """Harbor's queue retries a trial for a step's `RuntimeError` when told to retry: under
+    `--max-attempts 2` the trial runs again from step 1 in a fresh sandbox, and its reward
+    is its last attempt's."""
+    folder = three_steps(tmp_path / "task")
+    (folder / "steps" / "two" / "workdir" / "setup.sh").write_text("exit 3\n")
+    done = in_process("run", str(folder), "--agent", "oracle", "--db", str(tmp_path / "t.db"),
+                      "--json", "--max-attempts", "2")
+    assert done.returncode == 0, done.stderr
+    *_, trial = [json.loads(line) for line in done.stdout.splitlines()]
+    assert trial["rewards"] == {"reward": 1.0}
+    sessions = rows(tmp_path / "t.db", "SELECT session_id, step_name, attempt, retry_of, "
+                    "close_reason FROM sessions ORDER BY created_at")
+    assert [(s[1], s[2], s[4]) for s in sessions] == [
+        ("one", 1, "normal"), ("two", 1, "step_not_run"),
+        ("one", 2, "normal"), ("two", 2, "step_not_run")]
+    assert sessions[2][3] == sessions[1][0]  # attempt 2 retries attempt 1's last session
+
+
 @pytest.mark.parametrize("passes", [True, False], ids=["passes", "fails"])
 def test_a_steps_healthcheck_runs_after_its_setup_and_a_failure_stops_the_attempt(
         tmp_path: Path, passes: bool) -> None:

@@ -217,12 +217,15 @@ def ran(name: str, rewards: dict[str, float] | None, finished: bool = True) -> S
      AttemptEnd(over=True, retry=False, stopped="step 'a': reward=-inf below min_reward 1.0")),
     ([ran("a", {"reward": 1.0}), ran("b", None)],
      AttemptEnd(over=True, retry=False, stopped="step 'b': no verification result")),
+    ([ran("a", {"reward": 1.0}), StepRun("b", True, None, not_run=True)],
+     AttemptEnd(over=True, retry=False, stopped="step 'b': no verification result",
+                rerun=True)),
     ([ran("a", {"reward": 1.0}), ran("b", None, finished=False)],
      AttemptEnd(over=True, retry=True)),
     ([ran("a", {"reward": 1.0}), ran("b", {"reward": 0.0}), ran("c", {"reward": 0.0})],
      AttemptEnd(over=True, retry=False)),
-], ids=["none", "gate-holds", "gate-fails", "gate-key-missing", "no-result", "retry",
-        "complete"])
+], ids=["none", "gate-holds", "gate-fails", "gate-key-missing", "no-result", "not-set-up",
+        "retry", "complete"])
 def test_an_attempt_goes_on_stops_or_is_retried_as_harbors(runs: list[StepRun],
                                                            end: AttemptEnd) -> None:
     assert attempt_end(runs, GATES) == end
