@@ -32,6 +32,7 @@ from trialledger.adapters.places import within
 from trialledger.adapters.tasks.artifacts import Artifact, parse_step_artifacts
 from trialledger.adapters.tasks.collect import CollectHook, parse_collect
 from trialledger.adapters.tasks.config import (
+    FIELDS,
     HONOURED,
     Key,
     TaskInvalid,
@@ -68,12 +69,13 @@ STEP_FIELDS: dict[tuple[str, ...], Key] = {
     ("agent", "allowed_hosts"): HONOURED,
     ("verifier", "network_mode"): HONOURED,
     ("verifier", "allowed_hosts"): HONOURED,
-    # the step's separate verifier (adapters/tasks/verifiermode.py `parse`, with the step)
+    # the step's separate verifier (adapters/tasks/verifiermode.py `parse`, with the step):
+    # its table's keys as the task's [verifier.environment]'s
     ("verifier", "environment_mode"): HONOURED,
-    ("verifier", "environment"): HONOURED,
+    **{path: rule for path, rule in FIELDS.items() if path[:2] == ("verifier", "environment")},
     ("verifier", "collect"): HONOURED,  # after the task's hooks, in the step's collection
 }
-STEP_TABLES = frozenset({("agent",), ("verifier",)})
+STEP_TABLES = frozenset({("agent",), ("verifier",), ("verifier", "environment")})
 UNKNOWN = "is not a field of Harbor 0.26's step config: ignored"
 
 

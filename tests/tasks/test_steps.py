@@ -125,6 +125,12 @@ BAD = [
      "[[steps]] 'one': [[verifier.collect]] 1 service = 'db': the task has no such compose"),
     ("[[steps]]\nname = 'one'\n[steps.verifier]\ncollect = [{timeout_sec = 1}]\n",
      ("one",), "[[steps]] 'one': [[verifier.collect]] 1 command = None"),
+    ("[environment]\ndocker_image = 'localhost/task:1'\n[[steps]]\nname = 'one'\n"
+     "[steps.verifier.environment]\nrootfs = 'root.tar'\n", ("one",),
+     "[[steps]] 'one' verifier.environment.rootfs: the separate verifier's image is a"),
+    ("[environment]\ndocker_image = 'localhost/task:1'\n[[steps]]\nname = 'one'\n"
+     "[steps.verifier]\nenvironment_mode = 'shared'\n[steps.verifier.environment]\n", ("one",),
+     "[steps.verifier] environment_mode = 'shared' is incompatible"),
     ("[[steps]]\nname = 'one'\n[steps.agent]\nnetwork_mode = 'offline'\n", ("one",),
      "[[steps]] 'one': [steps.agent] network_mode must be one of"),
     ("[[steps]]\nname = 'one'\n[steps.verifier]\nnetwork_mode = 'public'\n"
