@@ -8,7 +8,7 @@ name is imported on first use (PEP 562), so loading one adapter loads no other.
 
 By concept: `tasks/` the task format, `images/` task environments and builds, `session/`
 a session's run, `jobs/` jobs, trials and Harbor's job folders, `sandbox/` the sandbox
-and the container runtime, `codex/` the Codex CLI, `proxy.py` and `upstream.py` the model
+and the container runtime, `codex/` the Codex CLI, `proxy/` the model
 proxy, `commands/` and `console/` the command line and what it shows, `view/` the web
 view, `demo/` the scripted endpoint and samples; `places.py` resolves paths for every
 layer. Each package's `__init__` is its map; docs/map.md finds the module of each rule.

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from trialledger.adapters.proxy import SessionProxy, Upstream
+from trialledger.adapters.proxy.server import SessionProxy, Upstream
 
 EVENTS = 1000
 

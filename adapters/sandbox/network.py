@@ -1,6 +1,6 @@
 """How the sandbox reaches the model endpoint and its MCP grants (SPEC §11, §14).
 
-The model endpoint is always reached through the session's proxy (`adapters/proxy.py`),
+The model endpoint is always reached through the session's proxy (`adapters/proxy/server.py`),
 which holds the real API key. With `allow_internet = false` the sandbox gets a private
 network namespace: bwrap starts with `--unshare-net --block-fd`; before the agent runs, a
 short-lived thread of the runner enters that namespace (`setns`, which changes only the
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
+from trialledger.adapters.proxy.upstream import CallSink, Upstream
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.identity import libc
-from trialledger.adapters.upstream import CallSink, Upstream
 
 if TYPE_CHECKING:
-    from trialledger.adapters.proxy import SessionProxy
+    from trialledger.adapters.proxy.server import SessionProxy
 
 CLONE_NEWNET = 0x40000000
 LOOPBACK_WAIT_S = 10.0  # how long a proxy waits for the sandbox's loopback to be up
@@ -112,7 +112,7 @@ class Network:
     def _proxy(self, index: int, route: Route) -> SessionProxy:
         # Imported here, not at the top: aiohttp's import (~0.2 s of every run's start) is
         # paid only by a session that has a proxy — an oracle's or nop's has none.
-        from trialledger.adapters.proxy import SessionProxy
+        from trialledger.adapters.proxy.server import SessionProxy
 
         proxy = SessionProxy(route.upstream, sink=self.model_sink if index == 0 else None)
         self._proxies.append(proxy)

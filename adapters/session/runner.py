@@ -39,6 +39,7 @@ from trialledger.adapters.codex.install import (
 from trialledger.adapters.images.environment import HOST, Environment, resolve_inside
 from trialledger.adapters.jobs.trial import Trial
 from trialledger.adapters.jobs.trial import next_attempt as next_attempt  # its old home
+from trialledger.adapters.proxy.upstream import MODEL_ROUTES, Upstream
 from trialledger.adapters.sandbox.base import SandboxRefused
 from trialledger.adapters.sandbox.folders import sweep_stale_sessions
 from trialledger.adapters.sandbox.identity import cache_dir
@@ -58,7 +59,6 @@ from trialledger.adapters.tasks.healthcheck import run_healthcheck
 from trialledger.adapters.tasks.mcpservers import operator_allows
 from trialledger.adapters.tasks.steps import Step
 from trialledger.adapters.tasks.task import Task
-from trialledger.adapters.upstream import MODEL_ROUTES, Upstream
 from trialledger.core.events import StepInfo
 from trialledger.core.seed import SkippedGrant, ValidSeed, validate_seed
 from trialledger.core.settings import Settings

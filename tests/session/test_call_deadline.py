@@ -15,7 +15,7 @@ import pytest
 from tests.core.test_policy_v3 import STARTED, call, failing, gaps, session
 from tests.runs import make_task, run_task
 from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, drip, hang
-from trialledger.adapters.proxy import MODEL_ROUTES, SessionProxy, Upstream
+from trialledger.adapters.proxy.server import MODEL_ROUTES, SessionProxy, Upstream
 from trialledger.core.events import SCHEMA_VERSION
 
 pytestmark = pytest.mark.anyio

@@ -18,7 +18,7 @@ import pytest
 from tests.runs import in_process, make_task, run_task
 from tests.scenarios import CLEAN, run
 from trialledger.adapters.demo.endpoint import Reply, ScriptedEndpoint, hang, message, stall
-from trialledger.adapters.proxy import MODEL_ROUTES, SessionProxy, Upstream
+from trialledger.adapters.proxy.server import MODEL_ROUTES, SessionProxy, Upstream
 from trialledger.adapters.sandbox.folders import LOCK, sweep_stale_sessions
 from trialledger.adapters.session import runner
 from trialledger.core import policy_v3

@@ -16,9 +16,9 @@ import anyio
 import pytest
 from aiohttp import web
 
-from trialledger.adapters import proxy as proxy_module
 from trialledger.adapters.demo.endpoint import ScriptedEndpoint, message, status
-from trialledger.adapters.proxy import (
+from trialledger.adapters.proxy import server as proxy_module
+from trialledger.adapters.proxy.server import (
     CONCURRENT_LIMIT,
     MODEL_ROUTES,
     SessionProxy,

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tests.runs import make_task, run_task
 from tests.views import seeded
 from trialledger.adapters.demo.endpoint import message, shell
-from trialledger.adapters.proxy import SessionProxy, Upstream
+from trialledger.adapters.proxy.server import SessionProxy, Upstream
 from trialledger.adapters.sandbox.allowlist import routable
 from trialledger.adapters.tasks.mcpservers import refused_host
 from trialledger.adapters.tasks.task import Task

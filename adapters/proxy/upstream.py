@@ -1,4 +1,4 @@
-"""Where a session's proxy forwards (adapters/proxy.py), apart from the proxy itself: the
+"""Where a session's proxy forwards (server.py), apart from the proxy itself: the
 runner and the sandbox's network name their upstreams with these without importing
 aiohttp (a fifth of a second at start), which only a session that has a proxy needs —
 an oracle's or nop's has none.

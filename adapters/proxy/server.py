@@ -42,12 +42,11 @@ from aiohttp import web
 from aiohttp.abc import ResolveResult
 from aiohttp.resolver import ThreadedResolver
 
+# Where a proxy forwards (upstream.py, which needs no aiohttp), named here too.
+from trialledger.adapters.proxy.upstream import MODEL_ROUTES as MODEL_ROUTES
+from trialledger.adapters.proxy.upstream import CallSink as CallSink
+from trialledger.adapters.proxy.upstream import Upstream as Upstream
 from trialledger.adapters.sandbox.allowlist import routable
-
-# Where a proxy forwards (adapters/upstream.py, which needs no aiohttp), named here too.
-from trialledger.adapters.upstream import MODEL_ROUTES as MODEL_ROUTES
-from trialledger.adapters.upstream import CallSink as CallSink
-from trialledger.adapters.upstream import Upstream as Upstream
 from trialledger.core.boundedjson import UnsafeJSON, bounded_loads
 from trialledger.core.events import DEADLINE, MAX_TOKENS
 from trialledger.core.usage import token_count
