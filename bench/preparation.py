@@ -39,6 +39,7 @@ STEPS: list[tuple[str, str, str]] = [
     ("images.build", "_copy_base_images", "FROM images into the build storage"),
     ("images.build", "resolve_base", "FROM image ids"),
     ("images.build", "_image_id", "image ids (podman inspect)"),
+    ("images.operatorstore", "image_id", "the operator's image ids (kept while unchanged)"),
     ("images.build", "_build", "podman build"),
     ("images.build", "_save", "podman save (oci-archive)"),
     ("images.unpack", "_to_layout", "skopeo archive → layout"),

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from trialledger.adapters.images import operatorstore
 from trialledger.adapters.images.buildbox import LOCK_NAME, BuildBox, contained, end_dead_builds
 from trialledger.adapters.images.builder import WHAT, Builder, build_user
 from trialledger.adapters.images.dockerfile import BaseImage, base_images
@@ -261,10 +262,9 @@ def _give(builder: Builder, root: Path) -> None:
             os.lchown(os.path.join(folder, name), builder.uid, builder.gid)
 
 
-def _image_id(box: BuildBox | None, ref: str, engine: str = "podman") -> str:
-    """An image's id in the build storage (or, with no box, the operator's)."""
-    argv = [engine, "image", "inspect", "--format", "{{.Id}}", ref]
-    ident = (box.run(argv) if box else _tool(argv, WHAT)).strip()
+def _image_id(box: BuildBox, ref: str) -> str:
+    """An image's id in the build storage."""
+    ident = box.run(["podman", "image", "inspect", "--format", "{{.Id}}", ref]).strip()
     return ident if ident.startswith("sha256:") else f"sha256:{ident}"
 
 
@@ -281,7 +281,7 @@ def _copy_base_images(box: BuildBox, work: Workspace, engine: str, named: list[s
             continue
         held[image] = _in_build_storage(box, image)
         try:
-            theirs = _image_id(None, image, engine)
+            theirs = operatorstore.image_id(engine, image, WHAT)
         except EnvironmentUnavailable:
             continue  # not ours to give: pulled with --pull, else the task is refused
         if _holds(held[image], theirs):

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from trialledger.adapters.images import operatorstore
 from trialledger.adapters.images.environment import (
     DEFAULT_PATH,
     Cache,
@@ -141,8 +142,7 @@ def prepare_engine_image(ref: str, engine: str, cache: Cache, owner: int | None,
                          shown: str | None = None) -> Environment:
     """An image in podman's or docker's storage: inspected, then saved only on a miss."""
     what = f"docker_image {shown or ref}"
-    ident = _tool([engine, "image", "inspect", "--format", "{{.Id}}", ref], what).strip()
-    digest = ident if ident.startswith("sha256:") else f"sha256:{ident}"
+    digest = operatorstore.image_id(engine, ref, what)  # (kept while its storage is unchanged)
     if (found := cache.image(digest)) is not None:
         return found
     if cache.store is not None and engine == "podman":  # read from its storage, layer by

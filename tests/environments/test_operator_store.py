@@ -1,0 +1,71 @@
+"""The operator's image ids, asked of podman once per change of its storage (docs/SPEC.md
+§16, adapters/images/operatorstore.py): a warm job's tasks on one base ask once, and a
+pull, a tag or a removal in between is seen at the next look-up. Over the tests' own
+podman storage."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests import images
+from tests.images import base_images, module_private_storage  # noqa: F401 (fixtures)
+from trialledger.adapters.images import operatorstore
+from trialledger.adapters.images.environment import EnvironmentUnavailable, _tool
+
+NAME = f"localhost/tl-operator-store:{os.getpid()}"
+
+
+@pytest.fixture
+def asked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Sequence[str]]]:
+    """The engine commands the module runs (each still run)."""
+    calls: list[Sequence[str]] = []
+    def counted(argv: Sequence[str], what: str) -> str:
+        calls.append(argv)
+        return _tool(argv, what)
+
+    monkeypatch.setattr(operatorstore, "_tool", counted)
+    yield calls
+    images._podman("rmi", NAME)
+
+
+def image(ref: str) -> str:
+    done = images._podman("image", "inspect", "--format", "{{.Id}}", ref)
+    assert done.returncode == 0, done.stderr
+    return f"sha256:{done.stdout.strip()}"
+
+
+@pytest.mark.usefixtures("base_images")
+def test_an_id_is_asked_once_while_the_storage_is_unchanged(
+        asked: list[Sequence[str]]) -> None:
+    assert images._podman("tag", images.DEBIAN_REF, NAME).returncode == 0
+    first = operatorstore.image_id("podman", NAME, "base")
+    assert first == image(images.DEBIAN_REF) and len(asked) == 1
+    assert operatorstore.image_id("podman", NAME, "base") == first and len(asked) == 1
+    # a newer image under the same name (a pull, a tag): seen at once
+    assert images._podman("tag", images.BUSYBOX_REF, NAME).returncode == 0
+    assert operatorstore.image_id("podman", NAME, "base") == image(images.BUSYBOX_REF)
+    assert len(asked) == 2
+    assert images._podman("rmi", NAME).returncode == 0
+    with pytest.raises(EnvironmentUnavailable, match="base: "):
+        operatorstore.image_id("podman", NAME, "base")
+
+
+@pytest.mark.usefixtures("base_images")
+def test_a_storage_placed_wrong_is_never_remembered(
+        asked: list[Sequence[str]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Where its configuration would place the token beside an image store that is not
+    the one podman answers from (the image is not seen there), every look-up asks podman."""
+    elsewhere = tmp_path / "vfs-images" / "images.lock"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"t" * operatorstore.TOKEN_BYTES)
+    monkeypatch.setattr(operatorstore, "_tokens", {})
+    monkeypatch.setattr(operatorstore, "_known", {})
+    monkeypatch.setattr(operatorstore, "_place", lambda conf: elsewhere)
+    for _ in range(2):
+        assert operatorstore.image_id("podman", images.DEBIAN_REF, "base") == image(
+            images.DEBIAN_REF)
+    assert len(asked) == 2
