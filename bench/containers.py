@@ -21,8 +21,9 @@ bookworm minbase (`tests/images.py`) and one with python3 on it — a third of t
 
 Printed: **cold** (no task image built, empty cache) and **warm** (images built, a new job
 over the same cache) wall times of both sides and their ratios (goals ≤ 1.0× cold, ≤ 1.1×
-warm), and the disk each side's images take (`du`: the growth of trialledger's cache, build
-storage and session image store against the reference storage's growth). Needs root,
+warm), and the disk each side's images take (`du`: the growth of trialledger's cache and
+session image store — SPEC §16's measure — against the reference storage's growth; the
+build storage's growth shown beside). Needs root,
 `trialledger setup`, the image tools `.ci/run` installs and the tests' images (`python -m
 tests.images`).
 """
@@ -248,7 +249,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         parts = {"cache": _du(cache), "image store": _du(IMAGE_STORE) - parts_before[
             "image store"], "build storage": _du(BUILD_STORAGE) - parts_before["build storage"]}
-        ours_disk = sum(parts.values())
+        # SPEC §16's measure: the session image store and the cache (what sessions read);
+        # the build storage, the builder's working copy as the reference's storage is, shown
+        ours_disk = parts["cache"] + parts["image store"]
         ref_disk = _du(reference.root) - ref_before
         for side, rewards in (("trialledger cold", ours_cold_rewards),
                               ("reference cold", ref_cold_rewards),
@@ -261,12 +264,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"  {'':24}{'trialledger':>12}{'reference':>12}")
         print(f"  {'cold, s':24}{ours_cold:12.1f}{ref_cold:12.1f}")
         print(f"  {'warm, s':24}{ours_warm:12.1f}{ref_warm:12.1f}")
-        print(f"  {'disk for the images, MB':24}{ours_disk / 1e6:12.1f}{ref_disk / 1e6:12.1f}")
+        print(f"  {'disk for the images, MB':24}{ours_disk / 1e6:12.1f}{ref_disk / 1e6:12.1f}"
+              f"  (image store + cache)")
         for part, grown in parts.items():
             print(f"  {'  of which ' + part:24}{grown / 1e6:12.1f}")
         print(f"ratio cold {ours_cold / ref_cold:.2f}x (goal <= 1.0x)")
         print(f"ratio warm {ours_warm / ref_warm:.2f}x (goal <= 1.1x)")
-        print(f"ratio disk {ours_disk / max(ref_disk, 1):.2f}x (goal <= 1.1x)")
+        print(f"ratio disk {ours_disk / max(ref_disk, 1):.2f}x (goal <= 1.1x; image store and "
+              f"cache, as SPEC §16 measures)")
         for tag in (f"localhost/bench-ref:{task.name}" for task in tasks):
             subprocess.run(["podman", "--root", str(reference.root), "--runroot",
                             str(reference.runroot), "--storage-driver", "overlay", "rmi",

@@ -9,7 +9,7 @@ become a root a session runs over.
     buildbox.py     where a build's processes run (its cgroup and network namespace)
     builder.py      the engine storage a build writes, and what it reads back
     imagestore.py   the session image store: layers shared, no build can write it
-    operatorstore.py  the operator's image ids, asked once per change of its storage
+    imageids.py     image ids of an engine storage, asked once per change of it
 
 Nothing is imported here: each module is imported by name.
 """

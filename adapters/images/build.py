@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from trialledger.adapters.images import operatorstore
+from trialledger.adapters.images import imageids
 from trialledger.adapters.images.buildbox import LOCK_NAME, BuildBox, contained, end_dead_builds
-from trialledger.adapters.images.builder import WHAT, Builder, build_user
+from trialledger.adapters.images.builder import WHAT, Builder, build_user, storage_driver
 from trialledger.adapters.images.dockerfile import BaseImage, base_images
 from trialledger.adapters.images.environment import (
     Cache,
@@ -155,14 +155,20 @@ class Held(NamedTuple):
 
 
 def _in_build_storage(box: BuildBox, ref: str) -> Held | None:
-    """What the build storage holds under `ref` (None: nothing), in one inspect."""
-    argv = ["podman", "image", "inspect", "--format", "{{.Id}}|{{.Os}}|{{.Architecture}}",
-            ref]
-    try:
-        ident, system, arch = [*box.run(argv).strip().split("|"), "", ""][:3]
-    except EnvironmentUnavailable:
-        return None
-    return Held(ident if ident.startswith("sha256:") else f"sha256:{ident}", system, arch)
+    """What the build storage holds under `ref` (None: nothing), in one inspect — or none,
+    while the build storage is unchanged since it was last asked (adapters/images/imageids.py)."""
+    def look() -> Held | None:
+        argv = ["podman", "image", "inspect", "--format",
+                "{{.Id}}|{{.Os}}|{{.Architecture}}", ref]
+        try:
+            ident, system, arch = [*box.run(argv).strip().split("|"), "", ""][:3]
+        except EnvironmentUnavailable:
+            return None
+        return Held(ident if ident.startswith("sha256:") else f"sha256:{ident}", system, arch)
+
+    driver = storage_driver(os.uname().release)
+    return imageids.remembered(imageids.token_file(box.builder.graphroot, driver), ref, look,
+                               keep=lambda held: held is not None)
 
 
 def _for_platform(held: Held | None, base: BaseImage) -> str | None:
@@ -281,7 +287,7 @@ def _copy_base_images(box: BuildBox, work: Workspace, engine: str, named: list[s
             continue
         held[image] = _in_build_storage(box, image)
         try:
-            theirs = operatorstore.image_id(engine, image, WHAT)
+            theirs = imageids.operator_image_id(engine, image, WHAT)
         except EnvironmentUnavailable:
             continue  # not ours to give: pulled with --pull, else the task is refused
         if _holds(held[image], theirs):

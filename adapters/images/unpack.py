@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from trialledger.adapters.images import operatorstore
+from trialledger.adapters.images import imageids
 from trialledger.adapters.images.environment import (
     DEFAULT_PATH,
     Cache,
@@ -142,7 +142,7 @@ def prepare_engine_image(ref: str, engine: str, cache: Cache, owner: int | None,
                          shown: str | None = None) -> Environment:
     """An image in podman's or docker's storage: inspected, then saved only on a miss."""
     what = f"docker_image {shown or ref}"
-    digest = operatorstore.image_id(engine, ref, what)  # (kept while its storage is unchanged)
+    digest = imageids.operator_image_id(engine, ref, what)  # (kept while it is unchanged)
     if (found := cache.image(digest)) is not None:
         return found
     if cache.store is not None and engine == "podman":  # read from its storage, layer by

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from tests import images
 from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
 from trialledger.adapters.images import build as build_module
 from trialledger.adapters.images import builder as builders
-from trialledger.adapters.images.buildbox import contained
+from trialledger.adapters.images.buildbox import BuildBox, contained
 from trialledger.adapters.images.builder import Builder
 from trialledger.adapters.images.dockerfile import BaseImage, base_images, platform_args
 from trialledger.adapters.images.environment import (
@@ -586,6 +586,15 @@ def test_a_build_is_keyed_by_its_from_images_ids_as_dockers_cache_is(
         real_build(*args, **kwargs)
 
     monkeypatch.setattr(build_module, "_build", counted)
+    inspected: list[str] = []  # the build storage asked for an image's id
+    real_run = BuildBox.run
+
+    def asked(box: BuildBox, argv: Sequence[str], *args: Any, **kwargs: Any) -> str:
+        if list(argv[1:3]) == ["image", "inspect"]:
+            inspected.append(argv[-1])
+        return real_run(box, argv, *args, **kwargs)
+
+    monkeypatch.setattr(BuildBox, "run", asked)
     nonce = f"{os.getpid()}-{time.time_ns()}"
     base = f"localhost/tl-buildkey-{nonce}:base"
     busybox = images.podman_image(images.BUSYBOX_REF)
@@ -602,6 +611,9 @@ def test_a_build_is_keyed_by_its_from_images_ids_as_dockers_cache_is(
         assert len(built) == 2
         assert prepare(task, cache, owner=None).digest == first.digest
         assert len(built) == 2  # the same base: not built again
+        inspected.clear()  # (the build wrote the storage: the look-up above asked again)
+        assert prepare(task, cache, owner=None).digest == first.digest
+        assert inspected == []  # the storage unchanged since: its ids are not asked again
         as_builder(builder, "podman", "tag", other.digest, base)  # the name, another image
         second = prepare(task, cache, owner=None)
         assert len(built) == 3 and built[2] != built[1]

@@ -1,5 +1,5 @@
 """The operator's image ids, asked of podman once per change of its storage (docs/SPEC.md
-§16, adapters/images/operatorstore.py): a warm job's tasks on one base ask once, and a
+§16, adapters/images/imageids.py): a warm job's tasks on one base ask once, and a
 pull, a tag or a removal in between is seen at the next look-up. Over the tests' own
 podman storage."""
 
@@ -13,10 +13,10 @@ import pytest
 
 from tests import images
 from tests.images import base_images, module_private_storage  # noqa: F401 (fixtures)
-from trialledger.adapters.images import operatorstore
+from trialledger.adapters.images import imageids
 from trialledger.adapters.images.environment import EnvironmentUnavailable, _tool
 
-NAME = f"localhost/tl-operator-store:{os.getpid()}"
+NAME = f"localhost/tl-image-ids:{os.getpid()}"
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def asked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Sequence[str]]]:
         calls.append(argv)
         return _tool(argv, what)
 
-    monkeypatch.setattr(operatorstore, "_tool", counted)
+    monkeypatch.setattr(imageids, "_tool", counted)
     yield calls
     images._podman("rmi", NAME)
 
@@ -42,16 +42,16 @@ def image(ref: str) -> str:
 def test_an_id_is_asked_once_while_the_storage_is_unchanged(
         asked: list[Sequence[str]]) -> None:
     assert images._podman("tag", images.DEBIAN_REF, NAME).returncode == 0
-    first = operatorstore.image_id("podman", NAME, "base")
+    first = imageids.operator_image_id("podman", NAME, "base")
     assert first == image(images.DEBIAN_REF) and len(asked) == 1
-    assert operatorstore.image_id("podman", NAME, "base") == first and len(asked) == 1
+    assert imageids.operator_image_id("podman", NAME, "base") == first and len(asked) == 1
     # a newer image under the same name (a pull, a tag): seen at once
     assert images._podman("tag", images.BUSYBOX_REF, NAME).returncode == 0
-    assert operatorstore.image_id("podman", NAME, "base") == image(images.BUSYBOX_REF)
+    assert imageids.operator_image_id("podman", NAME, "base") == image(images.BUSYBOX_REF)
     assert len(asked) == 2
     assert images._podman("rmi", NAME).returncode == 0
     with pytest.raises(EnvironmentUnavailable, match="base: "):
-        operatorstore.image_id("podman", NAME, "base")
+        imageids.operator_image_id("podman", NAME, "base")
 
 
 @pytest.mark.usefixtures("base_images")
@@ -61,11 +61,11 @@ def test_a_storage_placed_wrong_is_never_remembered(
     the one podman answers from (the image is not seen there), every look-up asks podman."""
     elsewhere = tmp_path / "vfs-images" / "images.lock"
     elsewhere.parent.mkdir()
-    elsewhere.write_bytes(b"t" * operatorstore.TOKEN_BYTES)
-    monkeypatch.setattr(operatorstore, "_tokens", {})
-    monkeypatch.setattr(operatorstore, "_known", {})
-    monkeypatch.setattr(operatorstore, "_place", lambda conf: elsewhere)
+    elsewhere.write_bytes(b"t" * imageids.TOKEN_BYTES)
+    monkeypatch.setattr(imageids, "_tokens", {})
+    monkeypatch.setattr(imageids, "_known", {})
+    monkeypatch.setattr(imageids, "_place", lambda conf: elsewhere)
     for _ in range(2):
-        assert operatorstore.image_id("podman", images.DEBIAN_REF, "base") == image(
+        assert imageids.operator_image_id("podman", images.DEBIAN_REF, "base") == image(
             images.DEBIAN_REF)
     assert len(asked) == 2
