@@ -46,6 +46,9 @@ class StepRun:
     finished: bool  # it ends its step: verified, unverified, or closed `NOT_RUN`
     rewards: Rewards | None  # its verification's rewards; None: it got no result
     not_run: bool = False  # closed `NOT_RUN`: its setup.sh or healthcheck failed
+    # its agent timed out or exited non-zero (Harbor's AgentTimeoutError or
+    # NonZeroAgentExitCodeError, which its queue never retries a trial for)
+    agent_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,10 @@ def attempt_end(runs: Sequence[StepRun], gates: Sequence[Mapping[str, float] | N
     last = runs[-1]
     if not last.finished:
         return AttemptEnd(over=True, retry=True)
-    if last.rewards is None:
-        return AttemptEnd(over=True, retry=False, rerun=last.not_run,
+    if last.rewards is None:  # (rerun only when every exception of it is one Harbor
+        # retries: the step's own, not an earlier step's agent failure)
+        rerun = last.not_run and not any(run.agent_failed for run in runs[:-1])
+        return AttemptEnd(over=True, retry=False, rerun=rerun,
                           stopped=f"step {last.name!r}: no verification result")
     if (failure := gate_failure(last.rewards, gates[len(runs) - 1])) is not None:
         return AttemptEnd(over=True, retry=False, stopped=f"step {last.name!r}: {failure}")

@@ -30,6 +30,7 @@ from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.session.journal import delivery
 from trialledger.adapters.session.sessions import SessionResult, Sessions
 from trialledger.core import SessionView
+from trialledger.core.events import AgentExited
 from trialledger.core.steps import NOT_RUN, StepRun, attempt_end, trial_reward
 from trialledger.store import LeaseLost, Ledger, StoreUnavailable
 from trialledger.store.jobs import UNCOUNTED_CAP, Claim, Jobs
@@ -274,15 +275,23 @@ class Trial:
         attempt from step 1 — also after one left half-run."""
         attempts = by_attempt(sessions)
         if attempts:
-            runs = [StepRun(str(row["step_name"]), step_finishes(row),
-                            await self._rewards(row) if finishes(row) else None,
-                            not_run=row["close_reason"] == NOT_RUN)
-                    for row in attempts[-1]]
+            runs = [await self._step_run(row) for row in attempts[-1]]
             end = attempt_end(runs, [step.min_reward for step in task.steps])
             if end.over and not end.retry and not end.rerun:
                 return None
         return next_attempt([attempt[-1] for attempt in attempts], max_attempts,
                             finished=lambda _: False)
+
+    async def _step_run(self, row: Mapping[str, Any]) -> StepRun:
+        """A step session as core/steps.py weighs it (its view read when it finished)."""
+        if not finishes(row):
+            return StepRun(str(row["step_name"]), step_finishes(row), None,
+                           not_run=row["close_reason"] == NOT_RUN)
+        view = await self.ledger.view(str(row["session_id"]))
+        return StepRun(str(row["step_name"]), True, view.rewards, agent_failed=any(
+            isinstance(event, AgentExited) and (event.data.timed_out
+                                                or event.data.return_code != 0)
+            for event in view.events))
 
     async def _rewards(self, row: Mapping[str, Any]) -> dict[str, float] | None:
         return (await self.ledger.view(str(row["session_id"]))).rewards

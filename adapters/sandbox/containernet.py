@@ -55,6 +55,13 @@ class ContainerNetwork:
                                      f"sandbox was not made for it")
             self.phase_modes[phase] = mode
 
+    async def use_baseline(self) -> None:
+        """The container back on `[environment]`'s network mode (Harbor restores its
+        baseline policy when a phase ends): a process left by an earlier phase keeps no
+        wider network than the environment's (OSError: the container ended)."""
+        if self.container is not None:
+            await self._use_network("healthcheck")
+
     async def _connect(self) -> None:
         """slirp4netns started on the container's network (OSError: it could not be)."""
         assert self.container is not None

@@ -308,7 +308,10 @@ class SessionRunner(TheAgent):
             network_modes=({"healthcheck": modes["environment"], "agent": modes["agent"],
                             "verifier": modes["verifier"]}
                            if (modes := self.task.network_modes) else None),
-            later_modes=[mode for step in self.task.steps for mode in step.network_modes.values()],
+            # (a step's verifier mode only where its verifier runs in this container)
+            later_modes=[mode for step in self.task.steps for phase, mode in
+                         step.network_modes.items()
+                         if phase == "agent" or step.separate_verifier is None],
         )
         # Made (and below discarded) in a worker thread: its bwrap check, folders and
         # cgroups block for tens of milliseconds, which the trials beside it would wait out.

@@ -110,7 +110,8 @@ async def run_attempt(runner: StepSessions, *, attempt: int, retry_of: str | Non
                 forget_rollouts(opened.sandbox)
             info = StepInfo(name=step.name, index=step.index, count=len(task.steps))
             one = runner.for_step(step)
-            opened.sandbox.use_modes(one.task.network_modes)
+            opened.sandbox.use_modes({phase: mode for phase, mode in one.task.network_modes.items()
+                                      if phase == "agent" or step.separate_verifier is None})
             close = functools.partial(gate, step, tuple(runs), gates)
             result = await one.session_in(
                 opened, attempt=attempt, retry_of=retry_of if step.index == 1 else None,
@@ -139,15 +140,18 @@ def forget_rollouts(sandbox: LocalSandbox) -> None:
 async def prepare(runner: StepSessions, step: Step, close: Close, rec: Recorder,
                   sandbox: LocalSandbox, settings: Settings) -> None:
     """Before the step's agent: its tests staged for its verifier; in a container, the
-    previous step's `/tests` and `/logs/verifier` emptied (Harbor's reset after a shared
-    verifier: no later step's agent reads a grader); its workdir uploaded, its `setup.sh`
+    network back on `[environment]`'s mode (what the previous step's phases switched it to
+    ends with them, as Harbor's phase policies do) and the previous step's `/tests` and
+    `/logs/verifier` emptied (Harbor's reset after a shared verifier: no later step's agent
+    reads a grader); its workdir uploaded, its `setup.sh`
     run in the workdir and its healthcheck, as the step's agent user. When setup.sh or
     the healthcheck fails, the session is closed `NOT_RUN` here (after `close`, the
     gate). A copy that fails, or a command that cannot start (the container ended), is a
     gap: the agent's launch then finds the sandbox lost, and the trial is retried."""
     sandbox.tests = await anyio.to_thread.run_sync(stage_tests, step, sandbox)
     if step.index > 1 and sandbox.container is not None:
-        try:  # as Harbor: the last step's grading harness and its output, gone
+        try:  # as Harbor: back on the baseline network (its phase policies end with their
+            await sandbox.use_baseline()  # phase), the last step's grader and output gone
             for inside in (TESTS_INSIDE, VERIFIER_LOGS_INSIDE):
                 await sandbox.clear_inside(inside)
         except OSError as error:  # (the container ended: the agent cannot start either)

@@ -7,6 +7,7 @@ container of its own once the agent's is stopped — with its files kept. A part
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -111,8 +112,10 @@ class AfterTheAgent:
         assert separate is not None and self.environment.verifier is not None
         with separateverifier.tests_kept_apart(sandbox) as tests:
             if self.step is None or self.step.index == len(self.task.steps):
-                await separateverifier.stop_agent(sandbox)  # (a step before the last: its
-                # container serves the next step, as Harbor keeps the agent's environment)
+                await separateverifier.stop_agent(sandbox)
+            else:  # a step before the last: its container serves the next step, as Harbor
+                with contextlib.suppress(OSError):  # keeps it, on its baseline network
+                    await sandbox.use_baseline()
             make = functools.partial(separateverifier.verifier_sandbox, self.task,
                                      self.environment.verifier, runtime=self.options.runtime,
                                      switch=self.options.switch,

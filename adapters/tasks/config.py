@@ -267,7 +267,7 @@ def allowed_entries(meta: Mapping[str, Any], modes: Mapping[str, str], where: st
         if hosts is not None and not isinstance(hosts, str) and not (
                 isinstance(hosts, list) and all(isinstance(host, str) for host in hosts)):
             raise wrong_type(where, f"{name} allowed_hosts", hosts, "a list of strings")
-        if hosts and mode not in (None, "allowlist"):
+        if (hosts is not None and mode is None) or (hosts and mode != "allowlist"):
             raise TaskInvalid(f"{where}: {name} allowed_hosts is only valid when "
                               f"network_mode = 'allowlist'")
 

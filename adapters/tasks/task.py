@@ -162,8 +162,10 @@ class Task:
         allowed = allowed_entries(meta, modes, str(folder / "task.toml"))
         source = _source(environment, folder)
         limits = _limits(environment, folder)
-        separate = _separate(meta, folder, environment, limits, tables["environment"].values,
-                             source, max_bytes)
+        # A multi-step task's verifiers are its steps' alone, each resolved with the step
+        # (Harbor resolves no trial-level one for it): one no step uses is never prepared
+        separate = None if steps else _separate(meta, folder, environment, limits,
+                                                tables["environment"].values, source, max_bytes)
         steps = tuple(dataclasses.replace(step, separate_verifier=_separate(
             meta, folder, environment, limits, tables["environment"].values, source,
             max_bytes, step=entry))

@@ -101,29 +101,33 @@ def parse(meta: Mapping[str, Any], folder: Path, *, environment: Mapping[str, An
     `[steps.verifier.environment]` implying `separate`, else the task's). `environment`,
     `limits` and `env` are the task's own `[environment]`'s (read already), which a
     verifier without a table of its own copies."""
-    where = str(folder / "task.toml")
+    where = task_where = str(folder / "task.toml")
     mode, table = _declared(meta.get("verifier", {}), where, "verifier")
+    label = ""  # (a step's own table: what names it in messages and warned fields)
     candidates = [(table, "tests")]  # (a table that may name the image, a tests folder)
     named = ("[verifier] environment_mode = 'separate'" if mode == "separate"
              else "[verifier.environment]")
     if step is not None:
         name = str(step.get("name"))
-        label = f"[[steps]] {name!r}"
-        own_mode, own_table = _declared(step.get("verifier", {}), f"{where}: {label}",
-                                        "steps.verifier")
+        own_mode, own_table = _declared(step.get("verifier", {}),
+                                        f"{where}: [[steps]] {name!r}", "steps.verifier")
         candidates.insert(0, (own_table, f"steps/{name}/tests"))
         if own_mode == "shared":
             return None
         if own_mode is not None or own_table is not None:
-            mode, table = own_mode, own_table or table
-            named = (f"{label} verifier.environment_mode = 'separate'"
-                     if own_mode == "separate" else f"{label} [steps.verifier.environment]")
+            mode, table = own_mode, own_table if own_table is not None else table
+            named = (f"[[steps]] {name!r} verifier.environment_mode = 'separate'"
+                     if own_mode == "separate" else f"[[steps]] {name!r} "
+                                                    f"[steps.verifier.environment]")
+        if own_table is not None:
+            label = f"[[steps]] {name!r}"
+            where = f"{where}: {label}"
     if mode != "separate" and table is None:
         return None
     own = table if isinstance(table, dict) else None
     baseline, ignored = (baseline_mode(own, TABLE, where) if own is not None
                          else (baseline_mode(environment, "environment", where)[0], {}))
-    explicit = phase_mode(meta.get("verifier", {}), "verifier", where)
+    explicit = phase_mode(meta.get("verifier", {}), "verifier", task_where)
     if own is not None and baseline == "allowlist":
         raise UnsupportedField(f"{where}: [{TABLE}] network_mode = 'allowlist': an allowlist "
                                f"of the separate verifier's own is not supported here")
@@ -147,7 +151,7 @@ def parse(meta: Mapping[str, Any], folder: Path, *, environment: Mapping[str, An
         secrets=() if resolved is None else resolved.secrets,
         limits=dict(limits) if own is None else _limits(sized, where),
         network_mode=baseline, phase_mode=explicit or baseline,
-        ignored={**ignored, **warned})
+        ignored={f"{label} {key}".lstrip(): why for key, why in {**ignored, **warned}.items()})
 
 
 def _declared(verifier: Mapping[str, Any], where: str, name: str

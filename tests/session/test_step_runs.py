@@ -259,6 +259,7 @@ def test_a_step_that_could_not_be_set_up_reruns_the_trial_while_attempts_are_lef
     is its last attempt's."""
     folder = three_steps(tmp_path / "task")
     (folder / "steps" / "two" / "workdir" / "setup.sh").write_text("exit 3\n")
+    one = folder / "steps" / "one" / "solution" / "solve.sh"
     done = in_process("run", str(folder), "--agent", "oracle", "--db", str(tmp_path / "t.db"),
                       "--json", "--max-attempts", "2")
     assert done.returncode == 0, done.stderr
@@ -270,6 +271,13 @@ def test_a_step_that_could_not_be_set_up_reruns_the_trial_while_attempts_are_lef
         ("one", 1, "normal"), ("two", 1, "step_not_run"),
         ("one", 2, "normal"), ("two", 2, "step_not_run")]
     assert sessions[2][3] == sessions[1][0]  # attempt 2 retries attempt 1's last session
+    # ... but not after an earlier step's agent failed (Harbor never retries that one)
+    one.write_text(one.read_text() + "exit 4\n")
+    done = in_process("run", str(folder), "--agent", "oracle", "--db", str(tmp_path / "f.db"),
+                      "--json", "--max-attempts", "2")
+    assert done.returncode == 0, done.stderr
+    assert rows(tmp_path / "f.db", "SELECT step_name, attempt FROM sessions "
+                "ORDER BY created_at") == [("one", 1), ("two", 1)]
 
 
 @pytest.mark.parametrize("passes", [True, False], ids=["passes", "fails"])

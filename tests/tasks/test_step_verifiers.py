@@ -20,7 +20,7 @@ from trialledger.adapters.demo import samples
 from trialledger.adapters.tasks.task import Task, TaskInvalid
 
 MODES = (None, "shared", "separate")
-TABLES = {None: "", "image": "docker_image = 'localhost/{who}-grader:1'\n",
+TABLES = {None: "", "empty": "", "image": "docker_image = 'localhost/{who}-grader:1'\n",
           "settings": "workdir = '/{who}-grade'\n"}
 
 

@@ -131,6 +131,8 @@ BAD = [
     ("[environment]\ndocker_image = 'localhost/task:1'\n[[steps]]\nname = 'one'\n"
      "[steps.verifier]\nenvironment_mode = 'shared'\n[steps.verifier.environment]\n", ("one",),
      "[steps.verifier] environment_mode = 'shared' is incompatible"),
+    ("[[steps]]\nname = 'one'\n[steps.agent]\nallowed_hosts = ['a.example']\n", ("one",),
+     "[[steps]] 'one' [steps.agent] allowed_hosts is only valid when"),
     ("[[steps]]\nname = 'one'\n[steps.agent]\nnetwork_mode = 'offline'\n", ("one",),
      "[[steps]] 'one': [steps.agent] network_mode must be one of"),
     ("[[steps]]\nname = 'one'\n[steps.verifier]\nnetwork_mode = 'public'\n"
@@ -226,12 +228,15 @@ def ran(name: str, rewards: dict[str, float] | None, finished: bool = True) -> S
     ([ran("a", {"reward": 1.0}), StepRun("b", True, None, not_run=True)],
      AttemptEnd(over=True, retry=False, stopped="step 'b': no verification result",
                 rerun=True)),
+    ([StepRun("a", True, {"reward": 1.0}, agent_failed=True),
+      StepRun("b", True, None, not_run=True)],
+     AttemptEnd(over=True, retry=False, stopped="step 'b': no verification result")),
     ([ran("a", {"reward": 1.0}), ran("b", None, finished=False)],
      AttemptEnd(over=True, retry=True)),
     ([ran("a", {"reward": 1.0}), ran("b", {"reward": 0.0}), ran("c", {"reward": 0.0})],
      AttemptEnd(over=True, retry=False)),
 ], ids=["none", "gate-holds", "gate-fails", "gate-key-missing", "no-result", "not-set-up",
-        "retry", "complete"])
+        "not-set-up-after-an-agent-failure", "retry", "complete"])
 def test_an_attempt_goes_on_stops_or_is_retried_as_harbors(runs: list[StepRun],
                                                            end: AttemptEnd) -> None:
     assert attempt_end(runs, GATES) == end
