@@ -321,32 +321,32 @@ def test_the_tasks_healthcheck_runs_once_before_the_first_step(tmp_path: Path) -
     assert code == 0 and said[1]["rewards"] == {"reward": 1.0}
 
 
-def test_a_steps_artifacts_are_collected_after_the_tasks_in_its_session(
-        tmp_path: Path) -> None:
+def kept_by_step(tmp_path: Path, top: str, two: str, like: str) -> list[tuple[Any, ...]]:
+    """`three_steps` with `top` before its steps and `two` in step two's table, run by the
+    oracle: each session's step and the files its verification lists under `like`."""
     folder = three_steps(tmp_path / "task")
     toml = folder / "task.toml"
-    toml.write_text('artifacts = ["/app/one.txt"]\n' + toml.read_text().replace(
-        'name = "two"\n', 'name = "two"\nartifacts = ["/app/two.txt"]\n'))
+    toml.write_text(top + toml.read_text().replace('name = "two"\n', f'name = "two"\n{two}'))
     code, _ = run(folder, tmp_path / "t.db", "oracle")
     assert code == 0
-    kept = rows(tmp_path / "t.db", "SELECT s.step_name, f.path FROM verification_files f "
-                "JOIN sessions s ON s.session_id = f.session_id "
-                "WHERE f.path LIKE 'artifacts/app/%' ORDER BY s.created_at, f.path")
-    assert kept == [("one", "artifacts/app/one.txt"), ("two", "artifacts/app/one.txt"),
-                    ("two", "artifacts/app/two.txt"), ("three", "artifacts/app/one.txt")]
+    return rows(tmp_path / "t.db", "SELECT s.step_name, f.path, f.sha256 FROM "
+                "verification_files f JOIN sessions s ON s.session_id = f.session_id "
+                f"WHERE f.path LIKE '{like}' ORDER BY s.created_at, f.path")
+
+
+def test_a_steps_artifacts_are_collected_after_the_tasks_in_its_session(
+        tmp_path: Path) -> None:
+    kept = kept_by_step(tmp_path, 'artifacts = ["/app/one.txt"]\n',
+                        'artifacts = ["/app/two.txt"]\n', "artifacts/app/%")
+    assert [(step, path) for step, path, _ in kept] == [
+        ("one", "artifacts/app/one.txt"), ("two", "artifacts/app/one.txt"),
+        ("two", "artifacts/app/two.txt"), ("three", "artifacts/app/one.txt")]
 
 
 def test_a_steps_collect_hooks_run_after_the_tasks_in_its_session(tmp_path: Path) -> None:
     """Harbor's `_collect_hooks_for`: the task's hooks, then the step's, after its agent."""
-    folder = three_steps(tmp_path / "task")
-    toml = folder / "task.toml"
-    toml.write_text('[[verifier.collect]]\ncommand = "echo task"\n' + toml.read_text().replace(
-        'name = "two"\n', 'name = "two"\n[[steps.verifier.collect]]\ncommand = "cat two.txt"\n'))
-    code, _ = run(folder, tmp_path / "t.db", "oracle")
-    assert code == 0
-    kept = rows(tmp_path / "t.db", "SELECT s.step_name, f.path, f.sha256 FROM "
-                "verification_files f JOIN sessions s ON s.session_id = f.session_id "
-                "WHERE f.path LIKE 'collect/%' ORDER BY s.created_at, f.path")
+    kept = kept_by_step(tmp_path, '[[verifier.collect]]\ncommand = "echo task"\n',
+                        '[[steps.verifier.collect]]\ncommand = "cat two.txt"\n', "collect/%")
     task, two = hashlib.sha256(b"task\n").hexdigest(), hashlib.sha256(b"given\n").hexdigest()
     assert kept == [("one", "collect/1.txt", task), ("two", "collect/1.txt", task),
                     ("two", "collect/2.txt", two), ("three", "collect/1.txt", task)]
