@@ -25,7 +25,7 @@ from trialledger.adapters.sandbox.cgroup import CONTROLLERS, DEFAULT_PIDS, v1_hi
 from trialledger.adapters.sandbox.container import ContainerPhases
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.sandbox.hostside import host_env
-from trialledger.adapters.sandbox.idrange import SLOT
+from trialledger.adapters.sandbox.idrange import SLOT, InnerUser
 from trialledger.adapters.sandbox.layout import chown_like, chown_tree
 from trialledger.adapters.sandbox.oci import (
     DOCKER_NET_SYSCTL,
@@ -49,6 +49,28 @@ def swap_accounted() -> bool:
     memory+swap only where it does, as cgroup.py's own writes)."""
     memory = v1_hierarchies().get("memory")
     return memory is not None and (memory / MEMSW).exists()
+
+
+def pid1_argv(command: Sequence[str], user: InnerUser, *, oom_score_adj: int | None,
+              deadline_ms: int | None) -> list[str]:
+    """The container's PID 1, our init: it holds descriptor 3 (the lifeline: runc's
+    container does not die with the runner, bwrap's did) and, for a lease, 4 (its switch,
+    `deadline_ms` left), both handed over by `runc --preserve-fds`, then drops to `user`
+    and runs `command`. Never the environment: that is config.json's alone."""
+    argv = [INIT_INSIDE, "--lifeline-fd", "3"]
+    if oom_score_adj is not None:
+        argv += ["--oom-score-adj", str(oom_score_adj)]
+    if deadline_ms is not None:
+        argv += ["--deadline-fd", "4", "--deadline-ms", str(deadline_ms)]
+    return [*argv, "--user", str(user.uid), str(user.gid),
+            ",".join(str(g) for g in user.groups) or "-", "--", *command]
+
+
+def container_limits(limits: Mapping[str, float]) -> dict[str, float]:
+    """The session's limits a container's cgroup holds (runc writes them): the task's
+    `pids`, `memory_mb` and `cpus`, and Docker's default `pids` where it sets none."""
+    return {"pids": float(DEFAULT_PIDS),
+            **{key: value for key, value in limits.items() if key in CONTROLLERS}}
 
 
 class RuncLaunch(ContainerPhases):
@@ -81,23 +103,15 @@ class RuncLaunch(ContainerPhases):
         self._clear_mount_points(placed, "container")
         binds, tmpfs = oci_mounts(placed)
         binds += tuple(self._volume_binds())
-        user = self.range.users["container"]
-        # Handed over as descriptors 3 and 4 (runc --preserve-fds): the lifeline (runc's
-        # container does not die with the runner, bwrap's did) and a lease's switch.
-        pid1 = [INIT_INSIDE, "--lifeline-fd", "3"]
-        if self.oom_score_adj is not None:
-            pid1 += ["--oom-score-adj", str(self.oom_score_adj)]
-        if self.switch is not None:
-            pid1 += ["--deadline-fd", "4", "--deadline-ms", str(self.switch.remaining_ms())]
-        pid1 += ["--user", str(user.uid), str(user.gid),
-                 ",".join(str(g) for g in user.groups) or "-", "--", *command]
+        pid1 = pid1_argv(command, self.range.users["container"],
+                         oom_score_adj=self.oom_score_adj,
+                         deadline_ms=self.switch.remaining_ms() if self.switch else None)
         # Always a network namespace of the container's own (the runner's, inside the
         # slot's user namespace; a bridged compose service's made by runc there): sysfs
         # cannot be mounted in a user namespace that does not own the network namespace, so
         # the host's is never shared under runc.
         netns = self.range.netns_fd
-        limits = {"pids": float(DEFAULT_PIDS),
-                  **{key: value for key, value in self.limits.items() if key in CONTROLLERS}}
+        limits = container_limits(self.limits)
         config = container_config(ContainerSpec(
             root=str(self.root / "merged"), args=tuple(pid1),
             env={**env, SUPERVISOR_ENV: self.marker},  # in config.json alone (0600, 0700)

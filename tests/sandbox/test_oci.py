@@ -21,13 +21,22 @@ import pytest
 
 from tests import images
 from trialledger.adapters.sandbox import oci
-from trialledger.adapters.sandbox.idrange import DOCKER_CAPS, SLOT, Slot, reserved_range
+from trialledger.adapters.sandbox.bwrap import INIT_INSIDE
+from trialledger.adapters.sandbox.cgroup import DEFAULT_PIDS
+from trialledger.adapters.sandbox.idrange import (
+    DOCKER_CAPS,
+    SLOT,
+    InnerUser,
+    Slot,
+    reserved_range,
+)
 from trialledger.adapters.sandbox.ociruntime import (
     host_nofile,
     host_seccomp,
     run_once,
     runtime_problem,
 )
+from trialledger.adapters.sandbox.runclaunch import container_limits, pid1_argv
 
 PROFILE_SHA256 = "9c1025c88ccaa517b648da571961838744ea2137f176bfe6a48b21294cae9c76"
 DOCKER_CAP_MASK = "00000000a80425fb"  # CapEff of root in a default Docker container
@@ -248,6 +257,24 @@ def test_a_config_is_an_oci_1_0_2_document_of_the_spec() -> None:
                                     "source": "tmpfs", "options": ["nosuid", "nodev", "mode=755"]}
     # The environment's values are only in process.env, never in a command line.
     assert not any("s3cret" in arg for arg in process["args"])
+
+
+def test_pid1_and_the_limits_are_planned_without_the_runtime() -> None:
+    """What runclaunch hands runc, made by pure functions: PID 1 (our init) holds the
+    lifeline on 3 and a lease's switch on 4 only with a lease, drops to the phase's user
+    and groups, and carries no environment; the cgroup gets Docker's default `pids` unless
+    the task sets one, and only the limits a container's cgroup holds."""
+    user = InnerUser(1000, 1000, (27, 100))
+    plain = pid1_argv(["sh", "-c", "true"], user, oom_score_adj=None, deadline_ms=None)
+    assert plain == [INIT_INSIDE, "--lifeline-fd", "3", "--user", "1000", "1000", "27,100",
+                     "--", "sh", "-c", "true"]
+    leased = pid1_argv(["true"], InnerUser(0, 0), oom_score_adj=1000, deadline_ms=1500)
+    assert leased == [INIT_INSIDE, "--lifeline-fd", "3", "--oom-score-adj", "1000",
+                      "--deadline-fd", "4", "--deadline-ms", "1500", "--user", "0", "0", "-",
+                      "--", "true"]
+    assert container_limits({}) == {"pids": float(DEFAULT_PIDS)}
+    assert container_limits({"pids": 64, "memory_mb": 512, "cpus": 1.5, "storage_mb": 9}) == {
+        "pids": 64, "memory_mb": 512, "cpus": 1.5}
 
 
 def test_a_config_leaves_out_what_the_spec_does_not_ask_for() -> None:
