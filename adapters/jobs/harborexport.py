@@ -145,7 +145,7 @@ def exception_of(view: SessionView) -> dict[str, Any] | None:
     if not_run is not None:
         kind, valid = STEP_NOT_RUN[not_run.data.code]
         message = not_run.data.detail or not_run.data.code
-        policy = _policy(retry=True, grade=False, valid=valid)  # (rerun while attempts last)
+        policy = _policy(retry=False, grade=False, valid=valid)
     elif failed is not None:
         kind = VERIFIER_FAILURES.get(failed.data.reason, "VerifierError")
         message = failed.data.detail or failed.data.reason
