@@ -306,7 +306,10 @@ def test_workers_on_postgresql_take_over_a_dead_workers_trial(
     db = postgres.create_database()
     data = tmp_path / "data"
     turns = builders(data, "w", 4, "sleep 3; echo built > built.txt")
-    common = ["--lease-s", "3", "--codex-bin", codex_path()]
+    # A 12 s lease: each PostgreSQL call then has 4 s (a third), which a loaded CI machine
+    # running two test processes beside these three needs (at 3 s, a 2 s call deadline cut
+    # the leader's connection as an outage); the takeover waits out those 12 s.
+    common = ["--lease-s", "12", "--codex-bin", codex_path()]
     procs: dict[str, subprocess.Popen[str]] = {}
     with ScriptedEndpoint([message("unrouted")], turns=turns) as endpoint:
         def start(name: str, *argv: str) -> None:
