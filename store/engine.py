@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar
 
 import anyio
 from sqlalchemy import URL, Connection, Engine, create_engine, event, text
-from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.exc import DisconnectionError, InvalidatePoolError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.util import await_
 
@@ -346,7 +346,9 @@ def _postgres_engine(url: URL, *, pool_size: int,
             return
         try:
             await_(driver.fetchrow(";"))
-        except Exception as error:  # gone: the pool discards it and connects anew
-            raise DisconnectionError(f"a pooled connection is gone: {error}") from error
+        except Exception as error:  # gone: the pool discards it and connects anew —
+            # and every connection pooled before it (a server that went silent or restarted
+            # took them too: each would cost its own ping, a deadline each when silent)
+            raise InvalidatePoolError(f"a pooled connection is gone: {error}") from error
 
     return engine

@@ -325,7 +325,8 @@ class JobRunner:
         """Run a claimed trial under its lease (`Trial.hold`), then settle it `done`. A
         trial whose lease ended first (not renewed in time, or taken over) is left to its
         next holder: released if the store takes the release, else its lease expires —
-        never settled `done`."""
+        never settled `done`. So is a trial whose settling the store failed: its next
+        holder (this run's next claim) finds it decided and settles it."""
         lease = Lease(self.jobs, claim, self.lease_s)
         settled = False
         try:
@@ -333,8 +334,13 @@ class JobRunner:
                 functools.partial(self._runner, claim.task))
             if ran is None:
                 return
-            done = await self._done(claim, ran)
-            settled = await self.jobs.settle(claim, "done", detail=ran.error)
+            try:
+                done = await self._done(claim, ran)
+                settled = await self.jobs.settle(claim, "done", detail=ran.error)
+            except StoreUnavailable as error:
+                log.warning("trial %s (%s): not settled (%s); left to its next holder",
+                            claim.trial_id, claim.task, error)
+                return
             if settled and self.on_trial is not None:
                 said = self.on_trial(done)
                 if said is not None:

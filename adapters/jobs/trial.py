@@ -28,6 +28,7 @@ import anyio
 
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.session.journal import delivery
+from trialledger.adapters.session.preflight import StoreTooFull
 from trialledger.adapters.session.sessions import SessionResult, Sessions
 from trialledger.core import SessionView
 from trialledger.core.events import AgentExited
@@ -323,10 +324,13 @@ class Trial:
                    ) -> TrialRun | None:
         """Run the trial (a job's, under its lease) with the runner `runner(switch)` makes,
         while the lease is kept (`Lease.keep`). None when the lease ended first — taken
-        over, or not renewed in time: its session was stopped (its sandbox killed) and the
-        trial is left to its next holder, never settled `done`. An error no rule foresaw
-        ends this trial alone (`TrialRun.error`), never the job nor the trials beside it;
-        a cancellation, an interrupt or an unusable store is raised."""
+        over, or not renewed in time — or the store failed a call of the run past the
+        run's own retries (a statement past its deadline on a loaded server, a connection
+        gone silent): its session was stopped (its sandbox killed) and the trial is left to
+        its next holder, never settled `done` — the job's claims ride the outage out, and
+        the job stops only if it outlasts them (docs/SPEC.md §19: a store outage finishes
+        nothing). An error no rule foresaw ends this trial alone (`TrialRun.error`), never
+        the job nor the trials beside it; a cancellation or an interrupt is raised."""
         lease = self.lease
         assert lease is not None  # a held trial is a job's
         done: TrialRun | None = None
@@ -339,6 +343,10 @@ class Trial:
             except BaseException as error:
                 if _only(error, LeaseLost):
                     lease.why = lease.why or "taken over"
+                elif lease.why is None and _only(error, StoreUnavailable) \
+                        and not _has(error, StoreTooFull):  # (too full: every run would be)
+                    lease.why = "given up: the store failed the run"
+                    log.warning("trial %s: stopped: %s", self.trial_id, error)
                 elif lease.why is not None and (_unexpected(error)
                                                 or _only(error, StoreUnavailable)):
                     log.warning("trial %s: stopped: %s", self.trial_id, error)
@@ -377,6 +385,13 @@ def _unexpected(error: BaseException) -> bool:
     if isinstance(error, BaseExceptionGroup):
         return all(_unexpected(e) for e in error.exceptions)
     return isinstance(error, Exception) and not isinstance(error, StoreUnavailable)
+
+
+def _has(error: BaseException, kind: type[BaseException]) -> bool:
+    """Whether `error` is `kind`, or a group holding one."""
+    if isinstance(error, BaseExceptionGroup):
+        return error.split(kind)[0] is not None
+    return isinstance(error, kind)
 
 
 def _only(error: BaseException, kind: type[BaseException]) -> bool:

@@ -566,6 +566,42 @@ def test_an_unexpected_error_ends_its_trial_never_the_job(
     assert len(rows(db, "SELECT * FROM sessions")) == 3
 
 
+@pytest.mark.parametrize("failing", ["the run", "its settling"])
+def test_a_store_call_that_fails_in_a_held_trial_leaves_it_to_the_next_claim(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+    """A store call of a held trial fails once past its retries while its lease holds (on a
+    loaded server a statement runs past its deadline): the trial is left to its next holder
+    — here this job's own next claim, which finds it decided — never the end of the job
+    (it used to stop `job run` with exit 2, its trials undecided)."""
+    from trialledger.adapters.jobs.trial import Trial
+    from trialledger.store import StoreUnavailable
+    from trialledger.store.jobs import Jobs
+
+    failed: list[str] = []
+
+    def once(method: Any) -> Any:
+        async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not failed and (failing == "the run" or args[1:2] == ("done",)):
+                failed.append(method.__name__)
+                raise StoreUnavailable("cannot use the database: TimeoutError")
+            return await method(self, *args, **kwargs)
+        return call
+
+    if failing == "the run":  # read once the session ran, before the trial's result
+        monkeypatch.setattr(Trial, "_final", once(Trial._final))
+    else:
+        monkeypatch.setattr(Jobs, "settle", once(Jobs.settle))
+    task = make_task(tmp_path / "t", instruction="x", test_sh="exit 0\n",
+                     solve_sh="#!/bin/sh\nexit 0\n")
+    db = tmp_path / "jobs.db"
+    assert cli.main(["job", "run", "blip", str(task.folder), "--agent", "oracle",
+                     "--db", str(db)]) == 0
+    assert failed
+    assert [r["state"] for r in rows(db, "SELECT state FROM job_queue")] == ["done"]
+    (session,) = rows(db, "SELECT outcome FROM sessions")  # decided once, never run again
+    assert session["outcome"] == "verify"
+
+
 def _session(attempt: int, close_reason: str, outcome: str | None) -> dict[str, Any]:
     return {"session_id": f"s{attempt}", "attempt": attempt, "close_reason": close_reason,
             "outcome": outcome}

@@ -6,6 +6,7 @@ files and the PostgreSQL fixture; then each kind of driver error by its class or
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sqlite3
 import threading
@@ -112,6 +113,48 @@ async def test_a_lease_holders_transaction_left_idle_is_ended_by_the_server(
     finally:
         await holder.dispose()
         await plain.dispose()
+
+
+@pytest.mark.anyio
+async def test_a_silent_server_costs_one_ping_not_one_per_pooled_connection(
+        postgres: PostgresServer) -> None:
+    """A lease holder's pool holds connections to a server that went silent (their backends
+    SIGSTOPped: no reset, no answer): the first checkout's ping runs past its deadline and
+    the pool drops every connection it held before, so the next calls connect anew at once
+    instead of each waiting out a ping of its own (on a loaded machine, enough such waits in
+    a row outlasted a held trial's retries and ended the `job run`)."""
+    import os
+    import signal
+
+    from sqlalchemy import event
+
+    from trialledger.store.engine import make_engines
+
+    db = postgres.create_database()
+    engines = make_engines(db, call_timeout_s=1.0)
+    pinged_silent: list[BaseException | None] = []
+    event.listen(engines.reader.sync_engine.pool, "invalidate",
+                 lambda _conn, _record, error: pinged_silent.append(error))
+    stopped: list[int] = []
+    try:
+        async with contextlib.AsyncExitStack() as stack:  # four pooled connections
+            conns = [await stack.enter_async_context(engines.reader.connect())
+                     for _ in range(4)]
+            for conn in conns:
+                stopped.append((await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        await anyio.sleep(0.6)  # idle past PING_IDLE_S: each checkout pings
+        for _ in range(4):
+            async with engines.reader.connect() as conn:
+                pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+                assert pid not in stopped
+        assert len(pinged_silent) == 1, pinged_silent
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        await engines.dispose()
 
 
 @pytest.mark.anyio
