@@ -121,7 +121,7 @@ class BuildBox:
         cgroup."""
         self.cgroup.kill()
         with contextlib.suppress(EnvironmentUnavailable):
-            for container in self._working_containers(self.build_id.__eq__) \
+            for container in working_containers(self.builder, self.build_id.__eq__) \
                     if self.built else ():
                 self.run(["buildah", "rm", container])
         self.cgroup.end()
@@ -129,23 +129,12 @@ class BuildBox:
     def remove_dead_builds_containers(self) -> int:
         """Remove the working containers of builds whose run was killed (their folder gone
         or its lock free); how many."""
-        dead = self._working_containers(lambda build: build.startswith(BUILD_PREFIX)
-                                        and not build_alive(self.builder, build))
+        dead = working_containers(self.builder, lambda build: build.startswith(BUILD_PREFIX)
+                                  and not build_alive(self.builder, build))
         for container in dead:
             with contextlib.suppress(EnvironmentUnavailable):
                 self.run(["buildah", "rm", container])
         return len(dead)
-
-    def _working_containers(self, build: Callable[[str], bool]) -> list[str]:
-        """The ids of the working containers made by the builds whose id `build` accepts
-        (the id in their record)."""
-        found = []
-        for record in self.builder.graphroot.glob("*-containers/*/userdata/buildah.json"):
-            options = _record(record).get("CommonBuildOpts")
-            made = options.get("CgroupParent") if isinstance(options, dict) else None
-            if isinstance(made, str) and build(made):
-                found.append(record.parent.parent.name)
-        return sorted(found)
 
     def _start(self, argv: Sequence[str], stdout: int | IO[bytes], stderr: int | IO[bytes],
                *, network: bool = False) -> subprocess.Popen[bytes]:
@@ -258,6 +247,18 @@ def _private_netns(process: subprocess.Popen[bytes]) -> int:
         time.sleep(0.002)
     raise EnvironmentUnavailable(f"{WHAT}: `unshare --net` made no network namespace "
                                  f"(exit {process.poll()})")
+
+
+def working_containers(builder: Builder, build: Callable[[str], bool]) -> list[str]:
+    """The ids of the working containers in `builder`'s storage made by the builds whose id
+    `build` accepts (the id in their record)."""
+    found = []
+    for record in builder.graphroot.glob("*-containers/*/userdata/buildah.json"):
+        options = _record(record).get("CommonBuildOpts")
+        made = options.get("CgroupParent") if isinstance(options, dict) else None
+        if isinstance(made, str) and build(made):
+            found.append(record.parent.parent.name)
+    return sorted(found)
 
 
 def _record(path: Path) -> dict[str, Any]:

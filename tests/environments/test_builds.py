@@ -725,6 +725,7 @@ def test_different_images_build_at_once_and_a_built_one_is_found_meanwhile(
         holder.join(timeout=120)
 
 
+@pytest.mark.alone  # its first build sweeps what other processes' killed builds left
 def test_job_run_shows_what_each_task_waits_for_while_its_image_builds(
         tmp_path: Path, builder: Builder) -> None:
     """Two tasks of one image, `-n 2`, on a real pseudo-terminal: while the build is held
