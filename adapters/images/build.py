@@ -114,13 +114,13 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
             if remembered is not None and (found := cache.image(remembered)) is not None:
                 return found
             tag = f"{TAG}:{key[:32]}"
-            if not box.succeeds(["podman", "image", "exists", tag]):
-                waiting = functools.partial(progress, "waiting", None) if progress else None
-                with _locked(builder.locks / f"{key}.lock", waiting):
-                    if not box.succeeds(["podman", "image", "exists", tag]):  # built meanwhile?
-                        _stage_context(builder, work, context)
-                        _build(box, work, tag, source.build_timeout_s, args, progress)
-            digest = _image_id(box, tag)
+            waiting = functools.partial(progress, "waiting", None) if progress else None
+            built: str | None = None
+            with _locked(builder.locks / f"{key}.lock", waiting):  # (this image's alone)
+                if not box.succeeds(["podman", "image", "exists", tag]):  # built meanwhile?
+                    _stage_context(builder, work, context)
+                    built = _build(box, work, tag, source.build_timeout_s, args, progress)
+            digest = built or _image_id(box, tag)
             cache.remember(f"build-{key}", digest)
             if (found := cache.image(digest)) is not None:
                 return found
@@ -314,16 +314,18 @@ def _holds(held: Held | None, ident: str) -> bool:
 
 
 def _build(box: BuildBox, work: Workspace, tag: str, timeout: float,
-           build_args: Mapping[str, str], progress: Progress | None = None) -> None:
-    """`podman build --isolation chroot` in the build's box, past `timeout` killed. Its id
-    goes in `--cgroup-parent` (recorded by each working container, used by nothing under
-    chroot isolation); `RUN` steps resolve names through slirp's resolver. It never pulls:
-    its `FROM` images are the ones its key names, in the build storage already. `progress`
-    hears each `STEP n/m` podman prints as it gets there."""
+           build_args: Mapping[str, str], progress: Progress | None = None) -> str | None:
+    """`podman build --isolation chroot` in the build's box, past `timeout` killed; the
+    built image's id as podman wrote it (`--iidfile`: no inspect after it), None when that
+    file is not one. Its id goes in `--cgroup-parent` (recorded by each working container,
+    used by nothing under chroot isolation); `RUN` steps resolve names through slirp's
+    resolver. It never pulls: its `FROM` images are the ones its key names, in the build
+    storage already. `progress` hears each `STEP n/m` podman prints as it gets there."""
     args = [a for name, value in sorted(build_args.items())
             for a in ("--build-arg", f"{name}={value}")]
+    iidfile = work.inner / "image-id"
     argv = ["podman", "build", "--isolation", "chroot", "--cgroup-parent", box.build_id,
-            "--pull=never", "--dns", RESOLVER, *args, "-t", tag,
+            "--pull=never", "--dns", RESOLVER, *args, "-t", tag, "--iidfile", str(iidfile),
             "-f", str(work.context / "Dockerfile"), str(work.context)]
     with open(work.outer / "build.log", "w+b") as log, _following(log.name, progress):
         code = box.build(argv, log, timeout)
@@ -335,6 +337,25 @@ def _build(box: BuildBox, work: Workspace, tag: str, timeout: float,
                      if ln.strip()]
             said = lines[-1] if lines else f"exit {code}"
             raise EnvironmentUnavailable(f"{WHAT}: {said[-300:]}")
+    return _written_id(iidfile)
+
+
+def _written_id(path: Path) -> str | None:
+    """The `sha256:<hex>` id podman wrote at `path` (the build user's folder: read without
+    following a link, a few bytes), None when it is not one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 128).decode("ascii", errors="replace").strip() \
+            if stat.S_ISREG(os.fstat(fd).st_mode) else ""
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    ident = text if text.startswith("sha256:") else f"sha256:{text}"
+    return ident if re.fullmatch(r"sha256:[0-9a-f]{64}", ident) else None
 
 
 @contextlib.contextmanager

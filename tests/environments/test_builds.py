@@ -574,6 +574,27 @@ def test_a_builds_cgroup_holds_the_tasks_limits(
     assert not any(path.exists() for path in paths)
 
 
+def test_the_id_a_build_wrote_is_read_without_following_a_link(tmp_path: Path) -> None:
+    """A built image's id is what podman wrote with `--iidfile` in the build user's folder
+    (no `podman image inspect` after each build): read without following a link or
+    blocking on a fifo, a few bytes, and only a `sha256:` id; anything else is None (the
+    build storage is then asked)."""
+    ident = "sha256:" + "ab" * 32
+    written = tmp_path / "image-id"
+    written.write_text(ident)
+    assert build_module._written_id(written) == ident
+    written.write_text(ident.removeprefix("sha256:") + "\n")  # older podman: hex alone
+    assert build_module._written_id(written) == ident
+    link = tmp_path / "link"
+    link.symlink_to(written)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "long").write_text(ident + "0" * 10_000)
+    (tmp_path / "junk").write_text("sha256:../../etc/passwd")
+    for name in ("link", "fifo", "long", "junk", "missing"):
+        assert build_module._written_id(tmp_path / name) is None, name
+
+
 def test_a_build_is_keyed_by_its_from_images_ids_as_dockers_cache_is(
         tmp_path: Path, builder: Builder, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same context over another image under its `FROM` name (re-tagged in the build
