@@ -318,6 +318,7 @@ def _postgres_engine(url: URL, *, pool_size: int,
     (`idle_in_transaction_session_timeout`): a holder paused or cut off inside one would
     otherwise keep its row and advisory locks, and every other holder's claim waiting on
     them, until TCP noticed."""
+    silent_since = [0.0]  # (wall clock) when a call last found the server silent or gone
     if call_timeout_s is None:
         engine = create_async_engine(url, pool_size=pool_size)
     else:
@@ -332,6 +333,7 @@ def _postgres_engine(url: URL, *, pool_size: int,
         def _timed_out(context: Any) -> None:
             if isinstance(context.original_exception, TimeoutError):
                 context.is_disconnect = True  # cut (terminated), never checked in again
+                silent_since[0] = time.time()  # (and the pool before it: see `_cut`)
 
     @event.listens_for(engine.sync_engine.pool, "checkin")
     def _used(_dbapi_connection: Any, record: Any) -> None:
@@ -342,13 +344,24 @@ def _postgres_engine(url: URL, *, pool_size: int,
         driver = dbapi_connection.driver_connection
         if driver.is_closed():
             raise DisconnectionError("a pooled connection is closed")
-        if time.monotonic() - record.info.get("checked_in", -PING_IDLE_S) < PING_IDLE_S:
+        checked_in = record.info.get("checked_in")  # (none: connected for this checkout)
+        if checked_in is None or time.monotonic() - checked_in < PING_IDLE_S:
             return
         try:
             await_(driver.fetchrow(";"))
         except Exception as error:  # gone: the pool discards it and connects anew —
             # and every connection pooled before it (a server that went silent or restarted
             # took them too: each would cost its own ping, a deadline each when silent)
+            silent_since[0] = time.time()
             raise InvalidatePoolError(f"a pooled connection is gone: {error}") from error
+
+    @event.listens_for(engine.sync_engine.pool, "close")
+    def _cut(dbapi_connection: Any, record: Any) -> None:
+        """A connection made before the server was last found silent is cut, not closed
+        politely: SQLAlchemy's close of a dropped connection waits up to 2 s for the
+        server's goodbye, which a silent server never sends — each stale connection
+        would cost that on its way out."""
+        if record is not None and record.starttime <= silent_since[0]:
+            dbapi_connection.driver_connection.terminate()
 
     return engine

@@ -76,7 +76,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
             prices=prices)
         holder.append(runner)
         await with_live(ledger, name, not args.json, runner.run, waits=runner.waits)
-        return await _job_summary(ledger, name)
+        return await runner.riding_out(functools.partial(_job_summary, ledger, name))
 
     async def go() -> dict[str, Any]:
         if options.agent == "codex":

@@ -87,9 +87,15 @@ async def with_live(ledger: Ledger, job: str, wanted: bool,
                 await refresh()
                 await anyio.sleep(1.0)
 
+        failed: list[Exception] = []  # raised after the group: never an ExceptionGroup
         async with anyio.create_task_group() as tg:
             tg.start_soon(poll)
-            done.append(await work())
+            try:
+                done.append(await work())
+            except Exception as error:
+                failed.append(error)
             tg.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
         await refresh()  # the final state
     return done[0]

@@ -57,6 +57,7 @@ from trialledger.store.jobs import Claim, JobRefused, Jobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 LEASE_S = 60.0
 
 
@@ -202,6 +203,10 @@ class JobRunner:
     _preparing: bool = field(default=True, init=False)  # until every environment is tried
     _own: bool = field(default=True, init=False)  # the job's own `job run`, not a worker
     _changed: anyio.Event = field(default_factory=anyio.Event, init=False)  # a task is ready
+    # since when the store has failed held trials with none settled (anyio's clock), and
+    # the pause before the next claim: the job stops past the runner's `store_retry_s`
+    _store_failing: float | None = field(default=None, init=False)
+    _store_pause: float = field(default=0.25, init=False)
 
     def __post_init__(self) -> None:
         self.jobs = Jobs(self.ledger)
@@ -235,11 +240,17 @@ class JobRunner:
                                    prices=self.prices,
                                    strategies={t.name: t.reward_strategy
                                                for t in self.tasks if t.steps})
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self.prepare_environments)
-            for _ in range(max(1, self.concurrency)):
-                tg.start_soon(self._work)
-        return await self.jobs.tasks(self.name)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.prepare_environments)
+                for _ in range(max(1, self.concurrency)):
+                    tg.start_soon(self._work)
+        except BaseExceptionGroup as group:  # the store's error alone: its one line
+            matched, rest = group.split(StoreUnavailable)
+            if matched is None or rest is not None:
+                raise
+            raise _leaves(matched)[0] from None
+        return await self.riding_out(functools.partial(self.jobs.tasks, self.name))
 
     async def prepare_environments(self) -> None:
         """Every task's environment, `concurrency` at a time (builds of different images
@@ -297,18 +308,20 @@ class JobRunner:
         while not self._stopping.is_set():
             changed, preparing = self._changed, self._preparing
             ready = sorted(self.environments)
-            claim = await self._riding_out(functools.partial(
+            claim = await self.riding_out(functools.partial(
                 self.jobs.claim, self.name, self.options.runner_id, self.lease_s, tasks=ready))
             if claim is not None:
-                await self._hold(claim)
-            elif preparing or await self._riding_out(functools.partial(
+                failed = await self._hold(claim)
+                if failed is not None:
+                    await self._store_failed(failed)
+            elif preparing or await self.riding_out(functools.partial(
                     self.jobs.held, self.name, tasks=ready)) > 0:
                 with anyio.move_on_after(min(5.0, self.lease_s / 3)):
                     await changed.wait()
             else:
                 return
 
-    async def _riding_out(self, call: Callable[[], Awaitable[T]]) -> T:
+    async def riding_out(self, call: Callable[[], Awaitable[T]]) -> T:
         """`call()`, retried with backoff while the store is unavailable, for up to the
         runner's `store_retry_s` (then `StoreUnavailable`: the job run stops, one line)."""
         deadline, pause = anyio.current_time() + self.options.store_retry_s, 0.25
@@ -321,30 +334,47 @@ class JobRunner:
                 await anyio.sleep(pause)
                 pause = min(pause * 2, 5.0)
 
-    async def _hold(self, claim: Claim) -> None:
+    async def _store_failed(self, error: StoreUnavailable) -> None:
+        """A held trial was stopped because the store failed it (`_hold`): go on after a
+        pause (0.25 s, doubling up to 5 s) — unless the store has failed every trial since
+        longer than the runner's `store_retry_s`, with none settled: then `error` is raised
+        and the job run stops, one line (a store that answers claims but fails every run
+        would otherwise claim, stop and release the same trial for ever)."""
+        now = anyio.current_time()
+        if self._store_failing is None:
+            self._store_failing = now
+        elif now - self._store_failing > self.options.store_retry_s:
+            raise error
+        await anyio.sleep(self._store_pause)
+        self._store_pause = min(self._store_pause * 2, 5.0)
+
+    async def _hold(self, claim: Claim) -> StoreUnavailable | None:
         """Run a claimed trial under its lease (`Trial.hold`), then settle it `done`. A
         trial whose lease ended first (not renewed in time, or taken over) is left to its
         next holder: released if the store takes the release, else its lease expires —
-        never settled `done`. So is a trial whose settling the store failed: its next
-        holder (this run's next claim) finds it decided and settles it."""
+        never settled `done`. So is a trial the store failed, in its run or its settling
+        (its next holder finds it decided, or runs it again): that failure is returned."""
         lease = Lease(self.jobs, claim, self.lease_s)
         settled = False
         try:
             ran = await Trial(self.ledger, claim.trial_id, lease=lease).hold(
                 functools.partial(self._runner, claim.task))
             if ran is None:
-                return
+                return lease.store_failed
             try:
                 done = await self._done(claim, ran)
                 settled = await self.jobs.settle(claim, "done", detail=ran.error)
             except StoreUnavailable as error:
-                log.warning("trial %s (%s): not settled (%s); left to its next holder",
-                            claim.trial_id, claim.task, error)
-                return
+                log.warning("trial %s (%s): the store failed its settling (%s); left to "
+                            "its next holder", claim.trial_id, claim.task, error)
+                return error
+            if settled:
+                self._store_failing, self._store_pause = None, 0.25
             if settled and self.on_trial is not None:
                 said = self.on_trial(done)
                 if said is not None:
                     await said
+            return None
         finally:
             await lease.end(settled=settled)
             self._wake()  # a worker waiting on this held trial looks again (none: it ends)
@@ -407,6 +437,14 @@ def pass_at_k(n: int, c: int, k: int) -> float | None:
     """The unbiased pass@k estimator 1 − C(n−c, k)/C(n, k) (None when n < k)."""
     return None if n < k else pass_at_k_for_task(n, c, k)
 
+
+
+def _leaves(group: BaseExceptionGroup[E]) -> list[E]:
+    """The exceptions of `group`, its nested groups flattened."""
+    found: list[E] = []
+    for error in group.exceptions:
+        found.extend(_leaves(error) if isinstance(error, BaseExceptionGroup) else [error])
+    return found
 
 __all__ = ["JobRefused", "JobRunner", "TaskSelection", "TrialDone", "check_inputs", "job_config",
            "load_tasks", "pass_at_k"]

@@ -22,7 +22,7 @@ import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
@@ -131,6 +131,7 @@ class Lease:
         self.switch_grace_s = lease_s / 12
         self.switch = DeadManSwitch(2 * lease_s / 3 + self.switch_grace_s)
         self.why: str | None = None  # why it ended before its trial did (None: it did not)
+        self.store_failed: StoreUnavailable | None = None  # the store failed the run (why)
         self._deadline = 0.0  # when the hold ends unless renewed (anyio's clock)
         self._error: Exception | None = None  # the last renewal's failure, for the warning
 
@@ -326,11 +327,12 @@ class Trial:
         while the lease is kept (`Lease.keep`). None when the lease ended first — taken
         over, or not renewed in time — or the store failed a call of the run past the
         run's own retries (a statement past its deadline on a loaded server, a connection
-        gone silent): its session was stopped (its sandbox killed) and the trial is left to
-        its next holder, never settled `done` — the job's claims ride the outage out, and
-        the job stops only if it outlasts them (docs/SPEC.md §19: a store outage finishes
-        nothing). An error no rule foresaw ends this trial alone (`TrialRun.error`), never
-        the job nor the trials beside it; a cancellation or an interrupt is raised."""
+        gone silent; `Lease.store_failed`): its session was stopped (its sandbox killed)
+        and the trial is left to its next holder, never settled `done` (docs/SPEC.md §13:
+        a store outage finishes nothing; the job decides how long it goes on). An error no
+        rule foresaw ends this trial alone (`TrialRun.error`), never the job nor the
+        trials beside it; a cancellation, an interrupt or a disk too full to start a
+        session is raised."""
         lease = self.lease
         assert lease is not None  # a held trial is a job's
         done: TrialRun | None = None
@@ -345,8 +347,10 @@ class Trial:
                     lease.why = lease.why or "taken over"
                 elif lease.why is None and _only(error, StoreUnavailable) \
                         and not _has(error, StoreTooFull):  # (too full: every run would be)
-                    lease.why = "given up: the store failed the run"
-                    log.warning("trial %s: stopped: %s", self.trial_id, error)
+                    lease.why = "given up"
+                    lease.store_failed = _first(error, StoreUnavailable)
+                    log.warning("trial %s: stopped, the store failed it: %s", self.trial_id,
+                                lease.store_failed)
                 elif lease.why is not None and (_unexpected(error)
                                                 or _only(error, StoreUnavailable)):
                     log.warning("trial %s: stopped: %s", self.trial_id, error)
@@ -355,6 +359,8 @@ class Trial:
                 else:
                     raise
             tg.cancel_scope.cancel()
+        if lease.store_failed is not None:
+            return None  # (said above; the job decides whether to go on: JobRunner._hold)
         if lease.why is not None or done is None:
             log.warning("trial %s (%s): its lease was %s; its session was stopped and the "
                         "trial is left to its next holder", self.trial_id, lease.claim.task,
@@ -381,10 +387,22 @@ class Trial:
 
 def _unexpected(error: BaseException) -> bool:
     """Whether `error` is one trial's own failure (ended alone), not a cancellation, an
-    interrupt or the store becoming unusable (which stop the whole `job run`)."""
+    interrupt or the store failing (`Trial.hold` stops the trial; the job goes on while
+    the store recovers within its `store_retry_s`)."""
     if isinstance(error, BaseExceptionGroup):
         return all(_unexpected(e) for e in error.exceptions)
     return isinstance(error, Exception) and not isinstance(error, StoreUnavailable)
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def _first(error: BaseException, kind: type[E]) -> E:
+    """`error` itself, or the first `kind` in its group."""
+    while isinstance(error, BaseExceptionGroup):
+        error = next(e for e in error.exceptions if _has(e, kind))
+    assert isinstance(error, kind)
+    return error
 
 
 def _has(error: BaseException, kind: type[BaseException]) -> bool:

@@ -602,6 +602,38 @@ def test_a_store_call_that_fails_in_a_held_trial_leaves_it_to_the_next_claim(
     assert session["outcome"] == "verify"
 
 
+@pytest.mark.anyio
+async def test_a_store_that_fails_every_run_stops_the_job_past_its_retry_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store answers claims but fails every run of the trial: the job stops the trial
+    and claims it again after a growing pause, and once `store_retry_s` passed with no
+    trial settled it raises the store's error (the job run's one line, exit 2) — never
+    claiming, stopping and releasing the same trial for ever."""
+    from trialledger.adapters.jobs.queue import JobRunner
+    from trialledger.adapters.jobs.trial import Trial
+    from trialledger.adapters.session.runner import RunOptions
+    from trialledger.store import Ledger, StoreUnavailable
+    from trialledger.store.jobs import Jobs
+
+    failures: list[int] = []
+
+    async def failing(self: Any, *args: Any) -> Any:
+        failures.append(1)
+        raise StoreUnavailable("cannot use the database: TimeoutError")
+
+    monkeypatch.setattr(Trial, "_final", failing)
+    task = make_task(tmp_path / "t", instruction="x", test_sh="exit 0\n",
+                     solve_sh="#!/bin/sh\nexit 0\n")
+    options = RunOptions(agent="oracle", store_retry_s=2.0)
+    async with await Ledger.open(str(tmp_path / "jobs.db")) as ledger:
+        with anyio.fail_after(60), pytest.raises(StoreUnavailable, match="TimeoutError"):
+            await JobRunner(ledger, "failing", [task], options).run()
+        assert 3 <= len(failures) <= 6, failures  # paused 0.25, 0.5, 1, 2 s between them
+        (trial,) = await Jobs(ledger).trials("failing")
+        assert trial["state"] == "queued"  # released, never settled done
+        assert len(await ledger.sessions()) == 1  # its session ran once, decided
+
+
 def _session(attempt: int, close_reason: str, outcome: str | None) -> dict[str, Any]:
     return {"session_id": f"s{attempt}", "attempt": attempt, "close_reason": close_reason,
             "outcome": outcome}

@@ -51,7 +51,7 @@ async def test_a_constraint_violation_is_raised_at_once_naming_the_constraint(db
         define = functools.partial(Jobs(ledger).define, "b", CONFIG, [("alpha", "/t/alpha")])
         with anyio.fail_after(60):  # far less than RETRY_S: it was not ridden out
             with pytest.raises(IntegrityViolation) as raised:
-                await _riding_out(ledger)._riding_out(define)
+                await _riding_out(ledger).riding_out(define)
         said = str(raised.value)
         assert not isinstance(raised.value, StoreUnavailable)
         assert "\n" not in said and "refused a write" in said, said
@@ -74,7 +74,7 @@ async def test_a_sqlite_store_locked_by_another_writer_is_still_ridden_out(
             await Jobs(ledger).claim("a", "r1", 60)
         threading.Timer(1.5, other.rollback).start()
         with anyio.fail_after(60):
-            claim = await _riding_out(ledger)._riding_out(
+            claim = await _riding_out(ledger).riding_out(
                 functools.partial(Jobs(ledger).claim, "a", "r1", 60))
         other.close()
         assert claim is not None and claim.task == "alpha"
@@ -145,11 +145,16 @@ async def test_a_silent_server_costs_one_ping_not_one_per_pooled_connection(
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
         await anyio.sleep(0.6)  # idle past PING_IDLE_S: each checkout pings
+        started = time.monotonic()
         for _ in range(4):
             async with engines.reader.connect() as conn:
                 pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
                 assert pid not in stopped
+        took = time.monotonic() - started
         assert len(pinged_silent) == 1, pinged_silent
+        # one ping's deadline (1 s), the stale connections cut: a polite close waits 2 s
+        # each for a goodbye a silent server never sends (≥ 9 s for these four)
+        assert took < 3.0, took
     finally:
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
@@ -177,7 +182,7 @@ async def test_a_stopped_postgresql_is_still_ridden_out(postgres: PostgresServer
                 await Jobs(ledger).claim("a", "r1", 60)
             starter.start()
             with anyio.fail_after(60):
-                claim = await _riding_out(ledger)._riding_out(
+                claim = await _riding_out(ledger).riding_out(
                     functools.partial(Jobs(ledger).claim, "a", "r1", 60))
         finally:
             if starter.ident is None:  # failed before the restart was asked for
