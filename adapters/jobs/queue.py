@@ -31,7 +31,7 @@ from trialledger.adapters.images.environment import (
     Environment,
     EnvironmentUnavailable,
 )
-from trialledger.adapters.jobs.trial import Lease, Trial, TrialRun
+from trialledger.adapters.jobs.trial import Lease, Trial, TrialRun, first_of
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.session.runner import RunOptions, SessionRunner
 from trialledger.adapters.session.scripted import SCRIPTED, NoSolution, solve_script
@@ -57,7 +57,6 @@ from trialledger.store.jobs import Claim, JobRefused, Jobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-E = TypeVar("E", bound=BaseException)
 LEASE_S = 60.0
 
 
@@ -246,10 +245,9 @@ class JobRunner:
                 for _ in range(max(1, self.concurrency)):
                     tg.start_soon(self._work)
         except BaseExceptionGroup as group:  # the store's error alone: its one line
-            matched, rest = group.split(StoreUnavailable)
-            if matched is None or rest is not None:
+            if group.split(StoreUnavailable)[1] is not None:
                 raise
-            raise _leaves(matched)[0] from None
+            raise first_of(group, StoreUnavailable) from None
         return await self.riding_out(functools.partial(self.jobs.tasks, self.name))
 
     async def prepare_environments(self) -> None:
@@ -437,14 +435,6 @@ def pass_at_k(n: int, c: int, k: int) -> float | None:
     """The unbiased pass@k estimator 1 − C(n−c, k)/C(n, k) (None when n < k)."""
     return None if n < k else pass_at_k_for_task(n, c, k)
 
-
-
-def _leaves(group: BaseExceptionGroup[E]) -> list[E]:
-    """The exceptions of `group`, its nested groups flattened."""
-    found: list[E] = []
-    for error in group.exceptions:
-        found.extend(_leaves(error) if isinstance(error, BaseExceptionGroup) else [error])
-    return found
 
 __all__ = ["JobRefused", "JobRunner", "TaskSelection", "TrialDone", "check_inputs", "job_config",
            "load_tasks", "pass_at_k"]

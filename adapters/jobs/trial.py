@@ -348,7 +348,7 @@ class Trial:
                 elif lease.why is None and _only(error, StoreUnavailable) \
                         and not _has(error, StoreTooFull):  # (too full: every run would be)
                     lease.why = "given up"
-                    lease.store_failed = _first(error, StoreUnavailable)
+                    lease.store_failed = first_of(error, StoreUnavailable)
                     log.warning("trial %s: stopped, the store failed it: %s", self.trial_id,
                                 lease.store_failed)
                 elif lease.why is not None and (_unexpected(error)
@@ -397,7 +397,7 @@ def _unexpected(error: BaseException) -> bool:
 E = TypeVar("E", bound=BaseException)
 
 
-def _first(error: BaseException, kind: type[E]) -> E:
+def first_of(error: BaseException, kind: type[E]) -> E:
     """`error` itself, or the first `kind` in its group."""
     while isinstance(error, BaseExceptionGroup):
         error = next(e for e in error.exceptions if _has(e, kind))
@@ -420,4 +420,4 @@ def _only(error: BaseException, kind: type[BaseException]) -> bool:
 
 
 __all__ = ["FINAL", "HARNESS_CLOSES", "UNCOUNTED_CAP", "Lease", "Trial", "TrialRun",
-           "by_attempt", "finishes", "fresh_trial_id", "next_attempt"]
+           "by_attempt", "finishes", "first_of", "fresh_trial_id", "next_attempt"]
