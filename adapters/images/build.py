@@ -16,6 +16,7 @@ by the build user, moved out of its reach, and read into the cache as an archive
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import functools
@@ -55,6 +56,7 @@ TAG = "localhost/trialledger-build"
 FROM_LOCK = "from-images.lock"  # copying FROM images into the build storage: one at a time
 STEP = re.compile(rb"^(?:\[\d+/\d+\] )?STEP (\d+)/(\d+):", re.MULTILINE)  # podman's output
 FOLLOW_S = 0.25  # how often a build's output is read for its step
+CONFIG_MAX_BYTES = 4 * 1024 * 1024  # a built image's config read from the build storage
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,8 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
                 return found
             if isinstance(cache.store, ImageStore):  # the layers it lacks, copied in below
                 exported = cache.store.export_built(box, work.inner / "layout",
-                                                    work.outer / "layout", tag, WHAT)
+                                                    work.outer / "layout", tag, WHAT,
+                                                    diffs=_diff_ids(builder, digest))
             else:
                 archive = _save(box, work, tag)
         if isinstance(cache.store, ImageStore):
@@ -341,21 +344,47 @@ def _build(box: BuildBox, work: Workspace, tag: str, timeout: float,
 
 
 def _written_id(path: Path) -> str | None:
-    """The `sha256:<hex>` id podman wrote at `path` (the build user's folder: read without
-    following a link, a few bytes), None when it is not one."""
+    """The `sha256:<hex>` id podman wrote at `path` (the build user's folder), None when it
+    is not one."""
+    text = (_read_small(path, 128) or b"").decode("ascii", errors="replace").strip()
+    ident = text if text.startswith("sha256:") else f"sha256:{text}"
+    return ident if re.fullmatch(r"sha256:[0-9a-f]{64}", ident) else None
+
+
+def _diff_ids(builder: Builder, digest: str) -> list[str] | None:
+    """The layers (diff ids) of the built image `digest`, from its config as the build
+    storage keeps it (`<driver>-images/<id>/=<base64 of the id>`; no podman start), taken
+    only when its bytes hash to `digest` — an image's id is its config's digest, so what
+    the build user's storage holds is checked, not trusted. None: ask podman."""
+    images = imageids.token_file(builder.graphroot, storage_driver(os.uname().release)).parent
+    name = "=" + base64.b64encode(digest.encode()).decode()
+    data = _read_small(images / digest.removeprefix("sha256:") / name, CONFIG_MAX_BYTES)
+    if data is None or f"sha256:{hashlib.sha256(data).hexdigest()}" != digest:
+        return None
+    try:
+        diffs = json.loads(data).get("rootfs", {}).get("diff_ids")
+    except (ValueError, AttributeError):
+        return None
+    return diffs if isinstance(diffs, list) and all(isinstance(d, str) for d in diffs) \
+        else None
+
+
+def _read_small(path: Path, limit: int) -> bytes | None:
+    """A regular file of the build user's, read without following a link or blocking on a
+    fifo; None when it is none, or longer than `limit` bytes."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        text = os.read(fd, 128).decode("ascii", errors="replace").strip() \
-            if stat.S_ISREG(os.fstat(fd).st_mode) else ""
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, limit + 1)
     except OSError:
         return None
     finally:
         os.close(fd)
-    ident = text if text.startswith("sha256:") else f"sha256:{text}"
-    return ident if re.fullmatch(r"sha256:[0-9a-f]{64}", ident) else None
+    return data if len(data) <= limit else None
 
 
 @contextlib.contextmanager

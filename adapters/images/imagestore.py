@@ -120,15 +120,17 @@ class ImageStore:
                                          f"found there")
         return made
 
-    def export_built(self, box: BuildBox, layout: Path, outer: Path, tag: str, what: str
-                     ) -> str:
+    def export_built(self, box: BuildBox, layout: Path, outer: Path, tag: str, what: str,
+                     *, diffs: list[str] | None = None) -> str:
         """A built image's skopeo source: the build user writes an OCI layout of it
         (uncompressed) at `layout` in its folder, the layers the store holds already left
         as sparse placeholders it never reads; the layout is then moved to `outer` (ours)
         and made root's. `take` copies it in, checking every blob it reads against its
-        digest (a placeholder is never read: its layer is in the store)."""
-        diffs = json.loads(box.run(["podman", "image", "inspect", "--format",
-                                    "{{json .RootFS.Layers}}", tag], what) or "[]")
+        digest (a placeholder is never read: its layer is in the store). `diffs`: the
+        image's layers when known (else podman is asked)."""
+        if diffs is None:
+            diffs = json.loads(box.run(["podman", "image", "inspect", "--format",
+                                        "{{json .RootFS.Layers}}", tag], what) or "[]")
         known = self._diff_sizes()
         blobs = layout / "blobs" / "sha256"
         blobs.mkdir(parents=True, mode=0o755)

@@ -595,6 +595,32 @@ def test_the_id_a_build_wrote_is_read_without_following_a_link(tmp_path: Path) -
         assert build_module._written_id(tmp_path / name) is None, name
 
 
+def test_a_built_images_layers_are_read_from_its_config_only_when_it_hashes_to_its_id(
+        tmp_path: Path) -> None:
+    """The layers an export needs come from the built image's config as the build storage
+    keeps it (no podman start), taken only when its bytes hash to the image's id: a config
+    the build user changed, or planted as a link, is None (podman is asked instead)."""
+    import base64
+    import hashlib
+
+    builder = Builder(uid=os.getuid(), gid=os.getgid(), name="b", storage=tmp_path / "s",
+                      locks=tmp_path / "l", scratch=tmp_path / "w")
+    config = json.dumps({"rootfs": {"type": "layers", "diff_ids": ["sha256:" + "1" * 64]}})
+    ident = "sha256:" + hashlib.sha256(config.encode()).hexdigest()
+    folder = imageids.token_file(builder.graphroot, storage_driver(os.uname().release)
+                                 ).parent / ident.removeprefix("sha256:")
+    folder.mkdir(parents=True)
+    kept = folder / ("=" + base64.b64encode(ident.encode()).decode())
+    kept.write_text(config)
+    assert build_module._diff_ids(builder, ident) == ["sha256:" + "1" * 64]
+    kept.write_text(config.replace("1", "2"))  # changed under the same id
+    assert build_module._diff_ids(builder, ident) is None
+    kept.unlink()
+    (tmp_path / "elsewhere").write_text(config)
+    kept.symlink_to(tmp_path / "elsewhere")
+    assert build_module._diff_ids(builder, ident) is None
+
+
 def test_a_build_is_keyed_by_its_from_images_ids_as_dockers_cache_is(
         tmp_path: Path, builder: Builder, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same context over another image under its `FROM` name (re-tagged in the build
