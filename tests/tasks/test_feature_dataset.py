@@ -119,6 +119,40 @@ def test_each_steps_phases_run_on_their_own_network_mode(tmp_path: Path) -> None
     assert json.loads(done.stdout)["reward"] == 1.0, done.stdout
 
 
+def test_a_later_steps_setup_runs_on_the_environments_network_not_the_last_phases(
+        tmp_path: Path) -> None:
+    """Step 2's `setup.sh` runs on `[environment]`'s network (no-network), never on the
+    public one step 1's verifier had (its own `[steps.verifier]` mode): the container is
+    put back on its baseline after a step's verifier and before the next step, and a
+    command of ours (setup, healthcheck, hook) takes the baseline itself — the test fails
+    only with all three taken out, each of which alone would suffice."""
+    outside = socket.create_server((outside_address(), 0))
+    address, port = outside.getsockname()[:2]
+    reach = f"(bash -c 'echo > /dev/tcp/{address}/{port}') 2>/dev/null"
+    task = tmp_path / "steps-image"
+    shutil.copytree(DATASET / "steps-image", task)
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace(
+        'workdir = "/app"\n', 'workdir = "/app"\nnetwork_mode = "no-network"\n').replace(
+        '# its workdir/ brings data/seed.txt and a setup.sh\n',
+        '\n[steps.verifier]\nnetwork_mode = "public"\n'))
+    step_test = task / "steps" / "fetch" / "tests" / "test.sh"
+    step_test.write_text(step_test.read_text() + f"{reach} && echo reached > /app/verifier.net "
+                                                 f"|| echo cut > /app/verifier.net\n")
+    setup = task / "steps" / "extend" / "workdir" / "setup.sh"
+    setup.write_text(f"#!/bin/sh\n{reach} && echo reached > setup.net || echo cut > setup.net\n")
+    setup.chmod(0o755)
+    (task / "tests" / "test.sh").write_text(
+        '#!/bin/sh\nif [ "$(cat verifier.net)" = reached ] && [ "$(cat setup.net)" = cut ]; '
+        'then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
+    with outside:
+        done = in_process("job", "run", "baseline", str(task), "--agent", "oracle",
+                          "--db", str(tmp_path / "t.db"),
+                          "--cache-dir", str(tmp_path / "cache"), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["reward"] == 1.0, done.stdout
+
+
 def test_a_run_closed_twice_closes_its_descriptors_once() -> None:
     """A container stopped early (a separate verifier's) and again at the session's end:
     the second close must not close a descriptor another thread has opened since under
