@@ -89,15 +89,22 @@ def test_a_later_steps_agent_finds_no_grader_of_the_step_before(
         "[ -f out.txt ] && ! grep -q test.sh seen.txt && ! grep -q reward seen.txt") == 1.0
 
 
-def test_each_steps_phases_run_on_their_own_network_mode(tmp_path: Path) -> None:
-    """Harbor's network plan per step: a step's `[steps.agent]` / `[steps.verifier]`
-    `network_mode` over the task's for that step's phases, in the one container — step 1's
-    agent cut off, step 2's agent public (the task's), step 2's verifier cut off."""
+def _steps_image_and_an_outside_server(tmp_path: Path) -> tuple[socket.socket, str, Path]:
+    """A copy of the `steps-image` task, a server listening on this machine's outside
+    address, and the shell line that reaches it (exit 0) or not."""
     outside = socket.create_server((outside_address(), 0))
     address, port = outside.getsockname()[:2]
     reach = f"(bash -c 'echo > /dev/tcp/{address}/{port}') 2>/dev/null"
     task = tmp_path / "steps-image"
     shutil.copytree(DATASET / "steps-image", task)
+    return outside, reach, task
+
+
+def test_each_steps_phases_run_on_their_own_network_mode(tmp_path: Path) -> None:
+    """Harbor's network plan per step: a step's `[steps.agent]` / `[steps.verifier]`
+    `network_mode` over the task's for that step's phases, in the one container — step 1's
+    agent cut off, step 2's agent public (the task's), step 2's verifier cut off."""
+    outside, reach, task = _steps_image_and_an_outside_server(tmp_path)
     toml = task / "task.toml"
     toml.write_text(toml.read_text().replace(
         '# its workdir/ brings data/seed.txt and a setup.sh\n',
@@ -126,11 +133,7 @@ def test_a_later_steps_setup_runs_on_the_environments_network_not_the_last_phase
     put back on its baseline after a step's verifier and before the next step, and a
     command of ours (setup, healthcheck, hook) takes the baseline itself — the test fails
     only with all three taken out, each of which alone would suffice."""
-    outside = socket.create_server((outside_address(), 0))
-    address, port = outside.getsockname()[:2]
-    reach = f"(bash -c 'echo > /dev/tcp/{address}/{port}') 2>/dev/null"
-    task = tmp_path / "steps-image"
-    shutil.copytree(DATASET / "steps-image", task)
+    outside, reach, task = _steps_image_and_an_outside_server(tmp_path)
     toml = task / "task.toml"
     toml.write_text(toml.read_text().replace(
         'workdir = "/app"\n', 'workdir = "/app"\nnetwork_mode = "no-network"\n').replace(
