@@ -333,7 +333,9 @@ async def test_codex_bin_in_a_folder_with_a_store_mounts_the_binary_alone(
     attack = (f"ls {folder} 2>/dev/null | sed 's/^/LISTED /'; cat {folder}/trials.db 2>&1; "
               "find / -name trials.db -not -path '/proc/*' 2>/dev/null | sed 's/^/FOUND /'; "
               "echo done")
-    ran = await run_task(str(tmp_path / "t.db"), task, [shell(attack), message()],
+    # (`find /` on a loaded machine outlasts Codex's 10 s wait for a command's output)
+    ran = await run_task(str(tmp_path / "t.db"), task,
+                         [shell(attack, yield_ms=120_000), message()],
                          codex_bin=str(folder / "codex"))
     out = output(ran)
     assert "operator's store" not in out and "LISTED" not in out and "FOUND" not in out, out
