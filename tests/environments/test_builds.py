@@ -772,6 +772,16 @@ def test_different_images_build_at_once_and_a_built_one_is_found_meanwhile(
         holder.join(timeout=120)
 
 
+def _queue_details(db: Path) -> list[tuple[str, str, str | None]]:
+    """Each trial's task, state and detail (why its environment failed), for a failure's
+    message."""
+    import sqlite3
+
+    with contextlib.suppress(sqlite3.Error), sqlite3.connect(db) as conn:
+        return list(conn.execute("SELECT task, state, detail FROM job_queue"))
+    return []
+
+
 @pytest.mark.alone  # its first build sweeps what other processes' killed builds left
 def test_job_run_shows_what_each_task_waits_for_while_its_image_builds(
         tmp_path: Path, builder: Builder) -> None:
@@ -824,7 +834,7 @@ def test_job_run_shows_what_each_task_waits_for_while_its_image_builds(
             # podman prints the step before it runs it: its marker may come a moment later
             if said and step_marker(builder, waiting) is not None:
                 released = release_step(go)
-        assert released, shown.decode(errors="replace")[-3000:]
+        assert released, (_queue_details(db), shown.decode(errors="replace")[-3000:])
         while True:  # the rest of the run's output, until it exits
             try:
                 chunk = os.read(leader, 65536)
