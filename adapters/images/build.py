@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 from trialledger.adapters.images import imageids
-from trialledger.adapters.images.buildbox import LOCK_NAME, BuildBox, contained, end_dead_builds
+from trialledger.adapters.images.buildbox import (
+    LOCK_NAME,
+    BuildBox,
+    contained,
+    end_dead_builds,
+    read_small,
+)
 from trialledger.adapters.images.builder import WHAT, Builder, build_user, storage_driver
 from trialledger.adapters.images.dockerfile import BaseImage, base_images
 from trialledger.adapters.images.environment import (
@@ -346,7 +352,7 @@ def _build(box: BuildBox, work: Workspace, tag: str, timeout: float,
 def _written_id(path: Path) -> str | None:
     """The `sha256:<hex>` id podman wrote at `path` (the build user's folder), None when it
     is not one."""
-    text = (_read_small(path, 128) or b"").decode("ascii", errors="replace").strip()
+    text = (read_small(path, 128) or b"").decode("ascii", errors="replace").strip()
     ident = text if text.startswith("sha256:") else f"sha256:{text}"
     return ident if re.fullmatch(r"sha256:[0-9a-f]{64}", ident) else None
 
@@ -358,7 +364,7 @@ def _diff_ids(builder: Builder, digest: str) -> list[str] | None:
     the build user's storage holds is checked, not trusted. None: ask podman."""
     images = imageids.token_file(builder.graphroot, storage_driver(os.uname().release)).parent
     name = "=" + base64.b64encode(digest.encode()).decode()
-    data = _read_small(images / digest.removeprefix("sha256:") / name, CONFIG_MAX_BYTES)
+    data = read_small(images / digest.removeprefix("sha256:") / name, CONFIG_MAX_BYTES)
     if data is None or f"sha256:{hashlib.sha256(data).hexdigest()}" != digest:
         return None
     try:
@@ -367,24 +373,6 @@ def _diff_ids(builder: Builder, digest: str) -> list[str] | None:
         return None
     return diffs if isinstance(diffs, list) and all(isinstance(d, str) for d in diffs) \
         else None
-
-
-def _read_small(path: Path, limit: int) -> bytes | None:
-    """A regular file of the build user's, read without following a link or blocking on a
-    fifo; None when it is none, or longer than `limit` bytes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = os.read(fd, limit + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return data if len(data) <= limit else None
 
 
 @contextlib.contextmanager

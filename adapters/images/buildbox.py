@@ -262,20 +262,32 @@ def working_containers(builder: Builder, build: Callable[[str], bool]) -> list[s
 
 
 def _record(path: Path) -> dict[str, Any]:
-    """A working container's buildah.json (written by the build user: never a link, a
-    fifo or a large file); empty when it is not such a record."""
+    """A working container's buildah.json; empty when it is not such a record."""
+    data = read_small(path, RECORD_MAX_BYTES)
+    try:
+        loaded = json.loads(data) if data is not None else {}
+    except ValueError:
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def read_small(path: Path, limit: int) -> bytes | None:
+    """A file the build user wrote, read without following a link or blocking on a fifo;
+    None when it is not a regular file, or holds more than `limit` bytes."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return {}
+        return None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > RECORD_MAX_BYTES:
-            return {}
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            loaded = json.loads(handle.read(RECORD_MAX_BYTES))
-    except (OSError, ValueError):
-        return {}
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks: list[bytes] = []
+        got = 0
+        while got <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - got))):
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError:
+        return None
     finally:
         os.close(fd)
-    return loaded if isinstance(loaded, dict) else {}
+    return b"".join(chunks) if got <= limit else None
