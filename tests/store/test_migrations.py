@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from sqlalchemy import Connection, inspect, text
 from sqlalchemy.engine.interfaces import ReflectedColumn
 
 from tests.scenarios import SCENARIOS
-from trialledger.store import Ledger
+from trialledger.store import Ledger, migrate
 from trialledger.store.engine import open_engines
 from trialledger.store.migrate import current_revision, head_revision, revisions, upgrade
 
@@ -107,3 +111,49 @@ async def test_the_revision_read_without_alembic_is_alembics(db: str) -> None:
                     lambda c: MigrationContext.configure(c).get_current_revision())
             assert await current_revision(engines.writer) == theirs
     assert theirs == head_revision()
+
+
+def _sqlite_schema(path: Path) -> tuple[list[Any], list[Any]]:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return (sorted(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master")),
+                conn.execute("SELECT version_num FROM alembic_version").fetchall())
+
+
+async def test_an_empty_sqlite_store_after_the_first_is_built_as_alembic_builds_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process's first empty SQLite store is built by alembic's revisions, the next ones
+    from the schema they left: the same tables, indexes, views and revision, and a store
+    that holds sessions as the first does."""
+    monkeypatch.setattr(migrate, "_sqlite_schema", [])  # as in a process that built none
+    first, second = tmp_path / "first.db", tmp_path / "second.db"
+    async with await Ledger.open(str(first)):
+        pass
+
+    async def no_alembic(*_: Any, **__: Any) -> None:
+        raise AssertionError("alembic's revisions ran again for an empty store")
+
+    monkeypatch.setattr(migrate, "upgrade", no_alembic)
+    async with await Ledger.open(str(second)) as ledger:
+        for name in CASES:
+            await ledger.import_log(SCENARIOS[name][0].events)
+        assert (await ledger.audit()).ok
+        assert len(await ledger.sessions()) == len(CASES)
+    assert _sqlite_schema(second) == _sqlite_schema(first)
+    assert len(_sqlite_schema(first)[0]) > 20  # (its tables, indexes and views)
+
+
+async def test_two_opens_of_one_new_sqlite_store_build_it_once(tmp_path: Path) -> None:
+    """Two stores opened at once on one new file (two workers of a new job): one builds
+    the schema, the other finds it built under the write lock and opens it."""
+    async with await Ledger.open(str(tmp_path / "before.db")):  # the schema is kept
+        pass
+    path = tmp_path / "new.db"
+
+    async def one() -> None:
+        async with await Ledger.open(str(path)) as ledger:
+            assert await ledger.sessions() == []
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(one)
+        group.start_soon(one)
+    assert _sqlite_schema(path) == _sqlite_schema(tmp_path / "before.db")
