@@ -2,7 +2,10 @@
 
 `initdb` refuses root, so as root the cluster belongs to an unprivileged user
 (`TRIALLEDGER_PG_USER`, default `postgres`; `.ci/run` creates it when missing). The
-server listens on a free loopback port with password (scram-sha-256) authentication.
+server listens on a free loopback port with password (scram-sha-256) authentication. It
+never syncs to disk (`initdb --no-sync`, `fsync=off`, no full-page writes), which only an
+operating system's crash could tell: a server killed or stopped at once (the outage
+tests) keeps every commit, which reached the kernel before it was acknowledged.
 """
 
 from __future__ import annotations
@@ -46,15 +49,19 @@ class PostgresServer:
             for path in (folder, folder / "pw"):
                 os.chown(path, uid, -1)
         done = server._run("initdb", "-D", str(folder / "data"), "-U", SUPERUSER,
-                           "--auth=scram-sha-256", f"--pwfile={folder / 'pw'}", "-E", "UTF8")
+                           "--auth=scram-sha-256", f"--pwfile={folder / 'pw'}", "-E", "UTF8",
+                           "--no-sync")
         if done.returncode:
             raise RuntimeError(f"initdb failed: {done.stderr}")
-        options = f"-p {server.port} -k {folder} -c listen_addresses=127.0.0.1"
-        done = server._run("pg_ctl", "-D", str(folder / "data"), "-o", options,
+        done = server._run("pg_ctl", "-D", str(folder / "data"), "-o", server.options(),
                            "-l", str(folder / "server.log"), "-w", "start")
         if done.returncode:
             raise RuntimeError(f"pg_ctl start failed: {done.stderr}")
         return server
+
+    def options(self) -> str:
+        return (f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 "
+                "-c fsync=off -c full_page_writes=off")
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://{SUPERUSER}:{PASSWORD}@127.0.0.1:{self.port}/{database}"
@@ -72,8 +79,11 @@ class PostgresServer:
         data = str(self.folder / "data")
         self._run("pg_ctl", "-D", data, "-m", "immediate", "-w", "stop")
         time.sleep(down_s)
-        options = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1"
-        done = self._run("pg_ctl", "-D", data, "-o", options,
+        self.start_again()
+
+    def start_again(self) -> None:
+        """Start the server a test stopped."""
+        done = self._run("pg_ctl", "-D", str(self.folder / "data"), "-o", self.options(),
                          "-l", str(self.folder / "server.log"), "-w", "start")
         if done.returncode:
             raise RuntimeError(f"pg_ctl start failed: {done.stderr}")

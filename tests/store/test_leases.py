@@ -110,9 +110,7 @@ def test_a_store_outage_past_two_thirds_of_a_lease_stops_the_trial_never_settles
             assert took < float(SLEEP) - 2  # stopped, not ended by itself
             time.sleep(LEASE_S)  # the outage outlasts the lease
         finally:
-            options = f"-p {postgres.port} -k {postgres.folder} -c listen_addresses=127.0.0.1"
-            postgres._run("pg_ctl", "-D", data, "-o", options,
-                          "-l", str(postgres.folder / "server.log"), "-w", "start")
+            postgres.start_again()
         _ran_to_its_decision(db, sleeper, proc)
 
 
@@ -271,9 +269,7 @@ def test_a_worker_paused_past_its_lease_releases_its_folder_while_the_store_is_d
                   f"the resumed {command} kept its session folder while the store was down")
             assert proc.poll() is None  # it claims again once the store is back
         finally:
-            options = f"-p {postgres.port} -k {postgres.folder} -c listen_addresses=127.0.0.1"
-            postgres._run("pg_ctl", "-D", data, "-o", options,
-                          "-l", str(postgres.folder / "server.log"), "-w", "start")
+            postgres.start_again()
         _, err = proc.communicate(timeout=150)
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -166,12 +166,10 @@ async def test_a_silent_server_costs_one_ping_not_one_per_pooled_connection(
 async def test_a_stopped_postgresql_is_still_ridden_out(postgres: PostgresServer) -> None:
     db = postgres.create_database()
     data = str(postgres.folder / "data")
-    options = f"-p {postgres.port} -k {postgres.folder} -c listen_addresses=127.0.0.1"
 
     def restart_later() -> None:
         time.sleep(2)
-        postgres._run("pg_ctl", "-D", data, "-o", options,
-                      "-l", str(postgres.folder / "server.log"), "-w", "start")
+        postgres.start_again()
 
     async with await Ledger.open(db) as ledger:
         await Jobs(ledger).define("a", CONFIG, [("alpha", "/tasks/alpha")])
