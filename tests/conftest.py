@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.pg import PostgresServer
-from trialledger.adapters.sandbox.local import LocalSandbox
-from trialledger.core.policy import POLICIES
+# The suite keeps its bytecode caches (`__pycache__`, ignored by git) where the machine's
+# PYTHONDONTWRITEBYTECODE says not to: without them every xdist worker rewrites the
+# asserts of every test module again (≈ 4 s of a worker's start) and every `trialledger`
+# process the tests start compiles the package again (≈ 0.1 s each, and alembic's
+# revisions for every store it creates). Measured in tests/README.md. Set before the
+# imports below, so that what they load is cached too.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+from tests.pg import PostgresServer  # noqa: E402
+from trialledger.adapters.sandbox.local import LocalSandbox  # noqa: E402
+from trialledger.core.policy import POLICIES  # noqa: E402
 
 
 @pytest.fixture(scope="session")
