@@ -223,10 +223,11 @@ class JobRunner:
         self._changed.set()
         self._changed = anyio.Event()
 
-    async def run(self, *, define: bool = True) -> list[dict[str, Any]]:
+    async def run(self, *, define: bool = True) -> None:
         """Create or resume the job (`define`; a worker joins one as it is), prepare each
         task's environment once while working the queue of the tasks ready so far, until
-        no trial is left queued or held; the `job_tasks` rows at the end."""
+        no trial is left queued or held. (Its figures are the store's to read: `job run`
+        reads its summary once, after.)"""
         self._own = define  # the job's own run: only it marks tasks unrunnable (§12)
         if define:
             await self.jobs.define(self.name,
@@ -248,7 +249,6 @@ class JobRunner:
             if group.split(StoreUnavailable)[1] is not None:
                 raise
             raise first_of(group, StoreUnavailable) from None
-        return await self.riding_out(functools.partial(self.jobs.tasks, self.name))
 
     async def prepare_environments(self) -> None:
         """Every task's environment, `concurrency` at a time (builds of different images
