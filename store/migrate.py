@@ -92,12 +92,16 @@ _loop_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] 
 _thread_lock = threading.Lock()
 
 
-async def _run(engine: AsyncEngine, step: Callable[[Config], None]) -> None:
+async def _run(engine: AsyncEngine, step: Callable[[Config], None],
+               then: Callable[[Connection], None] | None = None) -> None:
+    """`step` on a connection of `engine`, in one transaction (`then` after it, in it)."""
     def in_sync(connection: Connection) -> None:
         config = alembic_config()
         config.attributes["connection"] = connection
         with _thread_lock:
             step(config)
+        if then is not None:
+            then(connection)
 
     lock = _loop_locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
     async with lock, engine.begin() as conn:
@@ -134,25 +138,29 @@ async def _build(engine: AsyncEngine) -> None:
     """Build the schema in an empty database: by alembic's revisions, or on SQLite by the
     statements they left the last time (checked empty again under the write lock: another
     process may have built it meanwhile)."""
-    if engine.dialect.name != "sqlite" or not _sqlite_schema:
+    if engine.dialect.name != "sqlite":
         await upgrade(engine)
-        if engine.dialect.name == "sqlite":
-            _sqlite_schema[:] = await _schema_statements(engine)
-        return
-    async with engine.begin() as conn:  # BEGIN IMMEDIATE: all of it, or none
-        if (await conn.exec_driver_sql("SELECT count(*) FROM sqlite_master")).scalar():
-            return
-        for statement in _sqlite_schema:
-            await conn.exec_driver_sql(statement)
+    elif not _sqlite_schema:
+        from alembic import command
+
+        def keep(connection: Connection) -> None:  # read in alembic's own transaction
+            _sqlite_schema[:] = _schema_statements(connection)
+
+        await _run(engine, lambda config: command.upgrade(config, "head"), then=keep)
+    else:
+        async with engine.begin() as conn:  # BEGIN IMMEDIATE: all of it, or none
+            if (await conn.exec_driver_sql("SELECT count(*) FROM sqlite_master")).scalar():
+                return
+            for statement in _sqlite_schema:
+                await conn.exec_driver_sql(statement)
 
 
-async def _schema_statements(engine: AsyncEngine) -> list[str]:
+def _schema_statements(connection: Connection) -> list[str]:
     """The statements that make a SQLite database's schema and its alembic revision."""
-    async with engine.connect() as conn:
-        made = (await conn.exec_driver_sql(
-            "SELECT sql FROM sqlite_master WHERE sql IS NOT NULL "
-            "AND name NOT LIKE 'sqlite_%' ORDER BY rowid")).scalars().all()
-        revision = await conn.run_sync(_current)
+    made = connection.exec_driver_sql(
+        "SELECT sql FROM sqlite_master WHERE sql IS NOT NULL "
+        "AND name NOT LIKE 'sqlite_%' ORDER BY rowid").scalars().all()
+    revision = _current(connection)
     return [*made, f"INSERT INTO alembic_version (version_num) VALUES ('{revision}')"]
 
 

@@ -132,7 +132,7 @@ async def test_an_empty_sqlite_store_after_the_first_is_built_as_alembic_builds_
     async def no_alembic(*_: Any, **__: Any) -> None:
         raise AssertionError("alembic's revisions ran again for an empty store")
 
-    monkeypatch.setattr(migrate, "upgrade", no_alembic)
+    monkeypatch.setattr(migrate, "_run", no_alembic)
     async with await Ledger.open(str(second)) as ledger:
         for name in CASES:
             await ledger.import_log(SCENARIOS[name][0].events)
