@@ -114,10 +114,11 @@ async def ensure_current(engine: AsyncEngine, *, db: str) -> None:
         current = await conn.run_sync(_current)
         populated = await conn.run_sync(_has_tables)
     head = head_revision()
-    if current == head:
-        return
     if current is None and not populated:
         await _build(engine)
+        async with engine.connect() as conn:  # (built by another process meanwhile: at
+            current = await conn.run_sync(_current)  # its revision, which may not be ours)
+    if current == head:
         return
     raise SchemaOutOfDate(
         f"database {shown(db)} is at schema revision {current or 'none'}, this trialledger "

@@ -13,7 +13,7 @@ from sqlalchemy import Connection, inspect, text
 from sqlalchemy.engine.interfaces import ReflectedColumn
 
 from tests.scenarios import SCENARIOS
-from trialledger.store import Ledger, migrate
+from trialledger.store import Ledger, SchemaOutOfDate, migrate
 from trialledger.store.engine import open_engines
 from trialledger.store.migrate import current_revision, head_revision, revisions, upgrade
 
@@ -142,12 +142,25 @@ async def test_an_empty_sqlite_store_after_the_first_is_built_as_alembic_builds_
     assert len(_sqlite_schema(first)[0]) > 20  # (its tables, indexes and views)
 
 
-async def test_two_opens_of_one_new_sqlite_store_build_it_once(tmp_path: Path) -> None:
-    """Two stores opened at once on one new file (two workers of a new job): one builds
-    the schema, the other finds it built under the write lock and opens it."""
+async def test_two_opens_of_one_new_sqlite_store_build_it_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two stores opened at once on one new file (two workers of a new job), both having
+    found it empty: one builds the schema, the other finds it built under the write lock
+    and opens it."""
     async with await Ledger.open(str(tmp_path / "before.db")):  # the schema is kept
         pass
     path = tmp_path / "new.db"
+    build, arrived, both = migrate._build, [], anyio.Event()
+
+    async def together(engine: Any) -> None:  # each builds once both have found it empty
+        arrived.append(engine)
+        if len(arrived) == 2:
+            both.set()
+        with anyio.fail_after(30):
+            await both.wait()
+        await build(engine)
+
+    monkeypatch.setattr(migrate, "_build", together)
 
     async def one() -> None:
         async with await Ledger.open(str(path)) as ledger:
@@ -156,4 +169,18 @@ async def test_two_opens_of_one_new_sqlite_store_build_it_once(tmp_path: Path) -
     async with anyio.create_task_group() as group:
         group.start_soon(one)
         group.start_soon(one)
+    assert len(arrived) == 2
     assert _sqlite_schema(path) == _sqlite_schema(tmp_path / "before.db")
+
+
+async def test_a_new_store_found_built_by_an_older_trialledger_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new file found built meanwhile by another process at an older revision (a worker
+    of an older trialledger) is refused as out of date, naming the upgrade: never opened
+    as if it held today's schema."""
+    async def older(engine: Any) -> None:
+        await migrate.upgrade(engine, revisions()[-2])
+
+    monkeypatch.setattr(migrate, "_build", older)
+    with pytest.raises(SchemaOutOfDate, match="trialledger db upgrade"):
+        await Ledger.open(str(tmp_path / "new.db"))

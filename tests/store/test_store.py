@@ -15,7 +15,13 @@ from sqlalchemy.util import await_
 
 from tests.scenarios import SCENARIOS, run_of, seed_data, seed_of
 from trialledger.core import BadEvent, IllegalTransition, SeedRejected, replay
-from trialledger.store import ConcurrencyConflict, EventIdConflict, Ledger, SchemaOutOfDate
+from trialledger.store import (
+    ConcurrencyConflict,
+    EventIdConflict,
+    Ledger,
+    SchemaOutOfDate,
+    migrate,
+)
 from trialledger.store.engine import open_engines
 from trialledger.store.writer import Writer
 
@@ -684,9 +690,11 @@ async def test_driver_errors_leave_the_store_as_store_unavailable(tmp_path: Path
         await Ledger.open(str(folder))
 
 
-async def test_new_stores_opened_together_in_one_process_are_each_built(tmp_path: Path
-                                                                       ) -> None:
-    """alembic's context is process-global: concurrent builds must not cross connections."""
+async def test_new_stores_opened_together_in_one_process_are_each_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """alembic's context is process-global: concurrent builds must not cross connections.
+    (In a process that has built no store yet: later ones are built from the kept schema.)"""
+    monkeypatch.setattr(migrate, "_sqlite_schema", [])
     opened: list[int] = []
 
     async def one(n: int) -> None:
