@@ -308,7 +308,7 @@ def _copy_base_images(box: BuildBox, work: Workspace, engine: str, named: list[s
             archive = work.outer / "base.tar"
             try:
                 _tool([engine, "save", "-o", str(archive), image],
-                      f"{WHAT}: base image {image}")
+                      f"{WHAT}: base image {image}", operator=True)
                 os.chown(archive, box.builder.uid, box.builder.gid)
                 box.run(["podman", "load", "-q", "-i", str(archive)])
             finally:

@@ -176,14 +176,26 @@ def pick_engine(choice: str | None = None) -> str:
 
 
 def _tool(argv: Sequence[str], what: str, *, timeout: float = TOOL_TIMEOUT_S,
-          as_user: Sequence[str] = (), env: dict[str, str] | None = None) -> str:
-    """Run a tool (behind `as_user`, a prefix that switches user, with `env` when given);
-    its stdout, or one line saying what failed."""
-    if shutil.which(argv[0]) is None:
+          env: dict[str, str] | None = None, operator: bool = False) -> str:
+    """Run a tool found by absolute path; its stdout, or one line saying what failed. A
+    tool of ours (skopeo, umoci, tar) comes from the system's folders and runs with an
+    environment built from scratch (`env`, else `host_env()`); the operator's engine
+    (`operator`: `<engine> image inspect|save|pull … REF`) from the runner's PATH with the
+    runner's environment, where its storage, registry and daemon settings are — and its
+    last argument, an image name a task may have written, never reads as an option."""
+    from trialledger.adapters.sandbox.hostside import find, host_env
+
+    found = shutil.which(argv[0]) if operator else find(argv[0])
+    if found is None:
         raise EnvironmentUnavailable(f"{what}: {argv[0]} is not installed "
                                      f"(apt-get install {argv[0]})")
+    if operator and argv[-1].startswith("-"):
+        raise EnvironmentUnavailable(f"{what}: {argv[-1]!r} is not an image name")
+    argv = [os.path.abspath(found), *argv[1:]]
+    if not operator and env is None:
+        env = host_env()
     try:
-        done = subprocess.run([*as_user, *argv], capture_output=True, text=True, check=False,
+        done = subprocess.run(argv, capture_output=True, text=True, check=False,
                               timeout=timeout, stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired:
         raise EnvironmentUnavailable(f"{what}: {argv[0]} ran past {timeout:g} s") from None

@@ -74,7 +74,8 @@ def operator_image_id(engine: str, ref: str, what: str) -> str:
     tokens = _operator_token_file(engine)
 
     def look() -> str:
-        ident = _tool([engine, "image", "inspect", "--format", "{{.Id}}", ref], what).strip()
+        ident = _tool([engine, "image", "inspect", "--format", "{{.Id}}", ref], what,
+                      operator=True).strip()
         return ident if ident.startswith("sha256:") else f"sha256:{ident}"
 
     return remembered(tokens, ref, look,

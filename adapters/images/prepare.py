@@ -67,7 +67,7 @@ def prepare_docker_image(source: Source, engine: str, cache: Cache, owner: int |
                        engine, cache, owner, pull=pull, progress=progress)
         return dataclasses.replace(built, ref=f"Dockerfile (for {ref})")
     if absent is not None and pull:
-        _tool([engine, "pull", ref], f"docker_image {ref}: pull failed")
+        _tool([engine, "pull", ref], f"docker_image {ref}: pull failed", operator=True)
     elif absent is not None:
         raise EnvironmentUnavailable(f"docker_image {ref}: not in {engine}'s local storage "
                                      f"({absent}); --pull pulls it")

@@ -147,7 +147,8 @@ def prepare_engine_image(ref: str, engine: str, cache: Cache, owner: int | None,
         return found
     if cache.store is not None and engine == "podman":  # read from its storage, layer by
         # layer (docker's `save` output takes the archive's way into the store, below)
-        conf = {k: v for k, v in os.environ.items() if k == "CONTAINERS_STORAGE_CONF"}
+        conf = {k: v for k, v in os.environ.items()  # (its storage, as the engine read it)
+                if k in ("CONTAINERS_STORAGE_CONF", "STORAGE_DRIVER", "STORAGE_OPTS")}
         from trialledger.adapters.sandbox.hostside import host_env
 
         return cache.store.take(f"containers-storage:{ref}", digest, kind="image",
@@ -157,7 +158,7 @@ def prepare_engine_image(ref: str, engine: str, cache: Cache, owner: int | None,
         save = [engine, "save", "-o", str(archive), ref]
         if engine == "podman":
             save[2:2] = ["--format", "oci-archive"]
-        _tool(save, what)
+        _tool(save, what, operator=True)
         made = prepare_archive(archive, shown or ref, cache, owner, digest=digest)
     return made
 
@@ -165,7 +166,7 @@ def prepare_engine_image(ref: str, engine: str, cache: Cache, owner: int | None,
 def missing(ref: str, engine: str) -> str | None:
     """None when the engine's local storage holds `ref`, else what the engine said."""
     try:
-        _tool([engine, "image", "inspect", "--format", "{{.Id}}", ref], ref)
+        _tool([engine, "image", "inspect", "--format", "{{.Id}}", ref], ref, operator=True)
     except EnvironmentUnavailable as error:
         return str(error).removeprefix(f"{ref}: ")
     return None

@@ -336,5 +336,5 @@ def _engine_image(ref: str, engine: str, cache: Cache, owner: int | None, *, pul
         raise EnvironmentUnavailable(f"docker_image {ref}: not in {engine}'s local storage "
                                      f"({absent}); --pull pulls it")
     if absent is not None:
-        _tool([engine, "pull", ref], f"docker_image {ref}: pull failed")
+        _tool([engine, "pull", ref], f"docker_image {ref}: pull failed", operator=True)
     return dataclasses.replace(prepare_engine_image(ref, engine, cache, owner), ref=ref)

@@ -279,13 +279,14 @@ def _run_cli(tmp_path: Path, task: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.parametrize("broken", ["missing_image", "corrupt_archive", "failing_build",
-                                    "escaping_path"])
+                                    "escaping_path", "option_image"])
 def test_an_environment_that_cannot_be_prepared_is_refused_before_seeding(
         tmp_path: Path, broken: str, capsys: pytest.CaptureFixture[str]) -> None:
     folder = tmp_path / "task"
     toml = {"missing_image": 'docker_image = "localhost/no-such-image:1"',
             "corrupt_archive": 'image_archive = "broken.tar"',
-            "failing_build": "", "escaping_path": 'rootfs = "../outside"'}[broken]
+            "failing_build": "", "escaping_path": 'rootfs = "../outside"',
+            "option_image": 'docker_image = "--version"'}[broken]
     make_task(folder, test_sh="exit 0\n")
     (folder / "task.toml").write_text(f"[environment]\n{toml}\n")
     (folder / "broken.tar").write_bytes(os.urandom(4096))
@@ -298,7 +299,10 @@ def test_an_environment_that_cannot_be_prepared_is_refused_before_seeding(
     said = {"missing_image": "docker_image localhost/no-such-image:1",
             "corrupt_archive": "image_archive broken.tar: neither an OCI archive nor",
             "failing_build": "environment/Dockerfile build",
-            "escaping_path": "must be a path inside the task folder"}[broken]
+            "escaping_path": "must be a path inside the task folder",
+            # an image name never reads as the engine's option (`podman image inspect
+            # --version` printed a version, taken for the image's id)
+            "option_image": "'--version' is not an image name"}[broken]
     assert said in err, err
 
 
@@ -339,6 +343,23 @@ def test_concurrent_preparations_unpack_an_image_once(tmp_path: Path,
     assert found[0].root is not None
     info = os.lstat(found[0].root / "bin" / "busybox")
     assert info.st_uid == (owner() if owner() is not None else os.geteuid())
+
+
+def test_the_image_tools_come_from_the_systems_folders_not_the_runners_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """skopeo and umoci, which unpack an image archive, are found in the system's folders
+    (docs/SPEC.md §11, the host side): a `skopeo` or `umoci` first on the runner's PATH
+    runs for none of them, and the image unpacks as it should."""
+    archive = images.oci_archive(images.BUSYBOX_REF, tmp_path / "busybox.tar")
+    shims, ran = tmp_path / "bin", tmp_path / "ran"
+    shims.mkdir()
+    for name in ("skopeo", "umoci", "tar"):
+        (shims / name).write_text(f"#!/bin/sh\necho {name} >> {ran}\nexit 1\n")
+        (shims / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shims}:{os.environ['PATH']}")
+    found = unpack.prepare_archive(archive, "busybox.tar", Cache(tmp_path / "cache"), owner())
+    assert found.root is not None and (found.root / "bin" / "busybox").exists()
+    assert not ran.exists(), ran.read_text()
 
 
 def test_cache_ls_and_prune(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
