@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,9 +25,9 @@ NAME = f"localhost/tl-image-ids:{os.getpid()}"
 def asked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Sequence[str]]]:
     """The engine commands the module runs (each still run)."""
     calls: list[Sequence[str]] = []
-    def counted(argv: Sequence[str], what: str) -> str:
+    def counted(argv: Sequence[str], what: str, **options: Any) -> str:
         calls.append(argv)
-        return _tool(argv, what)
+        return _tool(argv, what, **options)
 
     monkeypatch.setattr(imageids, "_tool", counted)
     yield calls
