@@ -1,13 +1,18 @@
 """Where things are, for every layer to ask: a path inside an image's root resolved as a
-chroot would, a path within a task's folder, and the folder of trialledger's cache.
-Nothing here imports another trialledger module, so the environments, the sandbox and the
-journal all use it without importing each other.
+chroot would, a path within a task's folder, the folder of trialledger's cache, and a
+bounded read of a file someone else wrote. Nothing here imports another trialledger
+module, so the environments, the sandbox and the journal all use it without importing each
+other.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+# no link followed in the last component, no wait on a fifo, no terminal taken
+OPEN_UNTRUSTED = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 def resolve_inside(root: Path, path: str, *, hops: int = 40) -> str:
@@ -48,3 +53,33 @@ def default_cache_dir() -> Path:
     """`$XDG_CACHE_HOME/trialledger`, else `~/.cache/trialledger`."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "trialledger"
+
+
+def read_at_most(fd: int, limit: int) -> bytes:
+    """An open file's bytes, at most `limit` + 1 of them, read in chunks: more than `limit`
+    says it holds more (whatever its size said, or it grew while read)."""
+    chunks: list[bytes] = []
+    got = 0
+    while got <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - got))):
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def read_small(path: Path, limit: int) -> bytes | None:
+    """A regular file another user wrote (the build user's, the engine's), opened
+    `OPEN_UNTRUSTED`; None when it cannot be, is not a regular file or holds more than
+    `limit` bytes."""
+    try:
+        fd = os.open(path, OPEN_UNTRUSTED)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = read_at_most(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) <= limit else None

@@ -34,13 +34,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from trialledger.adapters.images import imageids
-from trialledger.adapters.images.buildbox import (
-    LOCK_NAME,
-    BuildBox,
-    contained,
-    end_dead_builds,
-    read_small,
-)
+from trialledger.adapters.images.buildbox import LOCK_NAME, BuildBox, contained, end_dead_builds
 from trialledger.adapters.images.builder import WHAT, Builder, build_user, storage_driver
 from trialledger.adapters.images.dockerfile import BaseImage, base_images
 from trialledger.adapters.images.environment import (
@@ -55,6 +49,7 @@ from trialledger.adapters.images.environment import (
 )
 from trialledger.adapters.images.imagestore import ImageStore
 from trialledger.adapters.images.unpack import prepare_archive
+from trialledger.adapters.places import read_small
 from trialledger.adapters.sandbox.cgroup import BUILD_PREFIX
 from trialledger.adapters.sandbox.slirp import RESOLVER
 

@@ -29,7 +29,6 @@ import contextlib
 import functools
 import json
 import os
-import stat
 import subprocess
 import time
 import uuid
@@ -41,6 +40,7 @@ import anyio
 
 from trialledger.adapters.images.builder import WHAT, Builder
 from trialledger.adapters.images.environment import TOOL_TIMEOUT_S, EnvironmentUnavailable, Source
+from trialledger.adapters.places import read_small
 from trialledger.adapters.sandbox.cgroup import (
     BUILD_MEMORY_MB,
     BUILD_PIDS,
@@ -269,25 +269,3 @@ def _record(path: Path) -> dict[str, Any]:
     except ValueError:
         return {}
     return loaded if isinstance(loaded, dict) else {}
-
-
-def read_small(path: Path, limit: int) -> bytes | None:
-    """A file the build user wrote, read without following a link or blocking on a fifo;
-    None when it is not a regular file, or holds more than `limit` bytes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        chunks: list[bytes] = []
-        got = 0
-        while got <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - got))):
-            chunks.append(chunk)
-            got += len(chunk)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return b"".join(chunks) if got <= limit else None

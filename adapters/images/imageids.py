@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from trialledger.adapters.images.environment import _tool
+from trialledger.adapters.places import read_small
 
 CONFS = ("/etc/containers/storage.conf", "/usr/share/containers/storage.conf")
 GRAPHROOT = Path("/var/lib/containers/storage")  # containers/storage's default for root
@@ -117,17 +118,8 @@ def _place(conf: str | None) -> Path | None:
 
 
 def _read_token(path: Path) -> bytes | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        token = os.read(fd, TOKEN_BYTES)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return token if len(token) == TOKEN_BYTES else None
+    token = read_small(path, TOKEN_BYTES)
+    return token if token is not None and len(token) == TOKEN_BYTES else None
 
 
 def _holds(path: Path, ident: str) -> bool:

@@ -17,13 +17,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trialledger.adapters.places import within
+from trialledger.adapters.places import OPEN_UNTRUSTED, read_at_most, within
 from trialledger.adapters.tasks.config import TaskInvalid
 from trialledger.core.errors import SeedRejected
 from trialledger.core.settings import TASK_FILE_MAX_BYTES, Settings
 
 SETTING = "task_file_max_bytes"
-_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 class TaskFileTooLarge(TaskInvalid):
@@ -55,7 +54,7 @@ def _open(folder: Path, relative: str) -> tuple[int, Path]:
     if real is None:
         raise TaskInvalid(f"{folder}: {relative} must be a path inside the task folder")
     try:
-        fd = os.open(real, _OPEN)
+        fd = os.open(real, OPEN_UNTRUSTED)
     except OSError as error:
         raise TaskInvalid(f"{shown}: cannot be read ({os.strerror(error.errno or 0)})") from None
     mode = os.fstat(fd).st_mode
@@ -72,16 +71,12 @@ def read_task_file(folder: Path, relative: str, limit: int) -> bytes:
         size = os.fstat(fd).st_size
         if size > limit:
             raise _too_large(shown, size, limit)
-        chunks: list[bytes] = []
-        got = 0
-        while got <= limit and (chunk := os.read(fd, min(65536, limit + 1 - got))):
-            chunks.append(chunk)
-            got += len(chunk)
+        data = read_at_most(fd, limit)
     finally:
         os.close(fd)
-    if got > limit:  # it grew after fstat
-        raise _too_large(shown, got, limit)
-    return b"".join(chunks)
+    if len(data) > limit:  # it grew after fstat
+        raise _too_large(shown, len(data), limit)
+    return data
 
 
 def read_task_text(folder: Path, relative: str, limit: int) -> str:
