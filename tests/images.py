@@ -29,6 +29,10 @@ DEBIAN_MARKER = "debian-image-marker-5be1"
 BUSYBOX_MARKER = "busybox-image-marker-91c2"
 DEBIAN_REF = "localhost/tl-debian:plain"  # no WORKDIR, no USER
 BUSYBOX_REF = "localhost/tl-busybox:configured"  # WORKDIR /work, ENV, USER agent
+# One fixed time for every file and the archive (mmdebstrap honours SOURCE_DATE_EPOCH), so
+# every build of a recipe is the same tarball byte for byte: each clean clone's tests find
+# the images, cache entries and layers an earlier run left instead of adding 0.7 GB more.
+EPOCH = "1700000000"
 MMDEBSTRAP = ["mmdebstrap", "--variant=minbase", "--include=git", "--mode=root",
               f"--customize-hook=echo {DEBIAN_MARKER} > \"$1/etc/trialledger-marker\"",
               "bookworm"]
@@ -46,8 +50,9 @@ def _locked(name: str) -> Iterator[None]:
         yield
 
 
-def _run(argv: Sequence[str]) -> None:
-    done = subprocess.run(list(argv), capture_output=True, text=True, check=False, timeout=900)
+def _run(argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+    done = subprocess.run(list(argv), capture_output=True, text=True, check=False, timeout=900,
+                          env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{argv[0]} failed: {done.stderr[-2000:]}")
 
@@ -79,12 +84,13 @@ def busybox_root() -> Path:
 
 def debian_tarball() -> Path:
     """A minbase Debian root with git and a marker, as a tarball (mmdebstrap)."""
-    folder = IMAGES / f"debian-{_key(MMDEBSTRAP)}"
+    folder = IMAGES / f"debian-{_key(MMDEBSTRAP, EPOCH)}"
     tarball = folder / "rootfs.tar"
     with _locked("debian"):
         if not tarball.is_file():
             folder.mkdir(parents=True, exist_ok=True)
-            _run([*MMDEBSTRAP, str(folder / ".rootfs.tar")])
+            _run([*MMDEBSTRAP, str(folder / ".rootfs.tar")],
+                 env={**os.environ, "SOURCE_DATE_EPOCH": EPOCH})
             os.rename(folder / ".rootfs.tar", tarball)
     return tarball
 
@@ -153,7 +159,8 @@ def podman_image(ref: str) -> str:
             done = _podman("import", str(debian_tarball()), ref)
         else:
             tarball = IMAGES / f"busybox-{_key(busybox_root())}.tar"
-            _run(["tar", "-C", str(busybox_root()), "-cf", str(tarball), "."])
+            _run(["tar", "-C", str(busybox_root()), "--sort=name", f"--mtime=@{EPOCH}",
+                  "--owner=0", "--group=0", "--numeric-owner", "-cf", str(tarball), "."])
             done = _podman("import", "--change", "WORKDIR /work", "--change",
                            "ENV FOO=from-the-image", "--change", "USER agent",
                            str(tarball), ref)

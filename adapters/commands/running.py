@@ -282,7 +282,7 @@ def _with_cache(p: argparse.ArgumentParser) -> None:
 def cmd_cache(args: argparse.Namespace) -> int:
     """List or remove unpacked task environments (docs/SPEC.md §12); `ls` also lists the
     session image store's images (range mode, §15)."""
-    from trialledger.adapters.images.environment import Cache
+    from trialledger.adapters.images.environment import Cache, EnvironmentUnavailable
     from trialledger.adapters.images.imagestore import ImageStore
 
     cache = Cache(args.cache_dir)
@@ -300,6 +300,20 @@ def cmd_cache(args: argparse.Namespace) -> int:
     removed = cache.prune(args.digest or ())
     out.print(f"removed {len(removed)} cache entr{'y' if len(removed) == 1 else 'ies'} "
               f"({sum(e.size for e in removed) / 1e6:.1f} MB) from {cache.folder}")
+    if os.geteuid() != 0:
+        return EXIT_OK  # the image store and the build storage are root's
+    images, held = ImageStore().prune(args.digest or ())
+    out.print(f"removed {len(images)} image{'' if len(images) == 1 else 's'} from the image "
+              f"store" + (f"; kept {len(held)} a session holds" if held else ""))
+    if not args.digest:
+        from trialledger.adapters.images.build import prune_build_storage
+
+        try:
+            kept = prune_build_storage()
+        except EnvironmentUnavailable as error:  # (no build user yet: nothing was built)
+            kept = str(error)
+        out.print("removed the build storage's images" if kept is None
+                  else f"kept the build storage's images: {kept}")
     return EXIT_OK
 
 

@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 from trialledger.adapters.images import imageids
-from trialledger.adapters.images.buildbox import LOCK_NAME, BuildBox, contained, end_dead_builds
+from trialledger.adapters.images.buildbox import (
+    LOCK_NAME,
+    BuildBox,
+    build_alive,
+    contained,
+    end_dead_builds,
+)
 from trialledger.adapters.images.builder import WHAT, Builder, build_user, storage_driver
 from trialledger.adapters.images.dockerfile import BaseImage, base_images
 from trialledger.adapters.images.environment import (
@@ -137,6 +143,25 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
             return cache.store.take(exported, digest, kind="image", ref="Dockerfile",
                                     what=WHAT)
         return prepare_archive(archive, "Dockerfile", cache, owner, digest=digest)
+
+
+def prune_build_storage() -> str | None:
+    """Remove every image of the build storage that no working container uses (the built
+    images and the `FROM` images copied in: the next build of each builds or copies it
+    again), first ending what killed builds left. Only when no other build lives: None
+    when pruned, else why the storage was kept."""
+    builder = build_user()
+    end_dead_builds(builder)
+    with _workspace(builder) as work:
+        live = [f.name for f in builder.scratch.glob(f"{BUILD_PREFIX}*")
+                if f != work.outer and build_alive(builder, f.name)]
+        if live:
+            return f"{len(live)} build{'s' if len(live) > 1 else ''} running"
+        source = Source("dockerfile", "Dockerfile", work.outer)
+        with contained(builder, work.inner, work.tmp, source, build_id=work.build_id) as box:
+            box.remove_dead_builds_containers()
+            box.run(["podman", "image", "prune", "--all", "--force"], "the build storage")
+    return None
 
 
 def build_key(context: str, bases: list[BaseImage], ids: list[str],

@@ -336,8 +336,7 @@ class Cache:
         """Remove the entries named (every entry when none is), each under its lock."""
         removed = []
         for entry in self.entries():
-            if digests and not any(entry.digest.removeprefix("sha256:").startswith(
-                    d.removeprefix("sha256:")) for d in digests):
+            if not named(entry.digest, digests):
                 continue
             with self._locked(entry.digest.removeprefix("sha256:")):
                 shutil.rmtree(entry.folder, ignore_errors=True)
@@ -346,6 +345,13 @@ class Cache:
             shutil.rmtree(self.folder / "refs", ignore_errors=True)
             shutil.rmtree(self.folder / "packed", ignore_errors=True)
         return removed
+
+
+def named(digest: str, digests: Sequence[str]) -> bool:
+    """Whether `digest` is among `digests` (each a digest or a prefix of one, `sha256:`
+    optional); every digest is when none is given."""
+    return not digests or any(digest.removeprefix("sha256:").startswith(
+        d.removeprefix("sha256:")) for d in digests)
 
 
 def _paths(root: Path) -> Iterator[str]:

@@ -40,6 +40,7 @@ from trialledger.adapters.images.environment import (
     Environment,
     EnvironmentUnavailable,
     Kind,
+    named,
 )
 from trialledger.adapters.images.unpack import _passwd
 from trialledger.adapters.sandbox.hostside import host_env, program
@@ -201,6 +202,46 @@ class ImageStore:
                                    str(record.get("created") or ""), self.folder))
         return sorted(found, key=lambda e: e.created, reverse=True)
 
+    def prune(self, digests: Sequence[str] = ()) -> tuple[list[Entry], list[Entry]]:
+        """Remove the images named (every image when none is) that no session holds, each
+        under its locks, with its layers that no other image uses: (removed, kept because
+        held). A holder takes its shared lock under the view's lock, which this holds while
+        it looks, so no session starts on an image as it goes."""
+        removed: list[Entry] = []
+        held: list[Entry] = []
+        for entry in self.entries():
+            if not named(entry.digest, digests):
+                continue
+            with self._locked(entry.digest), self._locked(entry.digest, "view"):
+                users = _open_lock(self.folder / "locks" / f"{_hex(entry.digest)}.users")
+                try:
+                    fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    held.append(entry)
+                    continue
+                finally:
+                    os.close(users)
+                self._remove(entry.digest)
+            removed.append(entry)
+        return removed, held
+
+    def _remove(self, digest: str) -> None:
+        """(Under the image's locks, nobody holding it) its view, the image with the layers
+        no other image uses, then its record."""
+        what = f"the image store's {digest}"
+        view = self.folder / "views" / _hex(digest)
+        if os.path.ismount(view):
+            _root_tool([program("umount"), str(view)], what)
+        with contextlib.suppress(FileNotFoundError):
+            view.rmdir()
+        try:
+            _root_tool([program("skopeo"), "delete", f"{self.destination}{TAG}:{_hex(digest)}"],
+                       what)
+        except EnvironmentUnavailable:
+            if self.layer_folders(digest) is not None:  # (else a copy in never finished)
+                raise
+        (self.folder / "meta" / f"{_hex(digest)}.json").unlink(missing_ok=True)
+
     # --- using ---------------------------------------------------------------------------
 
     def layer_folders(self, digest: str) -> list[Path] | None:
@@ -260,17 +301,16 @@ class ImageStore:
             hold.release()
 
     def hold(self, digest: str, folders: Sequence[Path]) -> ViewHold:
-        """The image's view mounted (read-only) until the hold is released: a shared file
-        lock on `locks/<id>.users`, taken under the view's lock, marks each holder, in any
-        process; a killed holder's lock goes with it."""
+        """The image held until the hold is released (`prune` keeps it), its view mounted
+        (read-only) when it has more than one layer: a shared file lock on
+        `locks/<id>.users`, taken under the view's lock, marks each holder, in any process;
+        a killed holder's lock goes with it."""
         view = self._view_of(digest, folders)
-        if view in folders:
-            return ViewHold(self, digest, None)
         with self._locked(digest, "view"):
             users = _open_lock(self.folder / "locks" / f"{_hex(digest)}.users")
             fcntl.flock(users, fcntl.LOCK_SH)
             try:
-                if not os.path.ismount(view):
+                if view not in folders and not os.path.ismount(view):
                     view.mkdir(mode=0o700, exist_ok=True)
                     lower = ":".join(f"{f.parent.name}/diff" for f in folders)
                     _root_tool([program("mount"), "-t", "overlay", "overlay", "-o",
@@ -339,14 +379,13 @@ class ViewHold:
 
 
 def hold_view(environment: Environment) -> ViewHold | None:
-    """(A session's start) The view of a session image store's image mounted while the
-    session lives, for the runner to read it through `environment.root`; None for any
-    other environment (nothing mounted on the host for it)."""
-    root = environment.root
-    if not environment.layers or root is None or root.parent.name != "views":
+    """(A session's start) A session image store's image held while the session lives
+    (`cache prune` keeps it), its view mounted for the runner to read it through
+    `environment.root`; None for any other environment (nothing of the store's)."""
+    if not environment.layers or environment.digest is None:
         return None
-    store = ImageStore(root.parent.parent)  # views/<id> of the store the image is in
-    return store.hold(f"sha256:{root.name}", environment.layers)
+    store = ImageStore(environment.layers[0].parents[3])  # <store>/storage/overlay/<id>/diff
+    return store.hold(environment.digest, environment.layers)
 
 
 @functools.cache

@@ -859,3 +859,44 @@ def test_job_run_shows_what_each_task_waits_for_while_its_image_builds(
         digests = {task: digest for task, digest in conn.execute(
             "SELECT task, environment_digest FROM sessions")}
     assert set(digests) == {"alpha", "beta"} and digests["alpha"] == digests["beta"]
+
+
+@pytest.mark.alone  # empties the machine's build storage: no other test may build meanwhile
+def test_cache_prune_empties_the_build_storage_but_never_under_a_running_build(
+        tmp_path: Path, builder: Builder, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from trialledger import cli
+    from trialledger.adapters.images.buildbox import LOCK_NAME
+
+    built: list[str] = []
+    real_build = build_module._build
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        built.append(args[2])  # the tag
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(build_module, "_build", counted)
+    nonce = f"{os.getpid()}-{time.time_ns()}"
+    task = dockerfile_task(tmp_path / "task", f"FROM {images.podman_image(images.BUSYBOX_REF)}"
+                           f"\nUSER root\nRUN echo {nonce} > /nonce\n")
+    prepare(task, Cache(tmp_path / "cache"), owner=None)
+    stored = as_builder(builder, "podman", "images", "--quiet", "--no-trunc").split()
+    assert len(stored) >= 2  # the built image and its FROM image, copied in
+    prune = ["cache", "prune", "--cache-dir", str(tmp_path / "cache")]
+    live = Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=builder.scratch))
+    lock = os.open(live / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another runner's build, under way
+        capsys.readouterr()
+        assert cli.main(prune) == 0
+        assert "kept the build storage's images: 1 build running" in capsys.readouterr().out
+        assert as_builder(builder, "podman", "images", "--quiet", "--no-trunc").split() == stored
+    finally:
+        os.close(lock)
+        subprocess.run(["rm", "-rf", str(live)], check=True)
+    assert cli.main(prune) == 0
+    assert "removed the build storage's images" in capsys.readouterr().out
+    assert as_builder(builder, "podman", "images", "--quiet", "--no-trunc").split() == []
+    again = prepare(task, Cache(tmp_path / "cache"), owner=None)
+    assert len(built) == 2, built  # built again, from nothing
+    assert again.root is not None and (again.root / "nonce").read_text() == f"{nonce}\n"

@@ -272,3 +272,48 @@ def test_idmapped_layers_are_tried_once_and_where_they_cannot_be_mounted_range_m
     assert launched.identity is not None and launched.identity["mode"] == "single"
     assert len(said) == 1 and "single-id mode" in said[0], said
     assert code == 0
+
+
+def _imported(tmp_path: Path, nonce: str) -> Environment:
+    """An image of one layer of its own (a file named after `nonce`), in the store."""
+    (tmp_path / "layer").mkdir(parents=True)
+    (tmp_path / "layer" / nonce).write_text(nonce)
+    tarball = tmp_path / "layer.tar"
+    subprocess.run(["tar", "-C", str(tmp_path / "layer"), "-cf", str(tarball), "."], check=True)
+    ref = f"localhost/tl-prune:{nonce}"
+    done = images._podman("import", str(tarball), ref)
+    assert done.returncode == 0, done.stderr
+    return prepare(Source("docker_image", ref, tmp_path), _cache(tmp_path), owner=None)
+
+
+def test_cache_prune_removes_the_store_images_no_session_holds_and_frees_their_own_layers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = images.podman_image(images.BUSYBOX_REF)
+    nonce = os.urandom(6).hex()
+    built = [_built(tmp_path / name, f"FROM {base}\nUSER root\nRUN echo {nonce} > /{name}\n",
+                    tmp_path) for name in ("held", "free")]
+    single = _imported(tmp_path / "single", nonce)  # a view of its own layer: no mount
+    assert len(single.layers) == 1 and all(len(env.layers) > 1 for env in built)
+    store = ImageStore()
+    digests = [str(env.digest) for env in (*built, single)]
+    prune = ("cache", "prune", "--cache-dir", str(tmp_path / "cache"), *digests)
+    holds = [hold_view(env) for env in (built[0], single)]  # two sessions live on these
+    try:
+        said = _cli(capsys, *prune)
+        assert "removed 1 image from the image store; kept 2 a session holds" in said, said
+        assert "build storage" not in said  # digests named: the build storage is left be
+        assert store.layer_folders(built[1].digest or "") is None
+        assert not built[1].layers[0].exists(), "the removed image's own layer is still there"
+        assert all(layer.is_dir() for layer in built[1].layers[1:]), "a shared layer went"
+        for env in (built[0], single):
+            assert store.layer_folders(env.digest or "") == list(env.layers)
+            with _read(env) as root:  # a held image still reads whole
+                assert any(root.iterdir())
+    finally:
+        for hold in holds:
+            if hold is not None:
+                hold.release()
+    assert "removed 2 images from the image store\n" in _cli(capsys, *prune)
+    assert not single.layers[0].exists() and not built[0].layers[0].exists()
+    listed = _cli(capsys, "cache", "ls", "--json", "--cache-dir", str(tmp_path / "cache"))
+    assert not any(digest in listed for digest in digests)
