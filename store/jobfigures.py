@@ -31,6 +31,10 @@ _FIGURE_ORDER = ("ORDER BY CASE WHEN task IS NULL THEN 1 ELSE 0 END, "
 _NAME_ORDER = "CASE WHEN name = 'reward' THEN 0 ELSE 1 END, name"
 # The reads of a job's figures (`Jobs.summary` and a method each), `:j` the job's name.
 _TASKS_SQL = f"SELECT {{columns}} FROM job_tasks WHERE job = :j {_FIGURE_ORDER}, {_NAME_ORDER}"
+# The summary's: `job_tasks` but for pass_at_k and cost_usd, which it has from `job_passk`
+# and the trials' costs (SQLite plans a view whole: those two were 95% of planning it).
+_FIGURES_SQL = (f"SELECT {', '.join(TASK_COLUMNS[:-2])} FROM job_task_figures WHERE job = :j "
+                f"{_FIGURE_ORDER}, {_NAME_ORDER}")
 _PASSK_SQL = f"SELECT * FROM job_passk WHERE job = :j {_FIGURE_ORDER}, {_NAME_ORDER}, k"
 # Each trial's reward names and values: of every session of the job's trials (a trial's
 # are its final session's, `job_trials.final_session_id`; a multi-step trial's by its
@@ -260,8 +264,7 @@ class JobFigures:
         at_k = {(p["dataset"] or "", p["task"] or "", p["name"] or ""): p["pass_at_k"]
                 for p in passk if p["k"] == k}
         # `cost_usd` likewise: computed below (`with_costs`), by `prices` when given.
-        tasks = rows(_TASKS_SQL.format(columns=", ".join(
-            c for c in TASK_COLUMNS if c not in ("pass_at_k", "cost_usd"))))
+        tasks = rows(_FIGURES_SQL)
         for t in tasks:
             t["pass_at_k"] = at_k.get((t["dataset"] or "", t["task"] or "", t["name"] or ""))
         # A figure's reward names are several exactly when it has several rows, and the

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from trialledger.adapters.images import imageids
 from trialledger.adapters.images.buildbox import (
@@ -109,6 +109,9 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
     args = dict(build_args or {})
     dockerfile = (context / "Dockerfile").read_text(encoding="utf-8", errors="replace")
     bases = base_images(dockerfile, args)
+    context_id = context_digest(context)
+    if (found := _built_already(builder, engine, context_id, bases, args, cache)) is not None:
+        return found
     _end_dead_builds_once(builder)
     with _workspace(builder) as work:
         with contained(builder, work.inner, work.tmp, source, build_id=work.build_id) as box:
@@ -118,7 +121,7 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
             held = _copy_base_images(box, work, engine, [b.ref for b in bases])
             ids = [resolve_base(box, base, engine, pull=pull, held=held.get(base.ref))
                    for base in bases]
-            key = build_key(context_digest(context), bases, ids, args)
+            key = build_key(context_id, bases, ids, args)
             remembered = cache.remembered(f"build-{key}")
             if remembered is not None and (found := cache.image(remembered)) is not None:
                 return found
@@ -195,9 +198,37 @@ def _in_build_storage(box: BuildBox, ref: str) -> Held | None:
             return None
         return Held(ident if ident.startswith("sha256:") else f"sha256:{ident}", system, arch)
 
-    driver = storage_driver(os.uname().release)
-    return imageids.remembered(imageids.token_file(box.builder.graphroot, driver), ref, look,
-                               keep=lambda held: held is not None)
+    return imageids.remembered(_build_tokens(box.builder), ref, look,
+                               keep=lambda held: held is not None, load=_held)
+
+
+def _build_tokens(builder: Builder) -> Path:
+    """The build storage's write token (adapters/images/imageids.py)."""
+    return imageids.token_file(builder.graphroot, storage_driver(os.uname().release))
+
+
+def _held(answer: Any) -> Held:
+    """A kept answer of `_in_build_storage` made again from its JSON."""
+    ident, system, arch = answer
+    return Held(str(ident), str(system), str(arch))
+
+
+def _built_already(builder: Builder, engine: str, context: str, bases: list[BaseImage],
+                   args: Mapping[str, str], cache: Cache) -> Environment | None:
+    """The environment a build made before, found from kept answers alone — no build box,
+    no engine asked: each `FROM` image's id in the operator's storage is the one the build
+    storage holds (neither written since they were asked), and the key they make names a
+    built image the cache has. None: the whole way (copy, look-ups, build)."""
+    ids = []
+    for base in bases:
+        theirs = imageids.peek(imageids.operator_token_file(engine), base.ref)
+        held = imageids.peek(_build_tokens(builder), base.ref, _held)
+        found = _for_platform(held, base)
+        if found is None or not _holds(held, str(theirs)):
+            return None
+        ids.append(found)
+    remembered = cache.remembered(f"build-{build_key(context, bases, ids, args)}")
+    return cache.image(remembered) if remembered is not None else None
 
 
 def _for_platform(held: Held | None, base: BaseImage) -> str | None:

@@ -39,6 +39,7 @@ from trialledger.adapters.images.environment import (
     Environment,
     EnvironmentUnavailable,
     Source,
+    _tool,
     copy_tree,
 )
 from trialledger.adapters.images.prepare import prepare
@@ -900,3 +901,38 @@ def test_cache_prune_empties_the_build_storage_but_never_under_a_running_build(
     again = prepare(task, Cache(tmp_path / "cache"), owner=None)
     assert len(built) == 2, built  # built again, from nothing
     assert again.root is not None and (again.root / "nonce").read_text() == f"{nonce}\n"
+
+
+def test_a_warm_build_is_found_with_no_build_box_and_no_engine_asked(
+        tmp_path: Path, builder: Builder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later process (nothing in memory) preparing a Dockerfile built before finds it from
+    the answers kept in root's folder: no build box is made and no engine is asked."""
+    nonce = f"{os.getpid()}-{time.time_ns()}"
+    task = dockerfile_task(tmp_path / "task", f"FROM {images.podman_image(images.BUSYBOX_REF)}"
+                           f"\nUSER root\nRUN echo {nonce} > /nonce\n")
+    cache = Cache(tmp_path / "cache")
+    first = prepare(task, cache, owner=None)
+    boxes: list[str | None] = []
+    real_contained = contained
+
+    def boxed(*args: Any, **kwargs: Any) -> Any:
+        boxes.append(kwargs.get("build_id"))
+        return real_contained(*args, **kwargs)
+
+    asked: list[Sequence[str]] = []
+    real_tool = _tool
+
+    def engine(argv: Sequence[str], what: str, **options: Any) -> str:
+        asked.append(argv)
+        return real_tool(argv, what, **options)
+
+    monkeypatch.setattr(build_module, "contained", boxed)
+    monkeypatch.setattr(imageids, "_tool", engine)
+    for _ in range(60):  # (another test's build or pull writes a storage: tried again)
+        monkeypatch.setattr(imageids, "_known", {})  # a later process
+        boxes.clear()
+        asked.clear()
+        assert prepare(task, cache, owner=None).digest == first.digest
+        if not boxes:
+            break
+    assert boxes == [] and asked == [], (boxes, asked)

@@ -22,8 +22,10 @@ NAME = f"localhost/tl-image-ids:{os.getpid()}"
 
 
 @pytest.fixture
-def asked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Sequence[str]]]:
-    """The engine commands the module runs (each still run)."""
+def asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[Sequence[str]]]:
+    """The engine commands the module runs (each still run); answers are kept for later
+    processes in a folder of the test's own (root's, 0700)."""
+    monkeypatch.setattr(imageids, "KEPT", tmp_path / "kept")
     calls: list[Sequence[str]] = []
     def counted(argv: Sequence[str], what: str, **options: Any) -> str:
         calls.append(argv)
@@ -43,7 +45,7 @@ def image(ref: str) -> str:
 def once_asked(asked: list[Sequence[str]]) -> str:
     """NAME's id looked up twice in a row while nothing wrote the storage (other tests may
     write it meanwhile: then the pair is tried again), the second from memory."""
-    token = imageids._operator_token_file("podman")
+    token = imageids.operator_token_file("podman")
     assert token is not None  # the tests' storage.conf names its graph root and driver
     for _ in range(60):
         asked.clear()
@@ -87,3 +89,27 @@ def test_a_storage_placed_wrong_is_never_remembered(
         assert imageids.operator_image_id("podman", images.DEBIAN_REF, "base") == image(
             images.DEBIAN_REF)
     assert len(asked) == 2
+
+
+@pytest.mark.usefixtures("base_images")
+def test_an_answer_is_kept_for_later_processes_only_in_a_folder_of_roots_alone(
+        asked: list[Sequence[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert images._podman("tag", images.DEBIAN_REF, NAME).returncode == 0
+    token = imageids.operator_token_file("podman")
+    assert token is not None
+    for _ in range(60):  # (other tests may write the storage meanwhile: tried again)
+        before = imageids._read_token(token)
+        ident = once_asked(asked)
+        monkeypatch.setattr(imageids, "_known", {})  # a later process: nothing in memory
+        asked.clear()
+        again = imageids.operator_image_id("podman", NAME, "base")
+        imageids.KEPT.chmod(0o757)  # a folder others may write is never read
+        monkeypatch.setattr(imageids, "_known", {})
+        third = imageids.operator_image_id("podman", NAME, "base")
+        imageids.KEPT.chmod(0o700)
+        if imageids._read_token(token) == before:
+            assert again == third == ident
+            assert len(asked) == 1, asked  # the third asked; the second was kept
+            assert imageids.peek(token, NAME) == ident
+            return
+    pytest.fail("the storage was written during 60 tries in a row")

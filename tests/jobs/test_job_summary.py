@@ -453,3 +453,29 @@ def test_tokens_are_never_shown_as_0_when_unknown() -> None:
     assert tokens({"total_tokens": None, "unknown_usage": 2}) == "unknown (2)"
     assert tokens({"total_tokens": 40, "unknown_usage": 1}) == "40 + 1 unknown"
     assert tokens({"total_tokens": 40, "unknown_usage": 0}) == "40"
+
+
+@pytest.mark.anyio
+async def test_job_tasks_over_its_figures_view_is_the_view_it_replaced(db: str) -> None:
+    """Migration 0019 made `job_tasks` its figures (`job_task_figures`) plus pass@k and
+    cost: every row, column and value is what revision 0018's view gives on the same data
+    (its text run as a query), with several reward names, datasets and open trials."""
+    import importlib
+
+    before = importlib.import_module("trialledger.migrations.versions.0017_trial_reward_names")
+    fill = importlib.import_module("trialledger.migrations.versions.0019_task_figures")
+    async with await Ledger.open(db) as ledger:
+        await _job(ledger, "mixed", 4, MIXED)
+        await _job(ledger, "names", 4, NAMED)
+        async with ledger._engines.reader.connect() as conn:
+            dialect = conn.dialect.name
+            old = before.JOB_TASKS.format(wall=fill.WORK.WALL[dialect],
+                                          float=fill.SUMMARY.FLOAT[dialect])
+            old = old.split("CREATE VIEW job_tasks AS\n", 1)[1]
+            order = "WHERE job IN ('mixed', 'names') ORDER BY job, dataset, task, name"
+            result = await conn.execute(text(f"SELECT * FROM job_tasks {order}"))
+            keys, now = list(result.keys()), result.all()
+            then = (await conn.execute(text(f"SELECT * FROM ({old}) t {order}"))).all()
+    assert keys == list(TASK_COLUMNS)
+    assert len(now) > 12 and any(row[3] == "coverage" for row in now)  # names: a row each
+    assert [tuple(row) for row in now] == [tuple(row) for row in then]
