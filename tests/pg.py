@@ -74,6 +74,13 @@ class PostgresServer:
                        check=True, env=env, capture_output=True)
         return self.url(name)
 
+    def query(self, sql: str, database: str = "postgres") -> str:
+        """One value `sql` gives, as psql prints it."""
+        env = {**os.environ, "PGPASSWORD": PASSWORD}
+        return subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", SUPERUSER,
+                               "-d", database, "-tAc", sql], check=True, env=env,
+                              capture_output=True, text=True).stdout.strip()
+
     def restart(self, down_s: float) -> None:
         """Stop the server at once (every connection dies), wait, start it again."""
         data = str(self.folder / "data")
