@@ -87,6 +87,7 @@ def run_options(args: argparse.Namespace) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the real Codex CLI on a task in the local sandbox; print each session's outcome."""
     from trialledger.adapters.codex.install import CodexNotFound
+    from trialledger.adapters.images.imagestore import images_held
     from trialledger.adapters.jobs.queue import check_inputs
     from trialledger.adapters.jobs.trial import Trial, TrialRun
     from trialledger.adapters.sandbox.base import SandboxRefused
@@ -128,7 +129,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if options.agent == "oracle":
             solve_script(task)  # NoSolution: refused before anything is seeded
         environment = _prepared(task, args)  # before anything is seeded (§12)
-        done = anyio.run(until_signalled, go)
+        with images_held(environment):  # (kept by `cache prune` until the run ends)
+            done = anyio.run(until_signalled, go)
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
         raise Refused(str(error)) from None
     results = done.ran
@@ -302,18 +304,24 @@ def cmd_cache(args: argparse.Namespace) -> int:
               f"({sum(e.size for e in removed) / 1e6:.1f} MB) from {cache.folder}")
     if os.geteuid() != 0:
         return EXIT_OK  # the image store and the build storage are root's
-    images, held = ImageStore().prune(args.digest or ())
-    out.print(f"removed {len(images)} image{'' if len(images) == 1 else 's'} from the image "
-              f"store" + (f"; kept {len(held)} a session holds" if held else ""))
-    if not args.digest:
-        from trialledger.adapters.images.build import prune_build_storage
+    from trialledger.adapters.images.build import no_build_running, prune_build_storage
 
-        try:
-            kept = prune_build_storage()
-        except EnvironmentUnavailable as error:  # (no build user yet: nothing was built)
-            kept = str(error)
-        out.print("removed the build storage's images" if kept is None
-                  else f"kept the build storage's images: {kept}")
+    with no_build_running() as quiet:
+        if not quiet and not args.digest:
+            out.print("kept the image store's and the build storage's images: a build is "
+                      "running")
+            return EXIT_OK
+        images, held, failed = ImageStore().prune(args.digest or ())
+        out.print(f"removed {len(images)} image{'' if len(images) == 1 else 's'} from the "
+                  f"image store" + (f"; kept {len(held)} a session holds" if held else ""))
+        for entry, why in failed:
+            out.print(f"kept {entry.digest}: {why}")
+        if not args.digest:
+            try:
+                prune_build_storage()
+                out.print("removed the build storage's images")
+            except EnvironmentUnavailable as error:  # (no build user: nothing was built)
+                out.print(f"kept the build storage's images: {error}")
     return EXIT_OK
 
 

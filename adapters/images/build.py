@@ -37,11 +37,16 @@ from trialledger.adapters.images import imageids
 from trialledger.adapters.images.buildbox import (
     LOCK_NAME,
     BuildBox,
-    build_alive,
     contained,
     end_dead_builds,
 )
-from trialledger.adapters.images.builder import WHAT, Builder, build_user, storage_driver
+from trialledger.adapters.images.builder import (
+    LOCKS,
+    WHAT,
+    Builder,
+    build_user,
+    storage_driver,
+)
 from trialledger.adapters.images.dockerfile import BaseImage, base_images
 from trialledger.adapters.images.environment import (
     Cache,
@@ -61,6 +66,7 @@ from trialledger.adapters.sandbox.slirp import RESOLVER
 
 TAG = "localhost/trialledger-build"
 FROM_LOCK = "from-images.lock"  # copying FROM images into the build storage: one at a time
+BUSY_LOCK = "storage.lock"  # held shared by every build, taken alone by `cache prune`
 STEP = re.compile(rb"^(?:\[\d+/\d+\] )?STEP (\d+)/(\d+):", re.MULTILINE)  # podman's output
 FOLLOW_S = 0.25  # how often a build's output is read for its step
 CONFIG_MAX_BYTES = 4 * 1024 * 1024  # a built image's config read from the build storage
@@ -148,23 +154,35 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
         return prepare_archive(archive, "Dockerfile", cache, owner, digest=digest)
 
 
-def prune_build_storage() -> str | None:
-    """Remove every image of the build storage that no working container uses (the built
-    images and the `FROM` images copied in: the next build of each builds or copies it
-    again), first ending what killed builds left. Only when no other build lives: None
-    when pruned, else why the storage was kept."""
+@contextlib.contextmanager
+def no_build_running() -> Iterator[bool]:
+    """Builds kept from starting while this lasts (True), or False at once when one is
+    under way: each build holds the build storage's lock shared from its folder's making
+    to its image's copy into the session image store, so that `cache prune` removes no
+    `FROM` image, built image or store layer a build is about to use."""
+    fd = _lock_file(LOCKS / BUSY_LOCK)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def prune_build_storage() -> None:
+    """(Under `no_build_running`) Remove every image of the build storage that no working
+    container uses — the built images and the `FROM` images copied in: the next build of
+    each builds or copies it again — first ending what killed builds left."""
     builder = build_user()
     end_dead_builds(builder)
-    with _workspace(builder) as work:
-        live = [f.name for f in builder.scratch.glob(f"{BUILD_PREFIX}*")
-                if f != work.outer and build_alive(builder, f.name)]
-        if live:
-            return f"{len(live)} build{'s' if len(live) > 1 else ''} running"
+    with _workspace(builder, building=False) as work:
         source = Source("dockerfile", "Dockerfile", work.outer)
         with contained(builder, work.inner, work.tmp, source, build_id=work.build_id) as box:
             box.remove_dead_builds_containers()
             box.run(["podman", "image", "prune", "--all", "--force"], "the build storage")
-    return None
 
 
 def build_key(context: str, bases: list[BaseImage], ids: list[str],
@@ -267,8 +285,7 @@ def _locked(lock: Path, waiting: Callable[[], None] | None = None) -> Iterator[N
     """A lock of the build storage's: one build key's (held while that image builds: other
     keys build meanwhile), or the FROM copy's (held while a FROM image is copied in).
     `waiting` is told when another holds it (then it is waited for)."""
-    lock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = _lock_file(lock)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -279,6 +296,12 @@ def _locked(lock: Path, waiting: Callable[[], None] | None = None) -> Iterator[N
         yield
     finally:
         os.close(fd)
+
+
+def _lock_file(path: Path) -> int:
+    """A lock file of root's folder of build locks, opened (made when missing)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 _swept: list[int] = []  # non-empty once this process removed what killed builds left
@@ -294,24 +317,32 @@ def _end_dead_builds_once(builder: Builder) -> None:
 
 
 @contextlib.contextmanager
-def _workspace(builder: Builder) -> Iterator[Workspace]:
+def _workspace(builder: Builder, *, building: bool = True) -> Iterator[Workspace]:
     """A fresh private folder with the build user's TMPDIR, its lock held while the build
     lives (a sweep takes a folder whose lock is free for a killed run's); removed
-    afterwards, the lock let go last."""
-    builder.scratch.mkdir(parents=True, exist_ok=True)
-    work = Workspace(Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=builder.scratch)))
-    lock = os.open(work.outer / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                   0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    afterwards, the lock let go last. A build (`building`) holds the build storage's lock
+    shared meanwhile (`no_build_running`; it waits only while a prune runs)."""
+    busy = _lock_file(builder.locks / BUSY_LOCK) if building else None
     try:
-        work.outer.chmod(0o711)
-        work.inner.mkdir(mode=0o700)
-        work.tmp.mkdir(mode=0o700)
-        _give(builder, work.inner)
-        yield work
+        if busy is not None:
+            fcntl.flock(busy, fcntl.LOCK_SH)
+        builder.scratch.mkdir(parents=True, exist_ok=True)
+        work = Workspace(Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=builder.scratch)))
+        lock = os.open(work.outer / LOCK_NAME,
+                       os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            work.outer.chmod(0o711)
+            work.inner.mkdir(mode=0o700)
+            work.tmp.mkdir(mode=0o700)
+            _give(builder, work.inner)
+            yield work
+        finally:
+            shutil.rmtree(work.outer, ignore_errors=True)
+            os.close(lock)
     finally:
-        shutil.rmtree(work.outer, ignore_errors=True)
-        os.close(lock)
+        if busy is not None:
+            os.close(busy)
 
 
 def _stage_context(builder: Builder, work: Workspace, context: Path) -> None:

@@ -202,13 +202,16 @@ class ImageStore:
                                    str(record.get("created") or ""), self.folder))
         return sorted(found, key=lambda e: e.created, reverse=True)
 
-    def prune(self, digests: Sequence[str] = ()) -> tuple[list[Entry], list[Entry]]:
+    def prune(self, digests: Sequence[str] = ()
+              ) -> tuple[list[Entry], list[Entry], list[tuple[Entry, str]]]:
         """Remove the images named (every image when none is) that no session holds, each
         under its locks, with its layers that no other image uses: (removed, kept because
-        held). A holder takes its shared lock under the view's lock, which this holds while
-        it looks, so no session starts on an image as it goes."""
+        held, kept because removing failed — with why). A holder takes its shared lock
+        under the view's lock, which this holds while it looks, so no session starts on an
+        image as it goes."""
         removed: list[Entry] = []
         held: list[Entry] = []
+        failed: list[tuple[Entry, str]] = []
         for entry in self.entries():
             if not named(entry.digest, digests):
                 continue
@@ -221,9 +224,13 @@ class ImageStore:
                     continue
                 finally:
                     os.close(users)
-                self._remove(entry.digest)
+                try:
+                    self._remove(entry.digest)
+                except (EnvironmentUnavailable, OSError, subprocess.SubprocessError) as error:
+                    failed.append((entry, str(error)))
+                    continue
             removed.append(entry)
-        return removed, held
+        return removed, held, failed
 
     def _remove(self, digest: str) -> None:
         """(Under the image's locks, nobody holding it) its view, the image with the layers
@@ -310,6 +317,10 @@ class ImageStore:
             users = _open_lock(self.folder / "locks" / f"{_hex(digest)}.users")
             fcntl.flock(users, fcntl.LOCK_SH)
             try:
+                if not all(folder.is_dir() for folder in folders):
+                    raise EnvironmentUnavailable(f"image {digest}: no longer in the image "
+                                                 f"store (cache prune); prepared again by "
+                                                 f"the next run")
                 if view not in folders and not os.path.ismount(view):
                     view.mkdir(mode=0o700, exist_ok=True)
                     lower = ":".join(f"{f.parent.name}/diff" for f in folders)
@@ -386,6 +397,27 @@ def hold_view(environment: Environment) -> ViewHold | None:
         return None
     store = ImageStore(environment.layers[0].parents[3])  # <store>/storage/overlay/<id>/diff
     return store.hold(environment.digest, environment.layers)
+
+
+@contextlib.contextmanager
+def images_held(environment: Environment) -> Iterator[None]:
+    """Every session image store image of a prepared environment — its own, its separate
+    verifier's, its steps' verifiers', its compose services' — held from its preparation
+    until its runs end (a job's: until the job's run ends), so `cache prune` keeps them
+    for sessions that have not started yet. EnvironmentUnavailable when one was pruned
+    between its preparation and this."""
+    found = [environment, *(e for _, e in environment.services),
+             *(e for _, e in environment.step_verifiers)]
+    found += [e.verifier for e in list(found) if e.verifier is not None]
+    holds: list[ViewHold] = []
+    try:
+        for image in found:
+            if (hold := hold_view(image)) is not None:
+                holds.append(hold)
+        yield
+    finally:
+        for hold in holds:
+            hold.release()
 
 
 @functools.cache

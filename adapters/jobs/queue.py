@@ -10,6 +10,7 @@ next attempt read from its sessions each time, a dead holder's sessions recovere
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -31,6 +32,7 @@ from trialledger.adapters.images.environment import (
     Environment,
     EnvironmentUnavailable,
 )
+from trialledger.adapters.images.imagestore import images_held
 from trialledger.adapters.jobs.trial import Lease, Trial, TrialRun, first_of
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.session.runner import RunOptions, SessionRunner
@@ -206,6 +208,9 @@ class JobRunner:
     # the pause before the next claim: the job stops past the runner's `store_retry_s`
     _store_failing: float | None = field(default=None, init=False)
     _store_pause: float = field(default=0.25, init=False)
+    # the session image store's images of every environment prepared, held until the run
+    # ends so that `cache prune` keeps them for trials not started yet (SPEC §16)
+    _held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, init=False)
 
     def __post_init__(self) -> None:
         self.jobs = Jobs(self.ledger)
@@ -249,6 +254,8 @@ class JobRunner:
             if group.split(StoreUnavailable)[1] is not None:
                 raise
             raise first_of(group, StoreUnavailable) from None
+        finally:
+            self._held.close()  # (a view's unmount: milliseconds)
 
     async def prepare_environments(self) -> None:
         """Every task's environment, `concurrency` at a time (builds of different images
@@ -281,10 +288,15 @@ class JobRunner:
                       name: str = task.name) -> None:  # from the preparing thread
                 self.waits[name] = BuildWait(state, step)
 
+            def ready() -> Environment:
+                env = prepare_task(task, self.cache, owner=self.owner, engine=self.engine,
+                                   pull=self.pull, force_build=self.force_build,
+                                   progress=heard)
+                self._held.enter_context(images_held(env))
+                return env
+
             try:
-                env = await anyio.to_thread.run_sync(functools.partial(
-                    prepare_task, task, self.cache, owner=self.owner, engine=self.engine,
-                    pull=self.pull, force_build=self.force_build, progress=heard))
+                env = await anyio.to_thread.run_sync(ready)
             except EnvironmentUnavailable as error:
                 if not self._own:  # another machine may prepare it: its trials stay queued
                     log.warning("task %s: its environment cannot be prepared on this worker "

@@ -867,7 +867,6 @@ def test_cache_prune_empties_the_build_storage_but_never_under_a_running_build(
         tmp_path: Path, builder: Builder, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     from trialledger import cli
-    from trialledger.adapters.images.buildbox import LOCK_NAME
 
     built: list[str] = []
     real_build = build_module._build
@@ -884,17 +883,13 @@ def test_cache_prune_empties_the_build_storage_but_never_under_a_running_build(
     stored = as_builder(builder, "podman", "images", "--quiet", "--no-trunc").split()
     assert len(stored) >= 2  # the built image and its FROM image, copied in
     prune = ["cache", "prune", "--cache-dir", str(tmp_path / "cache")]
-    live = Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=builder.scratch))
-    lock = os.open(live / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another runner's build, under way
+    with build_module._workspace(builder):  # another runner's build, under way
         capsys.readouterr()
         assert cli.main(prune) == 0
-        assert "kept the build storage's images: 1 build running" in capsys.readouterr().out
+        said = capsys.readouterr().out
+        assert "kept the image store's and the build storage's images: a build is running" \
+            in said, said
         assert as_builder(builder, "podman", "images", "--quiet", "--no-trunc").split() == stored
-    finally:
-        os.close(lock)
-        subprocess.run(["rm", "-rf", str(live)], check=True)
     assert cli.main(prune) == 0
     assert "removed the build storage's images" in capsys.readouterr().out
     assert as_builder(builder, "podman", "images", "--quiet", "--no-trunc").split() == []

@@ -10,6 +10,7 @@ Needs root after `trialledger setup` (the build user, range mode), as CI has.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,8 +29,18 @@ from tests.images import module_private_storage  # noqa: F401 (every engine call
 from tests.runs import make_task, run_task
 from trialledger import cli
 from trialledger.adapters.demo.endpoint import message, shell
-from trialledger.adapters.images.environment import Cache, Environment, Source
-from trialledger.adapters.images.imagestore import ImageStore, hold_view, plain_cache
+from trialledger.adapters.images.environment import (
+    Cache,
+    Environment,
+    EnvironmentUnavailable,
+    Source,
+)
+from trialledger.adapters.images.imagestore import (
+    ImageStore,
+    hold_view,
+    images_held,
+    plain_cache,
+)
 from trialledger.adapters.images.prepare import prepare
 
 pytestmark = pytest.mark.anyio
@@ -297,7 +308,9 @@ def test_cache_prune_removes_the_store_images_no_session_holds_and_frees_their_o
     store = ImageStore()
     digests = [str(env.digest) for env in (*built, single)]
     prune = ("cache", "prune", "--cache-dir", str(tmp_path / "cache"), *digests)
-    holds = [hold_view(env) for env in (built[0], single)]  # two sessions live on these
+    # a job holds what it prepared: an image and its separate verifier's
+    holding = images_held(dataclasses.replace(single, verifier=built[0]))
+    holding.__enter__()
     try:
         said = _cli(capsys, *prune)
         assert "removed 1 image from the image store; kept 2 a session holds" in said, said
@@ -310,9 +323,10 @@ def test_cache_prune_removes_the_store_images_no_session_holds_and_frees_their_o
             with _read(env) as root:  # a held image still reads whole
                 assert any(root.iterdir())
     finally:
-        for hold in holds:
-            if hold is not None:
-                hold.release()
+        holding.__exit__(None, None, None)
+    with pytest.raises(EnvironmentUnavailable, match="no longer in the image store"), \
+            images_held(built[1]):  # pruned between its preparation and its hold
+        pass
     assert "removed 2 images from the image store\n" in _cli(capsys, *prune)
     assert not single.layers[0].exists() and not built[0].layers[0].exists()
     listed = _cli(capsys, "cache", "ls", "--json", "--cache-dir", str(tmp_path / "cache"))

@@ -634,6 +634,37 @@ async def test_a_store_that_fails_every_run_stops_the_job_past_its_retry_time(
         assert len(await ledger.sessions()) == 1  # its session ran once, decided
 
 
+@pytest.mark.anyio
+async def test_a_jobs_prepared_images_are_held_until_its_run_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each task's environment is held (`images_held`: kept by `cache prune`) from its
+    preparation until the job's run ends, not only while one of its sessions lives: a
+    prune between two trials of a task must not take the image the next one runs on."""
+    from trialledger.adapters.jobs import queue
+    from trialledger.adapters.session.runner import RunOptions
+    from trialledger.store import Ledger
+
+    seen: list[str] = []
+
+    @contextlib.contextmanager
+    def held(environment: Any) -> Iterator[None]:
+        seen.append("held")
+        yield
+        seen.append("released")
+
+    monkeypatch.setattr(queue, "images_held", held)
+    tasks = [make_task(tmp_path / name, instruction="x", test_sh="exit 0\n",
+                       solve_sh="#!/bin/sh\nexit 0\n") for name in ("a", "b")]
+    async with await Ledger.open(str(tmp_path / "jobs.db")) as ledger:
+        runner = queue.JobRunner(ledger, "held", tasks, RunOptions(agent="oracle"), k=2,
+                                 on_trial=lambda done: seen.append("trial"))
+        with anyio.fail_after(120):
+            await runner.run()
+    assert seen.count("held") == 2 and seen.count("trial") == 4, seen
+    assert seen[-2:] == ["released", "released"], seen  # after every trial, not per trial
+    assert seen.index("released") > max(i for i, e in enumerate(seen) if e == "trial")
+
+
 def _session(attempt: int, close_reason: str, outcome: str | None) -> dict[str, Any]:
     return {"session_id": f"s{attempt}", "attempt": attempt, "close_reason": close_reason,
             "outcome": outcome}
