@@ -159,6 +159,8 @@ class Ledger:
         if not create and path is not None and not os.path.isfile(path):
             raise NoDatabase(f"no database at {path} (a new one is made by `trialledger db "
                              "upgrade` or by a command that writes)")
+        if path is not None and os.path.lexists(path) and not os.path.isfile(path):
+            raise StoreUnavailable.of(db, OSError(f"{path} is not a regular file"))
         engines = make_engines(db, sqlite_synchronous=sqlite_synchronous,
                                call_timeout_s=call_timeout_s)
         try:
@@ -166,6 +168,8 @@ class Ledger:
         except BaseException as error:
             await engines.dispose()
             if isinstance(error, SQLAlchemyError | OSError):
+                if path is not None:  # aiosqlite's thread delivers a failed connect's stop
+                    await anyio.sleep(0.05)  # to this loop: let it (omnilib/aiosqlite#389)
                 raise store_error(db, error) from error
             raise
         return cls(engines, db=db, policy=get_policy(policy))

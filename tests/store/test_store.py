@@ -690,6 +690,35 @@ async def test_driver_errors_leave_the_store_as_store_unavailable(tmp_path: Path
         await Ledger.open(str(folder))
 
 
+def test_a_sqlite_store_that_cannot_be_opened_leaves_no_thread_failing_after_its_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed open answers in one line and ends its event loop clean: aiosqlite's worker
+    thread, stopped by a failed connect, delivers its stop to that loop — once it has
+    closed, the thread died on `RuntimeError: Event loop is closed` (a pytest warning in
+    CI, at whichever test ran next). A path that is no file is refused before connecting."""
+    import threading
+
+    from trialledger.store import StoreUnavailable
+
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda hook: died.append(hook.exc_value))
+    folder = tmp_path / "a-folder.db"
+    folder.mkdir()
+
+    async def refused(db: Path) -> str:
+        with pytest.raises(StoreUnavailable) as error:
+            await Ledger.open(str(db))
+        return str(error.value)
+
+    for n in range(30):
+        assert "is not a regular file" in anyio.run(refused, folder)
+        assert "unable to open" in anyio.run(refused, tmp_path / f"no-folder-{n}" / "x.db")
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and "_connection_worker" in thread.name:
+            thread.join(timeout=10)
+    assert died == []
+
+
 async def test_new_stores_opened_together_in_one_process_are_each_built(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """alembic's context is process-global: concurrent builds must not cross connections.
