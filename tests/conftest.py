@@ -41,11 +41,13 @@ def anyio_backend() -> str:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty database of each kind: a SQLite file, or a PostgreSQL database."""
+    """A fresh database of each kind for a new, empty store: a SQLite file not yet made
+    (its first open copies the schema the process keeps, docs/library.md), or a
+    PostgreSQL database already holding the head revision's empty schema (tests/pg.py)."""
     if request.param == "sqlite":
         return str(tmp_path / "trials.db")
     server: PostgresServer = request.getfixturevalue("postgres")
-    return server.create_database()
+    return server.create_store()
 
 
 @pytest.fixture

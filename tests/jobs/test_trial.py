@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 from tests.runs import in_process, make_task
-from tests.store.test_leases import _sleeping
+from tests.store.test_leases import _sleeping, sleep_marker
 from trialledger.adapters.demo import samples
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.session.runner import RunOptions, SessionRunner
@@ -69,11 +69,11 @@ def test_run_trial_a_job_and_the_library_continue_a_dead_runners_trial_alike(
     hello = make_task(tmp_path / "hello", instruction="wait", test_sh="exit 0\n",
                       solve_sh="#!/bin/sh\nexit 0\n").folder
     _killed_midway(hello, "run", str(hello), "--db", db, *ORACLE, "--trial", "by-run",
-                   marker="31.101")
+                   marker=sleep_marker(31))
     _killed_midway(hello, "run", str(hello), "--db", db, *ORACLE, "--trial", "by-library",
-                   marker="31.102")
+                   marker=sleep_marker(31))
     _killed_midway(hello, "job", "run", "bench", str(hello), "--db", db, *ORACLE,
-                   marker="31.103")
+                   marker=sleep_marker(31))
     _solve(hello, "exit 0")
 
     by_run = in_process("run", str(hello), "--db", db, *ORACLE, "--trial", "by-run")
@@ -107,8 +107,9 @@ async def test_a_held_trial_taken_over_stops_its_session_and_is_left_to_its_next
         db: str, tmp_path: Path) -> None:
     from trialledger.adapters.jobs.trial import Lease, Trial
 
+    marker = sleep_marker(31)
     task = make_task(tmp_path / "sleeper", instruction="wait", test_sh="exit 0\n",
-                     solve_sh="#!/bin/sh\nsleep 31.201\n")
+                     solve_sh=f"#!/bin/sh\nsleep {marker}\n")
     config = {"agent": "oracle", "model": "", "settings": {}, "grants": [], "k": 1,
               "max_attempts": 1}
 
@@ -137,12 +138,12 @@ async def test_a_held_trial_taken_over_stops_its_session_and_is_left_to_its_next
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(hold)
-            await wait_for(lambda: _sleeping("31.201"), "the oracle never started")
+            await wait_for(lambda: _sleeping(marker), "the oracle never started")
             assert await jobs.settle(first, "queued")  # let go of, then taken over
             second = await jobs.claim("held", "second", 60)
             assert second is not None and second.trial_id == first.trial_id
         assert outcome == [None] and lease.why == "taken over" and second is not None
-        await wait_for(lambda: not _sleeping("31.201"), "the sandbox was not stopped")
+        await wait_for(lambda: not _sleeping(marker), "the sandbox was not stopped")
         (left,) = await ledger.sessions(trial_id=first.trial_id)
         assert left["state"] != "closed"  # its close was fenced: the next holder's to do
         assert [t["state"] for t in await jobs.trials("held")] == ["running"]

@@ -372,15 +372,13 @@ def test_a_killed_job_resumes_a_multi_step_trial_from_step_1_never_two_at_once(
     open step session, starts the trial again from step 1 (the attempt's first session
     names the last one before), and no step of the killed attempt still runs once the
     resumed one starts — step sessions never overlap."""
-    import os
     import subprocess
     import sys
-    import time
 
     from tests.jobs.test_trial import killed_while_sleeping
-    from tests.store.test_leases import _sleeping
+    from tests.store.test_leases import _sleeping, sleep_marker
 
-    marker = f"7{os.getpid() % 1000}.{time.time_ns() % 10**6}"  # the sleep step two runs
+    marker = sleep_marker(70)  # the sleep step two runs
     folder = three_steps(tmp_path / "data" / "multi")
     samples.executable(folder / "steps" / "two" / "solution" / "solve.sh",
                        f"sleep {marker}; cp given.txt two.txt\n")

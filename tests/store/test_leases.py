@@ -35,6 +35,13 @@ def _marker_alive() -> bool:
     return _sleeping(SLEEP)
 
 
+def sleep_marker(whole: int) -> str:
+    """A `sleep` duration of about `whole` seconds no other test, worker or run on this
+    machine uses at the same time (a test's two database variants run at once on two
+    workers): the pid and the clock in its fraction."""
+    return f"{whole}.{os.getpid():07d}{time.monotonic_ns() % 10**6:06d}"
+
+
 def _sleeping(seconds: str) -> bool:
     """Whether a `sleep SECONDS` runs anywhere on this host (inside a sandbox)."""
     wanted = f"sleep\0{seconds}".encode()

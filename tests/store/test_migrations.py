@@ -40,18 +40,30 @@ async def _tables(db: str) -> list[str]:
         return sorted(n for n in names if n != "alembic_version")
 
 
+@pytest.fixture(scope="module")
+def references() -> dict[str, str]:
+    """Each kind's reference store, built by the first test that needs it: the same
+    sessions, written by today's code (every revision's test compares with it)."""
+    return {}
+
+
 @pytest.mark.parametrize("start", revisions()[:-1])
 async def test_a_populated_database_upgrades_from_every_earlier_revision(
-        start: str, tmp_path: Any, request: pytest.FixtureRequest) -> None:
+        start: str, tmp_path: Any, tmp_path_factory: pytest.TempPathFactory,
+        request: pytest.FixtureRequest, references: dict[str, str]) -> None:
     for kind in ("sqlite", "postgresql"):
         if kind == "sqlite":
-            reference, old = str(tmp_path / "ref.db"), str(tmp_path / f"old-{start}.db")
+            old = str(tmp_path / f"old-{start}.db")
         else:
-            server = request.getfixturevalue("postgres")
-            reference, old = server.create_database(), server.create_database()
-        async with await Ledger.open(reference) as ledger:  # the same sessions, written today
-            for name in CASES:
-                await ledger.import_log(SCENARIOS[name][0].events)
+            old = request.getfixturevalue("postgres").create_database()
+        if kind not in references:
+            references[kind] = (
+                str(tmp_path_factory.mktemp("reference") / "ref.db") if kind == "sqlite"
+                else request.getfixturevalue("postgres").create_store())
+            async with await Ledger.open(references[kind]) as ledger:
+                for name in CASES:
+                    await ledger.import_log(SCENARIOS[name][0].events)
+        reference = references[kind]
         async with open_engines(old) as engines:
             await upgrade(engines.writer, start)
         shared = sorted(set(await _tables(old)) & set(await _tables(reference)))
@@ -92,10 +104,14 @@ async def test_flags_are_integers_an_analyst_can_sum(
             assert total[0] == total[1] > 0
 
 
-async def test_the_revision_read_without_alembic_is_alembics(db: str) -> None:
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+async def test_the_revision_read_without_alembic_is_alembics(
+        kind: str, tmp_path: Any, request: pytest.FixtureRequest) -> None:
     """Opening a store reads its revision with one query and the code's head from the
     revision files' numbers, never importing alembic: both agree with alembic's own
     reading, at the head and at an earlier revision."""
+    db = (str(tmp_path / "t.db") if kind == "sqlite"
+          else request.getfixturevalue("postgres").create_database())
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
