@@ -170,6 +170,90 @@ def compare(a: Sequence[Mapping[str, object]], b: Sequence[Mapping[str, object]]
     return rows
 
 
+def _fail(n: int, c: int, k: int) -> float:
+    """C(n−c, k)/C(n, k) as the view `job_passk` multiplies it, left to right (so that both
+    give the same float)."""
+    fail = 1.0
+    for i in range(k):
+        fail = fail * (n - c - i) / (n - i)
+    return fail
+
+
+def passk_rows(job: str, trials: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the view `job_passk` for one job, in its reads' order, from the job's
+    trials as `job_trials` gives them (`state`, `task`, `scored`, `reward`, `passed`), each
+    with its `dataset` and `rewards` (its final session's names and values when scored,
+    else None). Each figure — a task, a dataset when the job has several, the job — has a
+    row per k of Harbor's set (the fewest finished trials of its tasks bounding it) when
+    its trials' rewards are binary: by the one reward name they share (`name`: it, None
+    when no trial was scored), or per name when they have several."""
+    fin = []  # as the view counts a trial: an open one neither finished nor scored
+    for t in trials:
+        finished = t["state"] not in ("queued", "running")
+        counted = finished and bool(t["scored"])
+        rewards = t["rewards"] if counted else None
+        fin.append({"dataset": t["dataset"], "task": t["task"], "scored": counted,
+                    "finished": finished, "reward": t["reward"] if counted else None,
+                    "passed": counted and bool(t["passed"]), "rewards": rewards,
+                    "name": next(iter(rewards)) if rewards and len(rewards) == 1 else None})
+    figures: list[tuple[str | None, str | None]] = sorted({(t["dataset"], t["task"]) for t in fin})
+    if len({t["dataset"] for t in fin}) > 1:
+        figures += sorted({(t["dataset"], None) for t in fin})
+    figures.append((None, None))
+
+    def covered(dataset: str | None, task: str | None) -> list[dict[str, Any]]:
+        return [t for t in fin if (dataset is None or t["dataset"] == dataset)
+                and (task is None or t["task"] == task)]
+
+    def value(trial: dict[str, Any], name: str | None) -> float | None:
+        """A trial's reward under `name` (None: the one name, as `passed` counts it), None
+        when unscored."""
+        if not trial["scored"]:
+            return None
+        if name is None:
+            return 1.0 if trial["passed"] else 0.0
+        return float(trial["rewards"].get(name, 0.0))
+
+    def members(dataset: str | None, task: str | None, name: str | None
+                ) -> list[tuple[int, int, bool]]:
+        """(n finished, c passed, binary) of each task the figure covers with a finished
+        trial, by its reward under `name`."""
+        found = []
+        for d, t in sorted({(x["dataset"], x["task"]) for x in covered(dataset, task)}):
+            own = covered(d, t)
+            n = sum(1 for x in own if x["finished"])
+            if n:
+                values = [value(x, name) for x in own]
+                found.append((n, sum(1 for v in values if v is not None and v >= 1),
+                              all(v is None or v in (0, 1) for v in values)))
+        return found
+
+    def average(tasks: list[tuple[int, int, bool]]) -> dict[int, float]:
+        if not tasks or not all(binary for _, _, binary in tasks):
+            return {}
+        return {k: sum(1 - _fail(n, c, k) for n, c, _ in tasks) / len(tasks)
+                for k in k_values(min(n for n, _, _ in tasks))}
+
+    rows: list[dict[str, Any]] = []
+    for dataset, task in figures:
+        scope = covered(dataset, task)
+        scored = [t for t in scope if t["scored"]]
+        shared = sorted({t["name"] for t in scored if t["name"] is not None})
+        if any(len(t["rewards"]) > 1 for t in scored) or len(shared) > 1:  # several names
+            for name in ordered({n for t in scored for n in t["rewards"]}):
+                per_name = average(members(dataset, task, name))
+                rows += [{"job": job, "dataset": dataset, "task": task, "name": name, "k": k,
+                          "pass_at_k": p} for k, p in per_name.items()]
+            continue
+        # One name at most: pass@k when every scored trial has it, valued 0 or 1.
+        if any(len(t["rewards"]) != 1 or t["reward"] not in (0, 1) for t in scored):
+            continue
+        for k, p in average(members(dataset, task, None)).items():
+            rows.append({"job": job, "dataset": dataset, "task": task,
+                         "name": shared[0] if shared else None, "k": k, "pass_at_k": p})
+    return rows
+
+
 __all__ = ["binary", "by_name", "compare", "difference", "figure_key", "k_values", "mean_scored",
-           "means", "names", "ordered", "pass_at_k", "pass_at_k_for_task", "reward", "rewards_text",
-           "several", "several_names"]
+           "means", "names", "ordered", "pass_at_k", "pass_at_k_for_task", "passk_rows", "reward",
+           "rewards_text", "several", "several_names"]
