@@ -10,7 +10,8 @@ storage (`image`); each key is honoured, ignored with a reason (warned), or refu
   `service_healthy`, `service_completed_successfully`), `volumes`, `networks` (declared
   at the top level, each a bridge: sandbox/bridge.py), `init` (ours is every container's
   PID 1 either way), ignored `container_name`,
-  `expose`, `tty`, `stdin_open`, `labels`, `pull_policy`, `restart`;
+  `expose`, `tty`, `stdin_open`, `labels`, `pull_policy`, `restart`, `ports` (never
+  published on the host);
 - a service other than `main`: `image`, `build` (a context, or `context`, `dockerfile`,
   `args` and `target`), `command`, `entrypoint`, `working_dir`, `user`, `healthcheck`
   (Docker's `test` forms, its durations and defaults), `cap_add` (of Docker's default
@@ -62,6 +63,10 @@ MAX_TRIES = 10_000  # a healthcheck's `retries` at most
 HARNESS_PATHS = ("/run/trialledger", "/logs", "/tests")  # never covered by a volume
 IGNORED = {key: "has no effect on a session's containers here" for key in (
     "container_name", "expose", "tty", "stdin_open", "labels", "pull_policy", "restart")}
+# Harbor's Docker publishes them on the host, where no step of a trial reads them (its
+# verifier runs in `main`); the session's containers reach each other's ports on its
+# own network either way, and nothing of theirs is ever opened to the host here.
+IGNORED["ports"] = "not published on the host (the session's containers reach each other)"
 MAIN_KEYS = frozenset({"environment", "depends_on", "volumes", "init", "networks", *IGNORED})
 TASK_MAIN = frozenset({"build"})  # what the task's compose may set on `main` beside those
 VERIFIER_MAIN = frozenset({"image", "build", "user"})  # ... and a separate verifier's
