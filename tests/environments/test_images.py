@@ -145,7 +145,9 @@ async def test_a_prebuilt_images_environment_folder_lands_on_its_workdir(
     (uploaded / "near").symlink_to("data.txt")
     env = prepare(task.source, Cache(tmp_path / "cache"), owner=owner())
     assert env.upload == uploaded and env.ref == images.BUSYBOX_REF
-    probe = ("pwd; cat data.txt sub/nested.txt near given.txt; readlink leak; cat leak; "
+    # (`cat leak`'s refusal on stdout: Codex's output merges the two streams in whatever
+    # order they arrive, and a refusal first once took the place of `pwd`'s line)
+    probe = ("pwd; cat data.txt sub/nested.txt near given.txt; readlink leak; cat leak 2>&1; "
              "echo more >> data.txt && echo APPENDED")
     ran = await run_task(str(tmp_path / "t.db"), task, [shell(probe), message()],
                          environment=env)
