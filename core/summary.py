@@ -21,14 +21,18 @@ def k_values(max_k: int) -> list[int]:
     return sorted(found)
 
 
-def pass_at_k_for_task(n: int, c: int, k: int) -> float:
-    """1 − C(n−c, k)/C(n, k) as a product (Harbor's `_pass_at_k_for_task`); needs k ≤ n."""
-    if n - c < k:
-        return 1.0
+def _fail(n: int, c: int, k: int) -> float:
+    """C(n−c, k)/C(n, k) as the view `job_passk` multiplies it, left to right (so that both
+    give the same float)."""
     fail = 1.0
     for i in range(k):
-        fail *= (n - c - i) / (n - i)
-    return 1.0 - fail
+        fail = fail * (n - c - i) / (n - i)
+    return fail
+
+
+def pass_at_k_for_task(n: int, c: int, k: int) -> float:
+    """1 − C(n−c, k)/C(n, k) as a product (Harbor's `_pass_at_k_for_task`); needs k ≤ n."""
+    return 1.0 if n - c < k else 1.0 - _fail(n, c, k)
 
 
 def binary(trials: Sequence[Rewards | None]) -> bool:
@@ -168,15 +172,6 @@ def compare(a: Sequence[Mapping[str, object]], b: Sequence[Mapping[str, object]]
                 vb if isinstance(vb, int | float) else None)}
         rows.append(row)
     return rows
-
-
-def _fail(n: int, c: int, k: int) -> float:
-    """C(n−c, k)/C(n, k) as the view `job_passk` multiplies it, left to right (so that both
-    give the same float)."""
-    fail = 1.0
-    for i in range(k):
-        fail = fail * (n - c - i) / (n - i)
-    return fail
 
 
 def passk_rows(job: str, trials: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
