@@ -102,12 +102,14 @@ class ComposeParts:
             raise
         if self.shares is not None and self.shares[0].bridged and not self.shares[1].isolated:
             # its own network: on the session's bridges, and outward by a slirp4netns
+            # (none on `internal` networks alone, as Docker's)
             session = self.shares[0]
             try:
                 await anyio.to_thread.run_sync(functools.partial(
                     _bridged, session, container.namespace_fd("net"),
                     session.services.names.index(self.shares[1].name)))
-                await self._connect()
+                if not self.shares[1].walled:
+                    await self._connect()
             except SandboxRefused as error:
                 raise OSError(str(error)) from None
         return None

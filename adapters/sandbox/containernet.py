@@ -41,6 +41,7 @@ class ContainerNetwork:
     slirp: Slirp | None  # the container's outward connection (a public network)
     phase_modes: dict[str, str]  # NETWORK_PHASES → the phase's network mode
     modes_used: frozenset[str]  # ... and those a later step's phases may switch to
+    walled: bool  # (a compose task) `main` on `internal` networks alone: never a way out
     _net_namespace: int | None  # the container's network namespace's inode (bwrap's)
     shares: tuple[Any, Any] | None  # (a compose service's own) the session's, its service
 
@@ -76,12 +77,13 @@ class ContainerNetwork:
         """Set the container's network to `phase`'s mode before the phase runs, as Harbor
         switches its egress sidecar (docs/SPEC.md §15): `public` connected by slirp4netns,
         `allowlist` connected with the rules loaded and the egress proxy listening,
-        `no-network` without either (the tap device goes with slirp4netns). A process left
+        `no-network` without either (the tap device goes with slirp4netns; so is every
+        phase of a `main` on compose `internal` networks alone). A process left
         running from an earlier phase finds the network the phase it runs beside has."""
         assert self.container is not None
         if self.shares is not None:  # a compose service's: the session's container's to set
             return
-        mode = self.phase_modes.get(phase, "no-network")
+        mode = "no-network" if self.walled else self.phase_modes.get(phase, "no-network")
         if mode == "no-network" and self.slirp is not None:  # cut off before the rules go
             await self.slirp.stop()
             self.slirp = None

@@ -257,6 +257,9 @@ class LocalSandbox(PhaseRuns):
         # (a compose task) its networks, and main's among them (bridge.py)
         self.networks = compose.networks if compose is not None else ()
         self.main_networks = compose.main.networks if compose is not None else ()
+        # (a compose task) `main` on `internal` networks alone: no phase has a way out (in
+        # one namespace, every container is on main's networks: none has)
+        self.walled = compose is not None and compose.main.walled
         if compose is not None and len({frozenset(s.networks) for s in compose.services
                                         if not s.isolated}) > 1 and not self.bridged:
             # (all on the same ones: as the default network)

@@ -8,7 +8,8 @@ storage (`image`); each key is honoured, ignored with a reason (warned), or refu
 (`UnsupportedField`):
 - every service: `environment`, `depends_on` (a list, or conditions `service_started`,
   `service_healthy`, `service_completed_successfully`), `volumes`, `networks` (declared
-  at the top level, each a bridge: sandbox/bridge.py), `init` (ours is every container's
+  at the top level, each a bridge: sandbox/bridge.py; `internal` ones with no way out),
+  `init` (ours is every container's
   PID 1 either way), ignored `container_name`,
   `expose`, `tty`, `stdin_open`, `labels`, `pull_policy`, `restart`, `ports` (never
   published on the host);
@@ -136,6 +137,7 @@ class Service:
     caps: tuple[str, ...] = DOCKER_CAPS  # `cap_add` / `cap_drop` over Docker's default set
     networks: tuple[str, ...] = (DEFAULT_NETWORK,)  # the networks it is on (`networks`)
     isolated: bool = False  # `network_mode: none`: a network of its own, loopback alone
+    walled: bool = False  # on `internal` networks alone: no way out (as Docker's, none)
     read_only: bool = False  # `read_only`: its root file system mounted read-only
     tmpfs: tuple[tuple[str, tuple[str, ...]], ...] = ()  # `tmpfs`: (target, mount options)
     pids_limit: int | None = None  # `pids_limit`: its own container's (None: the session's)
@@ -208,7 +210,7 @@ def load(folder: Path, max_bytes: int, task_env: Mapping[str, str],
             ignored[f"{file} {key}"] = "has no effect here"
     reader = _Reader(where, folder, base, task_env, build_timeout_s,
                      _declared_volumes(document.get("volumes"), where),
-                     _declared_networks(document.get("networks"), where), main_may)
+                     *_declared_networks(document.get("networks"), where), main_may)
     services = {MAIN_SERVICE: Service(MAIN_SERVICE)}
     if len(document["services"]) > MAX_SERVICES:
         raise UnsupportedField(f"{where}: services: {len(document['services'])} services (at "
@@ -226,11 +228,12 @@ class _Reader:
 
     def __init__(self, where: str, folder: Path, base: str, task_env: Mapping[str, str],
                  build_timeout_s: float, volumes: frozenset[str],
-                 networks: frozenset[str], main_may: frozenset[str] = frozenset()
-                 ) -> None:
+                 networks: frozenset[str], internal: frozenset[str],
+                 main_may: frozenset[str] = frozenset()) -> None:
         self.where, self.folder, self.base = where, folder, base
         self.volumes = volumes  # the top level's named volumes
         self.networks = networks  # ... and networks (`default` among them)
+        self.internal = internal  # ... those of them `internal` (no way out)
         self.main_keys = MAIN_KEYS | main_may
         self.task_env = task_env
         self.build_timeout_s = build_timeout_s
@@ -254,6 +257,7 @@ class _Reader:
         if name != MAIN_SERVICE and "image" not in raw and "build" not in raw:
             raise TaskInvalid(f"{self.where}: {at}: needs an `image` or a `build`")
         isolated = self._network_mode(raw, at)
+        networks = () if isolated else self._networks(raw.get("networks"), f"{at}.networks")
         if not isinstance(raw.get("init", False), bool):  # (either way, our init is every
             # container's PID 1: it reaps orphans and passes signals on, as `--init` does)
             raise TaskInvalid(f"{self.where}: {at}.init: expected true or false")
@@ -271,9 +275,10 @@ class _Reader:
             volumes=self._volumes(raw.get("volumes", []), f"{at}.volumes"),
             caps=self._caps(raw.get("cap_add", []), raw.get("cap_drop", []), at),
             no_new_privileges=self._no_new_privileges(raw.get("security_opt", []), at),
-            networks=() if isolated else self._networks(raw.get("networks"),
-                                                        f"{at}.networks"),
+            networks=networks,
             isolated=isolated,
+            # (Docker's: on `internal` networks alone, a container has no way out)
+            walled=bool(networks) and all(name in self.internal for name in networks),
             read_only=self._flag(raw.get("read_only", False), f"{at}.read_only"),
             tmpfs=self._tmpfs(raw.get("tmpfs", []), f"{at}.tmpfs"),
             pids_limit=self._pids_limit(raw.get("pids_limit"), f"{at}.pids_limit"))
@@ -690,12 +695,13 @@ def _label(key: Any) -> str:
     return key if isinstance(key, str) and NAME.fullmatch(key) else shown(key)
 
 
-def _declared_networks(value: Any, where: str) -> frozenset[str]:
+def _declared_networks(value: Any, where: str) -> tuple[frozenset[str], frozenset[str]]:
     """The top level's `networks` and `default`: names, each a bridge of the session's
-    (`driver: bridge` or none); an internal network (no way out), an external one and other
-    options are refused by name."""
+    (`driver: bridge` or none), and those of them `internal: true` (Docker's network with
+    no way out: a container on such networks alone has none); an external network and
+    other options are refused by name."""
     if value is None:
-        return frozenset({DEFAULT_NETWORK})
+        return frozenset({DEFAULT_NETWORK}), frozenset()
     if not isinstance(value, dict):
         raise TaskInvalid(f"{where}: networks: expected a mapping of names")
     if len(value) > MAX_NETWORKS:
@@ -707,11 +713,13 @@ def _declared_networks(value: Any, where: str) -> frozenset[str]:
         if not isinstance(spec, (dict, type(None))):
             raise TaskInvalid(f"{where}: networks.{name}: expected a mapping")
         for key, option in (spec or {}).items():
-            if (key, option) not in (("driver", "bridge"), ("internal", False)):
+            if (key, option) not in (("driver", "bridge"), ("internal", False),
+                                     ("internal", True)):
                 raise UnsupportedField(f"{where}: networks.{name}.{_label(key)}: not "
                                        f"supported here (each network is a bridge of the "
-                                       f"session's, with a way out)")
-    return frozenset({DEFAULT_NETWORK, *map(str, value)})
+                                       f"session's)")
+    internal = {str(name) for name, spec in value.items() if (spec or {}).get("internal")}
+    return frozenset({DEFAULT_NETWORK, *map(str, value)}), frozenset(internal)
 
 
 def _duration(value: Any, where: str) -> float:

@@ -81,7 +81,7 @@ services:
      "services.db.security_opt"),
     ("services:\n  db: {image: x, volumes: ['./c:/c:ro,shared']}\n", "(ro, rw; z, Z)"),
     ("services:\n  main: {cap_drop: [ALL]}\n", "services.main.cap_drop: not supported"),
-    ("services: {}\nnetworks: {back: {internal: true}}\n", "networks.back.internal: not"),
+    ("services: {}\nnetworks: {back: {internal: 'yes'}}\n", "networks.back.internal: not"),
     ("services:\n  db: {image: x, tmpfs: ['/t:suid']}\n", "'suid': not supported here"),
     ("services:\n  db: {image: x, tmpfs: ['/t:size=1m;x']}\n", "not supported here"),
     ("services:\n  db: {image: x, tmpfs: /logs/verifier}\n", "harness's own"),
@@ -230,6 +230,24 @@ networks: {front: {driver: bridge}, back: {internal: false}}
         ("db", ("back",)), ("api", ("front", "back")), ("cache", ("default",)),
         ("main", ("front",))]
     assert task.compose.networks == ("back", "front", "default")
+
+
+def test_a_container_on_internal_networks_alone_is_walled(tmp_path: Path) -> None:
+    """Docker's `internal: true`: a container on such networks alone has no way out; one
+    network with a way out among its networks gives it one; `network_mode: none` is
+    not on a network at all."""
+    task = load(tmp_path, """
+services:
+  world: {image: x, networks: [inner]}
+  relay: {image: x, networks: [inner, out]}
+  sealed: {image: x, network_mode: none}
+  plain: {image: x}
+  main: {networks: [inner, vault]}
+networks: {inner: {internal: true}, vault: {internal: true, driver: bridge}, out: }
+""")
+    assert task.compose is not None
+    assert {s.name: s.walled for s in task.compose.services} == {
+        "world": True, "relay": False, "sealed": False, "plain": False, "main": True}
 
 
 @given(st.lists(st.sets(st.integers(0, 3)), min_size=1, max_size=6), st.data())
@@ -527,6 +545,56 @@ def test_named_networks_keep_a_backend_from_main(tmp_path: Path) -> None:
         "head -c 300 /app/*.txt /app/named /app/reached /app/nets")
 
 
+INTERNAL = """
+services:
+  web:
+    build: ./web
+    networks: [inner]
+  walled:
+    image: localhost/tl-busybox:configured
+    user: root
+    networks: [inner]
+    command: [sleep, "1000"]
+    volumes: ["seen:/seen"]
+    healthcheck:  # (a try runs once the container's networks are made)
+      test: ls /sys/class/net | tr '\\n' ' ' > /seen/walled
+      interval: 1s
+  relay:
+    image: localhost/tl-busybox:configured
+    user: root
+    networks: [inner, out]
+    command: [sleep, "1000"]
+    volumes: ["seen:/seen"]
+    healthcheck:
+      test: ls /sys/class/net | tr '\\n' ' ' > /seen/relay
+      interval: 1s
+  main:
+    networks: [inner]
+    volumes: ["seen:/mnt/seen"]
+    depends_on:
+      walled: {condition: service_healthy}
+      relay: {condition: service_healthy}
+networks: {inner: {internal: true}, out: }
+volumes: {seen: }
+"""
+
+
+def test_a_container_on_internal_networks_alone_has_no_way_out(tmp_path: Path) -> None:
+    """Docker's `internal: true` network (every phase public: bridged): `main` and
+    `walled`, on it alone, have their links to the bridge and nothing else — no way out —
+    while `relay`, on a network with a way out too, has one; `main` still reaches `web` on
+    the internal network by its name."""
+    task = variant(tmp_path, "compose-web")
+    (task / "environment" / "docker-compose.yaml").write_text(INTERNAL)
+    (task / "solution" / "solve.sh").write_text(
+        "#!/bin/bash\n" + PROBE + 'for f in /mnt/seen/*; do cat "$f"; echo; done > /app/theirs\n')
+    oracle_scores_1(task, tmp_path, (
+        "grep -qx compose-page-4711 /app/page.txt && [ \"$(cat /app/nets)\" = 'eth1 lo ' ] "
+        "&& [ \"$(ls /mnt/seen | wc -l)\" = 2 ] && grep -qx 'eth1 lo ' /app/theirs "
+        "&& grep -qx 'eth1 eth2 lo tap0 ' /app/theirs"),
+        "head -c 300 /app/page.txt /app/nets /app/theirs")
+
+
 def oracle_scores_1(task: Path, tmp_path: Path, holds: str, shows: str) -> None:
     """The oracle's run of `task` whose verifier gives 1 when the shell test `holds` holds,
     and prints what `shows` prints (in the failure's message)."""
@@ -551,18 +619,25 @@ def test_named_networks_with_a_phase_not_public_are_refused_naming_them(
 
 
 
+@pytest.mark.parametrize(("internal", "links"), [(False, "lo tap0 "), (True, "lo ")])
 def test_one_named_network_for_every_container_is_the_default_with_a_phase_not_public(
-        tmp_path: Path) -> None:
+        tmp_path: Path, internal: bool, links: str) -> None:
     """compose-order (its agent phase `no-network`) with every container on one named
-    network: it keeps nobody from anybody, so it runs as the default does."""
+    network: it keeps nobody from anybody, so it runs as the default does — and its
+    verifier (public, as `[environment]`) has the way out the network gives: one, or none
+    on an `internal` network."""
     task = variant(tmp_path, "compose-order")
     yaml = task / "environment" / "docker-compose.yaml"
     text = yaml.read_text()
     for service in ("prepare", "greeter", "main"):
         text = text.replace(f"  {service}:\n", f"  {service}:\n    networks: [shared]\n", 1)
-    yaml.write_text(text + "networks:\n  shared:\n")
+    yaml.write_text(text + f"networks:\n  shared: {{internal: {str(internal).lower()}}}\n")
+    test = task / "tests" / "test.sh"
+    test.write_text(test.read_text().replace(
+        "; then\n", f" && [ \"$(ls /sys/class/net | tr '\\n' ' ')\" = '{links}' ]; then\n", 1))
     view, printed = oracle_run(task, tmp_path / "t.db")
-    assert verification(view).data.rewards == {"reward": 1.0}, printed
+    assert verification(view).data.rewards == {"reward": 1.0}, printed + test.read_text()
+
 
 def test_a_service_with_network_mode_none_has_loopback_alone_beside_bridged_ones(
         tmp_path: Path) -> None:
