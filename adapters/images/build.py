@@ -10,8 +10,14 @@ holds that key's lock only: different images build at once, and finding an image
 built takes no lock. The build reads a copy of `environment/` that the build user owns, in
 a private folder with its own TMPDIR. Every engine command of a build runs in its box
 (`adapters/images/buildbox.py`: its own cgroup, and for `podman build` its own network), which
-ends whole with the build, taking its working containers along. The built image is saved
-by the build user, moved out of its reach, and read into the cache as an archive.
+ends whole with the build, taking its working containers along. The layers of the built
+image the session image store lacks are exported by the build user, moved out of its
+reach and copied into the store as root (`adapters/images/imagestore.py`); without that
+store (single-id mode) the image is saved, moved out of reach alike, and unpacked into the
+cache as an archive.
+
+Over 500 lines: one build's path from its key to its image, whose locks and ownership
+changes (operator, build user, root) read in order.
 """
 
 from __future__ import annotations
