@@ -1,7 +1,8 @@
 """Modules that import each other (issue 42's "no modules importing each other, lazily or
 not"): every import of one trialledger module by another — at the top, inside a function
 or under TYPE_CHECKING — read from the source, and the groups of modules that reach each
-other through them: there is none, and a new one fails, naming its modules."""
+other through them: there is none, and a new one fails, naming its modules. Beside it,
+the rule that a module past 500 lines says why at its top."""
 
 from __future__ import annotations
 
@@ -97,3 +98,18 @@ def test_the_check_sees_a_cycle_a_lazy_import_makes() -> None:
     edges["core.events"] = edges["core.events"] | {"core.replay"}
     assert frozenset({"core.events", "core.replay"}) <= next(
         group for group in groups(edges) if "core.replay" in group)
+
+
+LONG = 500  # lines: past this, a module's docstring says why it is one module
+
+
+def test_a_module_over_500_lines_says_why_at_its_top() -> None:
+    """Issue 42's "no module over ~500 lines without a reason written at its top": its
+    docstring says so ("Over 500 lines: …", "Just over 500 lines: …")."""
+    unexplained = []
+    for name, path in modules().items():
+        source = path.read_text(encoding="utf-8")
+        if source.count("\n") > LONG and "over 500 lines" not in (
+                ast.get_docstring(ast.parse(source)) or "").lower():
+            unexplained.append(f"{name} ({source.count(chr(10))} lines)")
+    assert not unexplained, f"past {LONG} lines without saying why: {unexplained}"
