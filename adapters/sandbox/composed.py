@@ -64,6 +64,8 @@ class ComposeParts:
 
         async def _connect(self) -> None: ...
 
+        def open_gate(self, *, close_only: bool = False) -> None: ...
+
         def _container_env(self) -> dict[str, str]: ...
 
     @property
@@ -102,16 +104,20 @@ class ComposeParts:
             raise
         if self.shares is not None and self.shares[0].bridged and not self.shares[1].isolated:
             # its own network: on the session's bridges, and outward by a slirp4netns
-            # (none on `internal` networks alone, as Docker's)
-            session = self.shares[0]
+            # (none on `internal` networks alone, as Docker's) — then its command starts,
+            # as Docker starts it on networks already made
+            session, made = self.shares[0], False
             try:
                 await anyio.to_thread.run_sync(functools.partial(
                     _bridged, session, container.namespace_fd("net"),
                     session.services.names.index(self.shares[1].name)))
                 if not self.shares[1].walled:
                     await self._connect()
+                made = True
             except SandboxRefused as error:
                 raise OSError(str(error)) from None
+            finally:  # (not made: its command never starts)
+                self.open_gate(close_only=not made)
         return None
 
     def service_boxes(self) -> list[tuple[str, Any]]:

@@ -173,18 +173,3 @@ def built_static(source: Path, target: Path, what: str, libs: Sequence[str] = ()
         built.chmod(0o755)
         os.replace(built, target)
     return target
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise SandboxRefused("the sandbox init needs building once and no C compiler is "
-                             "installed: apt-get install gcc libc6-dev, then trialledger setup")
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / "init"
-        done = subprocess.run([compiler, "-static", "-O2", "-o", str(built), str(INIT_SOURCE)],
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise SandboxRefused(f"building the sandbox init failed: "
-                                 f"{done.stderr.strip().splitlines()[-1:]}")
-        built.chmod(0o755)
-        os.replace(built, target)  # atomic: concurrent builders agree
-    return target

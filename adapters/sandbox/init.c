@@ -371,11 +371,11 @@ static int become(const char *uid_text, const char *gid_text, const char *groups
 /* [--cgroup PROCS]... [--mount-ns] [--drop UID GID NPROC], overlays (mount options, target) up to "--", then
  * read-only binds (source, target) up to "--", then exec the command. */
 static int stage(int argc, char **argv) {
-    int i = 2, failed, exec_suid = 0, passed[2] = {-1, -1}, count = 0;
+    int i = 2, failed, exec_suid = 0, passed[3] = {-1, -1, -1}, count = 0;
     char **user = NULL;
     if (i + 1 < argc && strcmp(argv[i], "--fds") == 0) {
         char *at = argv[i + 1];
-        while (count < 2 && *at != '\0') {
+        while (count < 3 && *at != '\0') {
             passed[count++] = (int)strtol(at, &at, 10);
             if (*at == ',')
                 at++;
@@ -427,7 +427,7 @@ static int stage(int argc, char **argv) {
         errno = EINVAL;
         return stage_failed("exec (not an absolute path)", argv[i]);
     }
-    for (int n = 0; n < count; n++) /* out of the way of 3 and 4 first */
+    for (int n = 0; n < count; n++) /* out of the way of 3, 4 and 5 first */
         if ((passed[n] = fcntl(passed[n], F_DUPFD_CLOEXEC, 10)) < 0)
             return stage_failed("move the descriptor for", argv[i]);
     for (int n = 0; n < count; n++) /* dup2 clears close-on-exec */
@@ -805,6 +805,7 @@ int main(int argc, char **argv) {
     char **command = NULL;
     const char *join_fds = NULL, *chdir_to = NULL, *cgroups[8];
     int cgroup_count = 0, seccomp_fd = -1, copy_src = -1, env_fd = -1, new_privs = 0, merge = 0;
+    int gate_fd = -1;
     char **env = NULL;
     unsigned long long caps = 0;
     unsigned long nproc = 0;
@@ -827,6 +828,8 @@ int main(int argc, char **argv) {
             deadline_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "--lifeline-fd") == 0 && i + 1 < argc)
             lifeline_fd = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--gate-fd") == 0 && i + 1 < argc)
+            gate_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "--deadline-ms") == 0 && i + 1 < argc)
             deadline_ms = strtoul(argv[++i], NULL, 10);
         else if (strcmp(argv[i], "--env-fd") == 0 && i + 1 < argc)
@@ -873,6 +876,8 @@ int main(int argc, char **argv) {
         fcntl(deadline_fd, F_SETFD, FD_CLOEXEC);
     if (lifeline_fd >= 0)
         fcntl(lifeline_fd, F_SETFD, FD_CLOEXEC);
+    if (gate_fd >= 0)
+        fcntl(gate_fd, F_SETFD, FD_CLOEXEC);
     if (env_fd >= 0 && (env = read_env(env_fd)) == NULL) {
         char line[128];
         snprintf(line, sizeof line, "{\"spawn_error\": \"the environment: %s\"}\n",
@@ -918,6 +923,17 @@ int main(int argc, char **argv) {
     if (pid == 0) {
         sigprocmask(SIG_SETMASK, &old, NULL);
         setpgid(0, 0);
+        if (gate_fd >= 0) { /* a compose service's: its command waits until the runner has
+                             * made its links (a byte; end-of-file: it never starts) */
+            char go;
+            ssize_t got;
+            do
+                got = read(gate_fd, &go, 1);
+            while (got < 0 && errno == EINTR);
+            if (got != 1)
+                _exit(127);
+            close(gate_fd);
+        }
         /* Nothing of ours past stdio reaches the command (bwrap's user namespace fd, say). */
         syscall(SYS_close_range, 3U, ~0U, CLOSE_RANGE_CLOEXEC);
         if (join_fds != NULL) /* in the sandbox's PID namespace: out of its processes' reach */
@@ -947,6 +963,8 @@ int main(int argc, char **argv) {
         _exit(127);
     }
     close(spawn[1]);
+    if (gate_fd >= 0)
+        close(gate_fd);
     if (pid < 0) {
         report(status_fd, "{\"spawn_error\": \"fork failed\"}\n");
         return 127;

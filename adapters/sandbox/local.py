@@ -174,6 +174,7 @@ class LocalSandbox(PhaseRuns):
         self.no_new_privileges = no_new_privileges  # [metadata.trialledger] (runc only)
         self._runc: RuncContainer | None = None
         self._lifeline: int | None = None  # (runc) closed: the container's PID 1 ends it
+        self._gate: int | None = None  # (a bridged compose service) written: its command runs
         self.user = sandbox_user(sandbox_uid)  # never host root, in either isolation
         self.overlay = workdir == "/" or self.image is not None
         self.network = network
@@ -462,6 +463,7 @@ class LocalSandbox(PhaseRuns):
                 with contextlib.suppress(OSError):
                     os.close(self._lifeline)
                 self._lifeline = None
+            self.open_gate(close_only=True)
             if self.services is not None:  # their containers, in the cgroup removed below
                 self.services.discard()
             if self.cgroup is not None and self.shares is None:  # (a service's is the

@@ -6,6 +6,7 @@ staging and returns once runc has named PID 1.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -52,16 +53,19 @@ def swap_accounted() -> bool:
 
 
 def pid1_argv(command: Sequence[str], user: InnerUser, *, oom_score_adj: int | None,
-              deadline_ms: int | None) -> list[str]:
+              deadline_ms: int | None, gated: bool = False) -> list[str]:
     """The container's PID 1, our init: it holds descriptor 3 (the lifeline: runc's
-    container does not die with the runner, bwrap's did) and, for a lease, 4 (its switch,
-    `deadline_ms` left), both handed over by `runc --preserve-fds`, then drops to `user`
-    and runs `command`. Never the environment: that is config.json's alone."""
+    container does not die with the runner, bwrap's did), for a lease 4 (its switch,
+    `deadline_ms` left) and, `gated`, the next (the gate: `command` starts once the runner
+    writes to it), all handed over by `runc --preserve-fds`, then drops to `user` and runs
+    `command`. Never the environment: that is config.json's alone."""
     argv = [INIT_INSIDE, "--lifeline-fd", "3"]
     if oom_score_adj is not None:
         argv += ["--oom-score-adj", str(oom_score_adj)]
     if deadline_ms is not None:
         argv += ["--deadline-fd", "4", "--deadline-ms", str(deadline_ms)]
+    if gated:
+        argv += ["--gate-fd", "5" if deadline_ms is not None else "4"]
     return [*argv, "--user", str(user.uid), str(user.gid),
             ",".join(str(g) for g in user.groups) or "-", "--", *command]
 
@@ -82,6 +86,7 @@ class RuncLaunch(ContainerPhases):
     limits: dict[str, float]
     runtime: str | None  # the OCI runtime (runc, crun) when the container starts on one
     _lifeline: int | None  # (runc) its write end: closed, the container's PID 1 ends it
+    _gate: int | None  # (a bridged compose service) its write end: written, its command starts
     volumes: tuple[Volume, ...]  # (a compose task) what this container mounts
 
     if TYPE_CHECKING:  # LocalSandbox's: what a spawn of a role mounts
@@ -103,9 +108,14 @@ class RuncLaunch(ContainerPhases):
         self._clear_mount_points(placed, "container")
         binds, tmpfs = oci_mounts(placed)
         binds += tuple(self._volume_binds())
+        # (a bridged compose service: its command waits for its links, as Docker makes
+        # them first; `ComposeParts.start_service` opens the gate)
+        gated = (self.shares is not None and self.shares[0].bridged
+                 and not self.shares[1].isolated)
         pid1 = pid1_argv(command, self.range.users["container"],
                          oom_score_adj=self.oom_score_adj,
-                         deadline_ms=self.switch.remaining_ms() if self.switch else None)
+                         deadline_ms=self.switch.remaining_ms() if self.switch else None,
+                         gated=gated)
         # Always a network namespace of the container's own (the runner's, inside the
         # slot's user namespace; a bridged compose service's made by runc there): sysfs
         # cannot be mounted in a user namespace that does not own the network namespace, so
@@ -129,7 +139,9 @@ class RuncLaunch(ContainerPhases):
         with open(fd, "w", encoding="utf-8") as handle:
             json.dump(config, handle)
         lifeline, self._lifeline = os.pipe()  # its write end is the runner's alone
-        passed = [lifeline, *([self.switch.read_fd] if self.switch is not None else [])]
+        gate, self._gate = os.pipe() if gated else (None, None)
+        passed = [lifeline, *([self.switch.read_fd] if self.switch is not None else []),
+                  *([gate] if gate is not None else [])]
         argv = [*self._runc_prefix(staged, passed), *runc.run_argv(preserve_fds=len(passed))]
         try:
             process = await anyio.open_process(
@@ -139,6 +151,8 @@ class RuncLaunch(ContainerPhases):
                 pass_fds=(self.range.userns_fd, *passed), start_new_session=True)
         finally:
             os.close(lifeline)
+            if gate is not None:
+                os.close(gate)
         status_r, status_w = os.pipe()  # PID 1 reports to nobody: its end is runc's exit
         os.close(status_w)
         run = LocalRun(process, status_fd=status_r, info_fd=None, isolation=self.runtime,
@@ -175,8 +189,20 @@ class RuncLaunch(ContainerPhases):
             await anyio.to_thread.run_sync(runc.delete)
             os.close(self._lifeline)
             self._lifeline = None
+            self.open_gate(close_only=True)
             raise
         return run
+
+    def open_gate(self, *, close_only: bool = False) -> None:
+        """(a bridged compose service) Let its command start (`close_only`: never — the
+        gate's end-of-file ends it unstarted)."""
+        if self._gate is None:
+            return
+        with contextlib.suppress(OSError):
+            if not close_only:
+                os.write(self._gate, b"\n")
+            os.close(self._gate)
+        self._gate = None
 
     def _volume_binds(self) -> list[Bind]:
         """(a compose task) This container's `volumes` as binds: a named volume is a folder

@@ -261,7 +261,8 @@ def test_a_config_is_an_oci_1_0_2_document_of_the_spec() -> None:
 
 def test_pid1_and_the_limits_are_planned_without_the_runtime() -> None:
     """What runclaunch hands runc, made by pure functions: PID 1 (our init) holds the
-    lifeline on 3 and a lease's switch on 4 only with a lease, drops to the phase's user
+    lifeline on 3, a lease's switch on 4 only with a lease, a compose service's gate on
+    the next, drops to the phase's user
     and groups, and carries no environment; the cgroup gets Docker's default `pids` unless
     the task sets one, and only the limits a container's cgroup holds."""
     user = InnerUser(1000, 1000, (27, 100))
@@ -272,6 +273,11 @@ def test_pid1_and_the_limits_are_planned_without_the_runtime() -> None:
     assert leased == [INIT_INSIDE, "--lifeline-fd", "3", "--oom-score-adj", "1000",
                       "--deadline-fd", "4", "--deadline-ms", "1500", "--user", "0", "0", "-",
                       "--", "true"]
+    # a bridged compose service's gate: the descriptor after the others runc passes on
+    assert pid1_argv(["true"], InnerUser(0, 0), oom_score_adj=None, deadline_ms=None,
+                     gated=True)[:5] == [INIT_INSIDE, "--lifeline-fd", "3", "--gate-fd", "4"]
+    assert pid1_argv(["true"], InnerUser(0, 0), oom_score_adj=None, deadline_ms=9,
+                     gated=True)[5:9] == ["--deadline-ms", "9", "--gate-fd", "5"]
     assert container_limits({}) == {"pids": float(DEFAULT_PIDS)}
     assert container_limits({"pids": 64, "memory_mb": 512, "cpus": 1.5, "storage_mb": 9}) == {
         "pids": 64, "memory_mb": 512, "cpus": 1.5}

@@ -554,20 +554,16 @@ services:
     image: localhost/tl-busybox:configured
     user: root
     networks: [inner]
-    command: [sleep, "1000"]
+    command: [sh, -c, "ls /sys/class/net | tr '\\n' ' ' > /seen/walled; exec sleep 1000"]
     volumes: ["seen:/seen"]
-    healthcheck:  # (a try runs once the container's networks are made)
-      test: ls /sys/class/net | tr '\\n' ' ' > /seen/walled
-      interval: 1s
+    healthcheck: {test: test -s /seen/walled, interval: 1s}
   relay:
     image: localhost/tl-busybox:configured
     user: root
     networks: [inner, out]
-    command: [sleep, "1000"]
+    command: [sh, -c, "ls /sys/class/net | tr '\\n' ' ' > /seen/relay; exec sleep 1000"]
     volumes: ["seen:/seen"]
-    healthcheck:
-      test: ls /sys/class/net | tr '\\n' ' ' > /seen/relay
-      interval: 1s
+    healthcheck: {test: test -s /seen/relay, interval: 1s}
   main:
     networks: [inner]
     volumes: ["seen:/mnt/seen"]
@@ -583,7 +579,8 @@ def test_a_container_on_internal_networks_alone_has_no_way_out(tmp_path: Path) -
     """Docker's `internal: true` network (every phase public: bridged): `main` and
     `walled`, on it alone, have their links to the bridge and nothing else — no way out —
     while `relay`, on a network with a way out too, has one; `main` still reaches `web` on
-    the internal network by its name."""
+    the internal network by its name. Each service's command, as its first act, finds its
+    links made (as Docker makes them before it starts the command)."""
     task = variant(tmp_path, "compose-web")
     (task / "environment" / "docker-compose.yaml").write_text(INTERNAL)
     (task / "solution" / "solve.sh").write_text(
