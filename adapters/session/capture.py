@@ -261,6 +261,31 @@ def keep_listed(items: Sequence[ToKeep], target: Path, name: str, secrets: Seque
         os.chmod(target, 0o700)
 
 
+def keep_text(folder: Path, path: str, output: bytes, left_out: int,
+              secrets: Sequence[str], *, empty: bool = False) -> dict[str, Any] | None:
+    """`output` — the end of what something in the sandbox wrote, `left_out` earlier bytes
+    not read — scrubbed, as `path` in the session's artifact folder `folder` (0600, its
+    folders 0700; a first line says how many earlier bytes were not kept): a collect hook's
+    output, the oracle's `oracle.txt`. Its `files` entry; None when there was nothing
+    (unless `empty`: an empty file is kept), or it could not be written."""
+    if not output and not left_out and not empty:
+        return None
+    if left_out and secrets:  # a secret the cut went through would keep its unscrubbed end
+        drop = min(len(output), 6 * max(len(secret.encode()) for secret in secrets))
+        output, left_out = output[drop:], left_out + drop  # (6: its longest escaped form)
+    data = scrub(output.decode("utf-8", "surrogateescape"), secrets).encode(
+        "utf-8", "surrogateescape")  # bytes that are not UTF-8 stay as they were
+    if left_out:
+        data = f"[{left_out} earlier bytes not kept]\n".encode() + data
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_private(folder / path, data)
+        os.chmod((folder / path).parent, 0o700)
+    except OSError:
+        return None
+    return {"path": path, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def write_private(destination: Path, data: bytes) -> None:
     """`data` as a new 0600 file, its folders made 0700 (never through a link)."""
     destination.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -46,7 +46,7 @@ from trialledger.adapters.sandbox.identity import cache_dir
 from trialledger.adapters.sandbox.leftovers import sweep_image_views, sweep_session_cgroups
 from trialledger.adapters.sandbox.local import LocalSandbox
 from trialledger.adapters.sandbox.network import Network
-from trialledger.adapters.session import scripted, steprun
+from trialledger.adapters.session import artifacts, scripted, steprun
 from trialledger.adapters.session.agentrun import TheAgent
 from trialledger.adapters.session.journal import journal_dir
 from trialledger.adapters.session.preflight import check_store_room
@@ -388,6 +388,11 @@ class SessionRunner(TheAgent):
             await self._probe(rec, sandbox, settings)
         await self._archive(rec, sandbox, settings, secrets)
         kept = await self._collect(rec, sandbox, settings, secrets, self.task.collect)
+        if oracle is not None and oracle.oracle is not None:  # its output, kept (SPEC §15)
+            folder = artifacts.session_folder(settings.sandbox_logs_dir, rec.session_id)
+            entry = await anyio.to_thread.run_sync(functools.partial(
+                scripted.keep_oracle_log, sandbox, oracle.oracle, folder, secrets))
+            kept = [*([entry] if entry is not None else []), *kept]
         if rec.action == "verify" and self.task.separate_verifier is not None:
             await self._verify_separately(rec, sandbox, settings, secrets, kept)
         elif rec.action == "verify":

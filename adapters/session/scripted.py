@@ -7,7 +7,8 @@ session layer) and to `<session folder>/solution` for a host task, whose sandbox
 made executable, then `bash -c '(/solution/solve.sh) > /logs/agent/oracle.txt 2>&1'` (`sh`
 over an image without bash), so a shebang is honoured and a script without one runs under
 bash. Its output goes to `/logs/agent/oracle.txt` over an image, `<session
-folder>/oracle.txt` for a host task. `nop` runs nothing.
+folder>/oracle.txt` for a host task, and is kept, scrubbed, as `agent/oracle.txt` in the
+session's artifact folder. `nop` runs nothing.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from __future__ import annotations
 import hashlib
 import shutil
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trialledger.adapters.sandbox.agentfiles import UnsafeAgentFile
 from trialledger.adapters.sandbox.local import LocalSandbox
+from trialledger.adapters.session.capture import MAX_KEPT_BYTES, keep_text
 from trialledger.adapters.tasks.steps import Step
 from trialledger.adapters.tasks.task import Task, TaskInvalid
 from trialledger.core.errors import TrialLedgerError
@@ -28,6 +32,7 @@ AGENTS = ("codex", "oracle", "nop")
 SCRIPTED = frozenset({"oracle", "nop"})  # as core.policy.SCRIPTED_AGENTS: decided by R0
 VERSION = "1.0.0"  # Harbor's OracleAgent.version() and NopAgent.version()
 ORACLE_LOG = "oracle.txt"
+KEPT_LOG = f"agent/{ORACLE_LOG}"  # where it is kept, in the session's artifact folder
 TAIL_BYTES = 64 * 1024  # as much of oracle.txt as of Codex's stderr (redact cuts further)
 NO_CONFIG = hashlib.sha256(b"").hexdigest()  # `agent.launched.config_sha256`: no config.toml
 
@@ -146,3 +151,20 @@ def oracle_output(sandbox: LocalSandbox, places: OraclePlaces
     except UnsafeAgentFile as error:
         return "", False, error
     return raw[-TAIL_BYTES:].decode("utf-8", errors="replace"), len(raw) > TAIL_BYTES, None
+
+
+def keep_oracle_log(sandbox: LocalSandbox, places: OraclePlaces, folder: Path,
+                    secrets: Sequence[str]) -> dict[str, Any] | None:
+    """oracle.txt (read as a file the agent controls, at most its last 16 MiB), scrubbed,
+    as `agent/oracle.txt` in the session's artifact folder `folder`, where Harbor's trial
+    folder has it, empty too; its `files` entry (None: there was none to read, or it was
+    unsafe — `agent.stderr`'s read already said so)."""
+    tree = sandbox.agent_files(places.log_tree)
+    try:
+        raw = tree.tail(places.log, MAX_KEPT_BYTES + 1)
+        whole = tree.lstat(places.log) if len(raw) > MAX_KEPT_BYTES else None
+    except UnsafeAgentFile:
+        return None
+    kept = raw[-MAX_KEPT_BYTES:]
+    size = max(len(raw), whole.st_size if whole is not None else 0)
+    return keep_text(folder, KEPT_LOG, kept, size - len(kept), secrets, empty=True)

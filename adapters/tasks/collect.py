@@ -19,13 +19,10 @@ non-zero, times out or cannot start never ends the session: gap `collect_failed`
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trialledger.adapters.session import artifacts, capture
@@ -35,7 +32,7 @@ from trialledger.adapters.tasks.config import (
     UnsupportedField,
     wrong_type,
 )
-from trialledger.core import redact, scrub
+from trialledger.core import redact
 from trialledger.store.writer import now
 
 if TYPE_CHECKING:
@@ -135,7 +132,8 @@ async def run_hooks(rec: Recording, hooks: Sequence[CollectHook], sandbox: Local
         except OSError as error:  # the user is not the image's, the container is gone
             await rec.append([_failed(hook, f"it could not start: {error}", secrets)])
             continue
-        entry = _keep_output(folder, number, ran.output, ran.left_out, secrets)
+        entry = capture.keep_text(folder, f"{FOLDER}/{number}.txt", ran.output,
+                                  ran.left_out, secrets)
         if entry is not None:
             files.append(entry)
         if ran.code is None:
@@ -151,26 +149,3 @@ def _failed(hook: CollectHook, why: str, secrets: Sequence[str]) -> dict[str, An
     shown = shown if len(shown) <= SHOWN else f"{shown[:SHOWN - 1]}…"
     return {"type": "gap.recorded", "at": now(),
             "data": {"code": "collect_failed", "detail": f"`{shown}`: {why}"}}
-
-
-def _keep_output(folder: Path, number: int, output: bytes, left_out: int,
-                 secrets: Sequence[str]) -> dict[str, Any] | None:
-    """A hook's output, scrubbed, as `collect/<number>.txt` (0600; a first line says how
-    many earlier bytes were not kept); its `files` entry, None when there was none."""
-    if not output and not left_out:
-        return None
-    if left_out and secrets:  # a secret the cut went through would keep its unscrubbed end
-        drop = min(len(output), 6 * max(len(secret.encode()) for secret in secrets))
-        output, left_out = output[drop:], left_out + drop  # (6: its longest escaped form)
-    data = scrub(output.decode("utf-8", "surrogateescape"), secrets).encode(
-        "utf-8", "surrogateescape")  # bytes that are not UTF-8 stay as they were
-    if left_out:
-        data = f"[{left_out} earlier bytes not kept]\n".encode() + data
-    path = f"{FOLDER}/{number}.txt"
-    try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        capture.write_private(folder / path, data)
-        os.chmod(folder / FOLDER, 0o700)
-    except OSError:
-        return None
-    return {"path": path, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}

@@ -108,6 +108,8 @@ def test_an_oracle_job_exports_as_harbor_writes_it_and_imports_back_the_same(
             assert (info.policy.should_retry, info.policy.should_grade) == (retry, grade)
     assert all((out / name / "verifier").is_dir() for name, r in trials.items()
                if r.task_name == "alpha")  # the verifier's kept files
+    assert all((out / name / "agent" / "oracle.txt").read_text() == ""  # (SOLVE says
+               for name, r in trials.items() if r.task_name == "alpha")  # nothing) as Harbor's
     stats = job["result"].stats
     assert (stats.n_completed_trials, stats.n_errored_trials, stats.n_retries) == (8, 4, 0)
     assert stats.cost_usd == 0  # the oracle asks no model (SPEC §18)

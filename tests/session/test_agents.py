@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,44 @@ async def test_a_solution_without_shebang_or_exec_bit_runs_under_bash(db: str, t
     script.chmod(0o644)
     view = (await run_agent(db, task, "oracle")).view
     assert decided(view).status == "completed" and view.rewards == {"reward": 1.0}
+
+
+def test_the_oracles_output_is_kept_scrubbed_where_harbor_keeps_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPEC §15: oracle.txt, scrubbed of the session's secrets, is `agent/oracle.txt` in
+    the session's artifact folder (Harbor's trial folder has it there), listed with the
+    verification's files and printed by `trialledger artifacts`."""
+    secret = "sk-oracle-" + "7q" * 12
+    monkeypatch.setenv("TL_ORACLE_KEY", secret)
+    db = tmp_path / "t.db"
+    task = make_task(tmp_path / "task", instruction="write answer.txt", test_sh=CHECK,
+                     solve_sh=SOLVE + 'echo "key $ORACLE_API_KEY"\n',
+                     toml='[solution.env]\nORACLE_API_KEY = "${TL_ORACLE_KEY}"\n')
+    done = in_process("run", str(task.folder), "--db", str(db), "--agent", "oracle", "--json")
+    assert done.returncode == 0, done.stderr
+    session = json.loads(done.stdout.splitlines()[-1])["session_id"]
+    listed = in_process("artifacts", session, "--db", str(db))
+    assert "agent/oracle.txt" in listed.stdout, listed.stdout + listed.stderr
+    printed = in_process("artifacts", session, "agent/oracle.txt", "--db", str(db))
+    assert printed.stdout.splitlines()[0] == "wrote answer.txt", printed.stderr
+    assert printed.stdout.splitlines()[1].startswith("key ") and secret not in printed.stdout
+
+
+def test_past_16_mib_the_oracles_output_keeps_its_end(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    task = make_task(tmp_path / "task", instruction="write answer.txt", test_sh=CHECK,
+                     solve_sh="#!/bin/sh\necho solved > answer.txt\n"
+                              "head -c 16777316 /dev/zero | tr '\\0' x\necho END\n")
+    done = in_process("run", str(task.folder), "--db", str(db), "--agent", "oracle", "--json")
+    session = json.loads(done.stdout.splitlines()[-1])["session_id"]
+    printed = in_process("artifacts", session, "agent/oracle.txt", "--db", str(db))
+    first, rest = printed.stdout.split("\n", 1)
+    left_out = re.fullmatch(r"\[(\d+) earlier bytes not kept\]", first)
+    assert left_out is not None, first[:80]
+    # at most 16 MiB kept, its end; what was left out is counted (a little more than the
+    # 104 bytes past the cap: the start a secret might have been cut through is dropped)
+    assert int(left_out[1]) + len(rest) == 16777316 + len("END\n")
+    assert 104 <= int(left_out[1]) < 1024 and rest.endswith("xxxEND\n")
 
 
 def test_run_refuses_the_oracle_on_a_task_without_a_solution(tmp_path: Path) -> None:

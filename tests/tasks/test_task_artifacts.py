@@ -116,7 +116,8 @@ def test_a_file_and_a_folder_less_its_excludes_are_kept_and_listed(host_run: Run
     assert event.type == "verification.recorded" and event.schema_ == 3
     listed = host_run.listed
     assert set(listed) == {"artifacts/app/out.txt", "artifacts/res/a.txt",
-                           "artifacts/res/sub/s.txt", "verifier/test-stdout.txt"}
+                           "artifacts/res/sub/s.txt", "verifier/test-stdout.txt",
+                           "agent/oracle.txt"}  # (the oracle's output, SPEC §15)
     folder = host_run.folder
     for path, entry in listed.items():
         data = (folder / path).read_bytes()
@@ -292,6 +293,6 @@ def test_a_verifier_that_cannot_run_still_lists_the_task_artifacts(tmp_path: Pat
     view = anyio.run(run)
     event = verification(view)
     assert (event.type, event.data.reason, event.schema_) == ("verification.failed", "error", 3)
-    assert [f.path for f in event.data.files] == ["artifacts/app/out.txt"]
+    assert [f.path for f in event.data.files] == ["agent/oracle.txt", "artifacts/app/out.txt"]
     kept = tmp_path / "kept" / view.session_id / "artifacts/app/out.txt"
     assert kept.read_text() == "kept\n"
