@@ -215,7 +215,8 @@ def test_an_image_sessions_artifacts_are_read_as_its_overlay_shows_them(
     event = verification(image_run.view)
     assert event.type == "verification.recorded" and event.data.rewards == {"reward": 1.0}
     paths = list(image_run.listed)
-    assert paths[:6] == ["artifacts/logs/artifacts/note.txt", "artifacts/etc/skel/.bashrc",
+    assert paths[0] == "agent/oracle.txt"  # (the oracle's output first, SPEC §15)
+    assert paths[1:7] == ["artifacts/logs/artifacts/note.txt", "artifacts/etc/skel/.bashrc",
                          "artifacts/etc/skel/.profile", "artifacts/etc/skel/added",
                          "artifacts/etc/default/only", "artifacts/root/report.txt"]
     # the verifier's pass has caps of its own
