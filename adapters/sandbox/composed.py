@@ -40,6 +40,7 @@ class ComposeParts:
     init: Any  # our init's path (identity.py)
     container: Any  # ContainerPhases' `Container` (container.py), once started
     phase_modes: dict[str, str]  # each phase's network mode
+    walled: bool  # (a compose task) `main` on `internal` networks alone: no way out
     modes_used: frozenset[str]  # ... and those a later step's phases may switch to
     allowed_hosts: AllowList | None
     image: Environment | None
@@ -71,7 +72,11 @@ class ComposeParts:
     @property
     def _resolves(self) -> bool:
         """Whether some phase of the session is connected outward (its resolver answers):
-        a service's session decides for it."""
+        a service's session decides for it — never for a container on `internal` networks
+        alone, which has no way out (its hostname then names 127.0.0.1, its resolv.conf is
+        empty: a lookup fails at once rather than waiting on a resolver that is not there)."""
+        if self.shares[1].walled if self.shares is not None else self.walled:
+            return False
         session = self.shares[0] if self.shares is not None else self
         return "public" in session.modes_used or session.allowed_hosts is not None
 

@@ -59,7 +59,8 @@ class Spawning(RuncLaunch):
         (strict: slirp4netns, with an allowlist's rules and egress proxy): an allowlist,
         or an image's public network. (A container's network is switched by
         `_use_network` instead.)"""
-        if self.lifetime == "harbor" or self.network is None or self.isolation != "bwrap":
+        if (self.lifetime == "harbor" or self.network is None or self.isolation != "bwrap"
+                or self.walled):  # (a compose `main` on `internal` networks alone: never)
             return False
         mode = self.phase_modes[phase]
         return mode == "allowlist" or (mode == "public" and self.image is not None)

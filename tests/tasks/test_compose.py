@@ -592,6 +592,23 @@ def test_a_container_on_internal_networks_alone_has_no_way_out(tmp_path: Path) -
         "head -c 300 /app/page.txt /app/nets /app/theirs")
 
 
+def test_a_walled_main_has_no_way_out_in_phases_of_their_own_either(tmp_path: Path) -> None:
+    """Under `verifier_isolation = strict` each phase is a sandbox of its own, connected
+    outward on its own (slirp4netns): a `main` on an `internal` network alone gets no way
+    out there either — the agent's phase and the verifier's see loopback alone."""
+    task = variant(tmp_path, "compose-web")
+    (task / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main:\n    networks: [inner]\nnetworks: {inner: {internal: true}}\n")
+    links = "sed -n 's/^ *\\([a-z0-9]*\\):.*/\\1/p' /proc/net/dev | sort | tr '\\n' ' '"
+    (task / "solution" / "solve.sh").write_text(f"#!/bin/bash\n{links} > /app/nets\n")
+    (task / "tests" / "test.sh").write_text(
+        f"#!/bin/bash\nif [ \"$(cat /app/nets)\" = 'lo ' ] && [ \"$({links})\" = 'lo ' ]; "
+        f"then echo 1; else echo 0; fi > /logs/verifier/reward.txt\ncat /app/nets; {links}\n")
+    view, printed = oracle_run(task, tmp_path / "t.db", "--set", "verifier_isolation=strict")
+    assert verification(view).data.rewards == {"reward": 1.0}, (
+        printed + verification(view).data.stdout_tail)
+
+
 def oracle_scores_1(task: Path, tmp_path: Path, holds: str, shows: str) -> None:
     """The oracle's run of `task` whose verifier gives 1 when the shell test `holds` holds,
     and prints what `shows` prints (in the failure's message)."""
