@@ -142,8 +142,9 @@ class RuncLaunch(ContainerPhases):
         gate, self._gate = os.pipe() if gated else (None, None)
         passed = [lifeline, *([self.switch.read_fd] if self.switch is not None else []),
                   *([gate] if gate is not None else [])]
-        argv = [*self._runc_prefix(staged, passed), *runc.run_argv(preserve_fds=len(passed))]
-        try:
+        try:  # (the read ends are runc's alone: ours close whatever happens)
+            argv = [*self._runc_prefix(staged, passed),
+                    *runc.run_argv(preserve_fds=len(passed))]
             process = await anyio.open_process(
                 argv, env=host_env(**{SUPERVISOR_ENV: self.marker}), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # PID 1's output:
@@ -198,11 +199,13 @@ class RuncLaunch(ContainerPhases):
         gate's end-of-file ends it unstarted)."""
         if self._gate is None:
             return
-        with contextlib.suppress(OSError):
+        gate, self._gate = self._gate, None
+        try:
             if not close_only:
-                os.write(self._gate, b"\n")
-            os.close(self._gate)
-        self._gate = None
+                with contextlib.suppress(OSError):  # (EPIPE: its container ended already)
+                    os.write(gate, b"\n")
+        finally:
+            os.close(gate)
 
     def _volume_binds(self) -> list[Bind]:
         """(a compose task) This container's `volumes` as binds: a named volume is a folder

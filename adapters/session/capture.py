@@ -165,6 +165,7 @@ def copy_archive(tree: AgentTree, target: Path, secrets: Sequence[str]) -> Archi
 
 MAX_KEPT_FILES = 256  # per capture pass (SPEC §15), then its `*_truncated` gap
 MAX_KEPT_BYTES = 16 * 1024 * 1024
+HEADER_ROOM = 64  # `keep_text`'s first line, "[N earlier bytes not kept]", at most
 FIRST_KEPT = ("test-stdout.txt", "reward.json", "reward.txt")  # kept before the rest
 
 
@@ -275,6 +276,10 @@ def keep_text(folder: Path, path: str, output: bytes, left_out: int,
         output, left_out = output[drop:], left_out + drop  # (6: its longest escaped form)
     data = scrub(output.decode("utf-8", "surrogateescape"), secrets).encode(
         "utf-8", "surrogateescape")  # bytes that are not UTF-8 stay as they were
+    room = HEADER_ROOM if left_out or len(data) > MAX_KEPT_BYTES else 0
+    if len(data) + room > MAX_KEPT_BYTES:  # (scrubbing may lengthen it: a file past the
+        cut = len(data) + room - MAX_KEPT_BYTES  # cap would never be given back)
+        data, left_out = data[cut:], left_out + cut
     if left_out:
         data = f"[{left_out} earlier bytes not kept]\n".encode() + data
     try:

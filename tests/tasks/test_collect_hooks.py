@@ -17,6 +17,7 @@ from tests.runs import in_process, make_task
 from tests.sandbox.test_range_mode import _debian_into
 from tests.tasks.test_task_artifacts import Run, gaps, oracle, session, verification
 from trialledger.adapters.sandbox.identity import sandbox_user
+from trialledger.adapters.session.capture import MAX_KEPT_BYTES, keep_text
 from trialledger.adapters.tasks.collect import DEFAULT_TIMEOUT_S, OUTPUT_KEPT, CollectHook
 from trialledger.adapters.tasks.task import TaskInvalid, UnsupportedField
 
@@ -108,6 +109,23 @@ def test_a_secret_the_cut_goes_through_is_not_kept_in_part(host_run: Run) -> Non
     first, _, rest = data.partition(b"\n")
     assert b"Jw4Pq9Xs" not in data and set(rest) == {ord("x")}
     assert first == f"[{len(TOKEN) + 262134 - len(rest)} earlier bytes not kept]".encode()
+
+
+def test_kept_text_stays_within_the_cap_however_much_scrubbing_lengthens_it(
+        tmp_path: Path) -> None:
+    """16 MiB of an 8-character secret, each `[redacted]` two bytes longer: the kept file
+    (a hook's output, oracle.txt) is cut to the cap again, its end kept and its first line
+    counting the bytes left out — a file past 16 MiB would never be given back (its size
+    alone refuses it)."""
+    output = b"abcd1234\n" * (MAX_KEPT_BYTES // 9)
+    entry = keep_text(tmp_path, "agent/oracle.txt", output, 0, ["abcd1234"])
+    assert entry is not None and entry["size"] <= MAX_KEPT_BYTES
+    first, _, rest = (tmp_path / "agent/oracle.txt").read_bytes().partition(b"\n")
+    assert first.startswith(b"[") and first.endswith(b" earlier bytes not kept]")
+    assert rest.endswith(b"[redacted]\n[redacted]\n") and b"abcd1234" not in rest
+    # what fits is not cut: no first line, every byte kept
+    small = keep_text(tmp_path, "small.txt", b"abcd1234 x\n", 0, ["abcd1234"])
+    assert small is not None and (tmp_path / "small.txt").read_bytes() == b"[redacted] x\n"
 
 
 # Over the Debian rootfs: a hook as `nobody` writes its uid into the snapshot, which the
