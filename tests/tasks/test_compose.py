@@ -579,17 +579,19 @@ def test_a_container_on_internal_networks_alone_has_no_way_out(tmp_path: Path) -
     """Docker's `internal: true` network (every phase public: bridged): `main` and
     `walled`, on it alone, have their links to the bridge and nothing else — no way out —
     while `relay`, on a network with a way out too, has one; `main` still reaches `web` on
-    the internal network by its name. Each service's command, as its first act, finds its
-    links made (as Docker makes them before it starts the command)."""
+    the internal network by its name, and its resolv.conf names no resolver (there is none
+    to ask). Each service's command, as its first act, finds its links made (as Docker
+    makes them before it starts the command)."""
     task = variant(tmp_path, "compose-web")
     (task / "environment" / "docker-compose.yaml").write_text(INTERNAL)
     (task / "solution" / "solve.sh").write_text(
-        "#!/bin/bash\n" + PROBE + 'for f in /mnt/seen/*; do cat "$f"; echo; done > /app/theirs\n')
+        "#!/bin/bash\n" + PROBE + 'for f in /mnt/seen/*; do cat "$f"; echo; done > /app/theirs\n'
+        "wc -c < /etc/resolv.conf > /app/resolv\n")
     oracle_scores_1(task, tmp_path, (
         "grep -qx compose-page-4711 /app/page.txt && [ \"$(cat /app/nets)\" = 'eth1 lo ' ] "
         "&& [ \"$(ls /mnt/seen | wc -l)\" = 2 ] && grep -qx 'eth1 lo ' /app/theirs "
-        "&& grep -qx 'eth1 eth2 lo tap0 ' /app/theirs"),
-        "head -c 300 /app/page.txt /app/nets /app/theirs")
+        "&& grep -qx 'eth1 eth2 lo tap0 ' /app/theirs && grep -qx 0 /app/resolv"),
+        "head -c 300 /app/page.txt /app/nets /app/theirs /app/resolv")
 
 
 def test_a_walled_main_has_no_way_out_in_phases_of_their_own_either(tmp_path: Path) -> None:
