@@ -68,6 +68,7 @@ from trialledger.adapters.images.imagestore import ImageStore
 from trialledger.adapters.images.unpack import prepare_archive
 from trialledger.adapters.places import plain_file, read_small
 from trialledger.adapters.sandbox.cgroup import BUILD_PREFIX
+from trialledger.adapters.sandbox.folders import take_lock
 from trialledger.adapters.sandbox.slirp import RESOLVER
 from trialledger.core.settings import TASK_FILE_MAX_BYTES
 
@@ -360,9 +361,7 @@ def _workspace(builder: Builder, *, building: bool = True) -> Iterator[Workspace
             fcntl.flock(busy, fcntl.LOCK_SH)
         builder.scratch.mkdir(parents=True, exist_ok=True)
         work = Workspace(Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=builder.scratch)))
-        lock = os.open(work.outer / LOCK_NAME,
-                       os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock = take_lock(work.outer, LOCK_NAME)
         try:
             work.outer.chmod(0o711)
             work.inner.mkdir(mode=0o700)

@@ -58,8 +58,7 @@ def make_session_folder(session_key: str) -> tuple[Path, int]:
             continue
         break
     try:
-        lock = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock = take_lock(root, LOCK)
     except BaseException:
         remove_lock_last(root)
         forget_session_folder(root)
@@ -166,6 +165,24 @@ def remove_lock_last(root: Path) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(root / LOCK)
             root.rmdir()
+
+
+def take_lock(folder: Path, name: str) -> int:
+    """A new lock file `name` in `folder`, held (its descriptor): made and locked under a
+    name of its own, then renamed into place, so a sweep never finds it there and free — it
+    would take a folder just being made for a killed run's (`lock_held`)."""
+    scratch = folder / f"{name}.{secrets.token_hex(4)}"
+    fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(scratch, folder / name)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(scratch)
+        raise
+    return fd
 
 
 def lock_held(lock: Path) -> bool | None:

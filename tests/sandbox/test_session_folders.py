@@ -6,6 +6,7 @@ The other user is `nobody`, switched to with `setpriv` (no user is created)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 
 from tests.runs import make_task, run_task
 from trialledger.adapters.demo.endpoint import message, shell
+from trialledger.adapters.sandbox.folders import lock_held, take_lock
 from trialledger.adapters.sandbox.identity import sandbox_user
 from trialledger.adapters.sandbox.local import LocalSandbox
 
@@ -92,3 +94,28 @@ async def test_a_setuid_file_the_agent_makes_is_neither_reachable_nor_honoured(
 
 def launched_workdir(ran: Any) -> str:
     return str(next(e.data for e in ran.view.events if e.type == "agent.launched").workdir)
+
+
+def test_a_sweep_never_finds_a_folders_lock_there_and_free(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A sweep looking while a session's or a build's folder takes its lock finds no lock
+    file (a folder being made: alive while young) or a held one — never a free one, which
+    it would take for a killed run's and remove under the run (a build then failed with a
+    traceback, its folder gone between its lock file's creation and its flock)."""
+    seen: list[bool | None] = []
+    real = fcntl.flock
+
+    def looking(fd: int, operation: int) -> None:
+        if not seen:  # (lock_held's own flock passes through)
+            seen.append(lock_held(tmp_path / ".lock"))
+        real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", looking)
+    fd = take_lock(tmp_path, ".lock")
+    monkeypatch.undo()
+    try:
+        assert seen == [None] and lock_held(tmp_path / ".lock") is True
+        assert os.listdir(tmp_path) == [".lock"]
+    finally:
+        os.close(fd)
