@@ -16,6 +16,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from trialledger.migrations.columns import drop_columns
+
 revision = "0004"
 down_revision = "0003"
 branch_labels = None
@@ -46,6 +48,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    for name in ("environment_digest", "environment_ref"):
-        op.execute(f"ALTER TABLE sessions DROP COLUMN {name}")
+    drop_columns("sessions", ("environment_digest", "environment_ref"))
     op.drop_table("model_calls")

@@ -32,6 +32,8 @@ from types import ModuleType
 import sqlalchemy as sa
 from alembic import op
 
+from trialledger.migrations.columns import drop_columns
+
 revision = "0010"
 down_revision = "0009"
 branch_labels = None
@@ -260,7 +262,7 @@ def downgrade() -> None:
     dialect = op.get_bind().dialect.name
     for name in NEW_VIEWS:
         op.execute(f"DROP VIEW {name}")
-    op.execute("ALTER TABLE job_queue DROP COLUMN dataset")
+    drop_columns("job_queue", ["dataset"])
     old = _jobs_0006()
     op.execute(old.JOB_TRIALS.format(wall=old.WALL[dialect]))
     op.execute(old.JOB_TASKS if dialect == "postgresql"

@@ -15,6 +15,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from trialledger.migrations.columns import drop_columns
+
 revision = "0015"
 down_revision = "0014"
 branch_labels = None
@@ -30,5 +32,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    for name, _ in reversed(COLUMNS):
-        op.execute(f"ALTER TABLE sessions DROP COLUMN {name}")
+    drop_columns("sessions", [name for name, _ in reversed(COLUMNS)])

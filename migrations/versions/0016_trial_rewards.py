@@ -28,6 +28,8 @@ from types import ModuleType
 import sqlalchemy as sa
 from alembic import op
 
+from trialledger.migrations.columns import drop_columns
+
 revision = "0016"
 down_revision = "0015"
 branch_labels = None
@@ -103,4 +105,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     _rebuild((PRICES.JOB_TRIALS, NAMES.JOB_PASSK, PRICES.JOB_TASKS, SUMMARY.JOB_REWARD_MEANS))
     op.execute("DROP VIEW trial_rewards")
-    op.execute("ALTER TABLE job_queue DROP COLUMN reward_strategy")
+    drop_columns("job_queue", ["reward_strategy"])

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event, text
 
@@ -304,34 +304,44 @@ def test_each_names_figures_are_the_trials_values_of_that_name(
         assert figure["mean"] == pytest.approx(summary.means(everything)["mean"])
 
 
-@settings(max_examples=15, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.dictionaries(st.sampled_from("abc"), trial_verdicts, min_size=1))
-def test_the_views_per_name_figures_are_core_summarys(tmp_path: Path,
-                                                       tasks: dict[str, list[Verdict]]
-                                                       ) -> None:
-    db = str(tmp_path / f"{uuid.uuid4().hex}.db")
-    k = max(len(v) for v in tasks.values())
+def test_the_views_per_name_figures_are_core_summarys(tmp_path: Path) -> None:
+    """Each drawn job in one store, read through one open `Ledger` (a job of its own name
+    per draw: the views are read per job), so each view is planned once, not per draw."""
     dataset = {"a": "d", "b": "d", "c": "e"}  # two datasets when c is drawn
+    with anyio.from_thread.start_blocking_portal() as portal:
+        ledger = portal.call(Ledger.open, str(tmp_path / "t.db"))
+        try:
+            @settings(max_examples=15, deadline=None)
+            @given(st.dictionaries(st.sampled_from("abc"), trial_verdicts, min_size=1))
+            def held(tasks: dict[str, list[Verdict]]) -> None:
+                name = uuid.uuid4().hex
+                k = max(len(v) for v in tasks.values())
 
-    async def read() -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
-        async with await Ledger.open(db) as ledger:
-            verdicts: dict[str, list[Verdict | str]] = {
-                t: [*vs, *["open"] * (k - len(vs))] for t, vs in tasks.items()}
-            jobs = await _job(ledger, "p", k, {t: (dataset[t], vs)
-                                               for t, vs in verdicts.items()})
-            return await jobs.tasks("p"), await jobs.passk("p"), await jobs.summary("p")
+                async def read() -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                          dict[str, Any]]:
+                    verdicts: dict[str, list[Verdict | str]] = {
+                        t: [*vs, *["open"] * (k - len(vs))] for t, vs in tasks.items()}
+                    jobs = await _job(ledger, name, k, {t: (dataset[t], vs)
+                                                        for t, vs in verdicts.items()})
+                    return await jobs.tasks(name), await jobs.passk(name), await jobs.summary(name)
 
-    rows, passk, whole = anyio.run(read)
-    figures: dict[tuple[str | None, str | None], dict[str, list[Verdict]]] = {
-        (dataset[t], t): {t: vs} for t, vs in tasks.items()}
-    if len({dataset[t] for t in tasks}) > 1:
-        for name in ("d", "e"):
-            figures[(name, None)] = {t: vs for t, vs in tasks.items() if dataset[t] == name}
-    figures[(None, None)] = dict(tasks)
-    _held_to_core(rows, passk, k, figures)
-    # `job show`'s pass@k, computed from the trials (core.summary.passk_rows), is the view's
-    assert [{**p, "pass_at_k": pytest.approx(p["pass_at_k"])} for p in passk] == whole["passk"]
+                rows, passk, whole = portal.call(read)
+                figures: dict[tuple[str | None, str | None], dict[str, list[Verdict]]] = {
+                    (dataset[t], t): {t: vs} for t, vs in tasks.items()}
+                if len({dataset[t] for t in tasks}) > 1:
+                    for figure in ("d", "e"):
+                        figures[(figure, None)] = {t: vs for t, vs in tasks.items()
+                                                   if dataset[t] == figure}
+                figures[(None, None)] = dict(tasks)
+                _held_to_core(rows, passk, k, figures)
+                # `job show`'s pass@k, computed from the trials (core.summary.passk_rows), is
+                # the view's
+                assert [{**p, "pass_at_k": pytest.approx(p["pass_at_k"])} for p in passk
+                        ] == whole["passk"]
+
+            held()
+        finally:
+            portal.call(ledger.aclose)
 
 
 async def _settle(db: str, job: str, task: str, index: int) -> None:
