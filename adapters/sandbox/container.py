@@ -433,8 +433,9 @@ class ContainerPhases(SessionIds, SessionLayout, ContainerNetwork, ComposeParts)
                 break
             remove_tree(*(logs / name for name in batch))
         base = {**self.base_env(), **(env or {}), "TRIALLEDGER_VERIFIER_DIR": VERIFIER_LOGS_INSIDE}
+        root = InnerUser(0, 0, ()) if self.range is not None else None
         for staged, inside in self.incoming:  # a separate verifier's artifacts, first
-            if not await self._copy_in(staged, inside, min(timeout_s, 60.0), base):
+            if not await self._copy_in(staged, inside, min(timeout_s, 60.0), base, user=root):
                 return VerifierRun(None, False, logs, f"the artifact {inside} could not be "
                                                       f"copied into the container")
         if self.tests is not None:
@@ -499,15 +500,19 @@ class ContainerPhases(SessionIds, SessionLayout, ContainerNetwork, ComposeParts)
         if code != 0:
             raise OSError(f"{inside} could not be emptied in the container")
 
-    def bring_in(self, host: Path, inside: str) -> None:
+    def bring_in(self, host: Path, inside: str, modes: Mapping[str, int]) -> None:
         """Stage a copy of `host` (a kept file or folder; links stay links) to be placed at
-        `inside` before the verifier runs, owned by its user: a separate verifier's
-        artifacts (docs/SPEC.md §17). The copy is inner root's, so that it can read it."""
+        `inside` before the verifier runs, owned by root (as `docker cp` places it), each
+        path `modes` names (relative to `host`; "" is `host`) with that mode: a separate
+        verifier's artifacts (docs/SPEC.md §17). The copy is inner root's, so that it can
+        read it."""
         staged = self.root / f"incoming-{len(self.incoming)}"
         if host.is_dir() and not host.is_symlink():
             shutil.copytree(host, staged, symlinks=True)
         else:
             shutil.copy2(host, staged, follow_symlinks=False)
+        for path, mode in modes.items():
+            os.chmod(staged / path if path else staged, mode)
         if self.runs_as.switches:
             chown_tree(staged, self._root_owner)
         self.incoming.append((staged, inside))

@@ -8,9 +8,11 @@ its content never reaches an event, and nothing here raises for what the agent d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
+import stat
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -178,6 +180,9 @@ class KeptFiles:
     refused: list[UnsafeAgentFile] = field(default_factory=list)
     left_out: int = 0
     out_of_time: bool = False
+    # Each kept file's permission bits where it was read (its `files` path → bits): not in
+    # any event; a separate verifier's copies take them, as Harbor's copies keep them.
+    modes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -237,6 +242,8 @@ def keep_listed(items: Sequence[ToKeep], target: Path, name: str, secrets: Seque
                 destination.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 _link(target / first["path"], destination)
                 result.files.append({**first, "path": f"{name}/{shown}"})
+                if first["path"] in result.modes:
+                    result.modes[f"{name}/{shown}"] = result.modes[first["path"]]
                 written.add(shown)
             continue
         except UnsafeAgentFile as error:
@@ -256,6 +263,9 @@ def keep_listed(items: Sequence[ToKeep], target: Path, name: str, secrets: Seque
         kept[id(item.tree), item.path] = {"path": f"{name}/{shown}", "size": len(data),
                                           "sha256": hashlib.sha256(data).hexdigest()}
         result.files.append(kept[id(item.tree), item.path])
+        with contextlib.suppress(UnsafeAgentFile):  # (swapped meanwhile: no bits kept)
+            if (info := item.tree.lstat(item.path)) is not None:
+                result.modes[f"{name}/{shown}"] = stat.S_IMODE(info.st_mode)
     for folder, _, _ in os.walk(target / name):  # `mkdir(parents=True)` ignores the mode
         os.chmod(folder, 0o700)
     if target.is_dir():  # the session's folder too: its readers take no other (artifacts)

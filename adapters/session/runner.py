@@ -387,14 +387,15 @@ class SessionRunner(TheAgent):
         if rec.action == "probe":
             await self._probe(rec, sandbox, settings)
         await self._archive(rec, sandbox, settings, secrets)
-        kept = await self._collect(rec, sandbox, settings, secrets, self.task.collect)
+        modes: dict[str, int] = {}  # the artifacts' permission bits (a separate verifier's)
+        kept = await self._collect(rec, sandbox, settings, secrets, self.task.collect, modes)
         if oracle is not None and oracle.oracle is not None:  # its output, kept (SPEC §15)
             folder = artifacts.session_folder(settings.sandbox_logs_dir, rec.session_id)
             entry = await anyio.to_thread.run_sync(functools.partial(
                 scripted.keep_oracle_log, sandbox, oracle.oracle, folder, secrets))
             kept = [*([entry] if entry is not None else []), *kept]
         if rec.action == "verify" and self.task.separate_verifier is not None:
-            await self._verify_separately(rec, sandbox, settings, secrets, kept)
+            await self._verify_separately(rec, sandbox, settings, secrets, kept, modes)
         elif rec.action == "verify":
             await self._verify(rec, sandbox, settings, secrets, kept)
         if before_close is not None:

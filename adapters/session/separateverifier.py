@@ -17,10 +17,11 @@ agent's container is there.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -107,15 +108,40 @@ def _users(task: Task, separate: SeparateVerifier) -> dict[str, str]:
     return {"verifier": main.user} if main is not None and main.user is not None else {}
 
 
-def bring_artifacts(verifier: LocalSandbox, entries: Sequence[Artifact], kept: Path) -> None:
+def bring_artifacts(verifier: LocalSandbox, entries: Sequence[Artifact], kept: Path,
+                    modes: Mapping[str, int]) -> None:
     """Each declared artifact kept in `kept` (the session's artifact folder) staged to be
     copied into the verifier's container at its source path, as Harbor's `upload_artifacts`
-    re-materialises them ("no translation"); one that was not kept is left out."""
+    re-materialises them ("no translation"); one that was not kept is left out. Owned by
+    root, each file with the bits `modes` recorded in the agent's sandbox as Harbor's copy
+    leaves them (`harbor_mode`), each folder 0755 (Harbor makes the artifact's own folder
+    0777, `empty_dirs(..., chmod=True)`: here it stays 0755, docs/tasks.md)."""
     for entry in entries:
         if not entry.kept:
             continue  # the whole of `/`: never placed over the verifier's root
         host = kept / FOLDER / entry.kept
         if host.is_symlink() or not (host.is_file() or host.is_dir()):
             continue
+        placed = {"": harbor_mode(modes.get(str(host.relative_to(kept))))}
+        if host.is_dir():  # (our own copy: no links in it)
+            placed[""] = 0o755
+            for folder, names, files in os.walk(host):
+                below = Path(folder).relative_to(host)
+                placed.update({str(below / name): 0o755 for name in names})
+                placed.update({str(below / name): harbor_mode(modes.get(str(
+                    (Path(folder) / name).relative_to(kept)))) for name in files})
         verifier.bring_in(host, "/" + "/".join(p for p in entry.source.split("/")
-                                                if p not in ("", ".", "..")))
+                                                if p not in ("", ".", "..")), placed)
+
+
+def harbor_mode(bits: int | None) -> int:
+    """A file's mode once Harbor has copied it into a separate verifier: its tar `data`
+    filter over the bits it had in the agent's sandbox — no setuid, setgid or sticky bit,
+    no write for group or others, no execute unless the owner's, read and write for the
+    owner always (0644 when the bits are not known)."""
+    if bits is None:
+        return 0o644
+    mode = bits & 0o755
+    if not mode & 0o100:
+        mode &= ~0o111
+    return mode | 0o600

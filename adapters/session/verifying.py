@@ -46,18 +46,19 @@ class AfterTheAgent:
     step: Step | None  # the step of a multi-step task its sessions run (None: not one)
 
     async def _collect(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings,
-                       secrets: Sequence[str], hooks: Sequence[taskcollect.CollectHook]
-                       ) -> list[dict[str, Any]]:
+                       secrets: Sequence[str], hooks: Sequence[taskcollect.CollectHook],
+                       modes: dict[str, int]) -> list[dict[str, Any]]:
         """Harbor's collection pass (docs/SPEC.md §17): `main`'s hooks in order, then the
         task's artifacts, then each compose service's hooks (in its container, as its
         user, with its environment) and artifacts (read from its layers, as its user); the
-        `files` entries of all, for the verifier."""
+        `files` entries of all, for the verifier; the artifacts' permission bits into
+        `modes`."""
         env = {**sandbox.base_env(), **phase_env(sandbox)}
         mine = [hook for hook in hooks if hook.service == MAIN_SERVICE]
         outputs = await taskcollect.run_hooks(rec, mine, sandbox, settings, secrets, env)
         outputs += await taskartifacts.keep(rec, [a for a in self.task.artifacts
                                                   if a.service == MAIN_SERVICE],
-                                            sandbox, settings, secrets)
+                                            sandbox, settings, secrets, modes)
         number = len(mine) + 1
         for name, box in sandbox.service_boxes():
             theirs = [hook for hook in hooks if hook.service == name]
@@ -65,7 +66,8 @@ class AfterTheAgent:
                                                    box.hook_env(), first=number)
             number += len(theirs)
             if entries := [a for a in self.task.artifacts if a.service == name]:
-                outputs += await taskartifacts.keep(rec, entries, box, settings, secrets)
+                outputs += await taskartifacts.keep(rec, entries, box, settings, secrets,
+                                                    modes)
         return outputs
 
     async def _probe(self, rec: Recorder, sandbox: LocalSandbox, settings: Settings) -> None:
@@ -104,7 +106,8 @@ class AfterTheAgent:
 
     async def _verify_separately(self, rec: Recorder, sandbox: LocalSandbox,
                                  settings: Settings, secrets: Sequence[str],
-                                 kept: Sequence[dict[str, Any]]) -> None:
+                                 kept: Sequence[dict[str, Any]], modes: Mapping[str, int]
+                                 ) -> None:
         """docs/SPEC.md §17: the agent's container stopped, then the verifier in a fresh
         container of its own with the declared artifacts copied in
         (adapters/session/separateverifier.py)."""
@@ -129,7 +132,7 @@ class AfterTheAgent:
             try:
                 folder = artifacts.session_folder(settings.sandbox_logs_dir, rec.session_id)
                 await anyio.to_thread.run_sync(separateverifier.bring_artifacts, verifier,
-                                               self.task.artifacts, folder)
+                                               self.task.artifacts, folder, modes)
                 env = {**phase_env(verifier),
                        **self.task.verifier_env}
                 await self._verify(rec, verifier, settings, secrets, kept, env=env,

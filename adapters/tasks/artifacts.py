@@ -401,11 +401,13 @@ class Recording(Protocol):
 
 
 async def keep(rec: Recording, entries: Sequence[Artifact], sandbox: LocalSandbox,
-               settings: Settings, secrets: Sequence[str]) -> list[dict[str, Any]]:
+               settings: Settings, secrets: Sequence[str], modes: dict[str, int] | None = None
+               ) -> list[dict[str, Any]]:
     """SPEC §15's artifact pass, after the archive and before the verifier (none when the
     sandbox is lost): the task's artifacts kept in the session's artifact folder within
     `session_close_timeout_s`, their refusals and `artifacts_truncated` appended as gaps;
-    the `files` entries for the verification event."""
+    the `files` entries for the verification event. Each kept file's permission bits as
+    the sandbox had them go to `modes` (by `files` path), for a separate verifier."""
     if any(s.event.type == "sandbox.lost" for s in rec.log):
         return []
     folder = artifacts.session_folder(settings.sandbox_logs_dir, rec.session_id)
@@ -423,6 +425,8 @@ async def keep(rec: Recording, entries: Sequence[Artifact], sandbox: LocalSandbo
         gaps.append(_truncated(f"the copy into {folder / FOLDER} failed: {error}"))
     else:
         files = kept.files
+        if modes is not None:
+            modes.update(kept.modes)
         refused = kept.refused[:MAX_REFUSALS]
         if len(kept.refused) > MAX_REFUSALS:  # planted by the thousand: one gap says how many
             refused.append(UnsafeAgentFile(FOLDER, f"{len(kept.refused) - MAX_REFUSALS} more "
