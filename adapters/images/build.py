@@ -53,7 +53,12 @@ from trialledger.adapters.images.builder import (
     build_user,
     storage_driver,
 )
-from trialledger.adapters.images.dockerfile import BaseImage, base_images
+from trialledger.adapters.images.dockerfile import (
+    BaseImage,
+    HeredocUnsupported,
+    base_images,
+    heredocs,
+)
 from trialledger.adapters.images.environment import (
     Cache,
     Environment,
@@ -122,7 +127,11 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
                                          f"(apt-get install {tool})")
     builder = build_user()
     args = dict(build_args or {})
-    dockerfile = _dockerfile_text(context, source.dockerfile)
+    written = _dockerfile_text(context, source.dockerfile)
+    try:
+        dockerfile = heredocs(written)  # (what the engine is given: its parser has none)
+    except HeredocUnsupported as error:
+        raise EnvironmentUnavailable(f"{WHAT}: {source.dockerfile}: {error}") from None
     bases = base_images(dockerfile, args)
     context_id = context_digest(context)
     recipe = _recipe(source)
@@ -148,7 +157,12 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
             with _locked(builder.locks / f"{key}.lock", waiting):  # (this image's alone)
                 if not box.succeeds(["podman", "image", "exists", tag]):  # built meanwhile?
                     _stage_context(builder, work, context)
-                    built = _build(box, work, tag, source, args, progress)
+                    given = work.context / source.dockerfile
+                    if dockerfile != written:  # beside the context, never in it
+                        given = work.outer / "Dockerfile"
+                        given.write_text(dockerfile)
+                        _give(builder, given)
+                    built = _build(box, work, tag, source, given, args, progress)
             digest = built or _image_id(box, tag)
             cache.remember(f"build-{key}", digest)
             if (found := cache.image(digest)) is not None:
@@ -435,10 +449,10 @@ def _holds(held: Held | None, ident: str) -> bool:
     return held is not None and held.ident == ident
 
 
-def _build(box: BuildBox, work: Workspace, tag: str, source: Source,
+def _build(box: BuildBox, work: Workspace, tag: str, source: Source, dockerfile: Path,
            build_args: Mapping[str, str], progress: Progress | None = None) -> str | None:
     """`podman build --isolation chroot` in the build's box, past the source's build
-    timeout killed (`source.dockerfile` in the staged context, to `source.target`); the
+    timeout killed (`dockerfile` over the staged context, to `source.target`); the
     built image's id as podman wrote it (`--iidfile`: no inspect after it), None when that
     file is not one. Its id goes in `--cgroup-parent` (recorded by each working container,
     used by nothing under chroot isolation); `RUN` steps resolve names through slirp's
@@ -451,7 +465,7 @@ def _build(box: BuildBox, work: Workspace, tag: str, source: Source,
     iidfile = work.inner / "image-id"
     argv = ["podman", "build", "--isolation", "chroot", "--cgroup-parent", box.build_id,
             "--pull=never", "--dns", RESOLVER, *args, "-t", tag, "--iidfile", str(iidfile),
-            "-f", str(work.context / source.dockerfile), str(work.context)]
+            "-f", str(dockerfile), str(work.context)]
     with open(work.outer / "build.log", "w+b") as log, _following(log.name, progress):
         code = box.build(argv, log, timeout)
         if code is None:

@@ -6,15 +6,20 @@ substituted with their defaults and the build's arguments, and the engine's auto
 platform arguments (`BUILDPLATFORM`, `TARGETARCH`, …) as this machine gives them. A `FROM`
 naming an earlier stage refers to that stage and `scratch` to no image; every other one is
 a base image, with the platform its `--platform` asks for (None: the engine's default).
-Pure: nothing here runs a command.
+
+Here-documents (`RUN <<EOF`, `RUN cat > f <<'EOF'`, BuildKit's Dockerfile syntax 1.4, which
+Docker builds by default) are rewritten for the engine here, whose Dockerfile parser
+(buildah 1.28) has none: each such `RUN` becomes the exec form of what BuildKit hands its
+shell (`heredocs`). Pure: nothing here runs a command.
 """
 
 from __future__ import annotations
 
+import json
 import platform
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 SUBSTITUTION = re.compile(r"\\\$|\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)"
@@ -142,3 +147,148 @@ def base_images(dockerfile: str, build_args: Mapping[str, str] | None = None
         if stage is not None:
             stages.add(stage)
     return found
+
+
+# --- here-documents ----------------------------------------------------------------------
+
+HEREDOC = re.compile(r"^(\d*)<<(-?)([^<]+)$")  # a word of the instruction (BuildKit's test)
+SHELL = ["/bin/sh", "-c"]  # what a shell-form RUN runs under, unless a SHELL says otherwise
+
+
+class HeredocUnsupported(ValueError):
+    """A here-document the rewrite cannot give the engine (one on `COPY` or `ADD`, or a body
+    with no end)."""
+
+
+@dataclass(frozen=True)
+class _Heredoc:
+    name: str
+    chomp: bool  # `<<-`: leading tabs removed from each line
+
+
+def _words(text: str) -> list[str]:
+    """`text` split at blanks outside quotes, the quotes kept (BuildKit's raw words)."""
+    words: list[str] = []
+    current, quote, escaped = "", "", False
+    for char in text:
+        if escaped:
+            current, escaped = current + char, False
+        elif char == "\\" and quote != "'":
+            current, escaped = current + char, True
+        elif quote:
+            current += char
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            current, quote = current + char, char
+        elif char.isspace():
+            if current:
+                words.append(current)
+            current = ""
+        else:
+            current += char
+    return [*words, current] if current else words
+
+
+def _heredoc(word: str) -> _Heredoc | None:
+    """The here-document a word opens (`<<EOF`, `<<-'EOF'`, `2<<"EOF"`), else None."""
+    if (found := HEREDOC.match(word)) is None:
+        return None
+    name = found[3]
+    if len(name) >= 2 and name[0] == name[-1] and name[0] in "'\"":
+        name = name[1:-1]
+    return _Heredoc(name, found[2] == "-") if name else None
+
+
+def _chomped(data: str) -> str:
+    return "".join(line.lstrip("\t") for line in data.splitlines(keepends=True))
+
+
+def _shell_text(command: str, docs: Sequence[_Heredoc], bodies: Sequence[str]) -> str:
+    """What BuildKit's `dispatchRun` gives the shell for a shell-form RUN with
+    here-documents: a command that is one here-document alone runs its body (one starting
+    `#!` as a program of its own, made executable); any other is the command line, each
+    body and its delimiter after it, for the shell to read as here-documents."""
+    if len(docs) == 1 and len(_words(command)) == 1 and _heredoc(command) is not None:
+        body = _chomped(bodies[0]) if docs[0].chomp else bodies[0]
+        if not body.startswith("#!"):
+            return body
+        end = "TRIALLEDGER_HEREDOC"
+        while end in body.splitlines():
+            end += "_"
+        return (f'f=$(mktemp) && cat > "$f" <<\'{end}\'\n{body}{end}\n'
+                f'chmod 755 "$f" && "$f"; s=$?; rm -f "$f"; exit $s')
+    return command + "".join(f"\n{body}{doc.name}" for doc, body in zip(docs, bodies,
+                                                                         strict=True))
+
+
+def heredocs(dockerfile: str) -> str:
+    """`dockerfile` with every shell-form `RUN` that has here-documents (and their bodies)
+    rewritten as the exec form of what BuildKit runs for it, under the stage's `SHELL`
+    (else `/bin/sh -c`); the rest as it was. HeredocUnsupported for one on `COPY`/`ADD`,
+    or a body whose delimiter never comes."""
+    lines = dockerfile.splitlines()
+    escape = "\\"
+    for line in lines:  # parser directives: only at the very top, before anything else
+        if not line.strip().startswith("#"):
+            break
+        if (directive := DIRECTIVE.match(line.strip())) is not None:
+            escape = directive[1]
+    out: list[str] = []
+    shell = SHELL
+    held: list[str] = []  # the raw lines of the instruction being read
+    joined = ""
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        index += 1
+        held.append(line)
+        stripped = line.strip()
+        if stripped.startswith("#") or not stripped:
+            if len(held) == 1:
+                out.append(held.pop())
+            continue
+        if stripped.endswith(escape):
+            joined += stripped[:-1] + " "
+            continue
+        whole, joined = (joined + stripped).strip(), ""
+        keyword, _, rest = whole.partition(" ")
+        keyword = keyword.upper()
+        if keyword == "FROM":
+            shell = SHELL
+        elif keyword == "SHELL":
+            try:
+                shell = [str(word) for word in json.loads(rest)]
+            except (ValueError, TypeError):
+                shell = SHELL
+        words = _words(rest)
+        docs = [doc for word in words if (doc := _heredoc(word)) is not None]
+        if not docs or keyword not in ("RUN", "COPY", "ADD") or rest.lstrip().startswith("["):
+            out.extend(held)
+            held = []
+            continue
+        if keyword != "RUN":
+            raise HeredocUnsupported(f"{keyword} <<{docs[0].name} (a here-document on "
+                                     f"{keyword}) is not supported by this engine")
+        bodies = []
+        for doc in docs:
+            body = []
+            while True:
+                if index >= len(lines):
+                    raise HeredocUnsupported(f"the here-document <<{doc.name} has no "
+                                             f"line {doc.name} to end it")
+                line, index = lines[index], index + 1
+                if (line.lstrip("\t") if doc.chomp else line) == doc.name:
+                    break
+                body.append(line + "\n")
+            bodies.append("".join(body))
+        flags = []
+        while words and words[0].startswith("--"):
+            flags.append(words.pop(0))
+        command = rest.lstrip()
+        for flag in flags:
+            command = command[len(flag):].lstrip()
+        text = _shell_text(command, docs, bodies)
+        out.append(" ".join(["RUN", *flags, json.dumps([*shell, text])]))
+        held = []
+    out.extend(held)
+    return "\n".join(out) + ("\n" if dockerfile.endswith("\n") else "")

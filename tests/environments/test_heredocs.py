@@ -1,0 +1,147 @@
+"""Here-documents in a Dockerfile (BuildKit's syntax, which Docker builds by default), which
+this machine's engine cannot parse: each shell-form `RUN` that has them is given to the
+engine as the exec form of what BuildKit hands its shell (adapters/images/dockerfile.py),
+then built for real from the tests' Debian image."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests import images
+from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
+from trialledger.adapters.images.dockerfile import (
+    BaseImage,
+    HeredocUnsupported,
+    base_images,
+    heredocs,
+)
+from trialledger.adapters.images.environment import Cache, EnvironmentUnavailable, Source
+from trialledger.adapters.images.prepare import prepare
+
+
+def _run(line: str) -> list[str]:
+    """The exec form a rewritten `RUN` line holds (its flags before it)."""
+    assert line.startswith("RUN ")
+    return [str(word) for word in json.loads(line[line.index("["):])]
+
+
+@pytest.mark.parametrize(("dockerfile", "runs"), [
+    # a command with a here-document: the line, the body and its delimiter, to the shell
+    ("RUN cat > /f <<'EOF'\n---\nname: $HOME\nEOF\n",
+     ["/bin/sh", "-c", "cat > /f <<'EOF'\n---\nname: $HOME\nEOF"]),
+    ("RUN python3 - <<PY\nprint(1)\nPY\n", ["/bin/sh", "-c", "python3 - <<PY\nprint(1)\nPY"]),
+    # two of them, in order
+    ("RUN cat <<A > /a && cat <<B > /b\na\nA\nb\nB\n",
+     ["/bin/sh", "-c", "cat <<A > /a && cat <<B > /b\na\nA\nb\nB"]),
+    # a here-document alone: its body is the script
+    ("RUN <<EOF\nset -e\necho one\nEOF\n", ["/bin/sh", "-c", "set -e\necho one\n"]),
+    # `<<-`: the body's leading tabs go (the delimiter may be indented by tabs too)
+    ("RUN <<-EOF\n\techo a\n\t\techo b\n\tEOF\n", ["/bin/sh", "-c", "echo a\necho b\n"]),
+    # a here-document fed to a command named after it
+    ("RUN <<EOT bash\necho $BASH_VERSION\nEOT\n",
+     ["/bin/sh", "-c", "<<EOT bash\necho $BASH_VERSION\nEOT"]),
+    # the stage's SHELL is the one it runs under
+    ('SHELL ["/bin/bash", "-eu", "-c"]\nRUN <<EOF\necho a\nEOF\n',
+     ["/bin/bash", "-eu", "-c", "echo a\n"]),
+])
+def test_a_run_with_here_documents_is_what_buildkit_gives_its_shell(
+        dockerfile: str, runs: list[str]) -> None:
+    rewritten = heredocs("FROM debian\n" + dockerfile + "RUN echo after\n").splitlines()
+    assert rewritten[0] == "FROM debian" and rewritten[-1] == "RUN echo after"
+    assert _run(next(line for line in rewritten if line.startswith("RUN "))) == runs
+
+
+def test_a_here_document_that_is_a_program_runs_as_one_and_leaves_nothing() -> None:
+    line = heredocs("RUN <<EOF\n#!/usr/bin/env python3\nprint(1)\nEOF\n").strip()
+    shell, flag, script = _run(line)
+    assert [shell, flag] == ["/bin/sh", "-c"]
+    assert "#!/usr/bin/env python3\nprint(1)\n" in script
+    assert 'chmod 755 "$f" && "$f"' in script and 'rm -f "$f"' in script
+
+
+def test_flags_stay_before_the_exec_form_and_the_rest_is_untouched() -> None:
+    dockerfile = ("# escape=`\nFROM debian AS build\nRUN --mount=type=cache,target=/c `\n"
+                  "    <<EOF\necho $X\nEOF\nRUN echo \"<<EOF\" && echo plain\n"
+                  'RUN ["cat", "<<EOF"]\nCOPY a /b\n')
+    lines = heredocs(dockerfile).splitlines()
+    assert lines[:2] == ["# escape=`", "FROM debian AS build"]
+    assert lines[2].startswith("RUN --mount=type=cache,target=/c [")
+    assert _run(lines[2]) == ["/bin/sh", "-c", "echo $X\n"]
+    assert lines[3:] == ['RUN echo "<<EOF" && echo plain', 'RUN ["cat", "<<EOF"]', "COPY a /b"]
+    unchanged = "FROM debian\nRUN echo a \\\n  && echo b\n# a comment\n"
+    assert heredocs(unchanged) == unchanged
+
+
+def test_a_body_is_never_read_as_instructions() -> None:
+    """A `FROM` inside a here-document is the body's text, not a base image of the build."""
+    dockerfile = "FROM debian\nRUN cat > /Dockerfile <<'EOF'\nFROM evil:latest\nEOF\n"
+    assert base_images(heredocs(dockerfile)) == [BaseImage("debian")]
+
+
+@pytest.mark.parametrize(("dockerfile", "said"), [
+    ("FROM debian\nCOPY <<EOF /etc/motd\nhi\nEOF\n", "COPY <<EOF"),
+    ("FROM debian\nRUN cat <<EOF > /f\nno end\n", "has no line EOF"),
+])
+def test_what_cannot_be_rewritten_is_refused_by_name(dockerfile: str, said: str) -> None:
+    with pytest.raises(HeredocUnsupported, match=said):
+        heredocs(dockerfile)
+
+
+BUILT = """FROM {base}
+USER root
+RUN cat > /skill.md <<'EOF'
+---
+name: $HOME
+FROM nothing
+EOF
+RUN cat > /expanded <<EOF
+$HOME
+EOF
+RUN <<EOF
+set -e
+echo one > /one
+EOF
+RUN <<'EOT' bash
+echo "bash $BASH_VERSION" > /bash
+EOT
+RUN <<-EOF
+\techo chomped > /chomped
+\tEOF
+RUN <<EOF
+#!/bin/sh
+echo "$0" > /script
+EOF
+RUN echo "<<EOF" > /quoted
+"""
+
+
+def test_a_dockerfile_with_here_documents_builds_as_docker_builds_it(tmp_path: Path) -> None:
+    folder = tmp_path / "task"
+    (folder / "environment").mkdir(parents=True)
+    (folder / "environment" / "Dockerfile").write_text(
+        BUILT.format(base=images.podman_image(images.DEBIAN_REF)))
+    env = prepare(Source("dockerfile", "Dockerfile", folder, 600), Cache(tmp_path / "cache"),
+                  owner=None)
+    assert env.root is not None
+    read = {name: (env.root / name).read_text()
+            for name in ("skill.md", "expanded", "one", "bash", "chomped", "script", "quoted")}
+    assert read["skill.md"] == "---\nname: $HOME\nFROM nothing\n"  # quoted: as written
+    assert read["expanded"] == "/root\n"  # not quoted: the shell expanded it
+    assert read["one"] == "one\n" and read["chomped"] == "chomped\n"
+    assert read["bash"].startswith("bash 5.")  # bash read the body (quoted: unexpanded)
+    assert read["quoted"] == "<<EOF\n"
+    ran = read["script"].strip()  # the program ran from a file of its own, since removed
+    assert ran.startswith("/") and not (env.root / ran.lstrip("/")).exists()
+
+
+def test_a_here_document_on_copy_refuses_the_task_naming_it(tmp_path: Path) -> None:
+    folder = tmp_path / "task"
+    (folder / "environment").mkdir(parents=True)
+    (folder / "environment" / "Dockerfile").write_text(
+        f"FROM {images.podman_image(images.DEBIAN_REF)}\nCOPY <<EOF /etc/motd\nhi\nEOF\n")
+    with pytest.raises(EnvironmentUnavailable, match="COPY <<EOF"):
+        prepare(Source("dockerfile", "Dockerfile", folder, 600), Cache(tmp_path / "cache"),
+                owner=None)
