@@ -512,7 +512,8 @@ class ContainerPhases(SessionIds, SessionLayout, ContainerNetwork, ComposeParts)
         else:
             shutil.copy2(host, staged, follow_symlinks=False)
         for path, mode in modes.items():
-            os.chmod(staged / path if path else staged, mode)
+            if not (placed := staged / path if path else staged).is_symlink():
+                os.chmod(placed, mode)  # (never through a link: a kept copy holds none)
         if self.runs_as.switches:
             chown_tree(staged, self._root_owner)
         self.incoming.append((staged, inside))
