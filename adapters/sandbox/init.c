@@ -687,8 +687,10 @@ static int copy_in(int src, const char *dest, const char *uid_text, const char *
     int to = open(dest, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (to < 0)
         return -1;
+    /* DEST 0755, or more when SRC's folder has more (a separate verifier's artifact
+     * folder is 0777, as Harbor's `chmod 777` of it leaves it) */
     int failed = copy_tree(src, to, uid, gid, 0) != 0 || fchown(to, uid, gid) != 0 ||
-                 fchmod(to, 0755) != 0;
+                 fchmod(to, (source.st_mode & 01777) | 0755) != 0;
     close(to);
     return failed ? -1 : 0;
 }

@@ -114,8 +114,8 @@ def bring_artifacts(verifier: LocalSandbox, entries: Sequence[Artifact], kept: P
     copied into the verifier's container at its source path, as Harbor's `upload_artifacts`
     re-materialises them ("no translation"); one that was not kept is left out. Owned by
     root, each file with the bits `modes` recorded in the agent's sandbox as Harbor's copy
-    leaves them (`harbor_mode`), each folder 0755 (Harbor makes the artifact's own folder
-    0777, `empty_dirs(..., chmod=True)`: here it stays 0755, docs/tasks.md)."""
+    leaves them (`harbor_mode`), each folder in it 0755, the artifact's own folder 0777
+    (Harbor's `empty_dirs(..., chmod=True)`)."""
     for entry in entries:
         if not entry.kept:
             continue  # the whole of `/`: never placed over the verifier's root
@@ -124,7 +124,7 @@ def bring_artifacts(verifier: LocalSandbox, entries: Sequence[Artifact], kept: P
             continue
         placed = {"": harbor_mode(modes.get(str(host.relative_to(kept))))}
         if host.is_dir():  # (our own copy: no links in it)
-            placed[""] = 0o755
+            placed[""] = 0o777  # Harbor's `empty_dirs(..., chmod=True)` of it
             for folder, names, files in os.walk(host):
                 below = Path(folder).relative_to(host)
                 placed.update({str(below / name): 0o755 for name in names})

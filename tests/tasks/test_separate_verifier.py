@@ -229,7 +229,7 @@ async def test_a_declared_folder_replaces_the_one_the_verifiers_image_has(
 
 # The agent (the image's user) leaves files of every kind of mode; the verifier, running as
 # that user too, checks each as Harbor's copy leaves it: root's, the modes kept but for the
-# setuid bit and group or other write; the folders root's, 0755.
+# setuid bit and group or other write; the folders root's, 0755, the artifact's own 0777.
 MODES_SOLVE = """#!/bin/sh
 mkdir -p /work/out/sub && echo data > /work/out/data.txt
 printf '#!/bin/sh\\necho ran\\n' > /work/out/run.sh && chmod 755 /work/out/run.sh
@@ -244,7 +244,7 @@ o=/work/out; r=0; x=0; p=1; s=0; w=0; f=0
 cat $o/private.txt > /dev/null 2>&1 && p=0
 [ "$(stat -c %a $o/sub/tool)" = 755 ] && s=1
 [ "$(stat -c %a $o/open.txt)" = 644 ] && w=1
-[ "$(stat -c %u%a $o)" = 0755 ] && [ "$(stat -c %a $o/sub)" = 755 ] && f=1
+[ "$(stat -c %u%a $o)" = 0777 ] && [ "$(stat -c %a $o/sub)" = 755 ] && f=1
 echo "{\\"reward\\": $((r * x * p * s * w * f)), \\"read\\": $r, \\"run\\": $x," \\
   "\\"private\\": $p, \\"setuid_dropped\\": $s, \\"no_other_write\\": $w," \\
   "\\"folders\\": $f}" > /logs/verifier/reward.json
