@@ -70,15 +70,22 @@ def substitute(text: str, values: Mapping[str, str]) -> str:
     return SUBSTITUTION.sub(one, text)
 
 
-def instructions(dockerfile: str) -> list[tuple[str, str]]:
-    """Each instruction as (KEYWORD, its arguments), continuation lines joined."""
-    lines = dockerfile.splitlines()
+def _escape(lines: list[str]) -> str:
+    """The line-continuation character: `\\`, unless an `# escape=` parser directive (only
+    at the very top, before anything else) names another."""
     escape = "\\"
-    for line in lines:  # parser directives: only at the very top, before anything else
+    for line in lines:
         if not line.strip().startswith("#"):
             break
         if (directive := DIRECTIVE.match(line.strip())) is not None:
             escape = directive[1]
+    return escape
+
+
+def instructions(dockerfile: str) -> list[tuple[str, str]]:
+    """Each instruction as (KEYWORD, its arguments), continuation lines joined."""
+    lines = dockerfile.splitlines()
+    escape = _escape(lines)
     found: list[tuple[str, str]] = []
     pending = ""
     for line in lines:
@@ -227,12 +234,7 @@ def heredocs(dockerfile: str) -> str:
     (else `/bin/sh -c`); the rest as it was. HeredocUnsupported for one on `COPY`/`ADD`,
     or a body whose delimiter never comes."""
     lines = dockerfile.splitlines()
-    escape = "\\"
-    for line in lines:  # parser directives: only at the very top, before anything else
-        if not line.strip().startswith("#"):
-            break
-        if (directive := DIRECTIVE.match(line.strip())) is not None:
-            escape = directive[1]
+    escape = _escape(lines)
     out: list[str] = []
     shell = SHELL
     held: list[str] = []  # the raw lines of the instruction being read
