@@ -669,6 +669,16 @@ static int copy_in(int src, const char *dest, const char *uid_text, const char *
         (errno != EXDEV || remove_tree(AT_FDCWD, dest, 0) != 0))
         return -1;
     if (S_ISREG(source.st_mode)) {
+        /* a file (a separate verifier's artifact): its folder 0777, as Harbor's
+         * `mkdir -p PARENT && chmod 777 PARENT` before its copy leaves it */
+        char parent[4096];
+        snprintf(parent, sizeof parent, "%s", dest);
+        char *cut = strrchr(parent, '/');
+        if (cut != NULL && cut != parent) {
+            *cut = '\0';
+            if (chmod(parent, 0777) != 0)
+                return -1;
+        }
         int to = open(dest, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
         char buffer[65536];
         ssize_t n = 0;
@@ -687,8 +697,8 @@ static int copy_in(int src, const char *dest, const char *uid_text, const char *
     int to = open(dest, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (to < 0)
         return -1;
-    /* DEST 0755, or more when SRC's folder has more (a separate verifier's artifact
-     * folder is 0777, as Harbor's `chmod 777` of it leaves it) */
+    /* DEST 0755, or more when SRC's folder has more (as `docker cp` gives a folder its
+     * source's mode) */
     int failed = copy_tree(src, to, uid, gid, 0) != 0 || fchown(to, uid, gid) != 0 ||
                  fchmod(to, (source.st_mode & 01777) | 0755) != 0;
     close(to);

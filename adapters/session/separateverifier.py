@@ -114,8 +114,9 @@ def bring_artifacts(verifier: LocalSandbox, entries: Sequence[Artifact], kept: P
     copied into the verifier's container at its source path, as Harbor's `upload_artifacts`
     re-materialises them ("no translation"); one that was not kept is left out. Owned by
     root, each file with the bits `modes` recorded in the agent's sandbox as Harbor's copy
-    leaves them (`harbor_mode`), each folder in it 0755, the artifact's own folder 0777
-    (Harbor's `empty_dirs(..., chmod=True)`)."""
+    leaves them (`harbor_mode`), each folder 0755 — as `docker cp` leaves a folder it copies
+    the contents of a fresh folder into — and a file's folder 0777 (init's copy-in: Harbor's
+    `chmod 777` of it before the file's copy)."""
     for entry in entries:
         if not entry.kept:
             continue  # the whole of `/`: never placed over the verifier's root
@@ -124,7 +125,7 @@ def bring_artifacts(verifier: LocalSandbox, entries: Sequence[Artifact], kept: P
             continue
         placed = {"": harbor_mode(modes.get(str(host.relative_to(kept))))}
         if host.is_dir():  # (our own copy: no links in it)
-            placed[""] = 0o777  # Harbor's `empty_dirs(..., chmod=True)` of it
+            placed[""] = 0o755  # (Harbor's `chmod 777` of it is undone by its `docker cp`)
             for folder, names, files in os.walk(host):
                 below = Path(folder).relative_to(host)
                 placed.update({str(below / name): 0o755 for name in names})

@@ -229,13 +229,14 @@ async def test_a_declared_folder_replaces_the_one_the_verifiers_image_has(
 
 # The agent (the image's user) leaves files of every kind of mode; the verifier, running as
 # that user too, checks each as Harbor's copy leaves it: root's, the modes kept but for the
-# setuid bit and group or other write; the folders root's, 0755, the artifact's own 0777.
+# setuid bit and group or other write; the folders root's, 0755, a file's folder 0777.
 MODES_SOLVE = """#!/bin/sh
 mkdir -p /work/out/sub && echo data > /work/out/data.txt
 printf '#!/bin/sh\\necho ran\\n' > /work/out/run.sh && chmod 755 /work/out/run.sh
 echo private > /work/out/private.txt && chmod 600 /work/out/private.txt
 echo open > /work/out/open.txt && chmod 666 /work/out/open.txt
 cp /bin/busybox /work/out/sub/tool && chmod 4755 /work/out/sub/tool
+echo note > /work/note.txt
 """
 MODES_CHECK = """#!/bin/sh
 o=/work/out; r=0; x=0; p=1; s=0; w=0; f=0
@@ -244,7 +245,8 @@ o=/work/out; r=0; x=0; p=1; s=0; w=0; f=0
 cat $o/private.txt > /dev/null 2>&1 && p=0
 [ "$(stat -c %a $o/sub/tool)" = 755 ] && s=1
 [ "$(stat -c %a $o/open.txt)" = 644 ] && w=1
-[ "$(stat -c %u%a $o)" = 0777 ] && [ "$(stat -c %a $o/sub)" = 755 ] && f=1
+[ "$(stat -c %u%a $o)" = 0755 ] && [ "$(stat -c %a $o/sub)" = 755 ] && f=1
+[ "$(cat /work/note.txt)" = note ] && [ "$(stat -c %a /work)" = 777 ] || f=0
 echo "{\\"reward\\": $((r * x * p * s * w * f)), \\"read\\": $r, \\"run\\": $x," \\
   "\\"private\\": $p, \\"setuid_dropped\\": $s, \\"no_other_write\\": $w," \\
   "\\"folders\\": $f}" > /logs/verifier/reward.json
@@ -257,7 +259,8 @@ async def test_the_artifacts_reach_the_verifier_with_the_modes_harbors_copy_leav
     under Harbor, and cannot read a file the agent kept to itself (root's, 0600); a setuid
     bit and others' write bit do not come across (Harbor's tar `data` filter)."""
     task = make_task(tmp_path / "task", exit_code_reward=False, toml=(
-        f'artifacts = ["/work/out"]\n[environment]\ndocker_image = "{agent_image()}"\n'
+        'artifacts = ["/work/out", "/work/note.txt"]\n'
+        f'[environment]\ndocker_image = "{agent_image()}"\n'
         '[verifier]\nenvironment_mode = "separate"\n'),
         solve_sh=MODES_SOLVE, test_sh=MODES_CHECK)
     env = prepare_task(task, cache, owner=None)
