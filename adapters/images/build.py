@@ -159,9 +159,8 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
                     _stage_context(builder, work, context)
                     given = work.context / source.dockerfile
                     if dockerfile != written:  # beside the context, never in it
-                        given = work.outer / "Dockerfile"
-                        given.write_text(dockerfile)
-                        _give(builder, given)
+                        given = _beside(builder, work, context, source.dockerfile,
+                                        dockerfile)
                     built = _build(box, work, tag, source, given, args, progress)
             digest = built or _image_id(box, tag)
             cache.remember(f"build-{key}", digest)
@@ -231,7 +230,23 @@ def _dockerfile_text(context: Path, relative: str) -> str:
         raise EnvironmentUnavailable(f"{WHAT}: {relative} in the build context must be a "
                                      f"file of at most {TASK_FILE_MAX_BYTES} bytes, reached "
                                      f"through no symbolic link")
-    return data.decode("utf-8", errors="replace")
+    return data.decode("utf-8", errors="surrogateescape")  # (written back byte for byte)
+
+
+def _beside(builder: Builder, work: Workspace, context: Path, relative: str, text: str
+            ) -> Path:
+    """The rewritten Dockerfile `text` in the build's own folder, the build user's, with the
+    Dockerfile's own ignore file (`relative.dockerignore`, when the context has one as a
+    plain file) beside it, so that the engine reads the same one."""
+    given = work.outer / "Dockerfile"
+    given.write_bytes(text.encode("utf-8", errors="surrogateescape"))
+    _give(builder, given)
+    own = plain_file(context, f"{relative}.dockerignore")
+    if own is not None and (data := read_small(own, TASK_FILE_MAX_BYTES)) is not None:
+        ignore = work.outer / "Dockerfile.dockerignore"
+        ignore.write_bytes(data)
+        _give(builder, ignore)
+    return given
 
 
 def _recipe(source: Source) -> dict[str, str]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 SUBSTITUTION = re.compile(r"\\\$|\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)"
                           r"(?::(?P<op>[-+])(?P<word>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
-DIRECTIVE = re.compile(r"#\s*escape\s*=\s*(\S)\s*$", re.IGNORECASE)
+DIRECTIVE = re.compile(r"#\s*([a-z][a-z0-9]*)\s*=\s*(\S+)\s*$", re.IGNORECASE)
 ARCHES = {"x86_64": ("amd64", ""), "amd64": ("amd64", ""), "aarch64": ("arm64", ""),
           "arm64": ("arm64", ""), "armv7l": ("arm", "v7"), "armv6l": ("arm", "v6"),
           "i686": ("386", ""), "i386": ("386", ""), "ppc64le": ("ppc64le", ""),
@@ -71,14 +71,16 @@ def substitute(text: str, values: Mapping[str, str]) -> str:
 
 
 def _escape(lines: list[str]) -> str:
-    """The line-continuation character: `\\`, unless an `# escape=` parser directive (only
-    at the very top, before anything else) names another."""
+    """The line-continuation character: `\\`, unless an `# escape=` parser directive names
+    another (directives are read only while every line so far is one, as BuildKit reads
+    them; a byte-order mark before the first is ignored)."""
     escape = "\\"
-    for line in lines:
-        if not line.strip().startswith("#"):
+    for index, line in enumerate(lines):
+        directive = DIRECTIVE.match(line.lstrip("\ufeff" if index == 0 else "").strip())
+        if directive is None:
             break
-        if (directive := DIRECTIVE.match(line.strip())) is not None:
-            escape = directive[1]
+        if directive[1].lower() == "escape" and len(directive[2]) == 1:
+            escape = directive[2]
     return escape
 
 
@@ -98,11 +100,11 @@ def instructions(dockerfile: str) -> list[tuple[str, str]]:
         whole = (pending + stripped).strip()
         pending = ""
         if whole:
-            keyword, _, rest = whole.partition(" ")
-            found.append((keyword.upper(), rest.strip()))
+            keyword, *rest = whole.split(None, 1)
+            found.append((keyword.upper(), rest[0].strip() if rest else ""))
     if pending.strip():
-        keyword, _, rest = pending.strip().partition(" ")
-        found.append((keyword.upper(), rest.strip()))
+        keyword, *rest = pending.split(None, 1)
+        found.append((keyword.upper(), rest[0].strip() if rest else ""))
     return found
 
 
@@ -159,7 +161,7 @@ def base_images(dockerfile: str, build_args: Mapping[str, str] | None = None
 # --- here-documents ----------------------------------------------------------------------
 
 HEREDOC = re.compile(r"^(\d*)<<(-?)([^<]+)$")  # a word of the instruction (BuildKit's test)
-SHELL = ["/bin/sh", "-c"]  # what a shell-form RUN runs under, unless a SHELL says otherwise
+SHELL = ("/bin/sh", "-c")  # what a shell-form RUN runs under, unless a SHELL says otherwise
 
 
 class HeredocUnsupported(ValueError):
@@ -196,18 +198,44 @@ def _words(text: str) -> list[str]:
     return [*words, current] if current else words
 
 
+def _unquoted(word: str) -> str:
+    """A delimiter as the shell reads it: quotes removed, a backslash taking the next
+    character as it is (`'EOF'`, `"EOF"`, `\\EOF` and `E"OF"` all end at `EOF`)."""
+    out, quote, escaped = "", "", False
+    for char in word:
+        if escaped:
+            out, escaped = out + char, False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote and char == quote:
+            quote = ""
+        elif not quote and char in "'\"":
+            quote = char
+        else:
+            out += char
+    return out
+
+
 def _heredoc(word: str) -> _Heredoc | None:
     """The here-document a word opens (`<<EOF`, `<<-'EOF'`, `2<<"EOF"`), else None."""
     if (found := HEREDOC.match(word)) is None:
         return None
-    name = found[3]
-    if len(name) >= 2 and name[0] == name[-1] and name[0] in "'\"":
-        name = name[1:-1]
+    name = _unquoted(found[3])
     return _Heredoc(name, found[2] == "-") if name else None
 
 
 def _chomped(data: str) -> str:
     return "".join(line.lstrip("\t") for line in data.splitlines(keepends=True))
+
+
+def _strings(text: str) -> list[str] | None:
+    """A JSON array of strings (an exec form, a SHELL), else None."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, list) and all(isinstance(v, str) for v in value) \
+        else None
 
 
 def _shell_text(command: str, docs: Sequence[_Heredoc], bodies: Sequence[str]) -> str:
@@ -217,7 +245,7 @@ def _shell_text(command: str, docs: Sequence[_Heredoc], bodies: Sequence[str]) -
     body and its delimiter after it, for the shell to read as here-documents."""
     if len(docs) == 1 and len(_words(command)) == 1 and _heredoc(command) is not None:
         body = _chomped(bodies[0]) if docs[0].chomp else bodies[0]
-        if not body.startswith("#!"):
+        if not bodies[0].startswith("#!"):  # (BuildKit looks before chomping)
             return body
         end = "TRIALLEDGER_HEREDOC"
         while end in body.splitlines():
@@ -228,69 +256,82 @@ def _shell_text(command: str, docs: Sequence[_Heredoc], bodies: Sequence[str]) -
                                                                          strict=True))
 
 
+def _bodies(lines: list[str], index: int, docs: Sequence[_Heredoc]) -> tuple[list[str], int]:
+    """Each here-document's body (its lines, each ending in a newline) read from
+    `lines[index:]`, and the index after the last delimiter."""
+    bodies = []
+    for doc in docs:
+        body = []
+        while True:
+            if index >= len(lines):
+                raise HeredocUnsupported(f"the here-document <<{doc.name} has no line "
+                                         f"{doc.name} to end it")
+            line, index = lines[index].removesuffix("\r"), index + 1
+            if (line.lstrip("\t") if doc.chomp else line) == doc.name:
+                break
+            body.append(line + "\n")
+        bodies.append("".join(body))
+    return bodies, index
+
+
 def heredocs(dockerfile: str) -> str:
     """`dockerfile` with every shell-form `RUN` that has here-documents (and their bodies)
     rewritten as the exec form of what BuildKit runs for it, under the stage's `SHELL`
-    (else `/bin/sh -c`); the rest as it was. HeredocUnsupported for one on `COPY`/`ADD`,
-    or a body whose delimiter never comes."""
-    lines = dockerfile.splitlines()
+    (an earlier stage's when it builds on one; else `/bin/sh -c`); the rest as it was,
+    byte for byte (the text itself when nothing is rewritten). HeredocUnsupported for one
+    on `COPY`/`ADD`, or a body whose delimiter never comes."""
+    lines = dockerfile.split("\n")
     escape = _escape(lines)
+    continued = re.compile(re.escape(escape) + r"[ \t]*$")
     out: list[str] = []
-    shell = SHELL
+    shell, stage, shells = list(SHELL), "", {}
     held: list[str] = []  # the raw lines of the instruction being read
-    joined = ""
-    index = 0
+    joined = ""  # its text so far, as BuildKit joins it
+    index, rewritten = 0, False
     while index < len(lines):
         line = lines[index]
         index += 1
         held.append(line)
-        stripped = line.strip()
-        if stripped.startswith("#") or not stripped:
+        text = line.removesuffix("\r")
+        if not text.strip() or text.lstrip().startswith("#"):
             if len(held) == 1:
                 out.append(held.pop())
+            continue  # (inside a continued instruction: skipped, as BuildKit skips it)
+        text = text if joined else text.lstrip()
+        if (cut := continued.search(text)) is not None:
+            joined += text[:cut.start()]
             continue
-        if stripped.endswith(escape):
-            joined += stripped[:-1] + " "
-            continue
-        whole, joined = (joined + stripped).strip(), ""
-        keyword, _, rest = whole.partition(" ")
-        keyword = keyword.upper()
+        whole, joined = joined + text, ""
+        keyword, *after = whole.split(None, 1)
+        keyword, rest = keyword.upper(), after[0] if after else ""
         if keyword == "FROM":
-            shell = SHELL
+            shells[stage] = shell
+            words = rest.split()
+            while words and words[0].startswith("--"):
+                words.pop(0)
+            base = words[0].lower() if words else ""
+            stage = words[2].lower() if len(words) >= 3 and words[1].upper() == "AS" else ""
+            shell = list(shells.get(base, SHELL)) if base else list(SHELL)
         elif keyword == "SHELL":
-            try:
-                shell = [str(word) for word in json.loads(rest)]
-            except (ValueError, TypeError):
-                shell = SHELL
+            shell = _strings(rest) or list(SHELL)
         words = _words(rest)
         docs = [doc for word in words if (doc := _heredoc(word)) is not None]
-        if not docs or keyword not in ("RUN", "COPY", "ADD") or rest.lstrip().startswith("["):
+        if not docs or keyword not in ("RUN", "COPY", "ADD") or _strings(rest) is not None:
             out.extend(held)
             held = []
             continue
         if keyword != "RUN":
             raise HeredocUnsupported(f"{keyword} <<{docs[0].name} (a here-document on "
                                      f"{keyword}) is not supported by this engine")
-        bodies = []
-        for doc in docs:
-            body = []
-            while True:
-                if index >= len(lines):
-                    raise HeredocUnsupported(f"the here-document <<{doc.name} has no "
-                                             f"line {doc.name} to end it")
-                line, index = lines[index], index + 1
-                if (line.lstrip("\t") if doc.chomp else line) == doc.name:
-                    break
-                body.append(line + "\n")
-            bodies.append("".join(body))
+        bodies, index = _bodies(lines, index, docs)
         flags = []
         while words and words[0].startswith("--"):
             flags.append(words.pop(0))
         command = rest.lstrip()
         for flag in flags:
             command = command[len(flag):].lstrip()
-        text = _shell_text(command, docs, bodies)
-        out.append(" ".join(["RUN", *flags, json.dumps([*shell, text])]))
-        held = []
+        out.append(" ".join(["RUN", *flags, json.dumps([*shell, _shell_text(command, docs,
+                                                                           bodies)])]))
+        held, rewritten = [], True
     out.extend(held)
-    return "\n".join(out) + ("\n" if dockerfile.endswith("\n") else "")
+    return "\n".join(out) if rewritten else dockerfile

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests import images
 from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
@@ -52,6 +54,49 @@ def test_a_run_with_here_documents_is_what_buildkit_gives_its_shell(
     rewritten = heredocs("FROM debian\n" + dockerfile + "RUN echo after\n").splitlines()
     assert rewritten[0] == "FROM debian" and rewritten[-1] == "RUN echo after"
     assert _run(next(line for line in rewritten if line.startswith("RUN "))) == runs
+
+
+@pytest.mark.parametrize(("dockerfile", "runs"), [
+    # a delimiter as the shell unquotes it: a backslash, quotes inside the word
+    ("RUN cat <<\\EOF > /f\n$X\nEOF\n", ["/bin/sh", "-c", "cat <<\\EOF > /f\n$X\nEOF"]),
+    ('RUN cat <<E"OF" > /f\nx\nEOF\n', ["/bin/sh", "-c", 'cat <<E"OF" > /f\nx\nEOF']),
+    # a line that starts with `[` but is no JSON array is a shell form
+    ("RUN [ -d /x ] || cat <<EOF > /f\nx\nEOF\n",
+     ["/bin/sh", "-c", "[ -d /x ] || cat <<EOF > /f\nx\nEOF"]),
+    # continuation lines joined as BuildKit joins them: nothing added, nothing taken
+    ("RUN cat <<EOF > /etc/con\\\nfig\nx\nEOF\n",
+     ["/bin/sh", "-c", "cat <<EOF > /etc/config\nx\nEOF"]),
+    ("RUN\tcat <<EOF > /f\nx\nEOF\n", ["/bin/sh", "-c", "cat <<EOF > /f\nx\nEOF"]),
+    # `<<-` over a tab-indented `#!`: BuildKit looks for the `#!` before taking the tabs
+    ("RUN <<-EOF\n\t#!/usr/bin/env python3\n\tprint(1)\n\tEOF\n",
+     ["/bin/sh", "-c", "#!/usr/bin/env python3\nprint(1)\n"]),
+    # a stage built on an earlier one keeps its SHELL; a SHELL that is no list of strings
+    # is the default
+    ('SHELL ["/bin/bash", "-c"]\nFROM build AS next\nRUN <<EOF\necho a\nEOF\n',
+     ["/bin/bash", "-c", "echo a\n"]),
+    ("SHELL " + "[" * 5000 + "\nRUN <<EOF\necho a\nEOF\n", ["/bin/sh", "-c", "echo a\n"]),
+])
+def test_the_cases_a_review_found_are_read_as_buildkit_reads_them(
+        dockerfile: str, runs: list[str]) -> None:
+    rewritten = heredocs("FROM debian AS build\n" + dockerfile).splitlines()
+    assert _run(next(line for line in rewritten if line.startswith("RUN "))) == runs
+
+
+@given(st.lists(st.sampled_from(["a", " ", "\t", "\n", "\r", "\x0c", "\u2028", "\\", "'",
+                                  '"', "#", "[", "RUN ", "FROM x\n", "SHELL [", "<", "é"]))
+       .map("".join))
+def test_a_dockerfile_without_here_documents_is_given_as_it_is(text: str) -> None:
+    """Byte for byte: no line ends the rewrite adds or takes (a form feed, a carriage
+    return, a line separator are the file's own)."""
+    if "<<" not in text:
+        assert heredocs(text) == text
+
+
+def test_an_escape_directive_counts_only_at_the_very_top() -> None:
+    late = "# a comment\n# escape=`\nFROM debian\nRUN cat <<EOF > /f `\nx\nEOF\n"
+    assert _run(heredocs(late).splitlines()[3])[-1] == "cat <<EOF > /f `\nx\nEOF"
+    top = "\ufeff# escape=`\nFROM debian\nRUN cat <<EOF `\n > /f\nx\nEOF\n"
+    assert _run(heredocs(top).splitlines()[2])[-1] == "cat <<EOF  > /f\nx\nEOF"
 
 
 def test_a_here_document_that_is_a_program_runs_as_one_and_leaves_nothing() -> None:
