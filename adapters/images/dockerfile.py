@@ -10,11 +10,13 @@ a base image, with the platform its `--platform` asks for (None: the engine's de
 Here-documents (`RUN <<EOF`, `RUN cat > f <<'EOF'`, BuildKit's Dockerfile syntax 1.4, which
 Docker builds by default) are rewritten for the engine here, whose Dockerfile parser
 (buildah 1.28) has none: each such `RUN` becomes the exec form of what BuildKit hands its
-shell (`heredocs`). Pure: nothing here runs a command.
+shell; `COPY --link` and `RUN --network=default`, which it refuses and whose leaving out
+changes nothing the image holds, lose those flags (`heredocs`). Pure: nothing here runs a command.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import re
@@ -162,6 +164,10 @@ def base_images(dockerfile: str, build_args: Mapping[str, str] | None = None
 
 HEREDOC = re.compile(r"^(\d*)<<(-?)([^<]+)$")  # a word of the instruction (BuildKit's test)
 SHELL = ("/bin/sh", "-c")  # what a shell-form RUN runs under, unless a SHELL says otherwise
+# Flags BuildKit takes that the engine refuses, and whose leaving out changes nothing the
+# image holds: `RUN --network=default` is the network a RUN has anyway; `COPY --link` and
+# `ADD --link` (any value) change only how BuildKit caches the layer.
+DROPPED = {"RUN": ("--network=default",)}
 
 
 class HeredocUnsupported(ValueError):
@@ -274,12 +280,21 @@ def _bodies(lines: list[str], index: int, docs: Sequence[_Heredoc]) -> tuple[lis
     return bodies, index
 
 
+def _after(rest: str, flags: Sequence[str]) -> str:
+    """An instruction's arguments after its leading flags."""
+    command = rest.lstrip()
+    for flag in flags:
+        command = command[len(flag):].lstrip()
+    return command
+
+
 def heredocs(dockerfile: str) -> str:
-    """`dockerfile` with every shell-form `RUN` that has here-documents (and their bodies)
-    rewritten as the exec form of what BuildKit runs for it, under the stage's `SHELL`
-    (an earlier stage's when it builds on one; else `/bin/sh -c`); the rest as it was,
-    byte for byte (the text itself when nothing is rewritten). HeredocUnsupported for one
-    on `COPY`/`ADD`, or a body whose delimiter never comes."""
+    """`dockerfile` as the engine can build it: every shell-form `RUN` that has
+    here-documents (and their bodies) rewritten as the exec form of what BuildKit runs for
+    it, under the stage's `SHELL` (an earlier stage's when it builds on one; else
+    `/bin/sh -c`), and the `DROPPED` flags left out; the rest as it was, byte for byte (the
+    text itself when nothing is rewritten). HeredocUnsupported for a here-document on
+    `COPY`/`ADD`, or a body whose delimiter never comes."""
     lines = dockerfile.split("\n")
     escape = _escape(lines)
     continued = re.compile(re.escape(escape) + r"[ \t]*$")
@@ -316,6 +331,14 @@ def heredocs(dockerfile: str) -> str:
             shell = _strings(rest) or list(SHELL)
         words = _words(rest)
         docs = [doc for word in words if (doc := _heredoc(word)) is not None]
+        flags = list(itertools.takewhile(lambda word: word.startswith("--"), words))
+        dropped = [f for f in flags if f in DROPPED.get(keyword, ())
+                   or (f.split("=", 1)[0] == "--link" and keyword in ("COPY", "ADD"))]
+        if dropped and not docs:  # a flag the engine refuses and BuildKit's result lacks
+            out.append(" ".join([keyword, *(f for f in flags if f not in dropped),
+                                 _after(rest, flags)]))
+            held, rewritten = [], True
+            continue
         if not docs or keyword not in ("RUN", "COPY", "ADD") or _strings(rest) is not None:
             out.extend(held)
             held = []
@@ -324,14 +347,9 @@ def heredocs(dockerfile: str) -> str:
             raise HeredocUnsupported(f"{keyword} <<{docs[0].name} (a here-document on "
                                      f"{keyword}) is not supported by this engine")
         bodies, index = _bodies(lines, index, docs)
-        flags = []
-        while words and words[0].startswith("--"):
-            flags.append(words.pop(0))
-        command = rest.lstrip()
-        for flag in flags:
-            command = command[len(flag):].lstrip()
-        out.append(" ".join(["RUN", *flags, json.dumps([*shell, _shell_text(command, docs,
-                                                                           bodies)])]))
+        text = _shell_text(_after(rest, flags), docs, bodies)
+        out.append(" ".join(["RUN", *(f for f in flags if f not in dropped),
+                             json.dumps([*shell, text])]))
         held, rewritten = [], True
     out.extend(held)
     return "\n".join(out) if rewritten else dockerfile

@@ -1,7 +1,8 @@
 """Here-documents in a Dockerfile (BuildKit's syntax, which Docker builds by default), which
 this machine's engine cannot parse: each shell-form `RUN` that has them is given to the
 engine as the exec form of what BuildKit hands its shell (adapters/images/dockerfile.py),
-then built for real from the tests' Debian image."""
+then built for real from the tests' Debian image; BuildKit's flags the engine refuses and
+the image never shows (`COPY --link`, `RUN --network=default`) are left out."""
 
 from __future__ import annotations
 
@@ -99,6 +100,20 @@ def test_an_escape_directive_counts_only_at_the_very_top() -> None:
     assert _run(heredocs(top).splitlines()[2])[-1] == "cat <<EOF  > /f\nx\nEOF"
 
 
+@pytest.mark.parametrize(("line", "given"), [
+    ("COPY --link a /b", "COPY a /b"),
+    ("COPY --chown=1:1 --link=true --chmod=755 a /b", "COPY --chown=1:1 --chmod=755 a /b"),
+    ('ADD --link=false ["a b", "/c"]', 'ADD ["a b", "/c"]'),
+    ("RUN --network=default --mount=type=cache,target=/c make",
+     "RUN --mount=type=cache,target=/c make"),
+    ("RUN --network=none true", "RUN --network=none true"),  # (the engine says why not)
+    ("COPY a /--link", "COPY a /--link"),
+])
+def test_flags_the_engine_refuses_and_the_image_never_shows_are_left_out(
+        line: str, given: str) -> None:
+    assert heredocs(f"FROM debian\n{line}\n").splitlines()[1] == given
+
+
 def test_a_here_document_that_is_a_program_runs_as_one_and_leaves_nothing() -> None:
     line = heredocs("RUN <<EOF\n#!/usr/bin/env python3\nprint(1)\nEOF\n").strip()
     shell, flag, script = _run(line)
@@ -160,6 +175,8 @@ RUN <<EOF
 echo "$0" > /script
 EOF
 RUN echo "<<EOF" > /quoted
+COPY --link --chmod=640 data.txt /data.txt
+RUN --network=default echo linked > /linked
 """
 
 
@@ -168,6 +185,7 @@ def test_a_dockerfile_with_here_documents_builds_as_docker_builds_it(tmp_path: P
     (folder / "environment").mkdir(parents=True)
     (folder / "environment" / "Dockerfile").write_text(
         BUILT.format(base=images.podman_image(images.DEBIAN_REF)))
+    (folder / "environment" / "data.txt").write_text("data\n")
     env = prepare(Source("dockerfile", "Dockerfile", folder, 600), Cache(tmp_path / "cache"),
                   owner=None)
     assert env.root is not None
@@ -180,6 +198,9 @@ def test_a_dockerfile_with_here_documents_builds_as_docker_builds_it(tmp_path: P
     assert read["quoted"] == "<<EOF\n"
     ran = read["script"].strip()  # the program ran from a file of its own, since removed
     assert ran.startswith("/") and not (env.root / ran.lstrip("/")).exists()
+    assert (env.root / "data.txt").read_text() == "data\n"  # `COPY --link`, as BuildKit's
+    assert (env.root / "data.txt").stat().st_mode & 0o777 == 0o640
+    assert (env.root / "linked").read_text() == "linked\n"
 
 
 def test_a_here_document_on_copy_refuses_the_task_naming_it(tmp_path: Path) -> None:
