@@ -54,10 +54,12 @@ from trialledger.adapters.images.builder import (
     storage_driver,
 )
 from trialledger.adapters.images.dockerfile import (
+    INLINE,
     BaseImage,
+    ForEngine,
     HeredocUnsupported,
     base_images,
-    heredocs,
+    for_engine,
 )
 from trialledger.adapters.images.environment import (
     Cache,
@@ -109,6 +111,12 @@ class Workspace:
     def tmp(self) -> Path:
         return self.inner / "tmp"
 
+    @property
+    def inline(self) -> Path:
+        """The files a Dockerfile's `COPY` here-documents became (ours, then the build
+        user's): the `INLINE` build context."""
+        return self.outer / "inline"
+
 
 def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | None, *,
                        pull: bool = False, progress: Progress | None = None,
@@ -129,10 +137,10 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
     args = dict(build_args or {})
     written = _dockerfile_text(context, source.dockerfile)
     try:
-        dockerfile = heredocs(written)  # (what the engine is given: its parser has none)
+        given = for_engine(written)  # (here-documents: the engine's parser has none)
     except HeredocUnsupported as error:
         raise EnvironmentUnavailable(f"{WHAT}: {source.dockerfile}: {error}") from None
-    bases = base_images(dockerfile, args)
+    bases = base_images(given.text, args)
     context_id = context_digest(context)
     recipe = _recipe(source)
     if (found := _built_already(builder, engine, context_id, bases, args, recipe, cache)
@@ -157,11 +165,11 @@ def prepare_dockerfile(source: Source, engine: str, cache: Cache, owner: int | N
             with _locked(builder.locks / f"{key}.lock", waiting):  # (this image's alone)
                 if not box.succeeds(["podman", "image", "exists", tag]):  # built meanwhile?
                     _stage_context(builder, work, context)
-                    given = work.context / source.dockerfile
-                    if dockerfile != written:  # beside the context, never in it
-                        given = _beside(builder, work, context, source.dockerfile,
-                                        dockerfile)
-                    built = _build(box, work, tag, source, given, args, progress)
+                    dockerfile = work.context / source.dockerfile
+                    if given.text != written:  # beside the context, never in it
+                        dockerfile = _beside(builder, work, context, source.dockerfile,
+                                             given)
+                    built = _build(box, work, tag, source, dockerfile, args, progress)
             digest = built or _image_id(box, tag)
             cache.remember(f"build-{key}", digest)
             if (found := cache.image(digest)) is not None:
@@ -233,14 +241,22 @@ def _dockerfile_text(context: Path, relative: str) -> str:
     return data.decode("utf-8", errors="surrogateescape")  # (written back byte for byte)
 
 
-def _beside(builder: Builder, work: Workspace, context: Path, relative: str, text: str
-            ) -> Path:
-    """The rewritten Dockerfile `text` in the build's own folder, the build user's, with the
+def _beside(builder: Builder, work: Workspace, context: Path, relative: str,
+            rewritten: ForEngine) -> Path:
+    """The rewritten Dockerfile in the build's own folder, the build user's, with the
     Dockerfile's own ignore file (`relative.dockerignore`, when the context has one as a
-    plain file) beside it, so that the engine reads the same one."""
+    plain file) beside it, so that the engine reads the same one, and the files its
+    `COPY` here-documents became in `work.inline` (the `INLINE` build context)."""
     given = work.outer / "Dockerfile"
-    given.write_bytes(text.encode("utf-8", errors="surrogateescape"))
+    given.write_bytes(rewritten.text.encode("utf-8", errors="surrogateescape"))
     _give(builder, given)
+    for path, content in rewritten.files.items():
+        target = work.inline / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content.encode("utf-8", errors="surrogateescape"))
+        target.chmod(0o644)  # (BuildKit's mode for them)
+    if rewritten.files:
+        _give(builder, work.inline)
     own = plain_file(context, f"{relative}.dockerignore")
     if own is not None and (data := read_small(own, TASK_FILE_MAX_BYTES)) is not None:
         ignore = work.outer / "Dockerfile.dockerignore"
@@ -478,6 +494,8 @@ def _build(box: BuildBox, work: Workspace, tag: str, source: Source, dockerfile:
     args += ["--target", source.target] if source.target is not None else []
     timeout = source.build_timeout_s
     iidfile = work.inner / "image-id"
+    if work.inline.is_dir():
+        args += ["--build-context", f"{INLINE}={work.inline}"]
     argv = ["podman", "build", "--isolation", "chroot", "--cgroup-parent", box.build_id,
             "--pull=never", "--dns", RESOLVER, *args, "-t", tag, "--iidfile", str(iidfile),
             "-f", str(dockerfile), str(work.context)]

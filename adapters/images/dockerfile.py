@@ -10,8 +10,9 @@ a base image, with the platform its `--platform` asks for (None: the engine's de
 Here-documents (`RUN <<EOF`, `RUN cat > f <<'EOF'`, BuildKit's Dockerfile syntax 1.4, which
 Docker builds by default) are rewritten for the engine here, whose Dockerfile parser
 (buildah 1.28) has none: each such `RUN` becomes the exec form of what BuildKit hands its
-shell; `COPY --link` and `RUN --network=default`, which it refuses and whose leaving out
-changes nothing the image holds, lose those flags (`heredocs`). Pure: nothing here runs a command.
+shell, each such `COPY` a copy of files made from them (`for_engine`); `COPY --link` and
+`RUN --network=default`, which it refuses and whose leaving out changes nothing the image
+holds, lose those flags. Pure: nothing here runs a command.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 SUBSTITUTION = re.compile(r"\\\$|\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)"
                           r"(?::(?P<op>[-+])(?P<word>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
@@ -164,6 +166,7 @@ def base_images(dockerfile: str, build_args: Mapping[str, str] | None = None
 
 HEREDOC = re.compile(r"^(\d*)<<(-?)([^<]+)$")  # a word of the instruction (BuildKit's test)
 SHELL = ("/bin/sh", "-c")  # what a shell-form RUN runs under, unless a SHELL says otherwise
+INLINE = "trialledger-heredocs"  # the build context `COPY <<EOF` files are copied from
 # Flags BuildKit takes that the engine refuses, and whose leaving out changes nothing the
 # image holds: `RUN --network=default` is the network a RUN has anyway; `COPY --link` and
 # `ADD --link` (any value) change only how BuildKit caches the layer.
@@ -171,7 +174,7 @@ DROPPED = {"RUN": ("--network=default",)}
 
 
 class HeredocUnsupported(ValueError):
-    """A here-document the rewrite cannot give the engine (one on `COPY` or `ADD`, or a body
+    """A here-document the rewrite cannot give the engine (`_copied`'s refusals, or a body
     with no end)."""
 
 
@@ -288,13 +291,54 @@ def _after(rest: str, flags: Sequence[str]) -> str:
     return command
 
 
+class ForEngine(NamedTuple):
+    """A Dockerfile as the engine can build it, and the files its `COPY` here-documents
+    became (path in the `INLINE` build context → content)."""
+
+    text: str
+    files: dict[str, str]
+
+
 def heredocs(dockerfile: str) -> str:
+    """`for_engine(dockerfile).text`."""
+    return for_engine(dockerfile).text
+
+
+def _copied(keyword: str, flags: list[str], words: list[str], docs: Sequence[_Heredoc],
+            bodies: Sequence[str], files: dict[str, str]) -> str:
+    """A `COPY`/`ADD` whose sources are here-documents as a `COPY` from the `INLINE` build
+    context, each body a file there named as BuildKit names it (its delimiter; 0644 before
+    `--chmod`), chomped for `<<-`; an unquoted one that BuildKit would expand (a `$` or a
+    `\\` in it) is refused, as is mixing them with other sources or another `--from`."""
+    sources = words[len(flags):-1]
+    if len(sources) != len(docs) or any(f.startswith("--from=") for f in flags):
+        raise HeredocUnsupported(f"{keyword} <<{docs[0].name}: here-documents mixed with "
+                                 f"other sources or --from are not supported here")
+    named = []
+    for word, doc, body in zip(sources, docs, bodies, strict=True):
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", doc.name) or doc.name in (".", ".."):
+            raise HeredocUnsupported(f"{keyword} <<{doc.name}: not a file name")
+        if _unquoted(word) == word and ("$" in body or "\\" in body):
+            raise HeredocUnsupported(
+                f"{keyword} <<{doc.name}: BuildKit expands an unquoted here-document with "
+                f"the stage's ARG and ENV values, which are not known here; quote its "
+                f"delimiter (<<'{doc.name}') to copy it as written")
+        path = f"{len(files)}/{doc.name}"
+        files[path] = _chomped(body) if doc.chomp else body
+        named.append(path)
+    kept = [f for f in flags if f.split("=", 1)[0] != "--link"]
+    return " ".join(["COPY", f"--from={INLINE}", *kept, *named, words[-1]])
+
+
+def for_engine(dockerfile: str) -> ForEngine:
     """`dockerfile` as the engine can build it: every shell-form `RUN` that has
     here-documents (and their bodies) rewritten as the exec form of what BuildKit runs for
     it, under the stage's `SHELL` (an earlier stage's when it builds on one; else
-    `/bin/sh -c`), and the `DROPPED` flags left out; the rest as it was, byte for byte (the
-    text itself when nothing is rewritten). HeredocUnsupported for a here-document on
-    `COPY`/`ADD`, or a body whose delimiter never comes."""
+    `/bin/sh -c`); every `COPY`/`ADD` of here-documents a `COPY` of files made from them
+    (`_copied`); the `DROPPED` flags left out; the rest as it was, byte for byte (the text
+    itself when nothing is rewritten). HeredocUnsupported for what cannot be given so, or
+    a body whose delimiter never comes."""
+    files: dict[str, str] = {}
     lines = dockerfile.split("\n")
     escape = _escape(lines)
     continued = re.compile(re.escape(escape) + r"[ \t]*$")
@@ -343,13 +387,14 @@ def heredocs(dockerfile: str) -> str:
             out.extend(held)
             held = []
             continue
-        if keyword != "RUN":
-            raise HeredocUnsupported(f"{keyword} <<{docs[0].name} (a here-document on "
-                                     f"{keyword}) is not supported by this engine")
         bodies, index = _bodies(lines, index, docs)
+        if keyword != "RUN":
+            out.append(_copied(keyword, flags, words, docs, bodies, files))
+            held, rewritten = [], True
+            continue
         text = _shell_text(_after(rest, flags), docs, bodies)
         out.append(" ".join(["RUN", *(f for f in flags if f not in dropped),
                              json.dumps([*shell, text])]))
         held, rewritten = [], True
     out.extend(held)
-    return "\n".join(out) if rewritten else dockerfile
+    return ForEngine("\n".join(out) if rewritten else dockerfile, files)

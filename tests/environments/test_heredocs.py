@@ -19,6 +19,7 @@ from trialledger.adapters.images.dockerfile import (
     BaseImage,
     HeredocUnsupported,
     base_images,
+    for_engine,
     heredocs,
 )
 from trialledger.adapters.images.environment import Cache, EnvironmentUnavailable, Source
@@ -141,8 +142,29 @@ def test_a_body_is_never_read_as_instructions() -> None:
     assert base_images(heredocs(dockerfile)) == [BaseImage("debian")]
 
 
+@pytest.mark.parametrize(("dockerfile", "line", "files"), [
+    ("COPY <<EOF /etc/motd\nhi\nEOF\n", "COPY --from=trialledger-heredocs 0/EOF /etc/motd",
+     {"0/EOF": "hi\n"}),
+    # several, named as BuildKit names them (their delimiters), flags kept, --link not
+    ("COPY --link --chmod=755 <<'run.sh' <<b.txt /opt/\n#!/bin/sh\nrun.sh\nb\nb.txt\n",
+     "COPY --from=trialledger-heredocs --chmod=755 0/run.sh 1/b.txt /opt/",
+     {"0/run.sh": "#!/bin/sh\n", "1/b.txt": "b\n"}),
+    # ADD of a here-document is a COPY of it; `<<-` takes the tabs; a quoted one is as
+    # written, `$` and all
+    ("ADD <<-'EOF' /x\n\t$HOME\n\tEOF\n", "COPY --from=trialledger-heredocs 0/EOF /x",
+     {"0/EOF": "$HOME\n"}),
+])
+def test_a_copy_of_here_documents_is_a_copy_of_files_made_from_them(
+        dockerfile: str, line: str, files: dict[str, str]) -> None:
+    given = for_engine("FROM debian\n" + dockerfile + "RUN true\n")
+    assert given.text.splitlines() == ["FROM debian", line, "RUN true"]
+    assert given.files == files
+
+
 @pytest.mark.parametrize(("dockerfile", "said"), [
-    ("FROM debian\nCOPY <<EOF /etc/motd\nhi\nEOF\n", "COPY <<EOF"),
+    ("FROM debian\nCOPY <<EOF /etc/motd\n$HOME\nEOF\n", "quote its delimiter"),
+    ("FROM debian\nCOPY <<EOF a.txt /opt/\nx\nEOF\n", "mixed with other sources"),
+    ("FROM debian\nCOPY --from=build <<'EOF' /x\nx\nEOF\n", "mixed with other sources"),
     ("FROM debian\nRUN cat <<EOF > /f\nno end\n", "has no line EOF"),
 ])
 def test_what_cannot_be_rewritten_is_refused_by_name(dockerfile: str, said: str) -> None:
@@ -177,6 +199,15 @@ EOF
 RUN echo "<<EOF" > /quoted
 COPY --link --chmod=640 data.txt /data.txt
 RUN --network=default echo linked > /linked
+COPY <<'EOF' /etc/motd
+hello $X
+EOF
+COPY --chmod=755 <<run.sh /opt/
+#!/bin/sh
+echo ran
+run.sh
+RUN /opt/run.sh > /ran
+COPY . /context/
 """
 
 
@@ -201,13 +232,18 @@ def test_a_dockerfile_with_here_documents_builds_as_docker_builds_it(tmp_path: P
     assert (env.root / "data.txt").read_text() == "data\n"  # `COPY --link`, as BuildKit's
     assert (env.root / "data.txt").stat().st_mode & 0o777 == 0o640
     assert (env.root / "linked").read_text() == "linked\n"
+    assert (env.root / "etc/motd").read_text() == "hello $X\n"  # `COPY <<'EOF'`, as written
+    assert (env.root / "opt/run.sh").stat().st_mode & 0o777 == 0o755
+    assert (env.root / "ran").read_text() == "ran\n"
+    assert sorted(p.name for p in (env.root / "context").iterdir()) == ["Dockerfile",
+                                                                       "data.txt"]
 
 
-def test_a_here_document_on_copy_refuses_the_task_naming_it(tmp_path: Path) -> None:
+def test_a_copy_of_an_unquoted_here_document_to_expand_refuses_the_task(tmp_path: Path) -> None:
     folder = tmp_path / "task"
     (folder / "environment").mkdir(parents=True)
     (folder / "environment" / "Dockerfile").write_text(
-        f"FROM {images.podman_image(images.DEBIAN_REF)}\nCOPY <<EOF /etc/motd\nhi\nEOF\n")
-    with pytest.raises(EnvironmentUnavailable, match="COPY <<EOF"):
+        f"FROM {images.podman_image(images.DEBIAN_REF)}\nCOPY <<EOF /etc/motd\n$X\nEOF\n")
+    with pytest.raises(EnvironmentUnavailable, match="COPY <<EOF: BuildKit expands"):
         prepare(Source("dockerfile", "Dockerfile", folder, 600), Cache(tmp_path / "cache"),
                 owner=None)
