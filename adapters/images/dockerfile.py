@@ -311,7 +311,8 @@ def _copied(keyword: str, flags: list[str], words: list[str], docs: Sequence[_He
     `--chmod`), chomped for `<<-`; an unquoted one that BuildKit would expand (a `$` or a
     `\\` in it) is refused, as is mixing them with other sources or another `--from`."""
     sources = words[len(flags):-1]
-    if len(sources) != len(docs) or any(f.startswith("--from=") for f in flags):
+    if (len(sources) != len(docs) or any(_heredoc(word) is None for word in sources)
+            or any(f.startswith("--from=") for f in flags)):
         raise HeredocUnsupported(f"{keyword} <<{docs[0].name}: here-documents mixed with "
                                  f"other sources or --from are not supported here")
     named = []

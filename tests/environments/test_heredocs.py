@@ -165,6 +165,7 @@ def test_a_copy_of_here_documents_is_a_copy_of_files_made_from_them(
     ("FROM debian\nCOPY <<EOF /etc/motd\n$HOME\nEOF\n", "quote its delimiter"),
     ("FROM debian\nCOPY <<EOF a.txt /opt/\nx\nEOF\n", "mixed with other sources"),
     ("FROM debian\nCOPY --from=build <<'EOF' /x\nx\nEOF\n", "mixed with other sources"),
+    ("FROM debian\nCOPY a.txt <<'EOF'\nx\nEOF\n", "mixed with other sources"),
     ("FROM debian\nRUN cat <<EOF > /f\nno end\n", "has no line EOF"),
 ])
 def test_what_cannot_be_rewritten_is_refused_by_name(dockerfile: str, said: str) -> None:
