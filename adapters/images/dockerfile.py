@@ -234,7 +234,8 @@ def _heredoc(word: str) -> _Heredoc | None:
 
 
 def _chomped(data: str) -> str:
-    return "".join(line.lstrip("\t") for line in data.splitlines(keepends=True))
+    """`<<-`: the tabs that begin each line (a line begins after a newline only) taken."""
+    return re.sub(r"(?m)^\t+", "", data)
 
 
 def _strings(text: str) -> list[str] | None:
@@ -275,10 +276,11 @@ def _bodies(lines: list[str], index: int, docs: Sequence[_Heredoc]) -> tuple[lis
             if index >= len(lines):
                 raise HeredocUnsupported(f"the here-document <<{doc.name} has no line "
                                          f"{doc.name} to end it")
-            line, index = lines[index].removesuffix("\r"), index + 1
+            raw, index = lines[index], index + 1
+            line = raw.rstrip("\r")  # (compared without its line end; kept with it)
             if (line.lstrip("\t") if doc.chomp else line) == doc.name:
                 break
-            body.append(line + "\n")
+            body.append(raw + "\n")
         bodies.append("".join(body))
     return bodies, index
 
@@ -317,9 +319,11 @@ def _copied(keyword: str, flags: list[str], words: list[str], docs: Sequence[_He
                                  f"other sources or --from are not supported here")
     named = []
     for word, doc, body in zip(sources, docs, bodies, strict=True):
-        if not re.fullmatch(r"[A-Za-z0-9._-]+", doc.name) or doc.name in (".", ".."):
-            raise HeredocUnsupported(f"{keyword} <<{doc.name}: not a file name")
-        if _unquoted(word) == word and ("$" in body or "\\" in body):
+        if (not re.fullmatch(r"[A-Za-z0-9._-]{1,255}", doc.name)
+                or doc.name in (".", "..")):
+            raise HeredocUnsupported(f"{keyword} <<{doc.name[:64]}: not a file name")
+        quoted = "'" in word or '"' in word  # (BuildKit's test: `<<\\EOF` is expanded)
+        if not quoted and ("$" in body or "\\" in body):
             raise HeredocUnsupported(
                 f"{keyword} <<{doc.name}: BuildKit expands an unquoted here-document with "
                 f"the stage's ARG and ENV values, which are not known here; quote its "
@@ -398,4 +402,7 @@ def for_engine(dockerfile: str) -> ForEngine:
                              json.dumps([*shell, text])]))
         held, rewritten = [], True
     out.extend(held)
+    if files and INLINE in dockerfile:  # (a stage or mount of that name would shadow it)
+        raise HeredocUnsupported(f"the name {INLINE} is the rewrite's own: a Dockerfile "
+                                 f"that copies here-documents cannot use it")
     return ForEngine("\n".join(out) if rewritten else dockerfile, files)

@@ -153,6 +153,11 @@ def test_a_body_is_never_read_as_instructions() -> None:
     # written, `$` and all
     ("ADD <<-'EOF' /x\n\t$HOME\n\tEOF\n", "COPY --from=trialledger-heredocs 0/EOF /x",
      {"0/EOF": "$HOME\n"}),
+    # a body keeps its line ends (a CRLF file's too) and tabs not at a line's start
+    ("COPY <<'EOF' /x\r\nhi\r\nEOF\r\n", "COPY --from=trialledger-heredocs 0/EOF /x",
+     {"0/EOF": "hi\r\n"}),
+    ("COPY <<-'EOF' /x\n\ta\x0b\tb\nEOF\n", "COPY --from=trialledger-heredocs 0/EOF /x",
+     {"0/EOF": "a\x0b\tb\n"}),
 ])
 def test_a_copy_of_here_documents_is_a_copy_of_files_made_from_them(
         dockerfile: str, line: str, files: dict[str, str]) -> None:
@@ -166,6 +171,10 @@ def test_a_copy_of_here_documents_is_a_copy_of_files_made_from_them(
     ("FROM debian\nCOPY <<EOF a.txt /opt/\nx\nEOF\n", "mixed with other sources"),
     ("FROM debian\nCOPY --from=build <<'EOF' /x\nx\nEOF\n", "mixed with other sources"),
     ("FROM debian\nCOPY a.txt <<'EOF'\nx\nEOF\n", "mixed with other sources"),
+    # a backslash is no quote: BuildKit expands `<<\\EOF` too
+    ("FROM debian\nCOPY <<\\EOF /x\n$HOME\nEOF\n", "quote its delimiter"),
+    ("FROM debian\nCOPY <<" + "a" * 300 + " /x\nx\n" + "a" * 300 + "\n", "not a file name"),
+    ("FROM debian AS trialledger-heredocs\nCOPY <<'EOF' /x\nx\nEOF\n", "rewrite's own"),
     ("FROM debian\nRUN cat <<EOF > /f\nno end\n", "has no line EOF"),
 ])
 def test_what_cannot_be_rewritten_is_refused_by_name(dockerfile: str, said: str) -> None:
