@@ -210,19 +210,10 @@ def _words(text: str) -> list[str]:
 def _unquoted(word: str) -> str:
     """A delimiter as the shell reads it: quotes removed, a backslash taking the next
     character as it is (`'EOF'`, `"EOF"`, `\\EOF` and `E"OF"` all end at `EOF`)."""
-    out, quote, escaped = "", "", False
-    for char in word:
-        if escaped:
-            out, escaped = out + char, False
-        elif char == "\\" and quote != "'":
-            escaped = True
-        elif quote and char == quote:
-            quote = ""
-        elif not quote and char in "'\"":
-            quote = char
-        else:
-            out += char
-    return out
+    try:
+        return "".join(shlex.split(word))
+    except ValueError:  # (a quote left open: the word as it is)
+        return word
 
 
 def _heredoc(word: str) -> _Heredoc | None:
