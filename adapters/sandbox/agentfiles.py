@@ -176,8 +176,15 @@ class AgentTree:
 
     def read(self, relative: str, limit: int, *, seen: Seen | None = None) -> bytes:
         """A whole regular file of at most `limit` bytes (`seen`: see `AlreadyRead`)."""
+        return self.read_with_mode(relative, limit, seen=seen)[0]
+
+    def read_with_mode(self, relative: str, limit: int, *, seen: Seen | None = None
+                       ) -> tuple[bytes, int]:
+        """`read`, and the permission bits of the very file read (taken from its open
+        descriptor: never another file put in its place meanwhile)."""
         fd = self._open_regular(relative, limit, seen)
         try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
             chunks: list[bytes] = []  # joined once: linear in the file's size
             size = 0
             while size <= limit and (chunk := os.read(fd, 65536)):
@@ -187,7 +194,7 @@ class AgentTree:
             os.close(fd)
         if size > limit:  # it grew after fstat
             raise UnsafeAgentFile(relative, f"over the {limit}-byte cap")
-        return b"".join(chunks)
+        return b"".join(chunks), mode
 
     def tail(self, relative: str, limit: int) -> bytes:
         """The last `limit` bytes of a regular file of any size."""

@@ -8,11 +8,9 @@ its content never reaches an event, and nothing here raises for what the agent d
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import os
-import stat
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -236,7 +234,8 @@ def keep_listed(items: Sequence[ToKeep], target: Path, name: str, secrets: Seque
             continue
         destination = target / name / shown
         try:
-            data = item.tree.read(item.path, room, seen=seen.setdefault(id(item.tree), {}))
+            data, mode = item.tree.read_with_mode(item.path, room,
+                                                  seen=seen.setdefault(id(item.tree), {}))
         except AlreadyRead as again:
             if (first := kept.get((id(item.tree), again.first))) is not None:
                 destination.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -263,9 +262,7 @@ def keep_listed(items: Sequence[ToKeep], target: Path, name: str, secrets: Seque
         kept[id(item.tree), item.path] = {"path": f"{name}/{shown}", "size": len(data),
                                           "sha256": hashlib.sha256(data).hexdigest()}
         result.files.append(kept[id(item.tree), item.path])
-        with contextlib.suppress(UnsafeAgentFile):  # (swapped meanwhile: no bits kept)
-            if (info := item.tree.lstat(item.path)) is not None:
-                result.modes[f"{name}/{shown}"] = stat.S_IMODE(info.st_mode)
+        result.modes[f"{name}/{shown}"] = mode
     for folder, _, _ in os.walk(target / name):  # `mkdir(parents=True)` ignores the mode
         os.chmod(folder, 0o700)
     if target.is_dir():  # the session's folder too: its readers take no other (artifacts)
