@@ -5,6 +5,7 @@ grants, settings, the sandbox, the runtime and the environment cache)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -87,7 +88,7 @@ def run_options(args: argparse.Namespace) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the real Codex CLI on a task in the local sandbox; print each session's outcome."""
     from trialledger.adapters.codex.install import CodexNotFound
-    from trialledger.adapters.images.imagestore import images_held
+    from trialledger.adapters.images.imagestore import prepared_and_held
     from trialledger.adapters.jobs.queue import check_inputs
     from trialledger.adapters.jobs.trial import Trial, TrialRun
     from trialledger.adapters.sandbox.base import SandboxRefused
@@ -128,8 +129,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_inputs([task], options)  # settings, grants, Codex: before anything is seeded
         if options.agent == "oracle":
             solve_script(task)  # NoSolution: refused before anything is seeded
-        environment = _prepared(task, args)  # before anything is seeded (§12)
-        with images_held(environment):  # (kept by `cache prune` until the run ends)
+        with contextlib.ExitStack() as held:  # (kept by `cache prune` until the run ends)
+            environment = prepared_and_held(  # before anything is seeded (§12)
+                functools.partial(_prepared, task, args), held)
             done = anyio.run(until_signalled, go)
     except (CodexNotFound, SandboxRefused, TaskInvalid, EndpointUnreachable) as error:
         raise Refused(str(error)) from None

@@ -321,7 +321,7 @@ class ImageStore:
             fcntl.flock(users, fcntl.LOCK_SH)
             try:
                 if not all(folder.is_dir() for folder in folders):
-                    raise EnvironmentUnavailable(f"image {digest}: no longer in the image "
+                    raise ImagePruned(f"image {digest}: no longer in the image "
                                                  f"store (cache prune); prepared again by "
                                                  f"the next run")
                 if view not in folders and not os.path.ismount(view):
@@ -400,6 +400,29 @@ def hold_view(environment: Environment) -> ViewHold | None:
         return None
     store = ImageStore(environment.layers[0].parents[3])  # <store>/storage/overlay/<id>/diff
     return store.hold(environment.digest, environment.layers)
+
+
+class ImagePruned(EnvironmentUnavailable):
+    """An image left the session image store (`cache prune`, another process) between its
+    environment's preparation and its hold."""
+
+
+PREPARE_TRIES = 3  # each lost only to a prune that ran between a preparation and its hold
+
+
+def prepared_and_held(prepare: Callable[[], Environment],
+                      holds: contextlib.ExitStack) -> Environment:
+    """`prepare()`'s environment with its images held on `holds` (`images_held`). A prune
+    by another process between the two takes nothing a run needs: the environment is
+    prepared again (its images copied into the store again), up to PREPARE_TRIES times."""
+    for _ in range(PREPARE_TRIES - 1):
+        environment = prepare()
+        with contextlib.suppress(ImagePruned):
+            holds.enter_context(images_held(environment))
+            return environment
+    environment = prepare()
+    holds.enter_context(images_held(environment))
+    return environment
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from trialledger.adapters.images.environment import (
     Environment,
     EnvironmentUnavailable,
 )
-from trialledger.adapters.images.imagestore import images_held
+from trialledger.adapters.images.imagestore import prepared_and_held
 from trialledger.adapters.jobs.trial import Lease, Trial, TrialRun, first_of
 from trialledger.adapters.sandbox.deadline import DeadManSwitch
 from trialledger.adapters.session.runner import RunOptions, SessionRunner
@@ -288,12 +288,10 @@ class JobRunner:
                       name: str = task.name) -> None:  # from the preparing thread
                 self.waits[name] = BuildWait(state, step)
 
-            def ready() -> Environment:
-                env = prepare_task(task, self.cache, owner=self.owner, engine=self.engine,
-                                   pull=self.pull, force_build=self.force_build,
-                                   progress=heard)
-                self._held.enter_context(images_held(env))
-                return env
+            def ready() -> Environment:  # held until the job's run ends
+                return prepared_and_held(functools.partial(
+                    prepare_task, task, self.cache, owner=self.owner, engine=self.engine,
+                    pull=self.pull, force_build=self.force_build, progress=heard), self._held)
 
             try:
                 env = await anyio.to_thread.run_sync(ready)

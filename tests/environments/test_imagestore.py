@@ -40,6 +40,7 @@ from trialledger.adapters.images.imagestore import (
     hold_view,
     images_held,
     plain_cache,
+    prepared_and_held,
 )
 from trialledger.adapters.images.prepare import prepare
 
@@ -295,6 +296,31 @@ def _imported(tmp_path: Path, nonce: str) -> Environment:
     done = images._podman("import", str(tarball), ref)
     assert done.returncode == 0, done.stderr
     return prepare(Source("docker_image", ref, tmp_path), _cache(tmp_path), owner=None)
+
+
+def test_an_image_pruned_between_its_preparation_and_its_hold_is_prepared_again(
+        tmp_path: Path) -> None:
+    """Another process's `cache prune` between a job's preparation of a task and its hold
+    takes the image out of the store: the task is prepared again (the image copied in
+    again), not failed, and the environment held is the one whose layers are there."""
+    nonce = os.urandom(6).hex()
+    first = _imported(tmp_path / "first", nonce)
+    prepared: list[Environment] = []
+
+    def prepare_then_lose_a_race() -> Environment:
+        environment = prepare(Source("docker_image", f"localhost/tl-prune:{nonce}", tmp_path),
+                              _cache(tmp_path), owner=None)
+        if not prepared:  # the prune lands between this preparation and its hold
+            assert ImageStore().prune([str(environment.digest)])[0]
+        prepared.append(environment)
+        return environment
+
+    with contextlib.ExitStack() as holds:
+        held = prepared_and_held(prepare_then_lose_a_race, holds)
+        assert len(prepared) == 2 and held is prepared[1]
+        assert held.digest == first.digest and all(layer.is_dir() for layer in held.layers)
+        removed, kept, _ = ImageStore().prune([str(held.digest)])
+        assert not removed and kept, "the image a run holds was pruned"
 
 
 def test_cache_prune_removes_the_store_images_no_session_holds_and_frees_their_own_layers(

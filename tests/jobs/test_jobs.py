@@ -640,6 +640,7 @@ async def test_a_jobs_prepared_images_are_held_until_its_run_ends(
     """Each task's environment is held (`images_held`: kept by `cache prune`) from its
     preparation until the job's run ends, not only while one of its sessions lives: a
     prune between two trials of a task must not take the image the next one runs on."""
+    from trialledger.adapters.images import imagestore
     from trialledger.adapters.jobs import queue
     from trialledger.adapters.session.runner import RunOptions
     from trialledger.store import Ledger
@@ -652,7 +653,7 @@ async def test_a_jobs_prepared_images_are_held_until_its_run_ends(
         yield
         seen.append("released")
 
-    monkeypatch.setattr(queue, "images_held", held)
+    monkeypatch.setattr(imagestore, "images_held", held)
     tasks = [make_task(tmp_path / name, instruction="x", test_sh="exit 0\n",
                        solve_sh="#!/bin/sh\nexit 0\n") for name in ("a", "b")]
     async with await Ledger.open(str(tmp_path / "jobs.db")) as ledger:

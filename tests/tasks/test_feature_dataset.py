@@ -31,12 +31,26 @@ def test_the_oracle_scores_1_and_nop_0_on_every_feature_task(tmp_path: Path) -> 
         done = in_process("job", "run", agent, str(DATASET), "--agent", agent, "-n", "3",
                           "--db", str(tmp_path / "jobs.db"),
                           "--cache-dir", str(tmp_path / "cache"), "--json")
-        assert done.returncode == 0, done.stderr
+        assert done.returncode == 0, done.stderr + undecided(tmp_path / "jobs.db", agent)
         trials = {trial["task"]: trial for trial in map(json.loads, done.stdout.splitlines())}
         rewards = {task: trial["reward"] for task, trial in trials.items()}
         assert rewards == dict.fromkeys(tasks, expected), done.stdout + done.stderr
         # a session per step; nop fails the first step's min_reward: the second never runs
         assert len(trials["steps-gate"]["sessions"]) == (2 if agent == "oracle" else 1)
+
+
+def undecided(db: Path, job: str) -> str:
+    """What a failure needs to be read: each trial that ended without a decision, with its
+    final session's timeline, and each task whose environment failed."""
+    summary = json.loads(in_process("job", "show", job, "--db", str(db), "--json").stdout)
+    lines = [f"environment failed: {summary['environment_failed']}"]
+    for trial in summary["trials"]:
+        if not (trial["scored"] == 1 or (trial["state"], trial["outcome"]) == ("done", "verify")):
+            lines.append(json.dumps(trial))
+            if trial["final_session_id"]:
+                lines.append(in_process("show", trial["final_session_id"],
+                                        "--db", str(db)).stdout)
+    return "\n".join(lines)
 
 
 def test_a_multi_step_task_in_a_sandbox_per_phase_is_refused_in_one_line(
