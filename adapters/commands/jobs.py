@@ -103,6 +103,10 @@ def cmd_job_run(args: argparse.Namespace) -> int:
         raise
     if not args.json:  # --json: the trials' lines only (`job show --json` has the summary)
         print_job(summary, as_json=False)
+    else:  # (what kept a task from running: on stderr, one line each, as any refusal)
+        for task, why in summary["environment_failed"].items():
+            print(f"trialledger: {task}: environment_failed: {printable(why)}",
+                  file=sys.stderr)
     return EXIT_OK if _all_decided(summary) else EXIT_FOUND
 
 

@@ -395,6 +395,12 @@ def test_a_task_whose_environment_fails_is_counted_never_run(
     assert trials["broken"]["state"] == "environment_failed"
     assert trials["broken"]["attempts"] == 0 and trials["clean-a"]["scored"] == 1
     assert not rows(db, "SELECT 1 FROM sessions WHERE task = 'broken'")
+    # --json keeps stdout for the trials' lines: the failure is a line on stderr
+    assert cli.main(["job", "run", "env-json", str(data), "--include", "broken", "--json",
+                     *job_args(tmp_path / "json.db", endpoint.url)]) == 1
+    said = capsys.readouterr()
+    assert not said.out and ("trialledger: broken: environment_failed: image_archive "
+                             "missing.tar: no such file") in said.err, said
     # Once its environment can be prepared, the next run gives the task its trials back.
     make_task(data / "broken", instruction="[task broken] x", test_sh="exit 0\n", toml="")
     code = cli.main(["job", "run", "env", str(data), "--include", "clean-a", "--include",
