@@ -8,6 +8,7 @@ libseccomp) from the same conversion (`ociruntime.host_seccomp`), cached by its 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -51,11 +52,18 @@ def _compiler() -> Path:
                         "Docker's seccomp filter", libs=("-lseccomp",))
 
 
+@functools.lru_cache(maxsize=8)
+def _filter_source(caps: tuple[str, ...]) -> tuple[str, str]:
+    """The compiler's input for `caps`, and the digest its program is cached by (once per
+    process: every joined process of every session would convert it again)."""
+    text = filter_text(host_seccomp(caps))
+    return text, hashlib.sha256(SOURCE.read_bytes() + text.encode()).hexdigest()[:16]
+
+
 def docker_filter(caps: Sequence[str]) -> Path:
     """Docker's profile for a container whose capabilities are `caps`, as classic BPF
     (built now if missing)."""
-    text = filter_text(host_seccomp(list(caps)))
-    digest = hashlib.sha256(SOURCE.read_bytes() + text.encode()).hexdigest()[:16]
+    text, digest = _filter_source(tuple(caps))
     target = cache_dir() / f"oci-seccomp-{digest}.bpf"
     if target.is_file():
         return target

@@ -12,6 +12,7 @@ merged-/usr system, as Debian 12 is). Any refusal is returned with the runtime's
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import resource
 import secrets
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from trialledger.adapters.sandbox.cgroup import V1_PARENT
@@ -47,8 +49,16 @@ def host_kernel() -> tuple[int, int] | None:
     return (int(found[1]), int(found[2])) if found else None
 
 
-def host_seccomp(caps: list[str]) -> Json:
-    """Docker's default profile converted for `caps` on this machine's arch and kernel."""
+def host_seccomp(caps: Sequence[str]) -> Json:
+    """Docker's default profile converted for `caps` on this machine's arch and kernel:
+    shared by every container with those capabilities (read it, never change it;
+    `oci.container_config` copies it), so a session's start neither parses nor converts
+    the profile again."""
+    return _host_seccomp(tuple(caps))
+
+
+@functools.lru_cache(maxsize=8)
+def _host_seccomp(caps: tuple[str, ...]) -> Json:
     return docker_seccomp(docker_profile(), caps, os.uname().machine, host_kernel())
 
 

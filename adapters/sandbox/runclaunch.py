@@ -125,7 +125,7 @@ class RuncLaunch(ContainerPhases):
         config = container_config(ContainerSpec(
             root=str(self.root / "merged"), args=tuple(pid1),
             env={**env, SUPERVISOR_ENV: self.marker},  # in config.json alone (0600, 0700)
-            seccomp=host_seccomp(list(self.caps)), ids=(self.range.slot.start, SLOT),
+            seccomp=host_seccomp(self.caps), ids=(self.range.slot.start, SLOT),
             cwd=self.workdir, caps=self.caps, no_new_privileges=self.no_new_privileges,
             hostname=hostname_of(self.marker),
             userns=runner_fd_path(self.range.userns_fd),
@@ -136,8 +136,8 @@ class RuncLaunch(ContainerPhases):
             nofile=host_nofile(), sysctl=DOCKER_NET_SYSCTL, swap_accounted=swap_accounted()))
         fd = os.open(runc.bundle / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL
                      | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with open(fd, "w", encoding="utf-8") as handle:
-            json.dump(config, handle)
+        with open(fd, "w", encoding="utf-8") as handle:  # (dumps: C's encoder; dump is Python's)
+            handle.write(json.dumps(config))
         lifeline, self._lifeline = os.pipe()  # its write end is the runner's alone
         gate, self._gate = os.pipe() if gated else (None, None)
         passed = [lifeline, *([self.switch.read_fd] if self.switch is not None else []),

@@ -31,6 +31,7 @@ from trialledger.adapters.sandbox.idrange import (
     reserved_range,
 )
 from trialledger.adapters.sandbox.ociruntime import (
+    host_kernel,
     host_nofile,
     host_seccomp,
     run_once,
@@ -257,6 +258,21 @@ def test_a_config_is_an_oci_1_0_2_document_of_the_spec() -> None:
                                     "source": "tmpfs", "options": ["nosuid", "nodev", "mode=755"]}
     # The environment's values are only in process.env, never in a command line.
     assert not any("s3cret" in arg for arg in process["args"])
+
+
+def test_the_hosts_profile_is_converted_once_and_no_config_changes_it() -> None:
+    """Every container of a session (and every session) with the same capabilities shares
+    one conversion of the profile; a config made from it is a copy, so whatever changes a
+    config leaves the next container's profile as moby converts it."""
+    caps = oci.docker_caps(False)
+    shared = host_seccomp(caps)
+    assert host_seccomp(list(caps)) is shared
+    expected = oci.docker_seccomp(oci.docker_profile(), caps, os.uname().machine,
+                                  host_kernel())
+    config = oci.container_config(spec(seccomp=shared))
+    config["linux"]["seccomp"]["syscalls"][0]["names"].append("mutated")
+    config["linux"]["seccomp"]["syscalls"].clear()
+    assert host_seccomp(caps) == expected
 
 
 def test_pid1_and_the_limits_are_planned_without_the_runtime() -> None:
