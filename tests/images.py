@@ -17,7 +17,9 @@ import hashlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator, Sequence
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -148,6 +150,35 @@ def _podman(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CONTAINERS_STORAGE_CONF": str(storage_conf())}
     return subprocess.run(["podman", *args], capture_output=True, text=True, check=False,
                           env=env, timeout=900)
+
+
+def busybox_image(ref: str, fill: Callable[[tarfile.TarFile], None]) -> str:
+    """`ref` in the tests' storage: the busybox root (root's, but `/home/agent` and `/work`
+    the agent's) with what `fill` adds, `USER agent`, `WORKDIR /work`. Imported once, under
+    the storage's lock and from a tarball of its own: two test processes would otherwise
+    both write one tarball and import it, the second moving the tag to an image of its
+    own (`podman import` stamps the time) under the first one's run."""
+    root = busybox_root()  # (under its own lock, before the storage's)
+    with _locked("podman"):
+        if _podman("image", "exists", ref).returncode == 0:
+            return ref
+        with tempfile.TemporaryDirectory(dir=IMAGES) as scratch:
+            tarball = Path(scratch) / "image.tar"
+            with tarfile.open(tarball, "w") as archive:
+                archive.add(root, arcname=".", filter=_as_root)
+                fill(archive)
+            done = _podman("import", "--change", "USER agent", "--change", "WORKDIR /work",
+                           str(tarball), ref)
+    if done.returncode != 0:
+        raise RuntimeError(f"podman import {ref} failed: {done.stderr[-2000:]}")
+    return ref
+
+
+def _as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid = info.gid = 0
+    if info.name in ("./home/agent", "./work"):
+        info.uid = info.gid = 1000
+    return info
 
 
 def podman_image(ref: str) -> str:

@@ -601,7 +601,11 @@ def test_a_builds_cgroup_holds_the_tasks_limits(
         expected: tuple[str, int]) -> None:
     """Every command of the build runs inside its cgroup, which is gone afterwards."""
     source = Source("dockerfile", "Dockerfile", tmp_path, pids=pids, memory_mb=memory_mb)
-    with contained(builder, builder.storage, tmp_path, source) as box:
+    # in a workspace of its own, whose lock tells another process's sweep (its first
+    # build, `recover --all`) that this box lives: a box without one is a killed build's
+    with build_module._workspace(builder, building=False) as work, \
+            contained(builder, builder.storage, tmp_path, source,
+                      build_id=work.build_id) as box:
         inside = box.run(["cat", "/proc/self/cgroup"])
         paths = box.cgroup.paths
         assert inside.count(box.build_id) == len(paths)  # in each of its hierarchies

@@ -9,6 +9,7 @@ CI's `.ci/run` runs `trialledger setup`, so range mode is available there: these
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import shutil
 import subprocess
@@ -176,36 +177,19 @@ USER_IMAGE = "localhost/tl-busybox:root-only-file"
 
 def user_image() -> str:
     """The busybox image with `USER agent` and a root-only file (0600 root) in it."""
-    secret = images.IMAGES / "root-only-secret"
-    secret.write_text(SECRET)
-    return busybox_with(USER_IMAGE, [("./root-only", secret, 0o600)])
+    return busybox_with(USER_IMAGE, [("./root-only", SECRET.encode(), 0o600)])
 
 
-def busybox_with(ref: str, files: Sequence[tuple[str, Path, int]]) -> str:
+def busybox_with(ref: str, files: Sequence[tuple[str, bytes, int]]) -> str:
     """The busybox image with `USER agent`, `WORKDIR /work` and `files` (name in the
-    image, source, mode; owned by root), imported once as `ref`."""
-    if images._podman("image", "exists", ref).returncode == 0:
-        return ref
-    tarball = images.IMAGES / f"{ref.rsplit(':', 1)[-1]}.tar"
-    with tarfile.open(tarball, "w") as archive:
-        archive.add(images.busybox_root(), arcname=".", filter=_as_root)
-        for name, source, mode in files:
-            info = archive.gettarinfo(str(source), arcname=name)
-            info.uid = info.gid = 0
-            info.mode = mode
-            with source.open("rb") as handle:
-                archive.addfile(info, handle)
-    done = images._podman("import", "--change", "USER agent", "--change", "WORKDIR /work",
-                          str(tarball), ref)
-    assert done.returncode == 0, done.stderr
-    return ref
+    image, content, mode; owned by root), imported once as `ref`."""
+    def fill(archive: tarfile.TarFile) -> None:
+        for name, data, mode in files:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), mode
+            archive.addfile(info, io.BytesIO(data))
 
-
-def _as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
-    info.uid = info.gid = 0
-    if info.name in ("./home/agent", "./work"):
-        info.uid = info.gid = 1000
-    return info
+    return images.busybox_image(ref, fill)
 
 
 # Every attack a tool call makes; each line it prints names an attack that worked, or a

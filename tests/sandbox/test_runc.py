@@ -92,10 +92,8 @@ def setuid_image() -> str:
         source.write_text(HELPER_SOURCE)
         subprocess.run(["gcc", "-static", "-O2", "-o", str(helper), str(source)], check=True,
                        capture_output=True)
-        secret = Path(scratch) / "secret"
-        secret.write_text(SECRET)
-        return busybox_with(SETUID_IMAGE, [("./root-only", secret, 0o600),
-                                           (f".{HELPER}", helper, 0o4755)])
+        return busybox_with(SETUID_IMAGE, [("./root-only", SECRET.encode(), 0o600),
+                                           (f".{HELPER}", helper.read_bytes(), 0o4755)])
 
 
 def setuid_task(folder: Path, *, metadata: str = "") -> Path:

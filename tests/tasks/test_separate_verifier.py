@@ -19,7 +19,6 @@ import pytest
 from tests import images
 from tests.images import module_private_storage  # noqa: F401 (every engine call: the tests' storage)
 from tests.runs import in_process, make_task, read_shell, run_task
-from tests.sandbox.test_range_mode import _as_root
 from trialledger.adapters.demo import samples
 from trialledger.adapters.demo.endpoint import message
 from trialledger.adapters.images.environment import Cache, Environment, EnvironmentUnavailable
@@ -60,12 +59,8 @@ def busybox_image(name: str, files: dict[str, str]) -> str:
     """The busybox root as an image (`USER agent`, `WORKDIR /work` the agent's) with
     `files` (path → text; executable, root's) in it; imported once, its tag their digest."""
     digest = hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest()[:12]
-    ref = f"localhost/tl-busybox:{name}-{digest}"
-    if images._podman("image", "exists", ref).returncode == 0:
-        return ref
-    tarball = images.IMAGES / f"{name}-{digest}.tar"
-    with tarfile.open(tarball, "w") as archive:
-        archive.add(images.busybox_root(), arcname=".", filter=_as_root)
+
+    def fill(archive: tarfile.TarFile) -> None:
         for path, text in files.items():
             parts = path.split("/")
             for depth in range(1, len(parts)):
@@ -78,10 +73,8 @@ def busybox_image(name: str, files: dict[str, str]) -> str:
             info = tarfile.TarInfo(f"./{path}")
             info.size, info.mode = len(data), 0o755
             archive.addfile(info, io.BytesIO(data))
-    done = images._podman("import", "--change", "USER agent", "--change", "WORKDIR /work",
-                          str(tarball), ref)
-    assert done.returncode == 0, done.stderr
-    return ref
+
+    return images.busybox_image(f"localhost/tl-busybox:{name}-{digest}", fill)
 
 
 def agent_image() -> str:
