@@ -52,12 +52,15 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @pytest.fixture
 def kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[LocalSandbox]]:
-    """Sandboxes outlive their session so a test can look at what the agent left."""
+    """Sandboxes outlive their session so a test can look at what the agent left; discarded
+    after it as the runner would have (their slots, cgroups and folders freed: a test
+    process that kept them all would run out of slots and wait for one forever)."""
     sandboxes: list[LocalSandbox] = []
+    discard = LocalSandbox.discard
     monkeypatch.setattr(LocalSandbox, "discard", lambda self: sandboxes.append(self))
     yield sandboxes
     for sandbox in sandboxes:
-        shutil.rmtree(sandbox.root, ignore_errors=True)
+        discard(sandbox)
 
 
 @pytest.fixture(autouse=True)

@@ -27,6 +27,7 @@ from trialledger.adapters.session import capture
 from trialledger.adapters.session.runner import RunOptions, SessionRunner
 from trialledger.adapters.tasks.artifacts import CONVENTION, LINK, Artifact, excluded
 from trialledger.adapters.tasks.task import Task, TaskInvalid
+from trialledger.core.events import CODEX_STREAM_TYPES
 from trialledger.store import Ledger
 
 TOKEN = "tl-artifact-token-5Gq8Zr2Vw"
@@ -44,8 +45,11 @@ def session(db: Path) -> Any:
 
 
 def verification(view: Any) -> Any:
-    (event,) = [e for e in view.events if e.type.startswith("verification.")]
-    return event
+    """The session's one verification event (else what the session recorded instead)."""
+    found = [e for e in view.events if e.type.startswith("verification.")]
+    assert len(found) == 1, [(e.type, e.data) for e in view.events
+                             if e.type not in CODEX_STREAM_TYPES]
+    return found[0]
 
 
 def gaps(view: Any, code: str) -> list[str]:
