@@ -188,7 +188,7 @@ async def test_a_host_tasks_phases_each_run_on_their_own_network_mode(
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)
     assert out.strip().endswith("done"), out
     assert ("ALLOWED-BODY" in out) == (agent == "public"), out
-    assert ("403" in out) == (agent == "allowlist"), out
+    assert ("HTTP/1.1 403 Forbidden" in out) == (agent == "allowlist"), out  # (not a port)
     assert (f"nameserver {RESOLVER}" in out) == (agent == "allowlist"), out
     assert ran.view.rewards == {"reward": 1.0 if verifier == "public" else 0.0}
     assert kept[-1].slirp is None and kept[-1].egress is None  # stopped with the session
@@ -299,7 +299,7 @@ async def test_an_allowlist_admits_its_hosts_and_refuses_the_rest(
     ran, out = await _rootfs_run(
         tmp_path, f'network_mode = "allowlist"\nallowed_hosts = ["{address}"]\n',
         ALLOWLIST_PROBE.format(address=address, port=port))
-    assert "ALLOWED-BODY" in out and "403" in out, out
+    assert "ALLOWED-BODY" in out and "HTTP/1.1 403 Forbidden" in out, out
     assert f"CapEff:\t{int(DOCKER_CAP_MASK, 16) & ~(1 << 13):016x}" in out, out
     refused = [e.data.detail for e in ran.view.events
                if e.type == "gap.recorded" and e.data.code == "egress_refused"]
@@ -355,7 +355,7 @@ async def test_an_allowlist_phase_beside_a_public_one(
                 f"echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n",
         settings={"verifier_isolation": lifetime})
     assert ("ALLOWED-BODY" in out) == (agent == "public"), out
-    assert ("403" in out) == (agent == "allowlist"), out
+    assert ("HTTP/1.1 403 Forbidden" in out) == (agent == "allowlist"), out  # (not a port)
     assert ran.view.rewards == {"reward": 1.0 if verifier == "public" else 0.0}
     refused = [e.data.detail for e in ran.view.events
                if e.type == "gap.recorded" and e.data.code == "egress_refused"]
@@ -384,7 +384,7 @@ async def test_a_host_tasks_allowlist_holds_in_each_phase(
                          [read_shell(ALLOWLIST_PROBE.format(address=address, port=port)),
                           read_shell("grep nameserver /etc/resolv.conf"), message()])
     out = "\n".join(call.output for call in ran.view.observations.tool_calls)
-    assert "ALLOWED-BODY" in out and "403" in out, out
+    assert "ALLOWED-BODY" in out and "HTTP/1.1 403 Forbidden" in out, out
     assert "nameserver 10.0.2.3" in out, out  # slirp's resolver, not the host's
     assert ran.view.rewards == {"reward": 1.0}
     refused = [e.data.detail for e in ran.view.events
